@@ -1,0 +1,4 @@
+"""chunked_dp: the Elixir/PatrickStar chunk engine for NVLink machines (issue 9).
+
+Not built yet: ``--backend chunked`` exits with status 2 saying so.
+"""

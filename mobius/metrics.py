@@ -1,0 +1,72 @@
+"""Per-step metrics (JSONL, the DESIGN.md format) and a Chrome trace writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    tokens: int
+    step_time_s: float
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    peer_bytes: int = 0
+    peak_device_bytes: int = 0
+
+
+class MetricsWriter:
+    """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self._file = open(path, "w") if path else None
+
+    def write(self, m: StepMetrics) -> None:
+        if self._file:
+            self._file.write(json.dumps(asdict(m)) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+class Trace:
+    """Chrome-trace events (``X`` complete events), viewable in Perfetto / chrome://tracing.
+
+    ``pid`` is the worker rank, ``tid`` names the lane (compute, prefetch, send, ...).
+    """
+
+    def __init__(self, enabled: bool, pid: int = 0):
+        self.enabled = enabled
+        self.pid = pid
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+
+    def span(self, name: str, lane: str, start: float, end: float, **args) -> None:
+        if not self.enabled:
+            return
+        event = {"name": name, "ph": "X", "pid": self.pid, "tid": lane,
+                 "ts": (start - self._t0) * 1e6, "dur": max(0.0, end - start) * 1e6}
+        if args:
+            event["args"] = args
+        with self._lock:
+            self.events.append(event)
+
+    def set_origin(self, t0: float) -> None:
+        self._t0 = t0
+
+
+def write_trace(path: str | os.PathLike, events: list[dict]) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    os.replace(tmp, path)

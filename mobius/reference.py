@@ -1,0 +1,65 @@
+"""The single-device reference trainer (``--backend single``): plain PyTorch.
+
+It defines "correct" for every other backend: same data order, same micro-batching (gradients
+accumulated over ``--micro-batches`` micro-batches, each loss divided by their number), same AdamW
+and schedule (:mod:`mobius.optim`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from mobius.config import RunConfig
+from mobius.data import BatchSource
+from mobius.metrics import StepMetrics
+from mobius.models import GPTConfig, build_model
+from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ReferenceTrainer:
+    def __init__(self, cfg: RunConfig, model_config: GPTConfig, batches: BatchSource, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.batches = batches
+        self.model = build_model(model_config, seed=cfg.seed).to(device)
+        self.optimizer = make_adamw(self.model.named_parameters(), cfg.lr)
+        self.dtype = DTYPES[cfg.precision]
+        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def step(self, step: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        micro = self.batches.step(step)
+        lr = lr_at(step, self.cfg.steps, self.cfg.lr)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in micro:
+            tokens, targets = mb.tokens.to(self.device), mb.targets.to(self.device)
+            with self._autocast():
+                loss = self.model(tokens, targets)
+            (loss * (self.scaler.scale / len(micro))).backward()
+            total += loss.item()
+        params = list(self.model.parameters())
+        overflow = self.scaler.enabled and grads_overflow(params)
+        if not overflow:
+            if self.scaler.enabled:
+                for p in params:
+                    p.grad.div_(self.scaler.scale)
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        tokens = len(micro) * micro[0].tokens.numel()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return StepMetrics(step=step, loss=total / len(micro), lr=lr, tokens=tokens,
+                           step_time_s=time.perf_counter() - t0, peak_device_bytes=peak)

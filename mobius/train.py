@@ -1,0 +1,97 @@
+"""``python -m mobius.train``: the command our users type.
+
+Resolves the topology, chooses the backend, checks the input, then either trains in this process
+(``--backend single``) or launches one pipeline worker per device.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from mobius.config import RunConfig, parse_train_args
+from mobius.data import BatchSource, load_corpus
+from mobius.errors import InputError, exits_cleanly
+from mobius.metrics import MetricsWriter, StepMetrics
+from mobius.models import GPTConfig, get_config
+
+
+def check_model_input(cfg: RunConfig) -> GPTConfig:
+    model_config = get_config(cfg.model)
+    if cfg.seq_len > model_config.context:
+        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    if not model_config.runnable:
+        raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
+                         f"{model_config.hidden} hidden is not divisible by {model_config.heads} heads")
+    return model_config
+
+
+def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource:
+    corpus = load_corpus(cfg.data)
+    if model_config.vocab_size < 256:
+        raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size} < 256 bytes")
+    return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+
+
+def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str) -> list[StepMetrics]:
+    """Drive ``step_fn`` over the run's steps with a progress bar, metrics file and summary."""
+    from tqdm import tqdm
+
+    print(header, flush=True)
+    writer = MetricsWriter(cfg.metrics)
+    history: list[StepMetrics] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(cfg.steps), disable=not cfg.progress, unit="step", dynamic_ncols=True, file=sys.stdout)
+    try:
+        for step in bar:
+            m = step_fn(step)
+            history.append(m)
+            writer.write(m)
+            bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}")
+    finally:
+        bar.close()
+        writer.close()
+    wall = time.perf_counter() - t0
+    tokens = sum(m.tokens for m in history)
+    peak = max(m.peak_device_bytes for m in history)
+    print(f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
+          f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB",
+          flush=True)
+    return history
+
+
+def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
+    from mobius.reference import ReferenceTrainer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.precision = cfg.precision or ("bf16" if device.type == "cuda" else "fp32")
+    trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
+    n = trainer.model.num_parameters()
+    header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
+              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
+    return run_steps(cfg, trainer.step, header)
+
+
+def run(cfg: RunConfig) -> list[StepMetrics] | None:
+    model_config = check_model_input(cfg)
+    from mobius.backend import resolve_backend
+
+    backend, topo = resolve_backend(cfg)
+    if backend == "single":
+        return train_single(cfg, model_config)
+    from mobius.launcher import launch_pipeline
+
+    return launch_pipeline(cfg, model_config, topo)
+
+
+@exits_cleanly
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_train_args(argv)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from mobius.models import PRESETS, build_layer, build_model, get_config, layer_count
+from mobius.errors import InputError
+
+
+def test_layer_list_in_sequence_equals_model_forward_bitwise():
+    cfg = get_config("tiny")
+    model = build_model(cfg, seed=3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    x = tokens
+    for layer in model.layers[:-1]:
+        x = layer(x)
+    by_layers = model.layers[-1](x, targets)
+    assert torch.equal(by_layers, model(tokens, targets))
+
+
+def test_layers_built_alone_equal_layers_built_together():
+    cfg = get_config("tiny")
+    model = build_model(cfg, seed=5)
+    for i in range(layer_count(cfg)):
+        alone = build_layer(cfg, i, seed=5)
+        for (n1, p1), (n2, p2) in zip(model.layers[i].named_parameters(), alone.named_parameters()):
+            assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("name", ["mobius-3b", "mobius-8b", "mobius-15b", "mobius-51b"])
+def test_mobius_presets_are_12_l_h2_plus_embeddings(name):
+    c = get_config(name)
+    n = build_model(c, device="meta").num_parameters()
+    blocks = 12 * c.n_layer * c.hidden**2
+    embeddings = c.vocab_size * c.hidden + c.context * c.hidden  # token + position tables
+    head = c.vocab_size * c.hidden  # untied LM head
+    norms = (2 * c.n_layer + 1) * c.hidden  # LayerNorm weights, no biases
+    assert n == blocks + embeddings + head + norms
+
+
+def test_mobius_15b_is_about_12_6b_as_documented():
+    n = build_model(get_config("mobius-15b"), device="meta").num_parameters()
+    assert 12.5e9 < n < 13.2e9
+
+
+@pytest.mark.parametrize("name,published", [("gpt2", 124e6), ("gpt2-medium", 355e6),
+                                            ("gpt2-large", 774e6), ("gpt2-xl", 1.56e9)])
+def test_gpt2_sizes_match_published(name, published):
+    n = build_model(get_config(name), device="meta").num_parameters()
+    assert abs(n - published) / published < 0.01
+
+
+def test_layer_costs_without_running():
+    c = get_config("mobius-3b")
+    model = build_model(c, device="meta")
+    block = model.layers[1]
+    assert block.param_bytes(torch.float16) == 2 * 12 * c.hidden**2 + 2 * 2 * c.hidden
+    assert block.output_bytes(2, 512, torch.float16) == 2 * 512 * c.hidden * 2
+    assert block.forward_flops(2, 512) == 24 * 2 * 512 * c.hidden**2 + 4 * 2 * 512 * 512 * c.hidden
+    assert model.layers[-1].output_bytes(2, 512) == 4
+
+
+def test_tied_gpt2_shares_one_parameter_and_sums_its_gradient():
+    c = get_config("gpt2")
+    import dataclasses
+    small = dataclasses.replace(c, n_layer=1, hidden=32, heads=2, vocab_size=100, context=16)
+    model = build_model(small, seed=0)
+    assert model.layers[-1].lm_head.weight is model.layers[0].wte.weight
+    tokens = torch.randint(0, 100, (1, 8))
+    model(tokens, tokens).backward()
+    wte = model.layers[0].wte.weight
+    # The gradient has both contributions: the head's is dense, the embedding's only on used rows.
+    unused = torch.ones(100, dtype=torch.bool)
+    unused[tokens.unique()] = False
+    assert wte.grad[unused].abs().sum() > 0 and wte.grad[~unused].abs().sum() > 0
+
+
+def test_plan_only_preset_refuses_to_run():
+    with pytest.raises(InputError, match="not divisible"):
+        build_layer(get_config("mobius-51b"), 1, seed=0)
+
+
+def test_unknown_preset():
+    with pytest.raises(InputError, match="unknown model preset"):
+        get_config("gpt5")
+    assert "tiny" in PRESETS

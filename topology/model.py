@@ -1,0 +1,227 @@
+"""The topology model and its JSON file format (see ``topology/README.md``).
+
+A topology is a set of GPUs, each under one CPU root complex whose host bandwidth the GPUs under
+it share, plus which pairs have NVLink and whether GPU peer-to-peer works.  Bandwidths are GB/s,
+memory is GB (10^9 bytes).  Unknown keys are kept (``extra``) and ignored; a missing or mistyped
+required key is an error naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GB = 10**9
+
+
+class TopologyError(ValueError):
+    """A topology file or preset that cannot be used; the message names the source and key."""
+
+
+@dataclass
+class RootComplex:
+    id: int
+    host_bandwidth_gbps: float
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class GPU:
+    index: int
+    name: str
+    memory_gb: float
+    tflops: float
+    root_complex: int
+    link_bandwidth_gbps: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * GB)
+
+
+@dataclass
+class Topology:
+    name: str
+    host_memory_gb: float
+    root_complexes: list[RootComplex]
+    gpus: list[GPU]
+    nvlink: list[tuple[int, int]] | str = field(default_factory=list)  # pairs, or "all"
+    p2p: bool = False
+    virtual: bool = False  # CPU workers standing in for GPUs
+    extra: dict = field(default_factory=dict)
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self.gpus)
+
+    def root_complex_of(self, gpu: int) -> int:
+        return self.gpus[gpu].root_complex
+
+    def rc(self, rc_id: int) -> RootComplex:
+        return next(r for r in self.root_complexes if r.id == rc_id)
+
+    def groups(self) -> dict[int, list[int]]:
+        """Root complex id -> the GPU indices under it."""
+        out: dict[int, list[int]] = {r.id: [] for r in self.root_complexes}
+        for g in self.gpus:
+            out[g.root_complex].append(g.index)
+        return out
+
+    def nvlinked(self, a: int, b: int) -> bool:
+        if a == b:
+            return False
+        if self.nvlink == "all":
+            return True
+        return (a, b) in self.nvlink or (b, a) in self.nvlink
+
+    def fully_connected(self) -> bool:
+        """NVLink (or working P2P) between every pair of GPUs."""
+        pairs = [(a, b) for a in range(self.n) for b in range(a + 1, self.n)]
+        return self.n > 1 and (self.p2p or all(self.nvlinked(a, b) for a, b in pairs))
+
+    def choose_backend(self) -> tuple[str, str]:
+        """The backend ``auto`` picks, and why (Mobius §4.8: with NVLink, sharded DP wins)."""
+        if self.virtual:
+            return "pipeline", f"{self.n} CPU workers stand in for GPUs (no NVIDIA GPU found): rehearse the pipeline"
+        if self.fully_connected():
+            pairs = [(a, b) for a in range(self.n) for b in range(a + 1, self.n)]
+            how = "NVLink" if all(self.nvlinked(a, b) for a, b in pairs) else "peer-to-peer"
+            return "chunked", f"{how} between every pair of the {self.n} GPUs: chunked data parallelism"
+        return "pipeline", "GPUs talk only through host memory (no NVLink/P2P between every pair): Mobius pipeline"
+
+    def link_level(self, a: int, b: int) -> str:
+        """Connection label as ``nvidia-smi topo -m`` prints it (from what the topology knows)."""
+        if a == b:
+            return "X"
+        if self.nvlinked(a, b):
+            count = self.extra.get("nvlink_count", {}).get(f"{min(a, b)}-{max(a, b)}")
+            return f"NV{count or 1}"
+        ga, gb = self.gpus[a], self.gpus[b]
+        if ga.root_complex != gb.root_complex:
+            return "SYS"
+        level = self.extra.get("levels", {}).get(f"{min(a, b)}-{max(a, b)}")
+        return level or "PHB"
+
+    def host_bandwidth_share(self, gpu: int, concurrent: int) -> float:
+        """GB/s one GPU gets when ``concurrent`` GPUs of its root complex copy at once."""
+        g = self.gpus[gpu]
+        rc_bw = self.rc(g.root_complex).host_bandwidth_gbps
+        return min(g.link_bandwidth_gbps, rc_bw / max(1, concurrent))
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.name,
+            "host": {"memory_gb": self.host_memory_gb},
+            "root_complexes": [{"id": r.id, "host_bandwidth_gbps": r.host_bandwidth_gbps, **r.extra}
+                               for r in self.root_complexes],
+            "gpus": [{"index": g.index, "name": g.name, "memory_gb": g.memory_gb, "tflops": g.tflops,
+                      "root_complex": g.root_complex, "link_bandwidth_gbps": g.link_bandwidth_gbps, **g.extra}
+                     for g in self.gpus],
+            "nvlink": self.nvlink if self.nvlink == "all" else [list(p) for p in self.nvlink],
+            "p2p": self.p2p,
+        }
+        if self.virtual:
+            d["virtual"] = True
+        d.update(self.extra)
+        return d
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+# ---- parsing with errors that name the key ----------------------------------------------------
+
+def _get(obj: dict, key: str, kind: type | tuple, where: str, source: str, default: Any = ...) -> Any:
+    if not isinstance(obj, dict):
+        raise TopologyError(f"{source}: {where or 'top level'} must be an object")
+    if key not in obj:
+        if default is not ...:
+            return default
+        raise TopologyError(f"{source}: missing required key {where + '.' if where else ''}{key}")
+    value = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        names = "/".join("number" if k in (int, float) else k.__name__ for k in kinds)
+        raise TopologyError(f"{source}: key {where + '.' if where else ''}{key} must be {names}, got {value!r}")
+    return value
+
+
+NUMBER = (int, float)
+
+
+def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
+    name = _get(d, "name", str, "", source)
+    host = _get(d, "host", dict, "", source)
+    host_mem = _get(host, "memory_gb", NUMBER, "host", source)
+    rcs = []
+    for i, r in enumerate(_get(d, "root_complexes", list, "", source)):
+        where = f"root_complexes[{i}]"
+        rcs.append(RootComplex(
+            id=_get(r, "id", int, where, source),
+            host_bandwidth_gbps=float(_get(r, "host_bandwidth_gbps", NUMBER, where, source)),
+            extra={k: v for k, v in r.items() if k not in ("id", "host_bandwidth_gbps")},
+        ))
+    rc_ids = {r.id for r in rcs}
+    if len(rc_ids) != len(rcs):
+        raise TopologyError(f"{source}: root_complexes: duplicate id")
+    gpus = []
+    known = ("index", "name", "memory_gb", "tflops", "root_complex", "link_bandwidth_gbps")
+    for i, g in enumerate(_get(d, "gpus", list, "", source)):
+        where = f"gpus[{i}]"
+        gpu = GPU(
+            index=_get(g, "index", int, where, source),
+            name=_get(g, "name", str, where, source),
+            memory_gb=float(_get(g, "memory_gb", NUMBER, where, source)),
+            tflops=float(_get(g, "tflops", NUMBER, where, source)),
+            root_complex=_get(g, "root_complex", int, where, source),
+            link_bandwidth_gbps=float(_get(g, "link_bandwidth_gbps", NUMBER, where, source)),
+            extra={k: v for k, v in g.items() if k not in known},
+        )
+        if gpu.root_complex not in rc_ids:
+            raise TopologyError(f"{source}: key {where}.root_complex names unknown root complex {gpu.root_complex}")
+        if gpu.memory_gb <= 0 or gpu.tflops <= 0 or gpu.link_bandwidth_gbps <= 0:
+            raise TopologyError(f"{source}: {where}: memory_gb, tflops and link_bandwidth_gbps must be positive")
+        gpus.append(gpu)
+    if not gpus:
+        raise TopologyError(f"{source}: key gpus is empty")
+    if sorted(g.index for g in gpus) != list(range(len(gpus))):
+        raise TopologyError(f"{source}: key gpus[].index must number the GPUs 0..{len(gpus) - 1}")
+    gpus.sort(key=lambda g: g.index)
+    nvlink_raw = _get(d, "nvlink", (list, str), "", source, default=[])
+    if isinstance(nvlink_raw, str):
+        if nvlink_raw != "all":
+            raise TopologyError(f"{source}: key nvlink must be a list of index pairs or \"all\", got {nvlink_raw!r}")
+        nvlink: list | str = "all"
+    else:
+        nvlink = []
+        for p in nvlink_raw:
+            if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and 0 <= x < len(gpus) for x in p)):
+                raise TopologyError(f"{source}: key nvlink: {p!r} is not a pair of GPU indices")
+            nvlink.append((p[0], p[1]))
+    p2p = _get(d, "p2p", bool, "", source, default=False)
+    virtual = _get(d, "virtual", bool, "", source, default=False)
+    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual")
+    return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
+                    nvlink=nvlink, p2p=p2p, virtual=virtual,
+                    extra={k: v for k, v in d.items() if k not in top_known})
+
+
+def load_topology_file(path: str | os.PathLike) -> Topology:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise TopologyError(f"{path}: cannot read topology file: {err.strerror}") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TopologyError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    return topology_from_dict(d, str(path))
