@@ -1,0 +1,83 @@
+"""Baseline partitioners, returning the same ``[start, end)`` stage bounds as the MIP.
+
+* minimum-stage: one layer per stage (smallest stages, most activation traffic);
+* maximum-stage: greedily as many layers per stage as fit in memory (no room left to prefetch);
+* uniform: equal layer counts; time-balanced: contiguous parts with balanced forward+backward time
+  (torchgpipe's balance-by-time).  Both try every stage count that is a multiple of the GPU count
+  and whose stages fit, and keep the fastest under the cost model.
+"""
+
+from __future__ import annotations
+
+from mobius.partition.cost import Machine, evaluate, stage_costs
+from mobius.partition.profile import Profile
+
+
+def min_stage(profile: Profile, machine: Machine, micro_batches: int, recompute: bool = True) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(profile.n)]
+
+
+def max_stage(profile: Profile, machine: Machine, micro_batches: int, recompute: bool = True) -> list[tuple[int, int]]:
+    bounds, lo = [], 0
+    while lo < profile.n:
+        mem = machine.memory[len(bounds) % machine.n]
+        hi = lo + 1
+        while hi < profile.n:
+            c = stage_costs(profile, [(lo, hi + 1)], recompute)[0]
+            if max(c.mem_fwd, c.mem_bwd) > mem:
+                break
+            hi += 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def uniform_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    edges = [round(k * n_layers / stages) for k in range(stages + 1)]
+    return [(edges[k], edges[k + 1]) for k in range(stages)]
+
+
+def balanced_bounds(costs: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous split of ``costs`` into ``stages`` parts minimising the largest part (exact DP)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for s in range(k - 1, i):
+                v = max(best[k - 1][s], prefix[i] - prefix[s])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, s
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        s = cut[k][i]
+        bounds.append((s, i))
+        i = s
+    return bounds[::-1]
+
+
+def _best_multiple(profile, machine, micro_batches, recompute, make) -> list[tuple[int, int]]:
+    best, best_t = None, float("inf")
+    for stages in range(machine.n, profile.n + 1, machine.n):
+        bounds = make(stages)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute)
+        if est.feasible and est.step_s < best_t:
+            best, best_t = bounds, est.step_s
+    return best or min_stage(profile, machine, micro_batches, recompute)
+
+
+def uniform(profile: Profile, machine: Machine, micro_batches: int, recompute: bool = True) -> list[tuple[int, int]]:
+    return _best_multiple(profile, machine, micro_batches, recompute, lambda s: uniform_bounds(profile.n, s))
+
+
+def balanced(profile: Profile, machine: Machine, micro_batches: int, recompute: bool = True) -> list[tuple[int, int]]:
+    costs = [l.fwd_s + l.bwd_s for l in profile.layers]
+    return _best_multiple(profile, machine, micro_batches, recompute, lambda s: balanced_bounds(costs, s))
+
+
+BASELINES = {"min": min_stage, "max": max_stage, "uniform": uniform, "balanced": balanced}

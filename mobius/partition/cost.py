@@ -1,0 +1,172 @@
+"""The cost model of one Mobius training step for a given partition (Mobius §3.2, Table 2).
+
+This module is the single definition of "how long does this partition take"; the MIP encodes the
+same equations as linear constraints, the baselines and the exhaustive checker call
+:func:`evaluate` directly.
+
+Stage ``j`` runs on pipeline slot ``j mod N`` with host<->device bandwidth ``B_j`` (GB/s, after the
+mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its parameter bytes,
+``T^f_j``/``T^b_j`` its per-micro-batch forward/backward time and ``a_j`` its boundary activation:
+
+* memory (4): ``W^f_j = S_j + max_l fwd_work_l + 2 a_{j-1}`` and
+  ``W^b_j = 2 S_j + Σ_l bwd_work_l + 2 a_{j-1} + 2 a_j`` must fit in ``G_j``;
+* prefetch (5)-(6): while stage ``j-N`` computes, up to
+  ``P_j = min(S_j, G - W_{j-N}, B_j · D_{j-N})`` bytes of stage ``j`` are copied in, where
+  ``D`` is the span stage ``j-N`` computes (7);
+* load (9): stage ``j`` starts no earlier than ``end(j-N) + (S_j - P_j) / B_j``; the first ``N``
+  stages load at time 0 with nothing to hide behind; in backward the last ``N`` stages are still
+  resident;
+* order (8): micro-batch ``m`` of stage ``j`` starts after stage ``j-1`` finished it and its
+  activation crossed host memory (``a/B_src + a/B_dst``; no peer-to-peer); (10) one micro-batch
+  at a time; (11) backward after forward.
+
+Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
+fixed partition: the MIP's optimum for that partition equals this recurrence.  Objective: the step
+time ``t^b_{0,M} + T^b_0``.  Not modelled here (the simulator's job): gradient offload and CPU Adam
+overlapped with backward, contention beyond the expected sharing, re-upload of recompute inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mobius.errors import InputError
+from mobius.partition.profile import Profile
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the cost model needs of the mapped topology, per pipeline slot."""
+
+    bandwidth: tuple[float, ...]  # bytes/s per slot
+    memory: tuple[int, ...]  # bytes per slot
+
+    @property
+    def n(self) -> int:
+        return len(self.bandwidth)
+
+
+@dataclass
+class StageCost:
+    start: int
+    end: int
+    param_bytes: int
+    fwd_s: float
+    bwd_s: float
+    out_bytes: int
+    in_bytes: int
+    mem_fwd: int
+    mem_bwd: int
+
+
+@dataclass
+class StepEstimate:
+    step_s: float
+    feasible: bool
+    stages: list[StageCost]
+    prefetch_fwd: list[float]  # bytes prefetched while the previous stage on the GPU computes
+    prefetch_bwd: list[float]
+    reason: str = ""
+
+
+def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True) -> list[StageCost]:
+    out = []
+    for j, (lo, hi) in enumerate(bounds):
+        ls = profile.layers[lo:hi]
+        s = sum(l.param_bytes for l in ls)
+        a_in = profile.layers[lo - 1].out_bytes if lo > 0 else 0
+        a_out = ls[-1].out_bytes
+        fwd = sum(l.fwd_s for l in ls)
+        bwd = sum(l.bwd_s for l in ls) + (fwd if recompute else 0.0)
+        mem_f = s + max(l.fwd_work_bytes for l in ls) + 2 * a_in
+        mem_b = 2 * s + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
+        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b))
+    return out
+
+
+def check_layers_fit(profile: Profile, machine: Machine) -> None:
+    """Infeasible input: a single layer (with its working memory) larger than the smallest GPU."""
+    budget = min(machine.memory)
+    for i in range(profile.n):
+        c = stage_costs(profile, [(i, i + 1)])[0]
+        need = max(c.mem_fwd, c.mem_bwd)
+        if need > budget:
+            raise InputError(f"layer {profile.layers[i].name} ({profile.layers[i].kind}) needs {need / GB:.2f} GB "
+                             f"of device memory with its working memory, but the budget is {budget / GB:.2f} GB")
+
+
+def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
+             recompute: bool = True) -> StepEstimate:
+    """Step time of the partition ``bounds`` (``[start, end)`` layer ranges, in order)."""
+    n, m_count = machine.n, micro_batches
+    st = stage_costs(profile, bounds, recompute)
+    s_count = len(st)
+    bw = [machine.bandwidth[j % n] for j in range(s_count)]
+    mem = [machine.memory[j % n] for j in range(s_count)]
+    for j, c in enumerate(st):
+        if c.mem_fwd > mem[j] or c.mem_bwd > mem[j]:
+            return StepEstimate(float("inf"), False, st, [], [],
+                                reason=f"stage {j} needs {max(c.mem_fwd, c.mem_bwd) / GB:.2f} GB > {mem[j] / GB:.2f} GB")
+
+    def xfer(j_from: int, j_to: int, nbytes: int) -> float:
+        return nbytes / bw[j_from] + nbytes / bw[j_to]
+
+    tf = [[0.0] * m_count for _ in range(s_count)]
+    pf = [0.0] * s_count
+    for j, c in enumerate(st):
+        if j < n:
+            ready = c.param_bytes / bw[j]
+        else:
+            prev = st[j - n]
+            span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
+            pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span))
+            ready = tf[j - n][-1] + prev.fwd_s + (c.param_bytes - pf[j]) / bw[j]
+        for m in range(m_count):
+            t = ready
+            if m:
+                t = max(t, tf[j][m - 1] + c.fwd_s)
+            if j:
+                t = max(t, tf[j - 1][m] + st[j - 1].fwd_s + xfer(j - 1, j, st[j - 1].out_bytes))
+            tf[j][m] = t
+    end_f = tf[-1][-1] + st[-1].fwd_s
+
+    tb = [[0.0] * m_count for _ in range(s_count)]
+    pb = [0.0] * s_count
+    for j in range(s_count - 1, -1, -1):
+        c = st[j]
+        if j >= s_count - n:
+            ready = end_f  # still resident from the forward pass
+        else:
+            nxt = st[j + n]
+            span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
+            pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span))
+            ready = tb[j + n][-1] + nxt.bwd_s + (c.param_bytes - pb[j]) / bw[j]
+        for m in range(m_count):
+            t = ready
+            if m:
+                t = max(t, tb[j][m - 1] + c.bwd_s)
+            if j < s_count - 1:
+                t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + xfer(j + 1, j, c.out_bytes))
+            tb[j][m] = t
+    return StepEstimate(tb[0][-1] + st[0].bwd_s, True, st, pf, pb)
+
+
+def machine_for(topo, mapping) -> Machine:
+    """Per-slot bandwidth and memory of a mapped topology.
+
+    A GPU's expected bandwidth is its share of its root complex among the GPUs that prefetch at
+    about the same time: itself and the GPUs of the neighbouring slots (the stages just before and
+    after it) when they hang off the same root complex — exactly what cross mapping avoids.
+    """
+    n = topo.n
+    bws, mems = [], []
+    for k in range(n):
+        g = mapping.order[k]
+        rc = topo.root_complex_of(g)
+        neighbours = {mapping.order[(k - 1) % n], mapping.order[(k + 1) % n]} - {g}
+        concurrent = 1 + sum(1 for o in neighbours if topo.root_complex_of(o) == rc)
+        bws.append(topo.host_bandwidth_share(g, concurrent) * GB)
+        mems.append(int(topo.gpus[g].memory_gb * GB))
+    return Machine(tuple(bws), tuple(mems))

@@ -1,0 +1,223 @@
+"""Per-layer profile of a layer list: what the partitioner needs to know about each layer.
+
+Two sources produce the same :class:`Profile`:
+
+* :func:`measure_profile` runs each *distinct* layer once (layer similarity: same type, parameter
+  shapes and input shape -> same numbers) on CPU (``perf_counter``; working memory from the bytes
+  autograd saves) or CUDA (events; the caching allocator's peak counters).
+* :func:`analytic_profile` computes it from FLOPs and bytes for a topology's GPUs, so the paper's
+  3B-51B models can be planned on a laptop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mobius.models import GPTConfig, build_layer, build_model, dtype_bytes, layer_count
+
+# Model FLOPs utilisation assumed by the analytic model for matrix-heavy layers.
+ANALYTIC_MFU = 0.5
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    kind: str
+    similarity_class: int  # layers with the same class were measured once
+    fwd_s: float  # forward time of one micro-batch
+    bwd_s: float  # backward time of one micro-batch (without recomputation)
+    param_bytes: int  # parameters in the compute dtype (what a stage swap moves)
+    out_bytes: int  # boundary activation of one micro-batch (what goes to the next stage)
+    fwd_work_bytes: int  # extra device memory while running forward without autograd
+    bwd_work_bytes: int  # activations autograd keeps for one micro-batch (forward with grad)
+
+
+@dataclass
+class Profile:
+    model: str
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    source: str  # "measured-cpu", "measured-cuda" or "analytic:<gpu name>"
+    layers: list[LayerProfile]
+    distinct_measured: int = 0
+    profile_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs of consecutive layers with equal costs, as ``[start, end)`` ranges.
+
+        The MIP is formulated over runs (how many layers of each run a stage takes), which
+        removes the symmetry between identical transformer blocks."""
+        out: list[tuple[int, int]] = []
+        for i, layer in enumerate(self.layers):
+            if out and _same_cost(self.layers[out[-1][0]], layer):
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        d = dict(d)
+        d["layers"] = [LayerProfile(**x) for x in d["layers"]]
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:
+    keys = ("kind", "fwd_s", "bwd_s", "param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
+                     tflops: float, precision: str = "fp16") -> Profile:
+    """Times from FLOPs at ``ANALYTIC_MFU`` of ``tflops``; bytes from shapes (no weights allocated)."""
+    dtype = DTYPES[precision]
+    model = build_model(config, device="meta")
+    layers, classes = [], {}
+    for i, layer in enumerate(model.layers):
+        sig = layer.signature()
+        classes.setdefault(sig, len(classes))
+        fwd = layer.forward_flops(micro_batch, seq_len) / (tflops * 1e12 * ANALYTIC_MFU)
+        out = 0 if layer.kind == "head" else layer.output_bytes(micro_batch, seq_len, dtype)
+        layers.append(LayerProfile(
+            name=f"layers.{i}", kind=layer.kind, similarity_class=classes[sig], fwd_s=fwd, bwd_s=2 * fwd,
+            param_bytes=layer.param_bytes(dtype), out_bytes=out,
+            fwd_work_bytes=2 * out if layer.kind != "head" else layer.working_bytes(micro_batch, seq_len, dtype),
+            bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype)))
+    return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
+                   source=f"analytic:{tflops:g}TFLOPS", layers=layers, distinct_measured=0)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (CPU working-memory accounting)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key not in self._seen and not isinstance(t, torch.nn.Parameter):
+            self._seen.add(key)
+            self.total += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
+                    precision: str = "fp32", device: str | torch.device = "cpu", repeats: int = 2) -> Profile:
+    """Run each distinct layer forward and backward once (after a warm-up) and record its costs."""
+    device = torch.device(device)
+    dtype = DTYPES[precision]
+    t_start = time.perf_counter()
+    meta = build_model(config, device="meta")
+    measured: dict[tuple, LayerProfile] = {}
+    layers = []
+    for i in range(layer_count(config)):
+        kind = meta.layers[i].kind
+        in_shape = (micro_batch, seq_len) if i == 0 else (micro_batch, seq_len, config.hidden)
+        sig = (meta.layers[i].signature(), in_shape)
+        if sig not in measured:
+            measured[sig] = _measure_layer(config, i, micro_batch, seq_len, dtype, device, repeats,
+                                           similarity_class=len(measured))
+        p = measured[sig]
+        layers.append(LayerProfile(**{**asdict(p), "name": f"layers.{i}", "kind": kind}))
+    return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
+                   source=f"measured-{device.type}", layers=layers, distinct_measured=len(measured),
+                   profile_seconds=time.perf_counter() - t_start)
+
+
+def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device,
+                   repeats: int, similarity_class: int) -> LayerProfile:
+    layer = build_layer(config, index, seed=0).to(device=device, dtype=dtype)
+    n = layer_count(config)
+    gen = torch.Generator().manual_seed(index)
+    if index == 0:
+        x = torch.randint(0, config.vocab_size, (b, t), generator=gen).to(device)
+    else:
+        x = torch.randn(b, t, config.hidden, generator=gen).to(device=device, dtype=dtype)
+    targets = torch.randint(0, config.vocab_size, (b, t), generator=gen).to(device)
+    run = (lambda inp: layer(inp, targets)) if index == n - 1 else layer
+
+    def forward_no_grad():
+        with torch.no_grad():
+            return run(x)
+
+    def forward_backward():
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        out = run(inp)
+        out.backward(torch.ones_like(out))
+
+    forward_no_grad()
+    forward_backward()  # warm-up (allocator, kernels)
+    fwd_s = _time(forward_no_grad, device, repeats)
+    fwd_bwd_s = _time(forward_backward, device, repeats)
+
+    counter = _SavedBytes()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        forward_no_grad()
+        fwd_work = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.reset_peak_memory_stats(device)
+        forward_backward()
+        bwd_work = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            out = run(inp)
+        del out
+        bwd_work = counter.total
+        fwd_work = 2 * (b * t * config.hidden * dtype_bytes(dtype))
+    with torch.no_grad():
+        out = run(x)
+    out_bytes = out.numel() * out.element_size() if index < n - 1 else 0
+    return LayerProfile(name=f"layers.{index}", kind=layer.kind, similarity_class=similarity_class,
+                        fwd_s=fwd_s, bwd_s=max(fwd_bwd_s - fwd_s, 0.0),
+                        param_bytes=layer.param_bytes(dtype), out_bytes=out_bytes,
+                        fwd_work_bytes=int(fwd_work), bwd_work_bytes=int(bwd_work))

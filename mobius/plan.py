@@ -1,0 +1,48 @@
+"""``python -m mobius.plan``: profile (or the analytic model) -> partition -> cross map, printed
+as a stages table with the predicted step time, without training."""
+
+from __future__ import annotations
+
+import json
+
+from mobius.backend import resolve_topology
+from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args
+from mobius.errors import InputError, exits_cleanly
+from mobius.models import get_config
+from mobius.planner import make_plan
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m mobius.plan", description=__doc__)
+    add_model_and_batch_args(p)
+    p.add_argument("--profile", choices=("auto", "measure", "analytic"), default="auto",
+                   help="measure layers on this machine or compute them from the topology's GPUs "
+                        "(auto: measure when the topology is this machine)")
+    p.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit in seconds")
+    p.add_argument("--baselines", action="store_true", help="also print the baselines' predicted step times")
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+@exits_cleanly
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    cfg = RunConfig.from_dict(vars(args))
+    for name in ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers"):
+        if getattr(cfg, name) <= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    model_config = get_config(cfg.model)
+    if cfg.seq_len > model_config.context:
+        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    topo = resolve_topology(cfg)
+    precision = cfg.precision or ("fp32" if topo.virtual else "fp16")
+    plan = make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
+                     precision, partitioner=cfg.partitioner, recompute=cfg.recompute != "off", stages=cfg.stages,
+                     profile_how=args.profile, time_limit_s=args.time_limit, use_cache=not args.no_cache,
+                     with_baselines=args.baselines)
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.render())
+
+
+if __name__ == "__main__":
+    main()

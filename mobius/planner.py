@@ -1,0 +1,196 @@
+"""Profile -> partition -> cross map: the :class:`Plan` a run executes (and ``mobius.plan`` prints).
+
+Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile, topology, batch settings,
+partitioner); measured profiles are cached by (model, micro-batch, sequence, dtype, device), so a
+second run with the same settings neither profiles nor solves again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mobius.errors import InputError
+from mobius.mapping import cross_map
+from mobius.models import GPTConfig, build_model
+from mobius.partition.baselines import BASELINES, uniform_bounds
+from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
+from mobius.partition.mip import solve_partition
+from mobius.partition.profile import Profile, analytic_profile, measure_profile
+from topology import Topology
+
+CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
+# Host bytes per parameter: fp32 master + AdamW m and v + fp32 gradient + the compute-dtype copy.
+HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 18, "fp16": 18}
+
+
+@dataclass
+class StagePlan:
+    index: int
+    layers: tuple[int, int]  # [start, end)
+    gpu: int
+    param_bytes: int
+    fwd_ms: float  # per micro-batch
+    bwd_ms: float  # per micro-batch, including recomputation
+    prefetch_fwd_bytes: float
+    prefetch_bwd_bytes: float
+    mem_fwd_bytes: int
+    mem_bwd_bytes: int
+
+
+@dataclass
+class Plan:
+    model: str
+    topology: str
+    micro_batch_size: int
+    micro_batches: int
+    seq_len: int
+    precision: str
+    recompute: bool
+    partitioner: str
+    bounds: list[tuple[int, int]]
+    order: list[int]  # pipeline slot -> GPU
+    contention: float
+    predicted_step_s: float
+    stages: list[StagePlan]
+    solver: dict = field(default_factory=dict)
+    profile_source: str = ""
+    baselines: dict = field(default_factory=dict)  # partitioner -> predicted step seconds
+
+    def gpu_of_stage(self, stage: int) -> int:
+        return self.order[stage % len(self.order)]
+
+    def stages_of_gpu(self, gpu: int) -> list[int]:
+        return [s for s in range(len(self.bounds)) if self.gpu_of_stage(s) == gpu]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d["stages"] = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d["stages"]]
+        d["bounds"] = [tuple(b) for b in d["bounds"]]
+        return cls(**d)
+
+    def render(self) -> str:
+        lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
+                 f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",
+                 f"partitioner {self.partitioner}: {len(self.bounds)} stages; mapping slot->GPU {self.order} "
+                 f"(Eq. 13 contention {self.contention:.3f})"]
+        if self.solver:
+            lines.append(f"solver: {self.solver.get('status')} in {self.solver.get('solve_s', 0):.2f} s, "
+                         f"gap {self.solver.get('gap', 0):.2e}")
+        lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
+                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}")
+        for s in self.stages:
+            lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
+                         f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
+                         f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
+                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}")
+        lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
+        if self.baselines:
+            lines.append("baselines: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.baselines.items()))
+        return "\n".join(lines)
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
+                precision: str, how: str = "auto") -> Profile:
+    """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
+    when the topology is this machine (CPU workers or probed GPUs), else analytic."""
+    if how == "auto":
+        how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
+    if how == "analytic":
+        return analytic_profile(model_name, config, micro_batch, seq_len, min(g.tflops for g in topo.gpus), precision)
+    device = "cuda" if (not topo.virtual and torch.cuda.is_available()) else "cpu"
+    key = _hash([config.to_dict(), micro_batch, seq_len, precision, device,
+                 torch.cuda.get_device_name() if device == "cuda" else "cpu", torch.__version__])
+    path = CACHE_DIR / "profiles" / f"{key}.json"
+    if path.is_file():
+        try:
+            return Profile.load(path)
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # a damaged cache entry is re-measured
+    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device)
+    _save_quietly(path, profile.to_dict())
+    return profile
+
+
+def _save_quietly(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the cache is an optimisation only
+
+
+def check_host_memory(model_name: str, config: GPTConfig, topo: Topology, precision: str) -> None:
+    n = build_model(config, device="meta").num_parameters()
+    need = n * HOST_BYTES_PER_PARAM[precision]
+    if need > topo.host_memory_gb * GB:
+        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory for master weights, optimizer "
+                         f"state and gradients, but {topo.name} has {topo.host_memory_gb:.1f} GB")
+
+
+def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
+              seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
+              stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
+              time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False) -> Plan:
+    check_host_memory(model_name, config, topo, precision)
+    profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
+    mapping = cross_map(topo, max(topo.n, stages or 2 * topo.n))
+    machine = machine_for(topo, mapping)
+    check_layers_fit(profile, machine)
+    key = _hash([profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute, stages, with_baselines])
+    cache = CACHE_DIR / "plans" / f"{key}.json"
+    if use_cache and cache.is_file():
+        try:
+            return Plan.from_dict(json.loads(cache.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+
+    baselines = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
+    times = {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in baselines.items()}
+    solver: dict = {}
+    if stages is not None:
+        if stages > profile.n:
+            raise InputError(f"--stages {stages} exceeds the model's {profile.n} layers")
+        bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
+    elif partitioner == "mip":
+        best = min(baselines, key=times.get)
+        result = solve_partition(profile, machine, micro_batches, recompute, time_limit_s=time_limit_s,
+                                 warm_start=baselines[best])
+        solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
+                  "variables": result.n_variables, "constraints": result.n_constraints}
+        bounds = result.bounds if result.bounds and result.objective_s <= times[best] else baselines[best]
+    else:
+        bounds = baselines[partitioner]
+    est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    if not est.feasible:
+        raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
+    # The mapping was searched for an assumed stage count; redo it for the real one.
+    mapping = cross_map(topo, len(bounds))
+    machine = machine_for(topo, mapping)
+    est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    stage_plans = [StagePlan(j, (c.start, c.end), mapping.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
+                             c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd)
+                   for j, c in enumerate(est.stages)]
+    plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
+                seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
+                order=list(mapping.order), contention=mapping.contention, predicted_step_s=est.step_s,
+                stages=stage_plans, solver=solver, profile_source=profile.source,
+                baselines=times if with_baselines else {})
+    if use_cache:
+        _save_quietly(cache, plan.to_dict())
+    return plan

@@ -1,0 +1,90 @@
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mobius.errors import InputError
+from mobius.models import get_config
+from mobius.partition.baselines import BASELINES, balanced_bounds
+from mobius.partition.cost import Machine, check_layers_fit, evaluate
+from mobius.partition.exhaustive import exhaustive_optimum
+from mobius.partition.mip import solve_partition
+from mobius.partition.profile import LayerProfile, Profile, analytic_profile, measure_profile
+
+GAP = 1e-3  # the MIP's default relative gap
+
+
+def random_profile(rng: random.Random, n_layers: int) -> Profile:
+    layers = []
+    for i in range(n_layers):
+        # Some runs of identical layers, some heterogeneous ones, as in real models.
+        if layers and rng.random() < 0.4:
+            prev = layers[-1]
+            layers.append(LayerProfile(**{**prev.__dict__, "name": f"l{i}"}))
+            continue
+        layers.append(LayerProfile(
+            f"l{i}", "x", i, fwd_s=rng.uniform(0.01, 0.05), bwd_s=rng.uniform(0.02, 0.1),
+            param_bytes=int(rng.uniform(0.2, 1.0) * 1e9), out_bytes=int(rng.uniform(0.01, 0.3) * 1e9),
+            fwd_work_bytes=int(rng.uniform(0.05, 0.2) * 1e9), bwd_work_bytes=int(rng.uniform(0.1, 0.4) * 1e9)))
+    layers[-1].out_bytes = 0
+    return Profile("random", 1, 1, "fp16", "synthetic", layers)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mip_equals_exhaustive_optimum(seed):
+    rng = random.Random(seed)
+    n_layers = rng.randint(8, 13)
+    n_gpus = rng.choice([1, 2, 4])
+    profile = random_profile(rng, n_layers)
+    memory = tuple(int(rng.uniform(2.6, 8.0) * 1e9) for _ in range(n_gpus))
+    bandwidth = tuple(rng.uniform(5e9, 15e9) for _ in range(n_gpus))
+    machine = Machine(bandwidth, memory)
+    micro_batches = rng.choice([1, 2, 4])
+    best, _ = exhaustive_optimum(profile, machine, micro_batches)
+    result = solve_partition(profile, machine, micro_batches, time_limit_s=60, gap=GAP)
+    assert result.status == "Optimal"
+    assert result.objective_s == pytest.approx(best, rel=GAP)
+    assert result.objective_s >= best * (1 - 1e-9)  # the exhaustive optimum is a true lower bound
+
+
+def test_mip_never_worse_than_baselines_and_beats_max_stage():
+    prof = analytic_profile("mobius-8b", get_config("mobius-8b"), 2, 512, 40.0)
+    machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)
+    times = {k: evaluate(prof, f(prof, machine, 4), machine, 4).step_s for k, f in BASELINES.items()}
+    r = solve_partition(prof, machine, 4, time_limit_s=8)
+    assert r.objective_s <= min(times.values()) * (1 + 1e-9)
+    assert r.objective_s < times["max"]
+
+
+def test_balanced_bounds_minimise_the_largest_part():
+    bounds = balanced_bounds([1, 1, 1, 5, 1, 1], 3)
+    assert bounds == [(0, 3), (3, 4), (4, 6)]
+
+
+def test_layer_similarity_profiles_mobius_3b_with_three_layers(tmp_path):
+    prof = measure_profile("mobius-3b", get_config("mobius-3b"), micro_batch=1, seq_len=8, repeats=1)
+    assert prof.n == 66 and prof.distinct_measured == 3
+    assert prof.runs() == [(0, 1), (1, 65), (65, 66)]
+    assert prof.layers[1].param_bytes == 4 * (12 * 2048**2 + 2 * 2048)  # fp32, two LayerNorm weights
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+
+
+def test_layer_too_big_for_the_gpu_names_layer_bytes_and_budget():
+    prof = analytic_profile("mobius-51b", get_config("mobius-51b"), 1, 512, 40.0)
+    with pytest.raises(InputError, match=r"layer layers\.0 \(embedding\) needs .* GB .* budget is 1\.00 GB"):
+        check_layers_fit(prof, Machine((13e9,), (10**9,)))
+
+
+def test_plan_command_rejects_bad_input_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "mobius.plan", "--model", "mobius-51b", "--topology", "topo4",
+                        "--gpu-mem-gb", "1", "--no-cache"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "budget" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mobius.plan", "--model", "mobius-51b", "--topology", "topo4",
+                        "--micro-batch-size", "1", "--seq-len", "512", "--json", "--no-cache"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import json
+    plan = json.loads(r.stdout)
+    assert plan["bounds"][0][0] == 0 and plan["bounds"][-1][1] == 52 and plan["predicted_step_s"] > 0
