@@ -100,7 +100,9 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     total_p = sum(p[r] * length[r] for r in range(R))
 
     prob = pulp.LpProblem("mobius_partition", pulp.LpMinimize)
-    V = pulp.LpVariable
+
+    def V(name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:
+        return prob.add_variable(name, low, up, cat=cat)
     y = [[V(f"y_{r}_{j}", 0, length[r], cat="Integer") for j in range(K)] for r in range(R)]
     h = [[V(f"h_{r}_{j}", cat="Binary") for j in range(K)] for r in range(R)]  # run r started by stage j
     fin = [[V(f"f_{r}_{j}", cat="Binary") for j in range(K)] for r in range(R)]  # run r finished by j
@@ -196,7 +198,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     status = highs.modelStatusToString(highs.getModelStatus())
     gap_reached = highs.getInfo().mip_gap
     if y[0][K - 1].value() is None:
-        return MipResult([], float("inf"), status, solve_s, gap_reached, len(prob.variables()), len(prob.constraints))
+        return MipResult([], float("inf"), status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
 
     # Stage j ends after sum_r y[r][j] layers (runs are consumed in order).
     bounds, done = [], 0
@@ -206,5 +208,5 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             bounds.append((done, cum))
             done = cum
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
-    return MipResult(bounds, est.step_s, status, solve_s, gap_reached, len(prob.variables()), len(prob.constraints))
+    return MipResult(bounds, est.step_s, status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
 
