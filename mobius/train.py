@@ -90,6 +90,15 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv)
+    from mobius.launcher import running_under_torchrun
+
+    if running_under_torchrun() and cfg.backend != "single":
+        # Started by torchrun (e.g. multi-node): this process is one worker.
+        from mobius.stages.worker import worker_main
+
+        worker_main({"cfg": cfg.to_dict(), "plan": None, "header": "mobius: pipeline worker (torchrun)",
+                     "budget_bytes": None})
+        return
     run(cfg)
 
 

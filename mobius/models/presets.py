@@ -7,7 +7,7 @@ sequence length 512, GPT-2 vocabulary, no biases, untied embeddings).  Their par
 not divide it: ``mobius-51b`` is describable and plannable (meta device) but not runnable.
 
 ``gpt2*`` are the published GPT-2 shapes (biases, tied embeddings): 124M, 355M, 774M, 1.56B.
-``tiny`` is for tests and ``small`` (~21M) is the CPU demo; both use the byte vocabulary.
+``tiny`` (and ``tiny8``, eight blocks for many-stage pipeline tests) is for tests and ``small`` (~21M) is the CPU demo; both use the byte vocabulary.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ GPT2_VOCAB = 50257
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, context=128, n_layer=4, hidden=64, heads=4),
+    # tiny's shape with 8 blocks: enough layers for 8-stage pipeline tests
+    "tiny8": GPTConfig(vocab_size=256, context=128, n_layer=8, hidden=64, heads=4),
     "small": GPTConfig(vocab_size=256, context=256, n_layer=12, hidden=384, heads=6),
     "mobius-3b": GPTConfig(vocab_size=GPT2_VOCAB, context=512, n_layer=64, hidden=2048, heads=32),
     "mobius-8b": GPTConfig(vocab_size=GPT2_VOCAB, context=512, n_layer=40, hidden=4096, heads=32),

@@ -1,0 +1,107 @@
+"""Start one pipeline worker per device through torch's elastic launcher (torchrun's machinery,
+standalone rendezvous on loopback), after every pre-flight check has passed.
+
+A worker that dies ends the run: the elastic agent stops the others (no restarts) and we exit
+non-zero naming the rank and its error; collectives time out after 60 s, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import torch
+
+from mobius.config import RunConfig
+from mobius.errors import InputError
+from mobius.models import GPTConfig, build_model, get_config
+from mobius.planner import make_plan
+from mobius.train import check_model_input, make_batches
+from topology import Topology
+
+GB = 10**9
+
+
+def choose_recompute(cfg: RunConfig, plan_kwargs: dict, make) -> bool:
+    """``--recompute auto``: keep activations on the device when every worker can hold all of its
+    stages' saved activations for all micro-batches beside its largest stage; else recompute."""
+    if cfg.recompute != "auto":
+        return cfg.recompute == "on"
+    plan = make(recompute=False, **plan_kwargs)
+    for gpu in set(plan.order):
+        mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
+        kept = sum(st.mem_bwd_bytes - 2 * st.param_bytes for st in mine) * plan.micro_batches
+        if max(st.mem_bwd_bytes for st in mine) + kept > plan_kwargs["budgets"][gpu]:
+            return True
+    return False
+
+
+def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
+    """Everything the workers need, decided up front: precision, plan, per-device budgets."""
+    from mobius.backend import resolve_topology
+
+    model_config = check_model_input(cfg)
+    topo = topo or resolve_topology(cfg)
+    if model_config.tie_embeddings:
+        raise InputError(f"model {cfg.model} ties its input and output embeddings; the pipeline backend does not "
+                         "handle tied weights yet: use --backend single or an untied preset")
+    cuda = not topo.virtual and torch.cuda.is_available()
+    if not topo.virtual and not cuda:
+        topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
+    cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
+    make_batches(cfg, model_config)  # data present and non-empty, before any worker starts
+    budgets = [int(g.memory_gb * GB) for g in topo.gpus]
+
+    def make(recompute: bool, budgets=None):
+        return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
+                         cfg.precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages)
+
+    recompute = choose_recompute(cfg, {"budgets": budgets}, make)
+    plan = make(recompute)
+    return {"plan": plan.to_dict(), "budget_bytes": budgets, "cuda": cuda, "topology": topo, "plan_obj": plan}
+
+
+def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from mobius.stages.worker import worker_main
+
+    prep = prepare(cfg, topo)
+    plan = prep["plan_obj"]
+    n_params = build_model(get_config(cfg.model), device="meta").num_parameters()
+    where = "CUDA GPUs" if prep["cuda"] else "CPU workers"
+    header = (f"mobius: backend pipeline on {topo.n} {where} ({topo.name}), model {cfg.model} "
+              f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
+              f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
+              f"{cfg.precision}, recompute {'on' if plan.recompute else 'off'}, "
+              f"predicted {plan.predicted_step_s:.2f} s/step")
+    payload = {"cfg": cfg.to_dict(), "plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
+               "header": header, "return_weights": return_weights, "t_origin": time.perf_counter()}
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=topo.n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn")
+    try:
+        results = elastic_launch(launch, worker_main)(payload)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        first = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+        print(f"error: pipeline worker {rank} failed: {first}", file=sys.stderr)
+        raise SystemExit(1)
+    from mobius.metrics import StepMetrics
+
+    history = [StepMetrics(**m) for m in results[0]["history"]]
+    if return_weights:
+        weights = {}
+        for r in results.values():
+            weights.update(r["weights"])
+        return history, weights, results
+    return history
+
+
+def running_under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ

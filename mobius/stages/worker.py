@@ -1,0 +1,114 @@
+"""One pipeline worker process (one per device of the topology).
+
+Started by :mod:`mobius.launcher` through torch's elastic launcher, or directly by ``torchrun``
+(then rank 0 makes the plan and broadcasts it).  Activations travel between workers through host
+memory over gloo: the GPUs of the servers we target have no peer-to-peer path, so device -> host
+-> device is the real route, and gloo moves the host leg.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
+from mobius.metrics import StepMetrics, Trace, write_trace
+from mobius.models import get_config
+from mobius.optim import DynamicLossScaler, lr_at
+from mobius.planner import Plan
+from mobius.reference import DTYPES
+from mobius.stages.schedule import StageRunner
+from mobius.swap.memory import DeviceMemory, Traffic
+from mobius.swap.prefetch import Prefetcher
+from mobius.swap.store import HostStageStore
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def worker_main(payload: dict) -> dict:
+    """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights."""
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        return _run(payload, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(payload: dict, rank: int, world: int) -> dict:
+    cfg = RunConfig.from_dict(payload["cfg"])
+    holder = [payload.get("plan")]
+    if holder[0] is None:  # started by torchrun: rank 0 plans, everyone follows
+        holder = [_plan_for_torchrun(cfg) if rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+    plan = Plan.from_dict(holder[0])
+    if max(plan.order) >= world:
+        raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
+    torch.manual_seed(cfg.seed)
+    use_cuda = payload.get("cuda", False)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    budget = int(payload["budget_bytes"][rank])
+    memory = DeviceMemory(budget, f"worker {rank}")
+    traffic = Traffic()
+    trace = Trace(enabled=bool(cfg.trace), pid=rank)
+    trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
+    if not use_cuda:  # CPU workers share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    model_config = get_config(cfg.model)
+    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
+                           DTYPES[cfg.precision], pin=use_cuda)
+    prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
+    batches = BatchSource(load_corpus(cfg.data), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+    runner = StageRunner(plan, rank, store, prefetcher, memory, traffic, trace, batches, device, cfg.steps,
+                         cfg.lr, scaler, recompute=plan.recompute)
+
+    def one_step(step: int) -> StepMetrics:
+        traffic.reset()
+        memory.reset_peak()
+        t0 = time.perf_counter()
+        loss_sum, count = runner.step(step)
+        stats = torch.tensor([loss_sum, count, traffic.h2d, traffic.d2h, traffic.peer], dtype=torch.float64)
+        dist.all_reduce(stats)
+        peak = torch.tensor([memory.peak], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        tokens = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+        return StepMetrics(step=step, loss=stats[0].item() / stats[1].item(),
+                           lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=time.perf_counter() - t0,
+                           h2d_bytes=int(stats[2]), d2h_bytes=int(stats[3]), peer_bytes=int(stats[4]),
+                           peak_device_bytes=int(peak.item()))
+
+    try:
+        if rank == 0:
+            from mobius.train import run_steps
+
+            history = run_steps(cfg, one_step, payload["header"])
+        else:
+            history = [one_step(step) for step in range(cfg.steps)]
+        events = [None] * world if rank == 0 else None
+        dist.gather_object(trace.events, events, dst=0)
+        if rank == 0 and cfg.trace:
+            write_trace(cfg.trace, [e for evs in events for e in evs])
+    finally:
+        prefetcher.close()
+        runner.close()
+    result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
+              "budget_bytes": budget, "peak_bytes_max": max(m.peak_device_bytes for m in history)}
+    if payload.get("return_weights"):
+        result["weights"] = store.state_dict()
+    return result
+
+
+def _plan_for_torchrun(cfg: RunConfig) -> dict:
+    from mobius.launcher import prepare
+
+    return prepare(cfg)["plan"]

@@ -1,0 +1,96 @@
+"""Device memory accounting and traffic counters.
+
+The per-device budget (``--gpu-mem-gb``, or a CPU worker's budget) is enforced by this accountant,
+not by the allocator, so CPU workers standing in for GPUs obey the same limit a GPU would.
+
+Two kinds of users share it:
+
+* compute (stage parameters being used, gradients, activations): :meth:`allocate` never waits; an
+  allocation past the budget is an error naming what did not fit;
+* the prefetcher: :meth:`reserve_for_prefetch` waits until the bytes fit *beside the compute
+  reservation* of the stage now running (its expected working memory, from the plan), so a
+  prefetch never takes memory the current stage will need: this is the plan's
+  ``P_j <= G - W_{j-N}`` (constraint 5) enforced at run time.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+class DeviceBudgetError(RuntimeError):
+    """The accounted device memory would exceed the budget."""
+
+
+class DeviceMemory:
+    def __init__(self, budget_bytes: int, device_name: str = "device"):
+        self.budget = int(budget_bytes)
+        self.device_name = device_name
+        self.used = 0
+        self.peak = 0
+        self.compute_reserve = 0  # bytes the running stage may still allocate
+        self._compute_used = 0
+        self.compute_peak_since_reserve = 0
+        self._cond = threading.Condition()
+
+    def _headroom(self) -> int:
+        outstanding = max(0, self.compute_reserve - self._compute_used)
+        return self.budget - self.used - outstanding
+
+    def allocate(self, nbytes: int, what: str, compute: bool = True) -> None:
+        with self._cond:
+            if self.used + nbytes > self.budget:
+                raise DeviceBudgetError(
+                    f"{self.device_name}: {what} needs {nbytes / 2**20:.1f} MiB but only "
+                    f"{(self.budget - self.used) / 2**20:.1f} MiB of the {self.budget / 2**20:.1f} MiB budget is free "
+                    "(raise --gpu-mem-gb or use more stages)")
+            self.used += nbytes
+            if compute:
+                self._compute_used += nbytes
+                self.compute_peak_since_reserve = max(self.compute_peak_since_reserve, self._compute_used)
+            self.peak = max(self.peak, self.used)
+
+    def free(self, nbytes: int, compute: bool = True) -> None:
+        with self._cond:
+            self.used -= nbytes
+            if compute:
+                self._compute_used = max(0, self._compute_used - nbytes)
+            self._cond.notify_all()
+
+    def set_compute_reserve(self, nbytes: int) -> None:
+        """Start of a stage's phase: hold back its expected working memory from prefetching."""
+        with self._cond:
+            self.compute_reserve = int(nbytes)
+            self._compute_used = 0
+            self.compute_peak_since_reserve = 0
+            self._cond.notify_all()
+
+    def reserve_for_prefetch(self, nbytes: int, cancelled: threading.Event | None = None) -> None:
+        """Block until ``nbytes`` fit beside the compute reservation, then take them."""
+        with self._cond:
+            while self._headroom() < nbytes:
+                if cancelled is not None and cancelled.is_set():
+                    raise DeviceBudgetError(f"{self.device_name}: prefetch cancelled")
+                if self.used == 0 and nbytes > self.budget:
+                    raise DeviceBudgetError(f"{self.device_name}: a {nbytes / 2**20:.1f} MiB tensor exceeds the "
+                                            f"{self.budget / 2**20:.1f} MiB budget")
+                self._cond.wait(timeout=0.5)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self.peak = self.used
+
+
+@dataclass
+class Traffic:
+    """Bytes moved in one step by one worker."""
+
+    h2d: int = 0
+    d2h: int = 0
+    peer: int = 0
+
+    def reset(self) -> None:
+        self.h2d = self.d2h = self.peer = 0
