@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 
 import torch
@@ -73,6 +74,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
                          cfg.lr, scaler, recompute=plan.recompute)
 
     def one_step(step: int) -> StepMetrics:
+        _inject_fault(rank, step)
         traffic.reset()
         memory.reset_peak()
         t0 = time.perf_counter()
@@ -112,3 +114,10 @@ def _plan_for_torchrun(cfg: RunConfig) -> dict:
     from mobius.launcher import prepare
 
     return prepare(cfg)["plan"]
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
+    spec = os.environ.get("MOBIUS_FAULT")
+    if spec and spec == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
