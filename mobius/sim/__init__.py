@@ -1,0 +1,7 @@
+"""Discrete-event simulation of one training step: Mobius and its baselines (issue 6)."""
+
+from mobius.sim.engine import Link, SimResult, Simulator, link_for
+from mobius.sim.schedules import SimOutcome, simulate_gpipe, simulate_mobius, simulate_zero3_offload
+
+__all__ = ["Link", "SimOutcome", "SimResult", "Simulator", "link_for", "simulate_gpipe", "simulate_mobius",
+           "simulate_zero3_offload"]

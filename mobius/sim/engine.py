@@ -1,0 +1,213 @@
+"""A discrete-event simulator of tasks on GPUs sharing PCIe root complexes.
+
+Resources, per GPU: a compute stream (tasks start strictly in issue order, like a CUDA stream), a
+host->device and a device->host copy engine, and a CPU worker thread (gradient offload handling,
+AdamW).  A copy engine runs one transfer at a time and picks, among the issued transfers whose
+dependencies are done, the one with the best priority (the runtime's transfer queue).
+
+Bandwidth is a fluid model.  A transfer is capped by its GPU's link; the transfers of one root
+complex in one direction share its host bandwidth.  The share is max-min fair within a priority
+class, and classes are served in priority order (strict priority: the mapping's rule that the
+stage executing earlier goes first).  Rates are recomputed whenever a transfer starts or ends.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+EPS = 1e-12
+
+COMPUTE, H2D, D2H, CPU = "compute", "h2d", "d2h", "cpu"
+
+
+@dataclass
+class Task:
+    id: int
+    name: str
+    kind: str  # compute | h2d | d2h | cpu
+    gpu: int
+    work: float  # seconds (compute, cpu) or bytes (h2d, d2h)
+    deps: tuple[int, ...]
+    priority: int = 0
+    start: float = -1.0
+    end: float = -1.0
+    remaining: float = 0.0
+    rate: float = 0.0
+
+
+@dataclass
+class Link:
+    gpu_bw: dict[int, float]  # bytes/s per GPU link (each direction)
+    rc_of: dict[int, int]
+    rc_bw: dict[int, float]  # bytes/s per root complex (each direction)
+
+
+@dataclass
+class SimResult:
+    step_s: float
+    tasks: list[Task]
+    bytes_by_gpu: dict = field(default_factory=dict)  # (gpu, dir) -> bytes
+    bytes_by_rc: dict = field(default_factory=dict)  # (rc, dir) -> bytes
+
+    def transfers(self) -> list[Task]:
+        return [t for t in self.tasks if t.kind in (H2D, D2H) and t.work > 0]
+
+    def achieved_bandwidths(self) -> list[tuple[float, float]]:
+        """(bytes, GB/s) of every transfer: the data for a bandwidth CDF (Mobius Fig. 7/11)."""
+        return [(t.work, t.work / max(t.end - t.start, EPS) / 1e9) for t in self.transfers()]
+
+    def total_bytes(self, direction: str | None = None) -> float:
+        return sum(v for (g, d), v in self.bytes_by_gpu.items() if direction in (None, d))
+
+    def exposed_transfer_s(self) -> float:
+        """Transfer time not overlapped by compute, averaged over GPUs (Mobius Fig. 8): the time a
+        GPU has a transfer in flight while its compute stream is idle."""
+        gpus = sorted({t.gpu for t in self.tasks})
+        total = 0.0
+        for g in gpus:
+            xfer = _union([(t.start, t.end) for t in self.tasks if t.gpu == g and t.kind in (H2D, D2H)])
+            comp = _union([(t.start, t.end) for t in self.tasks if t.gpu == g and t.kind == COMPUTE])
+            total += _length(xfer) - _length(_intersect(xfer, comp))
+        return total / max(1, len(gpus))
+
+    def chrome_trace(self) -> list[dict]:
+        """Events in the runtime's trace format (pid = GPU/worker, tid = lane)."""
+        lane = {COMPUTE: "compute", H2D: "prefetch", D2H: "offload", CPU: "optimizer"}
+        return [{"name": t.name, "ph": "X", "pid": t.gpu, "tid": lane[t.kind], "ts": t.start * 1e6,
+                 "dur": (t.end - t.start) * 1e6, "args": {"bytes": t.work} if t.kind in (H2D, D2H) else {}}
+                for t in self.tasks if t.end > t.start]
+
+
+def _union(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _intersect(a, b):
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append([s, e])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+class Simulator:
+    def __init__(self, link: Link):
+        self.link = link
+        self.tasks: list[Task] = []
+
+    def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0) -> int:
+        deps = tuple(d for d in deps if d is not None)
+        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority)
+        self.tasks.append(t)
+        return t.id
+
+    # ---- bandwidth -------------------------------------------------------------------------
+    def _assign_rates(self, active: list[Task]) -> None:
+        groups: dict[tuple[int, str], list[Task]] = defaultdict(list)
+        for t in active:
+            groups[(self.link.rc_of[t.gpu], t.kind)].append(t)
+        for (rc, _), flows in groups.items():
+            capacity = self.link.rc_bw[rc]
+            for prio in sorted({f.priority for f in flows}):
+                cls = [f for f in flows if f.priority == prio]
+                # Max-min fair water-filling with per-flow caps (the GPU links).
+                caps = sorted(cls, key=lambda f: self.link.gpu_bw[f.gpu])
+                left, n = capacity, len(caps)
+                for k, f in enumerate(caps):
+                    share = left / (n - k) if n - k else 0.0
+                    f.rate = min(self.link.gpu_bw[f.gpu], share)
+                    left -= f.rate
+                capacity = max(0.0, left)
+
+    # ---- run ---------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        tasks = self.tasks
+        done = [False] * len(tasks)
+        started = [False] * len(tasks)
+        queues: dict[tuple[str, int], list[int]] = defaultdict(list)  # issue order per resource
+        for t in tasks:
+            t.remaining = t.work
+            queues[(t.kind, t.gpu)].append(t.id)
+        busy: dict[tuple[str, int], int | None] = {k: None for k in queues}
+        now = 0.0
+        finished = 0
+        by_gpu: dict = defaultdict(float)
+        by_rc: dict = defaultdict(float)
+
+        def ready(i: int) -> bool:
+            return all(done[d] for d in tasks[i].deps)
+
+        while finished < len(tasks):
+            # Start what can start.
+            for key, q in queues.items():
+                if busy[key] is not None or not q:
+                    continue
+                kind = key[0]
+                if kind in (H2D, D2H):
+                    candidates = [i for i in q if ready(i)]
+                    pick = min(candidates, key=lambda i: (tasks[i].priority, i)) if candidates else None
+                else:
+                    pick = q[0] if ready(q[0]) else None  # streams execute in issue order
+                if pick is not None:
+                    q.remove(pick)
+                    busy[key] = pick
+                    started[pick] = True
+                    tasks[pick].start = now
+            active = [tasks[i] for i in busy.values() if i is not None]
+            if not active:
+                stuck = [t.name for t in tasks if not done[t.id]][:5]
+                raise RuntimeError(f"simulation deadlock at t={now:.6f}s; waiting: {stuck}")
+            self._assign_rates([t for t in active if t.kind in (H2D, D2H)])
+            # Next completion.
+            horizon = float("inf")
+            for t in active:
+                if t.kind in (H2D, D2H):
+                    if t.remaining <= EPS:
+                        horizon = now
+                    elif t.rate > 0:
+                        horizon = min(horizon, now + t.remaining / t.rate)
+                else:
+                    horizon = min(horizon, t.start + t.work)
+            if horizon == float("inf"):
+                raise RuntimeError("simulation stalled: transfers with zero bandwidth")
+            dt = horizon - now
+            now = horizon
+            for t in active:
+                complete = False
+                if t.kind in (H2D, D2H):
+                    t.remaining -= t.rate * dt
+                    complete = t.remaining <= max(EPS, 1e-9 * t.work)
+                else:
+                    complete = t.start + t.work <= now + EPS
+                if complete:
+                    t.end = now
+                    done[t.id] = True
+                    finished += 1
+                    busy[(t.kind, t.gpu)] = None
+                    if t.kind in (H2D, D2H):
+                        by_gpu[(t.gpu, t.kind)] += t.work
+                        by_rc[(self.link.rc_of[t.gpu], t.kind)] += t.work
+        return SimResult(step_s=max((t.end for t in tasks), default=0.0), tasks=tasks,
+                         bytes_by_gpu=dict(by_gpu), bytes_by_rc=dict(by_rc))
+
+
+def link_for(topo) -> Link:
+    return Link(gpu_bw={g.index: g.link_bandwidth_gbps * 1e9 for g in topo.gpus},
+                rc_of={g.index: g.root_complex for g in topo.gpus},
+                rc_bw={r.id: r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes})

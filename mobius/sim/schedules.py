@@ -1,0 +1,197 @@
+"""One training step of Mobius and of its baselines, as task graphs for :mod:`mobius.sim.engine`.
+
+All three use the same profile and topology:
+
+* :func:`simulate_mobius`: the pipeline of ``mobius.stages.schedule``.  Stage loads are split
+  into the part that fits beside the running stage (prefetched once that stage is loaded) and the
+  rest (copied when it is released).  Activations go device -> host -> device through both root
+  complexes.  Stage inputs are re-uploaded for recomputation, gradients are offloaded after a
+  stage's backward, and AdamW runs on the CPU.
+* :func:`simulate_gpipe`: every stage resident (N stages, time-balanced), GPU optimizer; out of
+  memory is reported, not simulated.
+* :func:`simulate_zero3_offload`: DeepSpeed ZeRO-3 with parameter and optimizer offload, data
+  parallel over the N GPUs.  Per layer, every GPU fetches the fp16 parameters from host memory,
+  in forward and again in backward, with one layer of lookahead.  Activation checkpoints go to host
+  and come back.  Full fp16 gradients go to host for the reduce, and CPU Adam updates each GPU's
+  1/N share at the end.  This is the traffic of Mobius Eq. 2 (about 1.5·N times the fp32 model
+  size) and ZeRO-Infinity §6.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mobius.partition.baselines import balanced_bounds
+from mobius.partition.cost import stage_costs
+from mobius.partition.profile import Profile
+from mobius.sim.engine import COMPUTE, CPU, D2H, H2D, SimResult, Simulator, link_for
+
+# CPU AdamW throughput (parameters per second per worker).  A fused multi-threaded CPU Adam on a
+# server socket does about 1e9/s (DeepSpeed reports ~1.5e9/s); a CPU worker here measures its own.
+DEFAULT_ADAM_PARAMS_PER_S = 1.0e9
+# GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.
+GPU_HBM_BPS = 0.9e12
+
+
+@dataclass
+class SimOutcome:
+    name: str
+    step_s: float
+    oom: bool = False
+    reason: str = ""
+    result: SimResult | None = None
+
+    @property
+    def traffic_bytes(self) -> float:
+        return self.result.total_bytes() if self.result else 0.0
+
+
+def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
+                    recompute: bool = True, adam_params_per_s: float = DEFAULT_ADAM_PARAMS_PER_S,
+                    memory_bytes: list[int] | None = None) -> SimOutcome:
+    n, M, S = len(order), micro_batches, len(bounds)
+    st = stage_costs(profile, bounds, recompute)
+    gpu = [order[j % n] for j in range(S)]
+    mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
+    for j, c in enumerate(st):
+        need = max(c.mem_fwd, c.mem_bwd)
+        if need > mem[gpu[j]]:
+            return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
+    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    sim = Simulator(link_for(topo))
+    F = [[None] * M for _ in range(S)]
+    B = [[None] * M for _ in range(S)]
+    load_f: dict[int, list[int]] = {}
+    load_b: dict[int, list[int]] = {}
+
+    def load(j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
+        size = st[j].param_bytes
+        first = max(0.0, min(size, prefetch_bytes))
+        a = sim.add(f"{tag} load S{j} (prefetch)", H2D, gpu[j], first, (early_dep,), prio)
+        b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio)
+        return [a, b]
+
+    # Forward.
+    act_in: dict[tuple[int, int], int] = {}
+    for j in range(S):
+        if j < n:
+            load_f[j] = [sim.add(f"F load S{j}", H2D, gpu[j], st[j].param_bytes, (), j)]
+        else:
+            room = mem[gpu[j]] - st[j - n].mem_fwd
+            load_f[j] = load(j, room, load_f[j - n][-1], F[j - n][M - 1], j, "F")
+        for m in range(M):
+            deps = list(load_f[j])
+            if m:
+                deps.append(F[j][m - 1])
+            if j:
+                deps.append(act_in[(j, m)])
+            F[j][m] = sim.add(f"F{j}.{m}", COMPUTE, gpu[j], st[j].fwd_s, deps)
+            if j + 1 < S:
+                out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1)
+                act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", H2D, gpu[j + 1], st[j].out_bytes, (out,), j + 1)
+
+    # Backward.
+    grad_in: dict[tuple[int, int], int] = {}
+    for j in range(S - 1, -1, -1):
+        prio = S + (S - 1 - j)
+        if j + n >= S:
+            load_b[j] = []  # still resident from forward
+        else:
+            room = mem[gpu[j]] - st[j + n].mem_bwd
+            early = load_b[j + n][-1] if load_b[j + n] else F[j + n][M - 1]
+            load_b[j] = load(j, room, early, B[j + n][M - 1], prio, "B")
+        for m in range(M):
+            deps = list(load_b[j])
+            if m:
+                deps.append(B[j][m - 1])
+            if j == S - 1 and m == 0:
+                deps.append(F[S - 1][M - 1])
+            if j + 1 < S:
+                deps.append(grad_in[(j, m)])
+            if recompute and j > 0:
+                deps.append(sim.add(f"input S{j}.{m} for recompute", H2D, gpu[j], st[j].in_bytes,
+                                    tuple(load_b[j][-1:]) or (F[j][M - 1],), prio))
+            B[j][m] = sim.add(f"B{j}.{m}", COMPUTE, gpu[j], st[j].bwd_s, deps)
+            if j > 0:
+                out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1)
+                grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", H2D, gpu[j - 1], st[j].in_bytes, (out,),
+                                              prio + 1)
+        # Gradient offload yields to activations, which are on the critical path.
+        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].param_bytes, (B[j][M - 1],), 3 * S + prio)
+        sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].param_bytes / elt / adam_params_per_s, (off,))
+    return SimOutcome("mobius", (r := sim.run()).step_s, result=r)
+
+
+def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:
+    n, M = topo.n, micro_batches
+    costs = [l.fwd_s + l.bwd_s for l in profile.layers]
+    bounds = balanced_bounds(costs, n)
+    st = stage_costs(profile, bounds, recompute)
+    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    for j, c in enumerate(st):
+        params = c.param_bytes / elt
+        # fp16 weights + fp16 grads + fp32 master, m, v (mixed precision: 16 B/param), the stashed
+        # stage inputs of all micro-batches, one micro-batch's working memory.
+        need = 16 * params + M * c.in_bytes + (c.mem_bwd - 2 * c.param_bytes)
+        if need > topo.gpus[j].memory_gb * 1e9:
+            return SimOutcome("gpipe", math.inf, oom=True,
+                              reason=f"stage {j} needs {need / 1e9:.1f} GB > {topo.gpus[j].memory_gb:g} GB")
+    sim = Simulator(link_for(topo))
+    F = [[None] * M for _ in range(n)]
+    B = [[None] * M for _ in range(n)]
+    for j in range(n):
+        for m in range(M):
+            deps = [F[j][m - 1]] if m else []
+            if j:
+                out = sim.add(f"act {j - 1}.{m}", D2H, j - 1, st[j - 1].out_bytes, (F[j - 1][m],), j)
+                deps.append(sim.add(f"act {j - 1}.{m} in", H2D, j, st[j - 1].out_bytes, (out,), j))
+            F[j][m] = sim.add(f"F{j}.{m}", COMPUTE, j, st[j].fwd_s, deps)
+    for j in range(n - 1, -1, -1):
+        for m in range(M):
+            deps = [B[j][m - 1]] if m else [F[n - 1][M - 1]]
+            if j + 1 < n:
+                out = sim.add(f"grad {j + 1}.{m}", D2H, j + 1, st[j].out_bytes, (B[j + 1][m],), 0)
+                deps.append(sim.add(f"grad {j + 1}.{m} in", H2D, j, st[j].out_bytes, (out,), 0))
+            B[j][m] = sim.add(f"B{j}.{m}", COMPUTE, j, st[j].bwd_s, deps)
+        sim.add(f"optimizer {j}", COMPUTE, j, 16 * st[j].param_bytes / elt / GPU_HBM_BPS, (B[j][M - 1],))
+    return SimOutcome("gpipe", (r := sim.run()).step_s, result=r)
+
+
+def simulate_zero3_offload(profile: Profile, topo, micro_batches: int, recompute: bool = True,
+                           adam_params_per_s: float = DEFAULT_ADAM_PARAMS_PER_S) -> SimOutcome:
+    n, L = topo.n, profile.n
+    per_gpu = math.ceil(micro_batches / n)  # micro-batches each data-parallel rank runs
+    layers = profile.layers
+    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    sim = Simulator(link_for(topo))
+    grad_done = {g: [] for g in range(n)}
+    for g in range(n):
+        fetch, comp = [None] * L, [None] * L
+        for i in range(L):
+            # One layer of lookahead: fetch layer i once layer i-1's compute has started
+            # (approximated by layer i-2 having finished), so at most two layers are resident.
+            deps = (fetch[i - 1], comp[i - 2] if i >= 2 else None)
+            fetch[i] = sim.add(f"gather L{i}", H2D, g, layers[i].param_bytes, deps, i)
+            comp[i] = sim.add(f"F L{i}", COMPUTE, g, per_gpu * layers[i].fwd_s, (fetch[i], comp[i - 1] if i else None))
+            if i + 1 < L:
+                sim.add(f"ckpt L{i} to host", D2H, g, per_gpu * layers[i].out_bytes, (comp[i],), i)
+        bfetch, bcomp = [None] * L, [None] * L
+        last = comp[L - 1]
+        for k, i in enumerate(range(L - 1, -1, -1)):
+            prio = L + k
+            prev_fetch = bfetch[i + 1] if i + 1 < L else last
+            two_back = bcomp[i + 2] if i + 2 < L else last
+            bfetch[i] = sim.add(f"gather L{i} (bwd)", H2D, g, layers[i].param_bytes, (prev_fetch, two_back), prio)
+            deps = [bfetch[i], bcomp[i + 1] if i + 1 < L else last]
+            if i > 0:
+                deps.append(sim.add(f"ckpt L{i - 1} back", H2D, g, per_gpu * layers[i - 1].out_bytes,
+                                    (bfetch[i],), prio))
+            bwd = layers[i].bwd_s + (layers[i].fwd_s if recompute else 0.0)
+            bcomp[i] = sim.add(f"B L{i}", COMPUTE, g, per_gpu * bwd, deps)
+            grad_done[g].append(sim.add(f"grads L{i} to host", D2H, g, layers[i].param_bytes, (bcomp[i],), prio))
+    all_grads = [t for g in range(n) for t in grad_done[g]]
+    params = sum(l.param_bytes for l in layers) / elt
+    for g in range(n):
+        sim.add("CPU Adam (1/N of the parameters)", CPU, g, params / n / adam_params_per_s, tuple(all_grads))
+    return SimOutcome("deepspeed-zero3-offload", (r := sim.run()).step_s, result=r)
