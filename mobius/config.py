@@ -17,7 +17,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NOT_BUILT = {
     "chunked": "the chunked_dp backend (issue 9) is not built yet; use --backend pipeline or single",
     "save": "--save/--resume/--stop-after (checkpointing, issue 8) are not built yet",
-    "export": "--export (Hugging Face export, issue 7) is not built yet",
 }
 
 
@@ -70,7 +69,8 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--topology", default=d.topology,
                    help="auto (probe this machine), a preset name, or a topology JSON file")
-    p.add_argument("--model", default=d.model, help="model preset (tiny, small, mobius-3b, gpt2, ...)")
+    p.add_argument("--model", default=d.model,
+                   help="a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, OPT, Llama)")
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="micro-batches per optimizer step")
@@ -94,7 +94,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m mobius.train",
         description="Fine-tune a language model with the Mobius pipeline (or the reference trainer).",
-        epilog="Not built yet (exit 2 if used): --backend chunked, --save/--resume/--stop-after, --export.",
+        epilog="Not built yet (exit 2 if used): --backend chunked, --save/--resume/--stop-after.",
     )
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend,
@@ -110,7 +110,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--stop-after", type=int, default=None)
-    p.add_argument("--export", default=None)
+    p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -140,8 +140,6 @@ def validate(cfg: RunConfig) -> None:
         raise InputError(NOT_BUILT["chunked"])
     if cfg.save or cfg.resume or cfg.stop_after is not None or cfg.save_every:
         raise InputError(NOT_BUILT["save"])
-    if cfg.export:
-        raise InputError(NOT_BUILT["export"])
     _check_writable_file("--metrics", cfg.metrics)
     _check_writable_file("--trace", cfg.trace)
     if cfg.data is not None and not Path(cfg.data).exists():

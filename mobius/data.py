@@ -6,6 +6,7 @@ same sequences for the same step, with no loader state to carry around.
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -32,6 +33,49 @@ class ByteTokenizer:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A model directory's ``tokenizer.json``, through the ``tokenizers`` library (optional extra)."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError(f"{path} needs the 'tokenizers' package: pip install 'mobius-train[hf]'") from None
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, tokens) -> str:
+        return self.tokenizer.decode([int(t) for t in tokens])
+
+
+def tokenizer_for(model: str) -> ByteTokenizer | HFTokenizer:
+    """The model directory's tokenizer when it has ``tokenizer.json``, else bytes."""
+    path = Path(model) / "tokenizer.json"
+    return HFTokenizer(path) if path.is_file() else ByteTokenizer()
+
+
+def _read_text(f: Path) -> bytes:
+    """A file's text; a ``.jsonl`` file contributes the ``text`` field of each line."""
+    try:
+        raw = f.read_bytes()
+    except OSError as err:
+        raise InputError(f"--data: cannot read {f}: {err.strerror}") from None
+    if f.suffix != ".jsonl":
+        return raw
+    texts = []
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(json.loads(line)["text"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"--data {f}: line {n} is not a JSON object with a 'text' field") from None
+    return "\n\n".join(texts).encode("utf-8")
+
+
 def _text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -46,21 +90,22 @@ def stdlib_corpus_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None) -> np.ndarray:
-    """Token ids (uint8 bytes) of ``data``, or of the standard library when ``data`` is None."""
+def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
+                tokenizer: ByteTokenizer | HFTokenizer | None = None) -> np.ndarray:
+    """Token ids of ``data`` (or of the standard library when None): uint8 bytes by default,
+    int32 ids with a model's tokenizer."""
+    tokenizer = tokenizer or ByteTokenizer()
     if data is None:
         files = stdlib_corpus_files()
-        max_bytes = max_bytes or DEFAULT_CORPUS_BYTES
+        # Subword tokenizing is ~100x slower than taking bytes: a smaller default sample.
+        max_bytes = max_bytes or (DEFAULT_CORPUS_BYTES if isinstance(tokenizer, ByteTokenizer) else 2 * 2**20)
         source = "the standard library"
     else:
         files = _text_files(Path(data))
         source = str(data)
     chunks, total = [], 0
     for f in files:
-        try:
-            raw = f.read_bytes()
-        except OSError as err:
-            raise InputError(f"--data: cannot read {f}: {err.strerror}") from None
+        raw = _read_text(f)
         chunks.append(raw)
         total += len(raw)
         if max_bytes is not None and total >= max_bytes:
@@ -70,6 +115,8 @@ def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None) ->
         corpus = corpus[:max_bytes]
     if corpus.size == 0:
         raise InputError(f"--data {source}: no text found (empty)")
+    if not isinstance(tokenizer, ByteTokenizer):
+        corpus = tokenizer.encode(corpus.tobytes().decode("utf-8", errors="replace"))
     return corpus
 
 

@@ -44,9 +44,6 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
 
     model_config = check_model_input(cfg)
     topo = topo or resolve_topology(cfg)
-    if model_config.tie_embeddings:
-        raise InputError(f"model {cfg.model} ties its input and output embeddings; the pipeline backend does not "
-                         "handle tied weights yet: use --backend single or an untied preset")
     cuda = not topo.virtual and torch.cuda.is_available()
     if not topo.virtual and not cuda:
         topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
@@ -84,6 +81,10 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=topo.n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                           start_method="spawn")
+    if cfg.export:
+        from mobius.models.hf import start_export
+
+        payload["export_staging"] = str(start_export(cfg.export))
     try:
         results = elastic_launch(launch, worker_main)(payload)
     except ChildFailedError as err:
@@ -94,6 +95,13 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
         raise SystemExit(1)
     from mobius.metrics import StepMetrics
 
+    if cfg.export:
+        from pathlib import Path
+
+        from mobius.models.hf import finalize_export
+
+        finalize_export(model_config, Path(payload["export_staging"]), cfg.export)
+        print(f"exported to {cfg.export}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     if return_weights:
         weights = {}

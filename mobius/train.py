@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from mobius.config import RunConfig, parse_train_args
-from mobius.data import BatchSource, load_corpus
+from mobius.data import BatchSource, load_corpus, tokenizer_for
 from mobius.errors import InputError, exits_cleanly
 from mobius.metrics import MetricsWriter, StepMetrics
 from mobius.models import GPTConfig, get_config
@@ -23,6 +23,9 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = get_config(cfg.model)
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    if model_config.hf_arch and not model_config.checkpoint:
+        raise InputError(f"--model {cfg.model} has config.json but no *.safetensors weights: it can be planned "
+                         "(python -m mobius.plan) but not trained")
     if not model_config.runnable:
         raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
                          f"{model_config.hidden} hidden is not divisible by {model_config.heads} heads")
@@ -30,9 +33,11 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
 
 
 def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource:
-    corpus = load_corpus(cfg.data)
-    if model_config.vocab_size < 256:
-        raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size} < 256 bytes")
+    tokenizer = tokenizer_for(cfg.model)
+    corpus = load_corpus(cfg.data, tokenizer=tokenizer)
+    if model_config.vocab_size < tokenizer.vocab_size and int(corpus.max()) >= model_config.vocab_size:
+        raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size}, but the data has token "
+                         f"id {int(corpus.max())} ({type(tokenizer).__name__})")
     return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
 
 
@@ -72,11 +77,24 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
-    return run_steps(cfg, trainer.step, header)
+    history = run_steps(cfg, trainer.step, header)
+    if cfg.export:
+        from mobius.models.hf import finalize_export, start_export, write_shard
+
+        staging = start_export(cfg.export)
+        layers = {i: dict(layer.named_parameters()) for i, layer in enumerate(trainer.model.layers)}
+        write_shard(model_config, staging, "all", layers)
+        finalize_export(model_config, staging, cfg.export)
+        print(f"exported to {cfg.export}", flush=True)
+    return history
 
 
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
+    if cfg.export:
+        from mobius.models.hf import check_export_target
+
+        check_export_target(model_config, cfg.export)
     from mobius.backend import resolve_backend
 
     backend, topo = resolve_backend(cfg)

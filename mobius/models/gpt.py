@@ -29,19 +29,57 @@ from mobius.errors import InputError
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Shape and flavour of a decoder-only transformer.
+
+    The defaults are this project's GPT (LayerNorm, learned positions, GELU MLP).  The other
+    fields describe the Hugging Face families we load: GPT-2 (tanh GELU, biases), OPT (ReLU,
+    position offset 2) and Llama/Mistral/Qwen2 (RMSNorm, rotary positions, SwiGLU, grouped-query
+    attention, optional q/k/v biases).
+    """
+
     vocab_size: int
     context: int
     n_layer: int
     hidden: int
     heads: int
-    bias: bool = False
+    bias: bool = False  # default for every bias below that is left as None
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    intermediate: int | None = None  # MLP width (default 4 * hidden)
+    kv_heads: int | None = None  # grouped-query attention (default: heads)
+    positions: str = "learned"  # learned | rope
+    position_offset: int = 0  # OPT's learned positions start at index 2
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_context)
+    qkv_bias: bool | None = None
+    proj_bias: bool | None = None
+    mlp_bias: bool | None = None
+    norm_bias: bool | None = None
+    checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
+    hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2)
 
     @property
     def runnable(self) -> bool:
         """Table 3 prints 80 heads for h=9216, which do not divide it: plan-only, not runnable."""
-        return self.hidden % self.heads == 0
+        return self.hidden % self.heads == 0 and self.heads % self.n_kv_heads == 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.intermediate or 4 * self.hidden
+
+    def flag(self, name: str) -> bool:
+        value = getattr(self, name)
+        return self.bias if value is None else value
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,53 +123,116 @@ class Embedding(GPTLayer):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden)
-        self.wpe = nn.Embedding(config.context, config.hidden)
+        if config.positions == "learned":
+            self.wpe = nn.Embedding(config.context + config.position_offset, config.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.wte(tokens) + self.wpe(positions)
+        x = self.wte(tokens)
+        if self.config.positions == "learned":
+            positions = torch.arange(tokens.shape[1], device=tokens.device) + self.config.position_offset
+            x = x + self.wpe(positions)
+        return x
 
     def forward_flops(self, batch: int, seq: int) -> int:
         return batch * seq * self.config.hidden  # the position add; the lookup is a gather
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.wte.weight, std=0.02)
-        nn.init.normal_(self.wpe.weight, std=0.01)
+        if self.config.positions == "learned":
+            nn.init.normal_(self.wpe.weight, std=0.01)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.flag("norm_bias"))
+
+
+def rotary_tables(config: GPTConfig, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of rotary positions (the Llama convention: the two halves of each head rotate)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, *config.rope_scaling[1:])
+    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: long wavelengths slowed by ``factor``, short kept, smooth between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class Block(GPTLayer):
-    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    q, k and v share one projection (``qkv``: hidden + 2 * kv_heads * head_dim outputs); a SwiGLU
+    MLP's gate and up projections share ``fc`` (gate first)."""
 
     kind = "block"
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        h, bias = config.hidden, config.bias
-        self.ln1 = nn.LayerNorm(h, eps=config.norm_eps, bias=bias)
-        self.qkv = nn.Linear(h, 3 * h, bias=bias)
-        self.proj = nn.Linear(h, h, bias=bias)
-        self.ln2 = nn.LayerNorm(h, eps=config.norm_eps, bias=bias)
-        self.fc = nn.Linear(h, 4 * h, bias=bias)
-        self.fc_out = nn.Linear(4 * h, h, bias=bias)
+        h = config.hidden
+        kv_width = h * config.n_kv_heads // config.heads  # k and v each
+        mlp_out = 2 * config.ffn if config.mlp == "swiglu" else config.ffn
+        self.ln1 = make_norm(config)
+        self.qkv = nn.Linear(h, h + 2 * kv_width, bias=config.flag("qkv_bias"))
+        self.proj = nn.Linear(h, h, bias=config.flag("proj_bias"))
+        self.ln2 = make_norm(config)
+        self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
+        self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
         b, t, h = x.shape
-        heads = self.config.heads
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
-        q, k, v = (z.view(b, t, heads, h // heads).transpose(1, 2) for z in (q, k, v))
+        heads, kv, d = c.heads, c.n_kv_heads, c.head_dim
+        q, k, v = self.qkv(self.ln1(x)).split([h, kv * d, kv * d], dim=2)
+        q = q.view(b, t, heads, d).transpose(1, 2)
+        k = k.view(b, t, kv, d).transpose(1, 2)
+        v = v.view(b, t, kv, d).transpose(1, 2)
+        if c.positions == "rope":
+            cos, sin = rotary_tables(c, t, x.device, q.dtype)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if kv != heads:
+            k = k.repeat_interleave(heads // kv, dim=1)
+            v = v.repeat_interleave(heads // kv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.fc_out(self._activation(self.fc(self.ln2(x))))
+
+    def _activation(self, z: torch.Tensor) -> torch.Tensor:
+        kind = self.config.mlp
+        if kind == "swiglu":
+            gate, up = z.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        if kind == "relu":
+            return F.relu(z)
+        return F.gelu(z, approximate="tanh" if kind == "gelu_tanh" else "none")
 
     def forward_flops(self, batch: int, seq: int) -> int:
-        h = self.config.hidden
-        # 12h^2 weights -> 24 b t h^2 multiply-adds*2; QK^T and AV: 2 * 2 b t^2 h.
-        return 24 * batch * seq * h * h + 4 * batch * seq * seq * h
+        weights = sum(m.weight.numel() for m in (self.qkv, self.proj, self.fc, self.fc_out))
+        # 2 FLOPs per weight per token; QK^T and AV: 2 * 2 b t^2 h.
+        return 2 * batch * seq * weights + 4 * batch * seq * seq * self.config.hidden
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        # Saved tensors of one block with fused attention: about 17 b*t*h elements
+        # Saved tensors of one block with fused attention: about 17 b*t*h elements for a 4h MLP
         # (inputs of ln1, qkv, attention out, proj, ln2, fc, gelu (4h each), fc_out).
-        return 17 * batch * seq * self.config.hidden * dtype_bytes(dtype)
+        h = self.config.hidden
+        return (9 * h + 2 * self.fc.out_features) * batch * seq * dtype_bytes(dtype)
 
     def reset_parameters(self) -> None:
         for lin in (self.qkv, self.fc):
@@ -154,7 +255,7 @@ class Head(GPTLayer):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        self.ln_f = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -201,7 +302,11 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
         )
     with torch.device(device):
         layer = cls(config)
-    if device.type != "meta":
+    if device.type != "meta" and config.checkpoint:
+        from mobius.models.hf import load_layer_weights
+
+        load_layer_weights(config, index, layer)
+    elif device.type != "meta":
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed * 100_003 + index)
         with torch.no_grad():

@@ -37,7 +37,15 @@ PAPER_MICRO_BATCH = {"mobius-3b": 2, "mobius-8b": 2, "mobius-15b": 1, "mobius-51
 
 
 def get_config(name: str) -> GPTConfig:
+    """A preset by name, or a Hugging Face model directory (config.json [+ safetensors])."""
+    from mobius.models.hf import is_hf_dir, load_hf_config
+
+    if is_hf_dir(name):
+        import glob
+        import os
+
+        return load_hf_config(name, weights=bool(glob.glob(os.path.join(name, "*.safetensors"))))
     try:
         return PRESETS[name]
     except KeyError:
-        raise InputError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+        raise InputError(f"unknown model preset {name!r} (and not a Hugging Face directory); choose one of: {', '.join(PRESETS)}") from None

@@ -55,6 +55,10 @@ class StageRunner:
         self.dtype = store.compute_dtype
         self.host_pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-host")
         self._mailbox: dict[tuple, torch.Tensor] = {}  # messages between stages on this same worker
+        # Tied input/output embeddings: stage 0 and the last stage each hold a copy; their
+        # gradients are summed before either copy is updated (identically, so they stay equal).
+        self.tied = store.config.tie_embeddings
+        self.tied_stages = {0, self.n_stages - 1} if self.tied else set()
         self._seen_working: dict[tuple[int, str], int] = {}
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -236,8 +240,13 @@ class StageRunner:
         self.memory.set_compute_reserve(0)
         for job in optimizer_jobs:
             job.result()
+        if self.tied:
+            self._sum_tied_gradients()
         if self.scaler.enabled:
             self._finish_fp16_step(lr)
+        else:
+            for s in self.tied_stages & set(self.my_stages):
+                self._update(s, lr)
         for work, _ in pending:
             work.wait()
         return loss_sum, loss_count
@@ -258,9 +267,43 @@ class StageRunner:
         self.memory.free(nbytes)
         t1 = time.perf_counter()
         self.trace.span(f"grads {s} to host", "offload", t0, t1, bytes=nbytes)
-        if not self.scaler.enabled:
+        if not self.scaler.enabled and s not in self.tied_stages:
             self._update(s, lr)
             self.trace.span(f"AdamW {s}", "optimizer", t1, time.perf_counter())
+
+    def _tied_params(self) -> dict[int, torch.nn.Parameter]:
+        """{stage: its copy of the tied token table} for the tied stages this worker holds."""
+        n_layers = self.plan.bounds[-1][1]
+        names = {0: "layers.0.wte.weight", self.n_stages - 1: f"layers.{n_layers - 1}.lm_head.weight"}
+        out = {}
+        for s in self.tied_stages & set(self.my_stages):
+            host = self.store.stages[s]
+            out[s] = dict(zip(host.names, host.master.parameters()))[names[s]]
+        return out
+
+    def _sum_tied_gradients(self) -> None:
+        """grad(embedding copy) + grad(head copy), in that order on both holders (same bits)."""
+        mine = self._tied_params()
+        last = self.n_stages - 1
+        emb_owner, head_owner = self.plan.gpu_of_stage(0), self.plan.gpu_of_stage(last)
+        if emb_owner == head_owner:
+            total = mine[0].grad + mine[last].grad
+            mine[0].grad, mine[last].grad = total, total.clone()
+            return
+        if self.rank == emb_owner:
+            own, other_rank, s = mine[0].grad, head_owner, 0
+        elif self.rank == head_owner:
+            own, other_rank, s = mine[last].grad, emb_owner, last
+        else:
+            return
+        other = torch.empty_like(own)
+        tag = self._tag(self.n_stages, 0, False)
+        work = dist.isend(own.contiguous(), other_rank, tag=tag)
+        dist.recv(other, other_rank, tag=tag)
+        work.wait()
+        self.traffic.peer += _nbytes(own)
+        emb_grad, head_grad = (own, other) if s == 0 else (other, own)
+        mine[s].grad = emb_grad + head_grad
 
     def _update(self, s: int, lr: float) -> None:
         host = self.store.stages[s]

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus
 from mobius.metrics import StepMetrics, Trace, write_trace
 from mobius.models import get_config
 from mobius.optim import DynamicLossScaler, lr_at
@@ -68,7 +67,9 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
                            DTYPES[cfg.precision], pin=use_cuda)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
-    batches = BatchSource(load_corpus(cfg.data), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    from mobius.train import make_batches
+
+    batches = make_batches(cfg, model_config)
     scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
     runner = StageRunner(plan, rank, store, prefetcher, memory, traffic, trace, batches, device, cfg.steps,
                          cfg.lr, scaler, recompute=plan.recompute)
@@ -103,6 +104,8 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     finally:
         prefetcher.close()
         runner.close()
+    if payload.get("export_staging"):
+        _write_export_shards(store, model_config, payload["export_staging"])
     result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
               "budget_bytes": budget, "peak_bytes_max": max(m.peak_device_bytes for m in history)}
     if payload.get("return_weights"):
@@ -121,3 +124,17 @@ def _inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get("MOBIUS_FAULT")
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
+    """Each worker writes the Hugging Face tensors of its own stages; the launcher finishes the export."""
+    from pathlib import Path
+
+    from mobius.models.hf import write_shard
+
+    for s, host in store.stages.items():
+        layers: dict[int, dict] = {}
+        for name, p in zip(host.names, host.master.parameters()):
+            _, index, local = name.split(".", 2)
+            layers.setdefault(int(index), {})[local] = p
+        write_shard(config, Path(staging), f"stage-{s:05d}", layers)

@@ -1,0 +1,175 @@
+"""Hugging Face directories: our layer list against ``transformers``, export round trips, and
+fine-tuning through every backend.  ``transformers`` is a test extra, never a runtime need."""
+
+import glob
+import json
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from mobius.config import RunConfig  # noqa: E402
+from mobius.data import load_corpus, tokenizer_for  # noqa: E402
+from mobius.models import build_model, get_config  # noqa: E402
+from mobius.models.hf import finalize_export, start_export, write_shard  # noqa: E402
+
+
+def make_dirs(root):
+    torch.manual_seed(0)
+    T = transformers
+    models = {
+        "gpt2": T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+        "opt": T.OPTForCausalLM(T.OPTConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                                            word_embed_proj_dim=32)),
+        "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                  intermediate_size=48)),
+    }
+    for name, m in models.items():
+        m.save_pretrained(root / name)
+    return {name: str(root / name) for name in models}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return make_dirs(tmp_path_factory.mktemp("hf"))
+
+
+def reference_logits(path, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_logits_equal_transformers(hf_dirs, arch):
+    config = get_config(hf_dirs[arch])
+    if arch == "llama":
+        assert config.n_kv_heads == 2 and config.heads == 4  # grouped-query attention
+    ours = build_model(config)
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(tokens), reference_logits(hf_dirs[arch], tokens), rtol=1e-5, atol=1e-5)
+
+
+def export_model(config, model, out):
+    staging = start_export(out)
+    write_shard(config, staging, "all", {i: dict(l.named_parameters()) for i, l in enumerate(model.layers)})
+    finalize_export(config, staging, out)
+
+
+def load_all(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp_path):
+    config = get_config(hf_dirs[arch])
+    export_model(config, build_model(config), str(tmp_path / "out"))
+    before, after = load_all(hf_dirs[arch]), load_all(str(tmp_path / "out"))
+    assert set(before) == set(after)
+    for k in before:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == \
+        json.loads(open(os.path.join(hf_dirs[arch], "config.json")).read())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
+    from mobius.reference import ReferenceTrainer
+    from mobius.train import make_batches
+
+    cfg = RunConfig(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
+                    precision="fp32")
+    config = get_config(cfg.model)
+    trainer = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
+    losses = [trainer.step(k).loss for k in range(3)]
+    assert losses[-1] < losses[0]
+    out = str(tmp_path / "tuned")
+    export_model(config, trainer.model, out)
+    tokens = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        ours = trainer.model.logits(tokens)
+    torch.testing.assert_close(reference_logits(out, tokens), ours, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(reference_logits(hf_dirs[arch], tokens), ours, atol=1e-3)  # it did change
+
+
+def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):
+    from mobius.backend import resolve_topology
+    from mobius.launcher import launch_pipeline
+    from mobius.reference import ReferenceTrainer
+    from mobius.train import make_batches
+
+    out = str(tmp_path / "piped")
+    cfg = RunConfig(model=hf_dirs["llama"], backend="pipeline", topology="cpu", cpu_workers=2, stages=4, steps=3,
+                    micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False, export=out)
+    config = get_config(cfg.model)
+    history = launch_pipeline(cfg, config, resolve_topology(cfg))
+    ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32", "export": None})
+    ref = ReferenceTrainer(ref_cfg, config, make_batches(ref_cfg, config), torch.device("cpu"))
+    ref_losses = [ref.step(k).loss for k in range(3)]
+    for m, r in zip(history, ref_losses):
+        assert abs(m.loss - r) / r < 1e-5
+    tokens = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reference_logits(out, tokens), ref.model.logits(tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_tokenizer_json_and_jsonl_data(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    tok.save(str(model_dir / "tokenizer.json"))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "again hello"}) + "\n")
+    ids = load_corpus(data, tokenizer=tokenizer_for(str(model_dir)))
+    assert list(ids) == [1, 2, 3, 1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "x"}\n')
+    from mobius.errors import InputError
+    with pytest.raises(InputError, match="line 1 .* 'text' field"):
+        load_corpus(bad)
+
+
+@pytest.mark.parametrize("topology", ["8x3090-4+4", "4x4090"])
+def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topology):
+    from mobius.planner import make_plan
+    from topology import load_preset
+
+    shapes = {
+        "llama-3.1-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                         "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                         "rope_theta": 500000.0, "tie_word_embeddings": False,
+                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+        "qwen2.5-32b": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+                        "num_attention_heads": 40, "num_key_value_heads": 8, "num_hidden_layers": 64,
+                        "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                        "rope_theta": 1000000.0, "tie_word_embeddings": False},
+    }
+    for name, cfg in shapes.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        t0 = time.perf_counter()
+        config = get_config(str(d))
+        plan = make_plan(str(d), config, load_preset(topology), 1, load_preset(topology).n, 1024, "bf16",
+                         use_cache=False, time_limit_s=8)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 30 and plan.predicted_step_s > 0
+        assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2
