@@ -104,13 +104,18 @@ class StageRunner:
         return x
 
     def _saved_hooks(self, ledger: list[int]):
+        """Account the activations autograd keeps: each storage once, however often it is saved
+        (the profiler counts the same way, so plan and runtime agree)."""
         memory = self.memory
+        seen: set[int] = set()
 
         def pack(t: torch.Tensor):
             if not isinstance(t, nn.Parameter):
-                n = t.untyped_storage().nbytes()
-                memory.allocate(n, "saved activations")
-                ledger.append(n)
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    memory.allocate(storage.nbytes(), "saved activations")
+                    ledger.append(storage.nbytes())
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
