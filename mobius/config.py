@@ -16,7 +16,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # Options of the DESIGN.md contract whose machinery is not built yet: they exit 2 with this reason.
 NOT_BUILT = {
     "chunked": "the chunked_dp backend (issue 9) is not built yet; use --backend pipeline or single",
-    "save": "--save/--resume/--stop-after (checkpointing, issue 8) are not built yet",
 }
 
 
@@ -94,7 +93,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m mobius.train",
         description="Fine-tune a language model with the Mobius pipeline (or the reference trainer).",
-        epilog="Not built yet (exit 2 if used): --backend chunked, --save/--resume/--stop-after.",
+        epilog="Not built yet (exit 2 if used): --backend chunked.",
     )
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend,
@@ -106,10 +105,11 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) to this JSON file")
-    p.add_argument("--save", default=None)
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", default=None)
-    p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--save", default=None, help="checkpoint directory (written every --save-every steps and at the end)")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end or on a stop)")
+    p.add_argument("--resume", default=None, help="continue from this checkpoint (any backend or topology)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end this run after K steps with a checkpoint, as a signal would (--steps stays the total)")
     p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -138,8 +138,21 @@ def validate(cfg: RunConfig) -> None:
         raise InputError(f"--stages must be positive, got {cfg.stages}")
     if cfg.backend == "chunked":
         raise InputError(NOT_BUILT["chunked"])
-    if cfg.save or cfg.resume or cfg.stop_after is not None or cfg.save_every:
-        raise InputError(NOT_BUILT["save"])
+    if cfg.save_every < 0:
+        raise InputError(f"--save-every must be positive, got {cfg.save_every}")
+    if cfg.stop_after is not None and cfg.stop_after <= 0:
+        raise InputError(f"--stop-after must be positive, got {cfg.stop_after}")
+    if cfg.save_every and not cfg.save:
+        raise InputError("--save-every needs --save DIR")
+    if cfg.save:
+        parent = Path(cfg.save).resolve().parent
+        if not parent.is_dir():
+            raise InputError(f"--save {cfg.save}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise InputError(f"--save {cfg.save}: not writable")
+        target = Path(cfg.save)
+        if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "manifest.json").exists())):
+            raise InputError(f"--save {cfg.save}: exists and is not a Mobius checkpoint; refusing to replace it")
     _check_writable_file("--metrics", cfg.metrics)
     _check_writable_file("--trace", cfg.trace)
     if cfg.data is not None and not Path(cfg.data).exists():

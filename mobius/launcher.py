@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import uuid
 
@@ -18,6 +19,7 @@ from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig, build_model, get_config
 from mobius.planner import make_plan
+from mobius.signals import StopRequest
 from mobius.train import check_model_input, make_batches
 from topology import Topology
 
@@ -49,6 +51,10 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
         topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
     cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
     make_batches(cfg, model_config)  # data present and non-empty, before any worker starts
+    if cfg.resume:
+        from mobius import checkpoint as ck
+
+        ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
     budgets = [int(g.memory_gb * GB) for g in topo.gpus]
 
     def make(recompute: bool, budgets=None):
@@ -80,7 +86,11 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=topo.n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
+                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT/SIGTERM: ours
+    # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
+    run_dir = tempfile.mkdtemp(prefix="mobius-run-")
+    payload["stop_file"] = os.path.join(run_dir, "stop")
+    StopRequest(payload["stop_file"], kill_children=True).install()
     if cfg.export:
         from mobius.models.hf import start_export
 
@@ -88,10 +98,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     try:
         results = elastic_launch(launch, worker_main)(payload)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        first = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        print(f"error: pipeline worker {rank} failed: {first}", file=sys.stderr)
+        print(f"error: {describe_failure(err)}", file=sys.stderr)
         raise SystemExit(1)
     from mobius.metrics import StepMetrics
 
@@ -113,3 +120,21 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
 
 def running_under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def describe_failure(err) -> str:
+    """One line naming the worker that failed first and why.
+
+    A worker killed by a signal is the root cause even if a peer's error (its connection
+    closing) was recorded a moment earlier."""
+    failures = err.failures
+
+    def summary(f) -> str:
+        message = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
+        lines = str(message).strip().splitlines()
+        return lines[-1] if lines else f"exit code {f.exitcode}"
+
+    ranked = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
+    rank, root = ranked[0]
+    others = [f"worker {r}: {summary(f)[:120]}" for r, f in ranked[1:]]
+    return f"pipeline worker {rank} failed: {summary(root)}" + (f" (then {'; '.join(others)})" if others else "")

@@ -21,13 +21,15 @@ class StepMetrics:
     d2h_bytes: int = 0
     peer_bytes: int = 0
     peak_device_bytes: int = 0
+    loss_scale: float = 1.0  # fp16 dynamic loss scale after this step
+    skipped_steps: int = 0  # fp16 steps skipped for overflow so far
 
 
 class MetricsWriter:
     """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing."""
 
-    def __init__(self, path: str | os.PathLike | None):
-        self._file = open(path, "w") if path else None
+    def __init__(self, path: str | os.PathLike | None, append: bool = False):
+        self._file = open(path, "a" if append else "w") if path else None
 
     def write(self, m: StepMetrics) -> None:
         if self._file:

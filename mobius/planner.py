@@ -143,6 +143,28 @@ def check_host_memory(model_name: str, config: GPTConfig, topo: Topology, precis
                          f"state and gradients, but {topo.name} has {topo.host_memory_gb:.1f} GB")
 
 
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), or None where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def check_host_memory_available(model_name: str, config: GPTConfig, precision: str) -> None:
+    """Pre-flight on the machine itself: master weights, AdamW state and gradients must fit in RAM."""
+    available = available_host_memory()
+    if available is None:
+        return
+    need = build_model(config, device="meta").num_parameters() * HOST_BYTES_PER_PARAM[precision]
+    if need > available:
+        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
+                         f"gradients), but this machine has {available / GB:.1f} GB available")
+
+
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",

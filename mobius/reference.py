@@ -62,4 +62,5 @@ class ReferenceTrainer:
         tokens = len(micro) * micro[0].tokens.numel()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return StepMetrics(step=step, loss=total / len(micro), lr=lr, tokens=tokens,
-                           step_time_s=time.perf_counter() - t0, peak_device_bytes=peak)
+                           step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)

@@ -48,8 +48,8 @@ def test_probe_p2p_disabled_consumer_box_chooses_pipeline(tmp_path):
 def test_probe_without_nvml_gives_cpu_workers(capsys):
     topo = probe(cpu_workers=3, cpu_memory_gb=1.5, nvml=FakeNVML([], missing=True))
     assert topo.virtual and topo.n == 3 and topo.gpus[0].memory_gb == 1.5
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no NVIDIA driver" in err[0]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no NVIDIA driver" in out[0]
 
 
 @pytest.mark.parametrize("mutate,key", [

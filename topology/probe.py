@@ -175,5 +175,5 @@ def probe(cpu_workers: int = 2, cpu_memory_gb: float = 2.0, nvml: ModuleType | N
             reason = f"NVML failed: {err}"
     if not quiet:
         print(f"topology: {reason}: using {cpu_workers} CPU workers with {cpu_memory_gb:g} GB each "
-              "(--cpu-workers, --gpu-mem-gb)", file=sys.stderr)
+              "(--cpu-workers, --gpu-mem-gb)")  # information, not an error: stdout
     return cpu_topology(cpu_workers, cpu_memory_gb)

@@ -68,7 +68,7 @@ class StageRunner:
 
     def _to_device(self, t: torch.Tensor, what: str) -> torch.Tensor:
         nbytes = _nbytes(t)
-        self.memory.allocate(nbytes, what)
+        self.memory.allocate(nbytes, what)  # freed within the same phase (self._free)
         self.traffic.h2d += nbytes
         return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t.clone()
 
@@ -103,7 +103,7 @@ class StageRunner:
             x = layer(x, targets) if isinstance(layer, Head) else layer(x)
         return x
 
-    def _saved_hooks(self, ledger: list[int]):
+    def _saved_hooks(self, ledger: list[tuple[int, int]]):
         """Account the activations autograd keeps: each storage once, however often it is saved
         (the profiler counts the same way, so plan and runtime agree)."""
         memory = self.memory
@@ -114,23 +114,32 @@ class StageRunner:
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
-                    memory.allocate(storage.nbytes(), "saved activations")
-                    ledger.append(storage.nbytes())
+                    phase = memory.allocate(storage.nbytes(), "saved activations")
+                    ledger.append((storage.nbytes(), phase))
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def _free_ledger(self, ledger: list[int]) -> None:
-        self.memory.free(sum(ledger))
+    def _free_ledger(self, ledger: list[tuple[int, int]]) -> None:
+        for nbytes, phase in ledger:
+            self.memory.free(nbytes, phase)
         ledger.clear()
 
+    def _free(self, t: torch.Tensor) -> None:
+        """Free a transient tensor allocated in the running phase."""
+        self.memory.free(_nbytes(t), self.memory.phase)
+
     # ---- memory reservation against prefetch -------------------------------------------------
+    # Headroom over the plan's working-memory estimate: the bytes autograd saves vary by a few
+    # percent from run to run, and a prefetch must never take what the running stage will need.
+    RESERVE_MARGIN = 1.10
+
     def _reserve(self, s: int, phase: str) -> None:
-        """Hold back the working memory stage ``s`` needs in ``phase``: the plan's estimate, or more
-        if an earlier step saw it use more."""
+        """Hold back the working memory stage ``s`` needs in ``phase``: the plan's estimate with a
+        margin, or more if an earlier step saw it use more."""
         sp = self.plan.stages[s]
         planned = (sp.mem_fwd_bytes if phase == "forward" else sp.mem_bwd_bytes) - sp.param_bytes
-        self.memory.set_compute_reserve(max(planned, self._seen_working.get((s, phase), 0)))
+        self.memory.set_compute_reserve(max(int(planned * self.RESERVE_MARGIN), self._seen_working.get((s, phase), 0)))
 
     def _observe(self, s: int, phase: str) -> None:
         used = self.memory.compute_peak_since_reserve
@@ -172,22 +181,22 @@ class StageRunner:
                     host_inputs[(s, m)] = x_host
                     with torch.no_grad():
                         out = self._run_layers(layers, x, targets)
-                    self.memory.free(_nbytes(x))
+                    self._free(x)
                     del x
                 else:
-                    ledger: list[int] = []
+                    ledger: list[tuple[int, int]] = []
                     if x.is_floating_point():
                         x.requires_grad_(True)
                     with self._saved_hooks(ledger):
                         out = self._run_layers(layers, x, targets)
-                    kept[(s, m)] = (x, out, ledger)
+                    kept[(s, m)] = (x, out, ledger, self.memory.phase)
                 if s == last:
                     loss_sum += out.item()
                     loss_count += 1
                 else:
                     self.memory.allocate(_nbytes(out), "stage output")
                     self._send(out, s + 1, s, m, False, pending)
-                    self.memory.free(_nbytes(out))
+                    self._free(out)
                 if self.recompute:
                     del out
             self._observe(s, "forward")
@@ -205,30 +214,31 @@ class StageRunner:
             if k + 1 < len(order):
                 nxt = order[k + 1]
                 handles[nxt] = self.prefetcher.request(nxt, transfer_priority(nxt, self.n_stages, "backward"))
-            self.memory.allocate(self.plan.stages[s].param_bytes, f"gradients of stage {s}")
+            grad_phase = self.memory.allocate(self.plan.stages[s].param_bytes, f"gradients of stage {s}")
             t0 = time.perf_counter()
             for m in range(self.M):
                 targets = micro[m].targets.to(self.device) if s == last else None
                 ledger = []
                 if self.recompute:
+                    x_phase = self.memory.phase
                     x = self._to_device(host_inputs.pop((s, m)), "recompute input")
                     if x.is_floating_point():
                         x.requires_grad_(True)
                     with self._saved_hooks(ledger):
                         out = self._run_layers(layers, x, targets)
                 else:
-                    x, out, ledger = kept.pop((s, m))
+                    x, out, ledger, x_phase = kept.pop((s, m))
                 if s == last:
                     (out * (self.scaler.scale / self.M)).backward()
                 else:
                     g = self._to_device(self._recv(s + 1, s, m, True, hidden_shape, self.dtype), "output gradient")
                     out.backward(g)
-                    self.memory.free(_nbytes(g))
+                    self._free(g)
                     del g
                 self._free_ledger(ledger)
                 if s > 0:
                     self._send(x.grad, s - 1, s - 1, m, True, pending)
-                self.memory.free(_nbytes(x))
+                self.memory.free(_nbytes(x), x_phase)
                 del x, out
             self._observe(s, "backward")
             self.trace.span(f"B{s}", "compute", t0, time.perf_counter(), stage=s)
@@ -237,7 +247,8 @@ class StageRunner:
             done = torch.cuda.Event() if self.device.type == "cuda" else None
             if done is not None:
                 done.record()
-            optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, grads, done, lr))
+            self.memory.will_free(self.plan.stages[s].param_bytes)
+            optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, grads, done, lr, grad_phase))
             del grads, layers
             # The gradients now belong to the offload job; the weights can go.
             self.prefetcher.release(handle)
@@ -256,7 +267,7 @@ class StageRunner:
             work.wait()
         return loss_sum, loss_count
 
-    def _offload_and_update(self, s: int, grads: list[torch.Tensor], done, lr: float) -> None:
+    def _offload_and_update(self, s: int, grads: list[torch.Tensor], done, lr: float, grad_phase: int) -> None:
         """Gradients -> host fp32 master grads, then (unless fp16 must agree on overflow first) AdamW."""
         if done is not None:
             done.synchronize()
@@ -269,7 +280,7 @@ class StageRunner:
             if p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
         self.traffic.d2h += nbytes
-        self.memory.free(nbytes)
+        self.memory.free(self.plan.stages[s].param_bytes, grad_phase, announced=True)
         t1 = time.perf_counter()
         self.trace.span(f"grads {s} to host", "offload", t0, t1, bytes=nbytes)
         if not self.scaler.enabled and s not in self.tied_stages:

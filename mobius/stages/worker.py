@@ -25,6 +25,7 @@ from mobius.reference import DTYPES
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
+from mobius.signals import StopRequest
 from mobius.swap.store import HostStageStore
 
 COLLECTIVE_TIMEOUT_S = 60
@@ -88,15 +89,28 @@ def _run(payload: dict, rank: int, world: int) -> dict:
         return StepMetrics(step=step, loss=stats[0].item() / stats[1].item(),
                            lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=time.perf_counter() - t0,
                            h2d_bytes=int(stats[2]), d2h_bytes=int(stats[3]), peer_bytes=int(stats[4]),
-                           peak_device_bytes=int(peak.item()))
+                           peak_device_bytes=int(peak.item()), loss_scale=scaler.scale,
+                           skipped_steps=scaler.skipped_steps)
 
+    start = 0
+    if cfg.resume:
+        start = _restore(cfg, store, scaler, model_config)
+    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+
+    def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([float(want_stop), float(want_save)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def save(done: int) -> None:
+        _save(cfg, store, scaler, model_config, done, rank)
+
+    from mobius.train import run_steps
+
+    header = payload["header"] + (f", resuming at step {start}" if start else "")
     try:
-        if rank == 0:
-            from mobius.train import run_steps
-
-            history = run_steps(cfg, one_step, payload["header"])
-        else:
-            history = [one_step(step) for step in range(cfg.steps)]
+        history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
+                            main=rank == 0)
         events = [None] * world if rank == 0 else None
         dist.gather_object(trace.events, events, dst=0)
         if rank == 0 and cfg.trace:
@@ -107,7 +121,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     if payload.get("export_staging"):
         _write_export_shards(store, model_config, payload["export_staging"])
     result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
-              "budget_bytes": budget, "peak_bytes_max": max(m.peak_device_bytes for m in history)}
+              "budget_bytes": budget, "peak_bytes_max": max((m.peak_device_bytes for m in history), default=0)}
     if payload.get("return_weights"):
         result["weights"] = store.state_dict()
     return result
@@ -121,7 +135,7 @@ def _plan_for_torchrun(cfg: RunConfig) -> dict:
 
 def _inject_fault(rank: int, step: int) -> None:
     """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
-    spec = os.environ.get("MOBIUS_FAULT")
+    spec = os.environ.get("MOBIUS_FAULT")  # MOBIUS_TEST_TAG only marks processes for the orphan test
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -138,3 +152,48 @@ def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
             _, index, local = name.split(".", 2)
             layers.setdefault(int(index), {})[local] = p
         write_shard(config, Path(staging), f"stage-{s:05d}", layers)
+
+
+def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:
+    """The parameters of stage ``s`` by name, without the tied copy of the token table (the
+    embedding's copy is the one stored)."""
+    from mobius.models import tied_parameter_names
+
+    aliases = tied_parameter_names(store.config)
+    host = store.stages[s]
+    return {n: p for n, p in zip(host.names, host.master.parameters()) if n not in aliases}
+
+
+def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int) -> None:
+    """Every worker writes its stages' shards; rank 0 checksums them and swaps the checkpoint in."""
+    from mobius import checkpoint as ck
+
+    staging = ck.staging_dir(cfg.save)
+    if rank == 0:
+        ck.begin_save(cfg.save)
+    dist.barrier()
+    for s, host in store.stages.items():
+        named = _stage_state(store, s)
+        ck.write_tensors(staging, f"weights-stage{s:04d}.safetensors", named)
+        ck.write_tensors(staging, f"optimizer-stage{s:04d}.safetensors", ck.optimizer_tensors(named, host.optimizer))
+    if rank == 0:
+        ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
+    dist.barrier()
+    if rank == 0:
+        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, scaler))
+    dist.barrier()
+
+
+def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config) -> int:
+    """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
+    from mobius import checkpoint as ck
+    from mobius.models import tied_parameter_names
+
+    ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # the launcher verified it before starting us
+    aliases = tied_parameter_names(model_config)
+    for s, host in store.stages.items():
+        ck.restore(ckpt, dict(zip(host.names, host.master.parameters())), host.optimizer, aliases)
+        store.refresh_compute_copy(s)
+    ck.restore_scaler(ckpt, scaler)
+    ck.restore_rng(ckpt)
+    return ckpt.step

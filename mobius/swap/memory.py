@@ -30,31 +30,47 @@ class DeviceMemory:
         self.used = 0
         self.peak = 0
         self.compute_reserve = 0  # bytes the running stage may still allocate
+        self.phase = 0  # bumped by every set_compute_reserve: which stage-phase is computing
         self._compute_used = 0
         self.compute_peak_since_reserve = 0
+        self.leaving = 0  # bytes an in-flight job (gradient offload) is about to free
         self._cond = threading.Condition()
 
     def _headroom(self) -> int:
         outstanding = max(0, self.compute_reserve - self._compute_used)
         return self.budget - self.used - outstanding
 
-    def allocate(self, nbytes: int, what: str, compute: bool = True) -> None:
+    def allocate(self, nbytes: int, what: str) -> int:
+        """Take ``nbytes`` for compute; returns the phase to hand back to :meth:`free`."""
         with self._cond:
+            # Gradients being offloaded leave on their own: wait for them rather than fail.
+            while self.used + nbytes > self.budget and self.leaving > 0:
+                self._cond.wait(timeout=0.5)
             if self.used + nbytes > self.budget:
                 raise DeviceBudgetError(
                     f"{self.device_name}: {what} needs {nbytes / 2**20:.1f} MiB but only "
-                    f"{(self.budget - self.used) / 2**20:.1f} MiB of the {self.budget / 2**20:.1f} MiB budget is free "
-                    "(raise --gpu-mem-gb or use more stages)")
+                    f"{(self.budget - self.used) / 2**20:.1f} MiB of the {self.budget / 2**20:.1f} MiB budget is free; "
+                    f"the running stage uses {self._compute_used / 2**20:.2f} MiB of the "
+                    f"{self.compute_reserve / 2**20:.2f} MiB its plan reserved (raise --gpu-mem-gb or use more stages)")
             self.used += nbytes
-            if compute:
-                self._compute_used += nbytes
-                self.compute_peak_since_reserve = max(self.compute_peak_since_reserve, self._compute_used)
+            self._compute_used += nbytes
+            self.compute_peak_since_reserve = max(self.compute_peak_since_reserve, self._compute_used)
             self.peak = max(self.peak, self.used)
+            return self.phase
 
-    def free(self, nbytes: int, compute: bool = True) -> None:
+    def will_free(self, nbytes: int) -> None:
+        """Announce that a background job will free ``nbytes`` without needing compute to progress."""
+        with self._cond:
+            self.leaving += nbytes
+
+    def free(self, nbytes: int, phase: int | None = None, announced: bool = False) -> None:
+        """Return bytes.  Only bytes allocated in the running phase count against its reservation;
+        a gradient freed by the offload thread belongs to a phase that has already ended."""
         with self._cond:
             self.used -= nbytes
-            if compute:
+            if announced:
+                self.leaving -= nbytes
+            if phase is not None and phase == self.phase:
                 self._compute_used = max(0, self._compute_used - nbytes)
             self._cond.notify_all()
 
@@ -62,6 +78,7 @@ class DeviceMemory:
         """Start of a stage's phase: hold back its expected working memory from prefetching."""
         with self._cond:
             self.compute_reserve = int(nbytes)
+            self.phase += 1
             self._compute_used = 0
             self.compute_peak_since_reserve = 0
             self._cond.notify_all()

@@ -73,7 +73,7 @@ class Prefetcher:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None
         handle.layers = None
-        self.memory.free(handle.nbytes, compute=False)
+        self.memory.free(handle.nbytes)
 
     def close(self) -> None:
         self._stop.set()

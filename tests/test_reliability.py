@@ -1,0 +1,235 @@
+"""Checkpoints, resume, signals, dead workers, numerics and bad input (issue 8)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobius import checkpoint as ck
+from mobius.train import main
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress"]
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def weights(directory):
+    c = ck.load_checkpoint(directory)
+    return {n: c.get(n) for n in c.names() if "/" not in n}
+
+
+def test_stop_after_then_resume_equals_straight_run_bitwise(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    main(TINY + ["--backend", "single", "--steps", "10", "--stop-after", "5", "--save", str(a),
+                 "--metrics", str(tmp_path / "a.jsonl")])
+    assert ck.load_checkpoint(a).step == 5
+    main(TINY + ["--backend", "single", "--steps", "10", "--resume", str(a), "--save", str(a),
+                 "--metrics", str(tmp_path / "a.jsonl")])
+    main(TINY + ["--backend", "single", "--steps", "10", "--save", str(b), "--metrics", str(tmp_path / "b.jsonl")])
+    assert losses(tmp_path / "a.jsonl") == losses(tmp_path / "b.jsonl")
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_pipeline_checkpoint_resumes_on_single_backend(tmp_path):
+    """Per-stage shards from 2 workers are reassembled by name by another backend."""
+    d = tmp_path / "pipe"
+    main(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "6", "--stop-after", "3",
+                 "--save", str(d), "--metrics", str(tmp_path / "p.jsonl")])
+    assert {f.name for f in d.iterdir()} >= {"weights-stage0000.safetensors", "weights-stage0003.safetensors"}
+    main(TINY + ["--backend", "single", "--steps", "6", "--resume", str(d), "--metrics", str(tmp_path / "p.jsonl")])
+    main(TINY + ["--backend", "single", "--steps", "6", "--metrics", str(tmp_path / "s.jsonl")])
+    for x, y in zip(losses(tmp_path / "p.jsonl"), losses(tmp_path / "s.jsonl"), strict=True):
+        assert abs(x - y) / y < 1e-5
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    d = tmp_path / "ck"
+    main(TINY + ["--backend", "single", "--steps", "2", "--save", str(d)])
+    return d
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return exit_info.value.code, err
+
+
+def test_one_changed_byte_is_refused_naming_the_file(saved, capsys):
+    f = saved / "weights.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="weights.safetensors is corrupt"):
+        ck.load_checkpoint(saved)
+    code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved)], capsys)
+    assert code == 2 and len(err) == 1 and "weights.safetensors is corrupt" in err[0]
+
+
+def test_truncated_manifest_is_refused(saved):
+    m = saved / "manifest.json"
+    m.write_text(m.read_text()[:40])
+    with pytest.raises(ck.CheckpointError, match="manifest.json is unreadable or truncated"):
+        ck.load_checkpoint(saved)
+
+
+def test_checkpoint_of_another_model_is_refused(saved, capsys):
+    code, err = run_cli(["--model", "tiny8", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress",
+                         "--backend", "single", "--steps", "4", "--resume", str(saved)], capsys)
+    assert code == 2 and "different model (differs in n_layer)" in err[0]
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint(saved, monkeypatch):
+    before = weights(saved)
+    calls = []
+    real = ck.write_tensors
+
+    def crash_on_second_file(staging, name, tensors):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed mid-save")
+        real(staging, name, tensors)
+
+    monkeypatch.setattr(ck, "write_tensors", crash_on_second_file)
+    with pytest.raises(SystemExit):
+        main(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--save", str(saved)])
+    monkeypatch.undo()
+    assert ck.load_checkpoint(saved).step == 2
+    after = weights(saved)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # A crash between the two renames of a save: the checkpoint sits in DIR.old and still loads.
+    os.replace(saved, saved.with_name(saved.name + ".old"))
+    assert ck.load_checkpoint(saved).step == 2
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    d = tmp_path / "ck"
+    code, err = run_cli(TINY + ["--backend", "single", "--steps", "8", "--lr", "1e9", "--save", str(d),
+                                "--save-every", "1"], capsys)
+    assert code == 1 and "loss is nan at step 1" in err[-1] and "last checkpoint" in err[-1]
+    assert ck.load_checkpoint(d).step == 1
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    from mobius.config import RunConfig
+    from mobius.data import BatchSource, load_corpus
+    from mobius.models import get_config
+    from mobius.reference import ReferenceTrainer
+
+    cfg = RunConfig(model="tiny", steps=3, micro_batch_size=2, micro_batches=2, seq_len=32, precision="fp16")
+    t = ReferenceTrainer(cfg, get_config("tiny"), BatchSource(load_corpus(None, 100_000), 32, 2, 2, 0),
+                         torch.device("cpu"))
+    t.scaler.scale = 3e38  # the scaled loss overflows
+    before = [p.detach().clone() for p in t.model.parameters()]
+    m = t.step(0)
+    assert m.skipped_steps == 1 and m.loss_scale == pytest.approx(1.5e38)
+    assert all(torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
+    t.scaler.scale = 1024.0
+    m = t.step(1)
+    assert m.skipped_steps == 1 and not all(torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
+
+
+def _spawn(args, tmp_path, env=None):
+    return subprocess.Popen([sys.executable, "-m", "mobius.train"] + args, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def _wait_for_step(metrics: Path, step: int, timeout: float = 60) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if metrics.exists() and sum(1 for _ in open(metrics)) > step:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run did not reach the step")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
+    p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "100000",
+                       "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
+    _wait_for_step(tmp_path / "m.jsonl", 2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-2000:]
+    step = ck.load_checkpoint(tmp_path / "ck").step
+    assert f"stopped after step {step} of 100000: checkpoint saved to ck" in out
+    assert step == sum(1 for _ in open(tmp_path / "m.jsonl"))
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    # `small` steps take about a second, so the second signal lands while the first is being honoured.
+    p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000000", "--save", "ck",
+                "--save-every", "1000000", "--metrics", "m.jsonl"], tmp_path)
+    _wait_for_step(tmp_path / "m.jsonl", 1)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # a second Ctrl-C, not one the kernel merges with the first
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT and "exiting now" in err
+
+
+def test_killed_worker_leaves_no_orphans(tmp_path):
+    tag = uuid.uuid4().hex
+    p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "3", "--stages", "3", "--steps", "50"], tmp_path,
+               env={"MOBIUS_FAULT": "2:2", "MOBIUS_TEST_TAG": tag})
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=90)
+    assert p.returncode != 0 and time.monotonic() - t0 < 60
+    assert "error: pipeline worker 2 failed: Signal 9" in err
+    time.sleep(1)
+    leftovers = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if tag.encode() in (proc / "environ").read_bytes():
+                leftovers.append(proc.name)
+        except OSError:
+            continue
+    assert leftovers == []
+
+
+BAD_INPUTS = [
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--topology", "nope"], "unknown topology preset 'nope'"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size must be positive"),
+    (["--data", "/nonexistent/corpus"], "no such file or directory"),
+    (["--seq-len", "4096"], "exceeds tiny's context of 128"),
+    (["--backend", "chunked"], "not built yet"),
+    (["--metrics", "/nonexistent/dir/m.jsonl"], "does not exist"),
+    (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
+    (["--save-every", "2"], "--save-every needs --save"),
+    (["--model", "mobius-51b"], "can be planned"),
+    (["--model", "mobius-8b", "--backend", "single"], "GB of host memory"),
+    (["--export", "/tmp/x-export"], "--export needs --model to be a Hugging Face directory"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--stages", "99", "--topology", "cpu"], "exceeds the model's 6 layers"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[a[0][0] + "=" + a[0][1] for a in BAD_INPUTS])
+def test_bad_input_gets_one_line_and_exit_2(args, message, capsys, tmp_path):
+    base = {"--model": "tiny", "--seq-len": "32", "--steps": "2"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    argv = [x for kv in base.items() for x in kv] + ["--no-progress"]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_empty_data_and_malformed_topology(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    code, err = run_cli(TINY + ["--data", str(tmp_path / "empty.txt")], capsys)
+    assert code == 2 and "empty" in err[0]
+    (tmp_path / "t.json").write_text('{"name": "x"')
+    code, err = run_cli(TINY + ["--topology", str(tmp_path / "t.json")], capsys)
+    assert code == 2 and "not valid JSON" in err[0]
