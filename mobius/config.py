@@ -13,10 +13,6 @@ from mobius.errors import InputError
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# Options of the DESIGN.md contract whose machinery is not built yet: they exit 2 with this reason.
-NOT_BUILT = {
-    "chunked": "the chunked_dp backend (issue 9) is not built yet; use --backend pipeline or single",
-}
 
 
 @dataclass
@@ -44,6 +40,9 @@ class RunConfig:
     recompute: str = "auto"  # auto | on | off
     partitioner: str = "mip"
     stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
+    chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
+    rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
+    offload: str = "auto"  # chunked backend: auto (searched placement) | on (all chunks on the host) | off
     progress: bool = True
 
     def to_dict(self) -> dict:
@@ -93,7 +92,6 @@ def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m mobius.train",
         description="Fine-tune a language model with the Mobius pipeline (or the reference trainer).",
-        epilog="Not built yet (exit 2 if used): --backend chunked.",
     )
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend,
@@ -111,6 +109,10 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this run after K steps with a checkpoint, as a signal would (--steps stays the total)")
     p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
+    p.add_argument("--chunk-size", type=int, default=None, help="chunked backend: elements per chunk (default: searched)")
+    p.add_argument("--rcache-blocks", type=int, default=None, help="chunked backend: rCache blocks (default: searched)")
+    p.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
+                   help="chunked backend: keep chunks and their AdamW on the host (on), the device (off), or as searched")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -134,10 +136,11 @@ def validate(cfg: RunConfig) -> None:
         raise InputError(f"--lr must be positive, got {cfg.lr}")
     if cfg.gpu_mem_gb is not None and not cfg.gpu_mem_gb > 0:
         raise InputError(f"--gpu-mem-gb must be positive, got {cfg.gpu_mem_gb}")
+    for name in ("chunk_size", "rcache_blocks"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     if cfg.stages is not None and cfg.stages <= 0:
         raise InputError(f"--stages must be positive, got {cfg.stages}")
-    if cfg.backend == "chunked":
-        raise InputError(NOT_BUILT["chunked"])
     if cfg.save_every < 0:
         raise InputError(f"--save-every must be positive, got {cfg.save_every}")
     if cfg.stop_after is not None and cfg.stop_after <= 0:

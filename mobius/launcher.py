@@ -17,6 +17,7 @@ import torch
 
 from mobius.config import RunConfig
 from mobius.errors import InputError
+from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model, get_config
 from mobius.planner import make_plan
 from mobius.signals import StopRequest
@@ -67,9 +68,6 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
 
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from mobius.stages.worker import worker_main
 
     prep = prepare(cfg, topo)
@@ -82,26 +80,12 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"{cfg.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {plan.predicted_step_s:.2f} s/step")
     payload = {"cfg": cfg.to_dict(), "plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
-               "header": header, "return_weights": return_weights, "t_origin": time.perf_counter()}
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=topo.n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT/SIGTERM: ours
-    # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
-    run_dir = tempfile.mkdtemp(prefix="mobius-run-")
-    payload["stop_file"] = os.path.join(run_dir, "stop")
-    StopRequest(payload["stop_file"], kill_children=True).install()
+               "header": header, "return_weights": return_weights}
     if cfg.export:
         from mobius.models.hf import start_export
 
         payload["export_staging"] = str(start_export(cfg.export))
-    try:
-        results = elastic_launch(launch, worker_main)(payload)
-    except ChildFailedError as err:
-        print(f"error: {describe_failure(err)}", file=sys.stderr)
-        raise SystemExit(1)
-    from mobius.metrics import StepMetrics
-
+    results = run_workers(topo.n, worker_main, payload)
     if cfg.export:
         from pathlib import Path
 
@@ -116,6 +100,64 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
+
+
+def run_workers(n: int, entry, payload: dict) -> dict:
+    """Start ``n`` workers running ``entry(payload)`` through the elastic launcher; a failed worker
+    ends everything with one line naming it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    payload["t_origin"] = time.perf_counter()
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT/SIGTERM: ours
+    # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
+    run_dir = tempfile.mkdtemp(prefix="mobius-run-")
+    payload["stop_file"] = os.path.join(run_dir, "stop")
+    StopRequest(payload["stop_file"], kill_children=True).install()
+    try:
+        return elastic_launch(launch, entry)(payload)
+    except ChildFailedError as err:
+        print(f"error: {describe_failure(err)}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
+    """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher."""
+    from chunked_dp.chunks import trace_first_use
+    from chunked_dp.search import search
+    from chunked_dp.worker import worker_main
+
+    if cfg.save or cfg.resume or cfg.export:
+        raise InputError("--save/--resume/--export are not built for --backend chunked yet; use --backend pipeline")
+    if cfg.micro_batches % topo.n:
+        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
+    cuda = not topo.virtual and torch.cuda.is_available()
+    cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
+    make_batches(cfg, model_config)
+    found = search(trace_first_use(model_config), topo)  # chunk size, rCache blocks, device-resident chunks
+    setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
+             "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
+    from chunked_dp.chunks import chunks_of_layers, pack
+
+    use = trace_first_use(model_config)
+    packed = pack(use, setup["chunk_size"], topo.n)
+    need = max(len(cs) for cs in chunks_of_layers(packed, use))
+    if setup["n_block"] < need:
+        raise InputError(f"--rcache-blocks {setup['n_block']}: a layer of {cfg.model} spans {need} chunks of "
+                         f"{packed[0].size} elements; the rCache needs at least {need} blocks")
+    n_params = build_model(model_config, device="meta").num_parameters()
+    header = (f"mobius: backend chunked on {topo.n} {'CUDA GPUs' if cuda else 'CPU workers'} ({topo.name}), "
+              f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup['chunk_size']} elements, "
+              f"rCache {setup['n_block']} blocks, offload {'on' if setup['offload'] else 'off'}, "
+              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
+    payload = {"cfg": cfg.to_dict(), "chunked": setup, "cuda": cuda, "header": header,
+               "return_weights": return_weights}
+    results = run_workers(topo.n, worker_main, payload)
+    history = [StepMetrics(**m) for m in results[0]["history"]]
+    return (history, results[0]["weights"], results) if return_weights else history
 
 
 def running_under_torchrun() -> bool:
@@ -137,4 +179,4 @@ def describe_failure(err) -> str:
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
     rank, root = ranked[0]
     others = [f"worker {r}: {summary(f)[:120]}" for r, f in ranked[1:]]
-    return f"pipeline worker {rank} failed: {summary(root)}" + (f" (then {'; '.join(others)})" if others else "")
+    return f"worker {rank} failed: {summary(root)}" + (f" (then {'; '.join(others)})" if others else "")

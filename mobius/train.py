@@ -152,6 +152,10 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
     backend, topo = resolve_backend(cfg)
     if backend == "single":
         return train_single(cfg, model_config)
+    if backend == "chunked":
+        from mobius.launcher import launch_chunked
+
+        return launch_chunked(cfg, model_config, topo)
     from mobius.launcher import launch_pipeline
 
     return launch_pipeline(cfg, model_config, topo)

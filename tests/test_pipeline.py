@@ -91,4 +91,4 @@ def test_killed_worker_ends_the_run_quickly_with_its_rank():
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert elapsed < 60
-    assert "error: pipeline worker 1 failed: Signal 9" in r.stderr
+    assert "error: worker 1 failed: Signal 9" in r.stderr

@@ -185,7 +185,7 @@ def test_killed_worker_leaves_no_orphans(tmp_path):
     t0 = time.monotonic()
     _, err = p.communicate(timeout=90)
     assert p.returncode != 0 and time.monotonic() - t0 < 60
-    assert "error: pipeline worker 2 failed: Signal 9" in err
+    assert "error: worker 2 failed: Signal 9" in err
     time.sleep(1)
     leftovers = []
     for proc in Path("/proc").iterdir():

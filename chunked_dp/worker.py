@@ -1,0 +1,64 @@
+"""One chunked-DP worker process, started by the same elastic launcher as the pipeline."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from chunked_dp.engine import ChunkedEngine
+from mobius.config import RunConfig
+from mobius.metrics import Trace, write_trace
+from mobius.models import get_config
+from mobius.reference import DTYPES
+from mobius.signals import StopRequest
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def worker_main(payload: dict) -> dict:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = payload.get("cuda", False)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        return _run(payload, rank, world, cuda)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
+    from mobius.train import make_batches, run_steps
+
+    cfg = RunConfig.from_dict(payload["cfg"])
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    trace = Trace(enabled=bool(cfg.trace), pid=rank)
+    trace.set_origin(payload.get("t_origin", time.perf_counter()))
+    model_config = get_config(cfg.model)
+    setup = payload["chunked"]
+    engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],
+                           setup["device_chunks"], DTYPES[cfg.precision], cfg.seed, cfg.lr, cfg.steps, trace)
+    batches = make_batches(cfg, model_config)
+    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+
+    def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([float(want_stop), float(want_save)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    history = run_steps(cfg, lambda step: engine.step(step, batches), payload["header"], stop=stop, agree=agree,
+                        main=rank == 0)
+    events = [None] * world if rank == 0 else None
+    dist.gather_object(trace.events, events, dst=0)
+    if rank == 0 and cfg.trace:
+        write_trace(cfg.trace, [e for evs in events for e in evs])
+    weights = engine.state_dict() if payload.get("return_weights") else None
+    return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, "weights": weights,
+            "counters": engine.counters.__dict__, "chunks": len(engine.chunks), "chunk_size": engine.chunks[0].size}

@@ -1,0 +1,111 @@
+"""chunked_dp: replacement policies, chunk packing, the search, and equivalence with the reference."""
+
+import random
+
+import pytest
+import torch
+
+from chunked_dp.cache import count_replacements
+from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
+from chunked_dp.search import allowed_memory, benefits, search
+from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
+from mobius.launcher import launch_chunked
+from mobius.models import get_config
+from mobius.reference import ReferenceTrainer
+from topology import cpu_topology, load_preset
+
+
+def test_fig4_two_interleaved_chunks_one_block_three_replacements():
+    # w1, w3 in chunk 0 and w2, w4 in chunk 1, used in the order w1 w2 w3 w4 (Elixir-000 Fig. 4).
+    for policy in ("belady", "lru", "fifo"):
+        assert count_replacements([0, 1, 0, 1], 1, policy)[1] == 3
+
+
+def test_belady_never_worse_than_lru_or_fifo_on_recorded_traces():
+    rng = random.Random(0)
+    trace = trace_first_use(get_config("tiny8"))
+    chunks = pack(trace, 30_000, 1)
+    real = step_access_order(chunks_of_layers(chunks, trace)) * 3
+    traces = [real] + [[rng.randrange(9) for _ in range(200)] for _ in range(5)]
+    for order in traces:
+        for blocks in (2, 3, 5):
+            belady = count_replacements(order, blocks, "belady")[1]
+            assert belady <= count_replacements(order, blocks, "lru")[1]
+            assert belady <= count_replacements(order, blocks, "fifo")[1]
+
+
+def test_packing_follows_first_use_and_handles_the_tied_weight():
+    import dataclasses
+    tied = dataclasses.replace(get_config("tiny"), tie_embeddings=True)
+    trace = trace_first_use(tied)
+    assert trace.order[0][0] == "layers.0.wte.weight"
+    assert "layers.5.lm_head.weight" not in [n for n, _ in trace.order]  # the same parameter as wte
+    assert "layers.0.wte.weight" in trace.layer_params[-1]  # the head uses it too
+    chunks = pack(trace, 1, 4)  # raised to the largest parameter, rounded to the world size
+    assert all(c.size % 4 == 0 and c.used <= c.size for c in chunks)
+    wte_chunk = next(c for c in chunks if any(p.name == "layers.0.wte.weight" for p in c.params))
+    assert wte_chunk.layers == [0, 5]  # reduced only after both users ran backward
+
+
+def test_search_formulas_and_configuration():
+    assert allowed_memory(40e9, 1e9, 4e9) == pytest.approx(0.95 * (40e9 - 1e9 - 1.25 * 4e9))
+    i_n, j_n = benefits(1e6, 8, 100e9, 100e9, 1e9, 50e9)
+    assert i_n == pytest.approx(2e6 / 100e9)
+    assert j_n > i_n  # with fast NVLink-era links, keeping chunks on the device pays more
+    trace = trace_first_use(get_config("gpt2"))
+    dgx = search(trace, load_preset("dgx-a100"))
+    assert dgx.device_fraction == 1.0  # 124M parameters fit on 8 x 40 GB
+    tight = search(trace, cpu_topology(1, memory_gb=1.0))
+    assert tight.device_fraction < 1.0 and tight.n_block >= 1
+
+
+def reference(cfg):
+    t = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"}), get_config(cfg.model),
+                         BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed),
+                         torch.device("cpu"))
+    return [t.step(k).loss for k in range(cfg.steps)], dict(t.model.named_parameters())
+
+
+CASES = [
+    # workers, chunk size (elements), rCache blocks, offload
+    (1, 250_000, 1, "on"),  # the whole model in one chunk, one block
+    (2, 20_000, 4, "on"),  # the smallest rCache for 20k-element chunks (a layer spans 4)
+    (2, 20_000, 64, "off"),  # rCache holds every chunk
+    (4, 60_000, 2, "off"),
+]
+
+
+@pytest.mark.parametrize("workers,chunk,blocks,offload", CASES)
+def test_chunked_equals_reference(workers, chunk, blocks, offload):
+    cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
+                    micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
+                    progress=False)
+    ref_losses, ref_weights = reference(cfg)
+    history, weights, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(workers), return_weights=True)
+    for m, r in zip(history, ref_losses, strict=True):
+        assert abs(m.loss - r) / r < 1e-5
+    for name, w in weights.items():
+        ref = ref_weights[name].detach()
+        assert ((w - ref).norm() / ref.norm()).item() < 1e-5, name
+    assert (history[-1].h2d_bytes > 0) == (offload == "on")
+
+
+def test_gather_and_reduce_volume_at_rcache_max_and_min():
+    """Elixir Table 1.  rCache-max moves 2·L_c·S per step: each chunk is gathered once and reduced
+    once, like ZeRO-2.  rCache-min gathers again in backward every chunk not resident when forward
+    ends: (3 - n_block/n_chunks)·L_c·S, tending to ZeRO-3's 3·L_c·S as the model outgrows the
+    cache.  Table 1's 4·L_c·S adds the gather of Elixir's whole-segment recomputation; our
+    per-layer recomputation runs while the layer's chunks are still pinned, so it needs none."""
+    volumes, chunks = {}, {}
+    for name, blocks in (("max", 64), ("min", 2)):  # 2: the most chunks one layer spans
+        cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=2, steps=1, micro_batch_size=2,
+                        micro_batches=2, seq_len=32, chunk_size=60_000, rcache_blocks=blocks, offload="off",
+                        progress=False)
+        _, _, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(2), return_weights=True)
+        c = results[0]["counters"]
+        s_bytes = results[0]["chunks"] * results[0]["chunk_size"] * 4  # fp32 compute here: L_c = 4
+        volumes[name] = ((c["gather_bytes"] + c["reduce_bytes"]) / s_bytes, c["reduce_bytes"] / s_bytes)
+        chunks[name] = results[0]["chunks"]
+    assert volumes["max"] == (pytest.approx(2.0), pytest.approx(1.0))
+    assert volumes["min"] == (pytest.approx(3.0 - 2 / chunks["min"]), pytest.approx(1.0))
