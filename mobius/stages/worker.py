@@ -55,9 +55,12 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
     use_cuda = payload.get("cuda", False)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
+    budget = int(payload["budget_bytes"][rank])
     if use_cuda:
         torch.cuda.set_device(device)
-    budget = int(payload["budget_bytes"][rank])
+        # The runtime accounts its budget itself; the allocator cap makes the device agree.
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     memory = DeviceMemory(budget, f"worker {rank}")
     traffic = Traffic()
     trace = Trace(enabled=bool(cfg.trace), pid=rank)

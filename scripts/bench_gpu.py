@@ -1,0 +1,313 @@
+"""Mobius against what users would pick instead, side by side on one GPU in one run.
+
+With the GPU capped at ``--gpu-mem-gb`` (24 emulates an RTX 3090), for a model whose fp16 training
+state exceeds the cap and whose host state fits:
+
+* the Mobius pipeline (one GPU, many stages, stage prefetch);
+* chunked_dp with offload;
+* PyTorch FSDP2 (``fully_shard`` per layer) with ``CPUOffloadPolicy``;
+* DeepSpeed ZeRO-3 with parameter and optimizer offload, when ``deepspeed`` can be imported;
+* plain PyTorch without offload, uncapped, on the largest preset that fits: the 100% line.
+
+Per system: tokens/s, model TFLOPS (8 x tokens x parameters per step, Elixir-000 Eq. 1), peak GPU
+memory and, for Mobius, the achieved host->device GB/s during stage prefetch against the pinned
+bandwidth measured in the same run, and the fraction of prefetch time not overlapped by compute.
+
+    python scripts/bench_gpu.py [--gpu-mem-gb 24] [--model mobius-3b] [--json bench_gpu.json]
+    python scripts/bench_gpu.py --smoke          # CPU, tiny models: keeps the harness working in CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
+from mobius.models import build_model, get_config
+from mobius.optim import make_adamw
+
+PLAIN_CANDIDATES = ["mobius-8b", "mobius-3b", "gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2", "small"]
+
+
+def model_tflops(tokens_per_s: float, params: int) -> float:
+    return 8 * tokens_per_s * params / 1e12
+
+
+def steady(times: list[float]) -> float:
+    return statistics.median(times[1:] or times)
+
+
+def prefetch_stats(trace_path: str) -> tuple[float, float]:
+    """(achieved GB/s of stage loads, fraction of load time not overlapped by compute) from a trace."""
+    events = json.load(open(trace_path))["traceEvents"]
+    loads = [e for e in events if e["tid"] == "prefetch"]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"]
+    if not loads:
+        return 0.0, 0.0
+    gbps = sum(e["args"]["bytes"] for e in loads) / max(1e-9, sum(e["dur"] for e in loads) / 1e6) / 1e9
+    exposed = 0.0
+    for e in loads:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        covered = sum(max(0.0, min(end, ce) - max(start, cs)) for cs, ce in compute)
+        exposed += max(0.0, (end - start) - covered)
+    return gbps, exposed / max(1e-9, sum(e["dur"] for e in loads))
+
+
+def pinned_h2d_gbps(cuda: bool) -> float:
+    if cuda:
+        from topology.bandwidth import _copy_gbps
+
+        return _copy_gbps(0, 256 * 2**20, 8, "h2d", None)
+    src = torch.empty(128 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    return 4 * src.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: int, **extra) -> dict:
+    tps = tokens / step_s
+    return {"system": system, "model": model, "step_s": step_s, "tokens_per_s": tps,
+            "model_tflops": model_tflops(tps, params), "peak_gpu_gb": peak / 1e9, **extra}
+
+
+# ---- the systems --------------------------------------------------------------------------------
+
+def run_mobius(args, cuda: bool, out_dir: str) -> dict:
+    from mobius.backend import resolve_topology
+    from mobius.launcher import launch_pipeline
+
+    trace = os.path.join(out_dir, "mobius_trace.json")
+    cfg = RunConfig(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
+                    steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+                    seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
+                    stages=args.stages, progress=False)
+    topo = resolve_topology(cfg)
+    if cuda and topo.n > 1:  # one GPU, many stages
+        topo.gpus, topo.extra = topo.gpus[:1], {}
+    history = launch_pipeline(cfg, get_config(args.model), topo)
+    gbps, exposed = prefetch_stats(trace)
+    params = build_model(get_config(args.model), device="meta").num_parameters()
+    return row("mobius pipeline", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
+               max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed)
+
+
+def run_chunked(args, cuda: bool, out_dir: str) -> dict:
+    from mobius.launcher import launch_chunked
+    from topology import cpu_topology, load_topology
+
+    cfg = RunConfig(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
+                    steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+                    seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
+                    progress=False)
+    topo = load_topology("auto") if cuda else cpu_topology(1, args.gpu_mem_gb)
+    if cuda:
+        topo.gpus = topo.gpus[:1]
+        topo.gpus[0].memory_gb = min(topo.gpus[0].memory_gb, args.gpu_mem_gb)
+    history = launch_chunked(cfg, get_config(args.model), topo)
+    params = build_model(get_config(args.model), device="meta").num_parameters()
+    return row("chunked_dp offload", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
+               max(m.peak_device_bytes for m in history))
+
+
+@contextlib.contextmanager
+def single_rank_group():
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_loop(model, optimizer, args, device, autocast_dtype) -> list[float]:
+    batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
+    times = []
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for mb in batches.step(step):
+            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            with ctx:
+                loss = model(mb.tokens.to(device), mb.targets.to(device))
+            (loss / args.micro_batches).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _cap(args, cuda: bool) -> None:
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem_gb * 1e9 / total))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_fsdp2(args, cuda: bool, out_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device = torch.device("cuda" if cuda else "cpu")
+    _cap(args, cuda)
+    config = get_config(args.model)
+    with single_rank_group():
+        mesh = init_device_mesh(device.type, (1,))
+        model = build_model(config, seed=0)  # host memory; FSDP2 moves shards where its policy says
+        kwargs = {"mesh": mesh}
+        if cuda:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        if not cuda:
+            model.to(device)
+        optimizer = make_adamw(model.named_parameters(), 1e-5)
+        times = _train_loop(model, optimizer, args, device, None)
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
+    note = "CPUOffloadPolicy, bf16 params" if cuda else "no offload: CPUOffloadPolicy needs an accelerator"
+    return row("fsdp2", args.model, tokens, steady(times), model.num_parameters(), peak, note=note)
+
+
+def run_deepspeed(args, cuda: bool, out_dir: str) -> dict:
+    try:
+        import deepspeed
+    except ImportError:
+        return {"system": "deepspeed zero-3 offload", "skipped": "deepspeed is not installed"}
+    if not cuda:
+        return {"system": "deepspeed zero-3 offload", "skipped": "needs CUDA"}
+    _cap(args, cuda)
+    config = get_config(args.model)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.micro_batches,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+    }
+    with single_rank_group():
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = build_model(config, seed=0)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+        batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
+        times = []
+        for step in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for mb in batches.step(step):
+                loss = engine(mb.tokens.cuda(), mb.targets.cuda())
+                engine.backward(loss)
+                engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
+    params = build_model(config, device="meta").num_parameters()
+    return row("deepspeed zero-3 offload", args.model, tokens, steady(times), params, torch.cuda.max_memory_allocated())
+
+
+def run_plain(args, cuda: bool, out_dir: str) -> dict:
+    """Plain PyTorch, no offload, uncapped: the largest preset whose training state fits."""
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        free = torch.cuda.mem_get_info()[0]
+        act = args.micro_batch_size * args.seq_len
+        pick = next(n for n in PLAIN_CANDIDATES if get_config(n).runnable and
+                    build_model(get_config(n), device="meta").num_parameters() * 16 + act * get_config(n).hidden
+                    * get_config(n).n_layer * 40 < 0.9 * free)
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        pick = args.model
+    model = build_model(get_config(pick), seed=0).to(device)
+    optimizer = make_adamw(model.named_parameters(), 1e-5)
+    times = _train_loop(model, optimizer, args, device, torch.bfloat16 if cuda else None)
+    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    return row("plain pytorch (100% line)", pick, tokens, steady(times), model.num_parameters(), peak)
+
+
+SYSTEMS = [run_mobius, run_chunked, run_fsdp2, run_deepspeed, run_plain]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
+    p.add_argument("--model", default=None)
+    p.add_argument("--gpu-mem-gb", type=float, default=24.0)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--stages", type=int, default=None, help="force the pipeline's stage count")
+    p.add_argument("--precision", default=None)
+    p.add_argument("--json", default="bench_gpu.json")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("error: no CUDA GPU: run with --smoke on CPU", file=sys.stderr)
+        raise SystemExit(2)
+    if args.smoke:
+        args.model = args.model or "tiny"
+        args.steps, args.micro_batch_size, args.seq_len = args.steps or 3, args.micro_batch_size or 2, args.seq_len or 32
+        args.precision, args.gpu_mem_gb = args.precision or "fp32", min(args.gpu_mem_gb, 1.0)
+        args.stages = args.stages or 3
+    else:
+        args.model = args.model or "mobius-3b"
+        args.steps, args.micro_batch_size, args.seq_len = args.steps or 4, args.micro_batch_size or 2, args.seq_len or 512
+        args.precision = args.precision or "bf16"
+    out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
+    pinned = pinned_h2d_gbps(cuda)
+    rows = []
+    for system in SYSTEMS:
+        try:
+            r = system(args, cuda, out_dir)
+        except SystemExit as e:
+            r = {"system": system.__name__, "error": f"exit {e.code}"}
+        except Exception as e:  # a baseline that fails is reported, not fatal
+            traceback.print_exc()
+            r = {"system": system.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
+        rows.append(r)
+    plain = next((r for r in rows if r.get("system", "").startswith("plain") and "step_s" in r), None)
+    device = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
+    print(f"\n{datetime.date.today()} {device}, cap {args.gpu_mem_gb:g} GB, {args.model}, {args.precision}, "
+          f"{args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens/step; pinned H2D {pinned:.1f} GB/s")
+    print(f"{'system':<28} {'model':<11} {'tokens/s':>9} {'TFLOPS':>7} {'% plain':>8} {'peak GB':>8} "
+          f"{'prefetch GB/s':>14} {'not overlapped':>15}")
+    for r in rows:
+        if "step_s" not in r:
+            print(f"{r['system']:<28} {r.get('skipped') or r.get('error')}")
+            continue
+        share = f"{r['model_tflops'] / plain['model_tflops']:.0%}" if plain else "-"
+        gbps = f"{r['prefetch_h2d_gbps']:.1f} ({r['prefetch_h2d_gbps'] / pinned:.0%})" if "prefetch_h2d_gbps" in r else "-"
+        exposed = f"{r['prefetch_not_overlapped']:.0%}" if "prefetch_not_overlapped" in r else "-"
+        print(f"{r['system']:<28} {r['model']:<11} {r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.3f} {share:>8} "
+              f"{r['peak_gpu_gb']:>8.2f} {gbps:>14} {exposed:>15}")
+    with open(args.json, "w") as f:
+        json.dump({"date": str(datetime.date.today()), "device": device, "pinned_h2d_gbps": pinned,
+                   "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
