@@ -204,7 +204,7 @@ BAD_INPUTS = [
     (["--micro-batch-size", "-1"], "--micro-batch-size must be positive"),
     (["--data", "/nonexistent/corpus"], "no such file or directory"),
     (["--seq-len", "4096"], "exceeds tiny's context of 128"),
-    (["--backend", "chunked"], "not built yet"),
+    (["--backend", "chunked", "--topology", "cpu", "--cpu-workers", "3"], "not divisible by the 3 data-parallel"),
     (["--metrics", "/nonexistent/dir/m.jsonl"], "does not exist"),
     (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
     (["--save-every", "2"], "--save-every needs --save"),
