@@ -73,7 +73,7 @@ def test_layer_similarity_profiles_mobius_3b_with_three_layers(tmp_path):
 
 def test_layer_too_big_for_the_gpu_names_layer_bytes_and_budget():
     prof = analytic_profile("mobius-51b", get_config("mobius-51b"), 1, 512, 40.0)
-    with pytest.raises(InputError, match=r"layer layers\.0 \(embedding\) needs .* GB .* budget is 1\.00 GB"):
+    with pytest.raises(InputError, match=r"layer layers\.0 \(embedding\) needs .* GB .* budget is 1.00 GB"):
         check_layers_fit(prof, Machine((13e9,), (10**9,)))
 
 

@@ -86,6 +86,10 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
     return out
 
 
+def human_bytes(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+
+
 def check_layers_fit(profile: Profile, machine: Machine) -> None:
     """Infeasible input: a single layer (with its working memory) larger than the smallest GPU."""
     budget = min(machine.memory)
@@ -93,8 +97,8 @@ def check_layers_fit(profile: Profile, machine: Machine) -> None:
         c = stage_costs(profile, [(i, i + 1)])[0]
         need = max(c.mem_fwd, c.mem_bwd)
         if need > budget:
-            raise InputError(f"layer {profile.layers[i].name} ({profile.layers[i].kind}) needs {need / GB:.2f} GB "
-                             f"of device memory with its working memory, but the budget is {budget / GB:.2f} GB")
+            raise InputError(f"layer {profile.layers[i].name} ({profile.layers[i].kind}) needs {human_bytes(need)} "
+                             f"of device memory with its working memory, but the budget is {human_bytes(budget)}")
 
 
 def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
