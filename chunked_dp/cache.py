@@ -81,6 +81,26 @@ class RCachePolicy:
             self.resident[chunk] = block
         return hit, victim
 
+    def reserve(self, chunk: int) -> tuple[bool, int | None]:
+        """Give ``chunk`` a block ahead of its use (prefetch) without advancing the step's position.
+
+        Returns (placed, evicted chunk or None); not placed when every block is pinned.  A placed
+        chunk is pinned until its access, so it is not evicted before it is used."""
+        if chunk in self.resident:
+            return True, None
+        victim = None
+        if len(self.resident) >= self.n_block:
+            if all(c in self.pinned for c in self.resident):
+                return False, None
+            victim = self._victim()
+            block = self.resident.pop(victim)
+        else:
+            used = set(self.resident.values())
+            block = next(b for b in range(self.n_block) if b not in used)
+        self.resident[chunk] = block
+        self.pinned.add(chunk)
+        return True, victim
+
     def block_of(self, chunk: int) -> int:
         return self.resident[chunk]
 

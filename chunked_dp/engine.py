@@ -74,15 +74,16 @@ class Counters:
     h2d: int = 0
     d2h: int = 0
     peer: int = 0  # bytes this worker sent in collectives
+    prefetched: int = 0  # gathers started ahead of their use
 
     def reset(self) -> None:
-        self.gather_bytes = self.reduce_bytes = self.h2d = self.d2h = self.peer = 0
+        self.gather_bytes = self.reduce_bytes = self.h2d = self.d2h = self.peer = self.prefetched = 0
 
 
 class ChunkedEngine:
     def __init__(self, config: GPTConfig, rank: int, world: int, device: torch.device, chunk_size: int,
                  n_block: int, offload: bool, device_chunks: int, compute_dtype: torch.dtype, seed: int,
-                 lr: float, total_steps: int, trace: Trace | None = None):
+                 lr: float, total_steps: int, trace: Trace | None = None, prefetch: bool = True):
         self.config, self.rank, self.world, self.device = config, rank, world, device
         self.dtype, self.lr, self.total_steps = compute_dtype, lr, total_steps
         self.trace = trace or Trace(False)
@@ -104,6 +105,8 @@ class ChunkedEngine:
         self.cache = RCachePolicy(self.n_block, "belady")
         self.recorded: list[int] = []
         self.state = [ChunkState.FREE] * len(self.chunks)
+        self.prefetch = prefetch
+        self.inflight: dict[int, tuple] = {}  # chunk -> (async all-gather work, its source shard)
 
     # ---- construction -----------------------------------------------------------------------
     def _build_shards(self, seed: int) -> None:
@@ -161,25 +164,55 @@ class ChunkedEngine:
         hit, victim = self.cache.access(k)
         if victim is not None:
             self._release_views(victim)
-        if not hit:
+        if k in self.inflight:  # prefetched: wait for its all-gather, then point the parameters at it
+            work, _ = self.inflight.pop(k)
+            work.wait()
+            self._set_views(k)
+        elif not hit:
             self._gather(k)
         self.cache.pinned.add(k)
         if self.state[k] in (ChunkState.FREE, ChunkState.HOLD):
             self.state[k] = ChunkState.COMPUTE
 
-    def _gather(self, k: int) -> None:
-        t0 = time.perf_counter()
+    def _start_gather(self, k: int, async_op: bool):
+        """All-gather chunk ``k``'s shards into its block (its shard first comes from host memory
+        when the chunk is offloaded)."""
         block = self.blocks[self.cache.block_of(k)]
         shard = self.compute_shards[k]
-        if not self.on_device[k]:  # offloaded: the shard comes from host memory first
+        if not self.on_device[k]:
             self.counters.h2d += shard.numel() * shard.element_size()
             shard = shard.to(self.device, non_blocking=True) if self.device.type == "cuda" else shard.clone()
-        _all_gather(block, shard)
         self.counters.gather_bytes += block.numel() * block.element_size()
         self.counters.peer += shard.numel() * shard.element_size() * (self.world - 1)
+        return _all_gather(block, shard, async_op=async_op), shard
+
+    def _set_views(self, k: int) -> None:
+        block = self.blocks[self.cache.block_of(k)]
         for slot in self.chunks[k].params:
             self.params[slot.name].data = block[slot.offset: slot.offset + slot.numel].view(slot.shape)
+
+    def _gather(self, k: int) -> None:
+        t0 = time.perf_counter()
+        self._start_gather(k, async_op=False)
+        self._set_views(k)
         self.trace.span(f"gather chunk {k}", "comm", t0, time.perf_counter())
+
+    def _prefetch(self, layer: int) -> None:
+        """Start gathering ``layer``'s chunks while the current layer computes (NCCL runs it on its
+        own stream, gloo on its own thread).  Every worker decides identically, so collectives stay
+        in the same order everywhere."""
+        if not self.prefetch or not 0 <= layer < len(self.layer_chunks):
+            return
+        for k in self.layer_chunks[layer]:
+            if k in self.inflight or k in self.cache.resident:
+                continue
+            placed, victim = self.cache.reserve(k)
+            if not placed:
+                return
+            if victim is not None:
+                self._release_views(victim)
+            self.inflight[k] = self._start_gather(k, async_op=True)
+            self.counters.prefetched += 1
 
     def _release_views(self, k: int) -> None:
         """Eviction: no write-back (the master copy is elsewhere); gradients stay in ``.grad``."""
@@ -249,6 +282,7 @@ class ChunkedEngine:
                 for i, layer in enumerate(layers):
                     for k in self.layer_chunks[i]:
                         self._access(k)
+                    self._prefetch(i + 1)
                     inputs.append(x)
                     x = layer(x, targets) if isinstance(layer, Head) else layer(x)
                     for k in self.layer_chunks[i]:
@@ -261,6 +295,7 @@ class ChunkedEngine:
                 layer = layers[i]
                 for k in self.layer_chunks[i]:
                     self._access(k)
+                self._prefetch(i - 1)
                 x_in = inputs.pop().detach()
                 x_in.requires_grad_(x_in.is_floating_point())
                 y = layer(x_in, targets) if isinstance(layer, Head) else layer(x_in)
@@ -277,6 +312,9 @@ class ChunkedEngine:
         # The order just recorded is every later step's future: Belady from now on.
         if not self.cache.future_known:
             self.cache.set_future(self.recorded)
+        for work, _ in self.inflight.values():
+            work.wait()
+        self.inflight.clear()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.compute_shards = [self._compute_shard(k) for k in range(len(self.chunks))]
@@ -291,15 +329,57 @@ class ChunkedEngine:
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=block_bytes)
 
+    def _gather_full(self, k: int, value) -> dict[str, torch.Tensor]:
+        """All-gather an fp32 per-piece quantity of chunk ``k`` into full tensors by name."""
+        shard = torch.zeros(self.shard, dtype=torch.float32, device=self.device)
+        for piece in self.pieces[k]:
+            shard[piece.shard_start: piece.shard_start + piece.length] = value(piece).to(self.device)
+        full = torch.empty(self.chunks[k].size, dtype=torch.float32, device=self.device)
+        _all_gather(full, shard)
+        return {slot.name: full[slot.offset: slot.offset + slot.numel].view(slot.shape).cpu().clone()
+                for slot in self.chunks[k].params}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights by name (all-gathered; for tests and export)."""
+        """Full fp32 weights by name (all-gathered; for tests and checkpoints)."""
         out = {}
-        for k, c in enumerate(self.chunks):
-            shard = torch.zeros(self.shard, dtype=torch.float32)
-            for piece in self.pieces[k]:
-                shard[piece.shard_start: piece.shard_start + piece.length] = piece.master.detach().cpu()
-            full = torch.empty(c.size, dtype=torch.float32)
-            _all_gather(full, shard)
-            for slot in c.params:
-                out[slot.name] = full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
+        for k in range(len(self.chunks)):
+            out.update(self._gather_full(k, lambda piece: piece.master.detach()))
         return out
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW state by parameter name, in the checkpoint's layout (``exp_avg/<name>``, ...)."""
+        out: dict[str, torch.Tensor] = {}
+        step = None
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if "step" in self.optimizer.state.get(p, {}):
+                    step = self.optimizer.state[p]["step"]
+        if step is None:
+            return out
+        zeros = lambda piece: torch.zeros(piece.length)  # noqa: E731
+        for k in range(len(self.chunks)):
+            for key in ("exp_avg", "exp_avg_sq"):
+                state = lambda piece, key=key: self.optimizer.state[piece.master][key] if piece.master in \
+                    self.optimizer.state else zeros(piece)  # noqa: E731
+                for name, t in self._gather_full(k, state).items():
+                    out[f"{key}/{name}"] = t
+            for slot in self.chunks[k].params:
+                out[f"step/{slot.name}"] = step.detach().cpu().clone()
+        return out
+
+    def load(self, ckpt) -> None:
+        """This worker's pieces of every parameter, and their AdamW state, from a checkpoint by name."""
+        names = ckpt.names()
+        with torch.no_grad():
+            for pieces in self.pieces:
+                for piece in pieces:
+                    full = ckpt.get(piece.name).reshape(-1)
+                    piece.master.copy_(full[piece.param_start: piece.param_start + piece.length])
+                    if f"exp_avg/{piece.name}" in names:
+                        sl = slice(piece.param_start, piece.param_start + piece.length)
+                        self.optimizer.state[piece.master] = {
+                            "step": ckpt.get(f"step/{piece.name}").clone(),
+                            "exp_avg": ckpt.get(f"exp_avg/{piece.name}").reshape(-1)[sl].clone().to(piece.master.device),
+                            "exp_avg_sq": ckpt.get(f"exp_avg_sq/{piece.name}").reshape(-1)[sl].clone().to(
+                                piece.master.device)}
+        self.compute_shards = [self._compute_shard(k) for k in range(len(self.chunks))]

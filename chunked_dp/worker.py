@@ -44,17 +44,41 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     model_config = get_config(cfg.model)
     setup = payload["chunked"]
     engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],
-                           setup["device_chunks"], DTYPES[cfg.precision], cfg.seed, cfg.lr, cfg.steps, trace)
+                           setup["device_chunks"], DTYPES[cfg.precision], cfg.seed, cfg.lr, cfg.steps, trace,
+                           prefetch=cfg.chunk_prefetch)
     batches = make_batches(cfg, model_config)
     stop = StopRequest(payload.get("stop_file"), announce=False).install()
+    start = 0
+    if cfg.resume:
+        from mobius import checkpoint as ck
+
+        ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # verified by the launcher
+        engine.load(ckpt)
+        ck.restore_rng(ckpt)
+        start = ckpt.step
+
+    def save(done: int) -> None:
+        """Full tensors by name (all-gathered), written by rank 0: any backend can resume them."""
+        from mobius import checkpoint as ck
+        from mobius.optim import DynamicLossScaler
+
+        weights, optim = engine.state_dict(), engine.optimizer_state()
+        if rank == 0:
+            staging = ck.begin_save(cfg.save)
+            ck.write_tensors(staging, "weights.safetensors", weights)
+            ck.write_tensors(staging, "optimizer.safetensors", optim)
+            ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
+            ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, DynamicLossScaler(False)))
+        dist.barrier()
 
     def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
         flags = torch.tensor([float(want_stop), float(want_save)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
-    history = run_steps(cfg, lambda step: engine.step(step, batches), payload["header"], stop=stop, agree=agree,
-                        main=rank == 0)
+    header = payload["header"] + (f", resuming at step {start}" if start else "")
+    history = run_steps(cfg, lambda step: engine.step(step, batches), header, start_step=start, save_fn=save,
+                        stop=stop, agree=agree, main=rank == 0)
     events = [None] * world if rank == 0 else None
     dist.gather_object(trace.events, events, dst=0)
     if rank == 0 and cfg.trace:

@@ -43,6 +43,7 @@ class RunConfig:
     chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
     rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
     offload: str = "auto"  # chunked backend: auto (searched placement) | on (all chunks on the host) | off
+    chunk_prefetch: bool = True  # chunked backend: gather the next layer's chunks while this one computes
     progress: bool = True
 
     def to_dict(self) -> dict:
@@ -113,6 +114,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--rcache-blocks", type=int, default=None, help="chunked backend: rCache blocks (default: searched)")
     p.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
                    help="chunked backend: keep chunks and their AdamW on the host (on), the device (off), or as searched")
+    p.add_argument("--no-chunk-prefetch", dest="chunk_prefetch", action="store_false",
+                   help="chunked backend: gather each chunk only when it is needed")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

@@ -130,13 +130,19 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     from chunked_dp.search import search
     from chunked_dp.worker import worker_main
 
-    if cfg.save or cfg.resume or cfg.export:
-        raise InputError("--save/--resume/--export are not built for --backend chunked yet; use --backend pipeline")
+    if cfg.export:
+        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.precision == "fp16":
+        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
     if cfg.micro_batches % topo.n:
         raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
     cuda = not topo.virtual and torch.cuda.is_available()
     cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
     make_batches(cfg, model_config)
+    if cfg.resume:
+        from mobius import checkpoint as ck
+
+        ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
     found = search(trace_first_use(model_config), topo)  # chunk size, rCache blocks, device-resident chunks
     setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
              "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}

@@ -68,19 +68,20 @@ def reference(cfg):
 
 
 CASES = [
-    # workers, chunk size (elements), rCache blocks, offload
-    (1, 250_000, 1, "on"),  # the whole model in one chunk, one block
-    (2, 20_000, 4, "on"),  # the smallest rCache for 20k-element chunks (a layer spans 4)
-    (2, 20_000, 64, "off"),  # rCache holds every chunk
-    (4, 60_000, 2, "off"),
+    # workers, chunk size (elements), rCache blocks, offload, prefetch
+    (1, 250_000, 1, "on", True),  # the whole model in one chunk, one block
+    (2, 20_000, 4, "on", False),  # the smallest rCache for 20k-element chunks (a layer spans 4)
+    (2, 20_000, 8, "on", True),  # room to prefetch the next layer's chunks
+    (2, 20_000, 64, "off", True),  # rCache holds every chunk
+    (4, 60_000, 2, "off", False),
 ]
 
 
-@pytest.mark.parametrize("workers,chunk,blocks,offload", CASES)
-def test_chunked_equals_reference(workers, chunk, blocks, offload):
+@pytest.mark.parametrize("workers,chunk,blocks,offload,prefetch", CASES)
+def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
     cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
                     micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
-                    progress=False)
+                    chunk_prefetch=prefetch, progress=False)
     ref_losses, ref_weights = reference(cfg)
     history, weights, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(workers), return_weights=True)
     for m, r in zip(history, ref_losses, strict=True):
@@ -89,6 +90,8 @@ def test_chunked_equals_reference(workers, chunk, blocks, offload):
         ref = ref_weights[name].detach()
         assert ((w - ref).norm() / ref.norm()).item() < 1e-5, name
     assert (history[-1].h2d_bytes > 0) == (offload == "on")
+    if prefetch and blocks >= 8:
+        assert results[0]["counters"]["prefetched"] > 0
 
 
 def test_gather_and_reduce_volume_at_rcache_max_and_min():
@@ -109,3 +112,18 @@ def test_gather_and_reduce_volume_at_rcache_max_and_min():
         chunks[name] = results[0]["chunks"]
     assert volumes["max"] == (pytest.approx(2.0), pytest.approx(1.0))
     assert volumes["min"] == (pytest.approx(3.0 - 2 / chunks["min"]), pytest.approx(1.0))
+
+
+def test_chunked_checkpoint_resumes_exactly_on_another_backend(tmp_path):
+    from mobius.train import main
+
+    args = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "6", "--no-progress"]
+    main(args + ["--backend", "chunked", "--topology", "cpu", "--cpu-workers", "2", "--chunk-size", "20000",
+                 "--rcache-blocks", "8", "--stop-after", "3", "--save", str(tmp_path / "ck"),
+                 "--metrics", str(tmp_path / "c.jsonl")])
+    main(args + ["--backend", "single", "--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "c.jsonl")])
+    main(args + ["--backend", "single", "--metrics", str(tmp_path / "s.jsonl")])
+    import json
+    a = [json.loads(line)["loss"] for line in open(tmp_path / "c.jsonl")]
+    b = [json.loads(line)["loss"] for line in open(tmp_path / "s.jsonl")]
+    assert len(a) == 6 and all(abs(x - y) / y < 1e-5 for x, y in zip(a, b))
