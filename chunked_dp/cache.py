@@ -72,14 +72,20 @@ class RCachePolicy:
             if self.policy == "lru" or (self.policy == "belady" and not self.future_known):
                 self.resident.move_to_end(chunk)
         else:
-            if len(self.resident) >= self.n_block:
-                victim = self._victim()
-                block = self.resident.pop(victim)
-            else:
-                used = set(self.resident.values())
-                block = next(b for b in range(self.n_block) if b not in used)
-            self.resident[chunk] = block
+            victim = self._place(chunk)
         return hit, victim
+
+    def _place(self, chunk: int) -> int | None:
+        """Put ``chunk`` in a free block, or in the victim's; returns the victim (or None)."""
+        victim = None
+        if len(self.resident) >= self.n_block:
+            victim = self._victim()
+            block = self.resident.pop(victim)
+        else:
+            used = set(self.resident.values())
+            block = next(b for b in range(self.n_block) if b not in used)
+        self.resident[chunk] = block
+        return victim
 
     def reserve(self, chunk: int) -> tuple[bool, int | None]:
         """Give ``chunk`` a block ahead of its use (prefetch) without advancing the step's position.
@@ -88,16 +94,9 @@ class RCachePolicy:
         chunk is pinned until its access, so it is not evicted before it is used."""
         if chunk in self.resident:
             return True, None
-        victim = None
-        if len(self.resident) >= self.n_block:
-            if all(c in self.pinned for c in self.resident):
-                return False, None
-            victim = self._victim()
-            block = self.resident.pop(victim)
-        else:
-            used = set(self.resident.values())
-            block = next(b for b in range(self.n_block) if b not in used)
-        self.resident[chunk] = block
+        if len(self.resident) >= self.n_block and all(c in self.pinned for c in self.resident):
+            return False, None
+        victim = self._place(chunk)
         self.pinned.add(chunk)
         return True, victim
 
