@@ -27,16 +27,16 @@ from topology import Topology
 GB = 10**9
 
 
-def choose_recompute(cfg: RunConfig, plan_kwargs: dict, make) -> bool:
+def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
     """``--recompute auto``: keep activations on the device when every worker can hold all of its
     stages' saved activations for all micro-batches beside its largest stage; else recompute."""
     if cfg.recompute != "auto":
         return cfg.recompute == "on"
-    plan = make(recompute=False, **plan_kwargs)
+    plan = make(recompute=False)
     for gpu in set(plan.order):
         mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
         kept = sum(st.mem_bwd_bytes - 2 * st.param_bytes for st in mine) * plan.micro_batches
-        if max(st.mem_bwd_bytes for st in mine) + kept > plan_kwargs["budgets"][gpu]:
+        if max(st.mem_bwd_bytes for st in mine) + kept > budgets[gpu]:
             return True
     return False
 
@@ -58,11 +58,11 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
         ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
     budgets = [int(g.memory_gb * GB) for g in topo.gpus]
 
-    def make(recompute: bool, budgets=None):
+    def make(recompute: bool):
         return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
                          cfg.precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages)
 
-    recompute = choose_recompute(cfg, {"budgets": budgets}, make)
+    recompute = choose_recompute(cfg, budgets, make)
     plan = make(recompute)
     return {"plan": plan.to_dict(), "budget_bytes": budgets, "cuda": cuda, "topology": topo, "plan_obj": plan}
 

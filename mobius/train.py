@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     from mobius.launcher import running_under_torchrun
 
     if running_under_torchrun() and cfg.backend != "single":
-        # Started by torchrun (e.g. multi-node): this process is one worker.
+        # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
+        if cfg.export or cfg.backend == "chunked":
+            raise InputError("under torchrun only the pipeline backend runs, without --export; "
+                             "start python -m mobius.train directly for the others")
         from mobius.stages.worker import worker_main
 
         worker_main({"cfg": cfg.to_dict(), "plan": None, "header": "mobius: pipeline worker (torchrun)",

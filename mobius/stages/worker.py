@@ -45,11 +45,12 @@ def worker_main(payload: dict) -> dict:
 
 def _run(payload: dict, rank: int, world: int) -> dict:
     cfg = RunConfig.from_dict(payload["cfg"])
-    holder = [payload.get("plan")]
-    if holder[0] is None:  # started by torchrun: rank 0 plans, everyone follows
-        holder = [_plan_for_torchrun(cfg) if rank == 0 else None]
-        dist.broadcast_object_list(holder, src=0)
-    plan = Plan.from_dict(holder[0])
+    if payload.get("plan") is None:  # started by torchrun: rank 0 decides, everyone follows
+        shared = [_prepare_for_torchrun(cfg) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        payload = {**payload, **shared[0]}
+        cfg.precision = shared[0]["precision"]
+    plan = Plan.from_dict(payload["plan"])
     if max(plan.order) >= world:
         raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
     torch.manual_seed(cfg.seed)
@@ -130,15 +131,17 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     return result
 
 
-def _plan_for_torchrun(cfg: RunConfig) -> dict:
+def _prepare_for_torchrun(cfg: RunConfig) -> dict:
     from mobius.launcher import prepare
 
-    return prepare(cfg)["plan"]
+    prep = prepare(cfg)
+    return {"plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
+            "precision": cfg.precision}
 
 
 def _inject_fault(rank: int, step: int) -> None:
     """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
-    spec = os.environ.get("MOBIUS_FAULT")  # MOBIUS_TEST_TAG only marks processes for the orphan test
+    spec = os.environ.get("MOBIUS_FAULT")
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
