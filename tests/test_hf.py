@@ -173,3 +173,22 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
         elapsed = time.perf_counter() - t0
         assert elapsed < 30 and plan.predicted_step_s > 0
         assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
+    """Both copies of the tied table in one stage (1) or in different stages of one worker (3)."""
+    from mobius.backend import resolve_topology
+    from mobius.launcher import launch_pipeline
+    from mobius.reference import ReferenceTrainer
+    from mobius.train import make_batches
+
+    cfg = RunConfig(model=hf_dirs["gpt2"], backend="pipeline", topology="cpu", cpu_workers=1, stages=stages, steps=3,
+                    micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False)
+    config = get_config(cfg.model)
+    history = launch_pipeline(cfg, config, resolve_topology(cfg))
+    ref = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"}), config,
+                           make_batches(cfg, config), torch.device("cpu"))
+    for m, k in zip(history, range(3)):
+        r = ref.step(k).loss
+        assert abs(m.loss - r) / r < 1e-5

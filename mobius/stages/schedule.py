@@ -155,7 +155,7 @@ class StageRunner:
         pending: list = []
         loss_sum, loss_count = 0.0, 0
         host_inputs: dict[tuple[int, int], torch.Tensor] = {}
-        kept: dict[tuple[int, int], tuple] = {}  # recompute off: (input, output, ledger) on the device
+        kept: dict[tuple[int, int], tuple] = {}  # recompute off: (input, output, ledger, phase) on the device
 
         handles: dict[int, DeviceStage] = {}
         if self.my_stages:
@@ -287,39 +287,37 @@ class StageRunner:
             self._update(s, lr)
             self.trace.span(f"AdamW {s}", "optimizer", t1, time.perf_counter())
 
-    def _tied_params(self) -> dict[int, torch.nn.Parameter]:
-        """{stage: its copy of the tied token table} for the tied stages this worker holds."""
+    def _tied_params(self) -> dict[str, torch.nn.Parameter]:
+        """This worker's copies of the tied token table: {"embedding": ..., "head": ...}."""
         n_layers = self.plan.bounds[-1][1]
-        names = {0: "layers.0.wte.weight", self.n_stages - 1: f"layers.{n_layers - 1}.lm_head.weight"}
+        wanted = {"embedding": (0, "layers.0.wte.weight"),
+                  "head": (self.n_stages - 1, f"layers.{n_layers - 1}.lm_head.weight")}
         out = {}
-        for s in self.tied_stages & set(self.my_stages):
-            host = self.store.stages[s]
-            out[s] = dict(zip(host.names, host.master.parameters()))[names[s]]
+        for role, (s, name) in wanted.items():
+            if s in self.my_stages:
+                host = self.store.stages[s]
+                out[role] = dict(zip(host.names, host.master.parameters()))[name]
         return out
 
     def _sum_tied_gradients(self) -> None:
         """grad(embedding copy) + grad(head copy), in that order on both holders (same bits)."""
         mine = self._tied_params()
-        last = self.n_stages - 1
-        emb_owner, head_owner = self.plan.gpu_of_stage(0), self.plan.gpu_of_stage(last)
-        if emb_owner == head_owner:
-            total = mine[0].grad + mine[last].grad
-            mine[0].grad, mine[last].grad = total, total.clone()
+        if len(mine) == 2:  # one worker holds both copies
+            total = mine["embedding"].grad + mine["head"].grad
+            mine["embedding"].grad, mine["head"].grad = total, total.clone()
             return
-        if self.rank == emb_owner:
-            own, other_rank, s = mine[0].grad, head_owner, 0
-        elif self.rank == head_owner:
-            own, other_rank, s = mine[last].grad, emb_owner, last
-        else:
+        if not mine:
             return
-        other = torch.empty_like(own)
+        (role, param), = mine.items()
+        other_role = "head" if role == "embedding" else "embedding"
+        other_rank = self.plan.gpu_of_stage(self.n_stages - 1 if other_role == "head" else 0)
+        other = torch.empty_like(param.grad)
         tag = self._tag(self.n_stages, 0, False)
-        work = dist.isend(own.contiguous(), other_rank, tag=tag)
+        work = dist.isend(param.grad.contiguous(), other_rank, tag=tag)
         dist.recv(other, other_rank, tag=tag)
         work.wait()
-        self.traffic.peer += _nbytes(own)
-        emb_grad, head_grad = (own, other) if s == 0 else (other, own)
-        mine[s].grad = emb_grad + head_grad
+        self.traffic.peer += _nbytes(param.grad)
+        param.grad = param.grad + other if role == "embedding" else other + param.grad
 
     def _update(self, s: int, lr: float) -> None:
         host = self.store.stages[s]
