@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from topology import Topology, TopologyError, load_topology
@@ -28,6 +26,4 @@ def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
     backend = cfg.backend
     if backend == "auto":
         backend, _ = topo.choose_backend()
-    if not topo.virtual and not torch.cuda.is_available():
-        topo.virtual = True  # rehearsal: one CPU worker per GPU of the topology
     return backend, topo

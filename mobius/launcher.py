@@ -157,7 +157,9 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     n_params = build_model(model_config, device="meta").num_parameters()
     header = (f"mobius: backend chunked on {topo.n} {'CUDA GPUs' if cuda else 'CPU workers'} ({topo.name}), "
               f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup['chunk_size']} elements, "
-              f"rCache {setup['n_block']} blocks, offload {'on' if setup['offload'] else 'off'}, "
+              f"rCache {setup['n_block']} blocks, "
+              f"{len(packed) if not setup['offload'] else min(setup['device_chunks'], len(packed))} of {len(packed)} "
+              f"chunks on the device, "
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
     payload = {"cfg": cfg.to_dict(), "chunked": setup, "cuda": cuda, "header": header,
                "return_weights": return_weights}
