@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chunked_dp.cache import RCachePolicy
-from chunked_dp.chunks import Chunk, chunks_of_layers, pack, step_access_order, trace_first_use
+from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, Head, LayerList, build_layer, build_model

@@ -302,7 +302,7 @@ def finalize_export(config: GPTConfig, staging: Path, out_dir: str) -> None:
     if len(files) == 1:
         files[0].rename(staging / "model.safetensors")
     else:
-        weight_map, total, renamed = {}, 0, []
+        weight_map, total = {}, 0
         for k, f in enumerate(files):
             target = staging / f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
             f.rename(target)
