@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
 from mobius.config import RunConfig
-from mobius.metrics import Trace, write_trace
+from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import DTYPES
 from mobius.signals import StopRequest
+from mobius.workers import agree, gather_trace, share_cpu_cores
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -38,7 +39,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        share_cpu_cores(world)
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))
     model_config = get_config(cfg.model)
@@ -71,18 +72,10 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
             ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, DynamicLossScaler(False)))
         dist.barrier()
 
-    def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([float(want_stop), float(want_save)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
-
     header = payload["header"] + (f", resuming at step {start}" if start else "")
     history = run_steps(cfg, lambda step: engine.step(step, batches), header, start_step=start, save_fn=save,
                         stop=stop, agree=agree, main=rank == 0)
-    events = [None] * world if rank == 0 else None
-    dist.gather_object(trace.events, events, dst=0)
-    if rank == 0 and cfg.trace:
-        write_trace(cfg.trace, [e for evs in events for e in evs])
+    gather_trace(trace, cfg.trace, rank, world)
     weights = engine.state_dict() if payload.get("return_weights") else None
     return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, "weights": weights,
             "counters": engine.counters.__dict__, "chunks": len(engine.chunks), "chunk_size": engine.chunks[0].size}

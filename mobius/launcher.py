@@ -143,12 +143,12 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
         from mobius import checkpoint as ck
 
         ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
-    found = search(trace_first_use(model_config), topo)  # chunk size, rCache blocks, device-resident chunks
+    use = trace_first_use(model_config)
+    found = search(use, topo)  # chunk size, rCache blocks, device-resident chunks
     setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
              "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
     from chunked_dp.chunks import chunks_of_layers, pack
 
-    use = trace_first_use(model_config)
     packed = pack(use, setup["chunk_size"], topo.n)
     need = max(len(cs) for cs in chunks_of_layers(packed, use))
     if setup["n_block"] < need:

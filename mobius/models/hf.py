@@ -141,9 +141,6 @@ class HFWeights:
         with safe_open(str(self.where[name]), framework="pt") as h:
             return h.get_tensor(name)
 
-    def has(self, name: str) -> bool:
-        return name in self.where
-
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool, "I8": torch.int8}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.config import RunConfig
-from mobius.metrics import StepMetrics, Trace, write_trace
+from mobius.metrics import StepMetrics, Trace
 from mobius.models import get_config
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.planner import Plan
@@ -27,6 +27,7 @@ from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.signals import StopRequest
 from mobius.swap.store import HostStageStore
+from mobius.workers import agree, gather_trace, share_cpu_cores
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -67,7 +68,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
     if not use_cuda:  # CPU workers share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        share_cpu_cores(world)
     model_config = get_config(cfg.model)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
                            DTYPES[cfg.precision], pin=use_cuda)
@@ -101,11 +102,6 @@ def _run(payload: dict, rank: int, world: int) -> dict:
         start = _restore(cfg, store, scaler, model_config)
     stop = StopRequest(payload.get("stop_file"), announce=False).install()
 
-    def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([float(want_stop), float(want_save)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
-
     def save(done: int) -> None:
         _save(cfg, store, scaler, model_config, done, rank)
 
@@ -115,10 +111,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     try:
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0)
-        events = [None] * world if rank == 0 else None
-        dist.gather_object(trace.events, events, dst=0)
-        if rank == 0 and cfg.trace:
-            write_trace(cfg.trace, [e for evs in events for e in evs])
+        gather_trace(trace, cfg.trace, rank, world)
     finally:
         prefetcher.close()
         runner.close()
