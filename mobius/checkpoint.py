@@ -10,31 +10,59 @@ A checkpoint is a directory:
   one file per kind, and the pipeline one file per stage.  A reader reassembles them by name, so a
   checkpoint from any backend or topology resumes on any other.
 
-Nothing is unpickled: tensors come from safetensors and metadata from JSON.  Files are written into
-``DIR.tmp`` and the directory is renamed into place only when complete.  A crash mid-save leaves
-the previous checkpoint in ``DIR`` (or, between the two renames, in ``DIR.old``, which loading
-falls back to).
+Nothing is unpickled: tensors come from safetensors and metadata from JSON.  The manifest carries
+a SHA-256 over its own content, so an edited step or a file removed together with its entry is
+refused, and a checkpoint must hold every tensor a resume needs (weights, AdamW state, RNG).
+
+Files are written into a staging directory of ours and swapped into place only when complete
+(:func:`mobius.ownership.swap_into_place`).  A crash mid-save leaves the previous checkpoint in
+``DIR`` (or, between the two renames, in ``.DIR.mobius-previous``, which loading falls back to).
+Only directories that carry our marker are ever removed or replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mobius.errors import InputError
+from mobius import ownership
+from mobius.errors import InputError, RunError
 
-FORMAT = "mobius-checkpoint-1"
+FORMAT = "mobius-checkpoint-2"
 MANIFEST = "manifest.json"
+KIND = "checkpoint"
+# Settings that change the numbers of the rest of a run: a resume that changes one is refused
+# unless the user says so (--resume-with-changes).
+RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision")
 
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+@contextlib.contextmanager
+def save_errors(directory: str | os.PathLike):
+    """A failed write (disk full, permissions) is one line naming the path; the previous
+    checkpoint is untouched because nothing is swapped in until the new one is complete."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        why = f"{err.strerror} ({err.filename or directory})" if isinstance(err, OSError) else str(err)
+        raise RunError(f"saving a checkpoint in {directory} failed: {why}; the previous checkpoint is intact: "
+                       "free space or fix permissions, then --resume it") from None
+
+
+def manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def sha256(path: Path) -> str:
@@ -46,46 +74,56 @@ def sha256(path: Path) -> str:
 
 
 def staging_dir(directory: str | os.PathLike) -> Path:
-    d = Path(directory).resolve()
-    return d.with_name(d.name + ".tmp")
+    return ownership.sibling(directory, "partial")
 
 
 def begin_save(directory: str | os.PathLike) -> Path:
-    tmp = staging_dir(directory)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # the leftovers of a save that crashed
-    tmp.mkdir(parents=True)
-    return tmp
+    """A fresh staging directory (the leftovers of a save that crashed are ours and go)."""
+    with save_errors(directory):
+        return ownership.fresh_dir(staging_dir(directory), KIND)
 
 
 def write_tensors(staging: Path, filename: str, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     if tensors:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / filename))
+        with save_errors(staging):
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / filename))
 
 
 def finish_save(directory: str | os.PathLike, staging: Path, meta: dict) -> None:
-    """Checksum every file, write the manifest, fsync, and swap the directory into place."""
-    files = {f.name: sha256(f) for f in sorted(staging.iterdir()) if f.is_file()}
-    manifest = {"format": FORMAT, **meta, "files": files}
-    path = staging / MANIFEST
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    for name in files:
-        with open(staging / name, "rb") as f:
+    """Checksum every file, write the manifest (with its own digest), fsync, and swap the
+    directory into place."""
+    with save_errors(directory):
+        files = {f.name: sha256(f) for f in sorted(staging.iterdir()) if f.is_file() and f.name != ownership.MARKER}
+        manifest = {"format": FORMAT, **meta, "files": files}
+        manifest["digest"] = manifest_digest(manifest)
+        with open(staging / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
             os.fsync(f.fileno())
-    final = Path(directory).resolve()
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old.exists():
-        shutil.rmtree(old)
+        for name in files:
+            with open(staging / name, "rb") as f:
+                os.fsync(f.fileno())
+        ownership.swap_into_place(staging, directory, KIND)
+
+
+def check_save_target(cfg) -> None:
+    """Pre-flight for ``--save``: a new or empty directory, or the checkpoint this run resumes
+    (another run's checkpoint is never replaced), and staging siblings that are ours."""
+    if not cfg.save:
+        return
+    ownership.check_output_dir_parent("--save", cfg.save)
+    target = Path(cfg.save).resolve()
+    for role in ("partial", "previous"):
+        ownership.check_removable(ownership.sibling(target, role), KIND, "--save")
+    has_checkpoint = target.is_dir() and any(target.iterdir())
+    if not has_checkpoint:
+        return
+    ownership.check_removable(target, KIND, "--save")
+    if not cfg.resume or Path(cfg.resume).resolve() != target:
+        raise InputError(f"--save {cfg.save}: holds the checkpoint of another run; continue it with --resume "
+                         f"{cfg.save} or save to a new directory")
 
 
 @dataclass
@@ -114,7 +152,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
     """Open and verify a checkpoint; any problem is a :class:`CheckpointError` naming the file."""
     d = Path(directory)
     if not (d / MANIFEST).is_file():
-        old = d.resolve().with_name(d.resolve().name + ".old")
+        old = ownership.sibling(d, "previous")
         if (old / MANIFEST).is_file():
             d = old  # a crash between the two renames of a save
         elif d.is_dir() or d.exists():
@@ -125,9 +163,12 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is unreadable or truncated ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is not a {FORMAT} manifest")
-    for key in ("step", "model_config", "seed"):
+    if manifest.get("digest") != manifest_digest(manifest):
+        raise CheckpointError(f"--resume {directory}: {d / MANIFEST} was modified after it was written "
+                              "(its digest does not match)")
+    for key in ("step", "model_config", *RUN_SETTINGS):
         if key not in manifest:
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} lacks {key!r}")
     index: dict[str, Path] = {}
@@ -149,26 +190,49 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
     return Checkpoint(d, manifest, index)
 
 
-def check_compatible(ckpt: Checkpoint, model_config: dict, cfg) -> None:
-    """The checkpoint must be of this model and this run's data and batch shape."""
+def _setting(cfg, key: str):
+    value = getattr(cfg, key)
+    if key == "data" and value is not None:
+        return str(Path(value).resolve())  # the same file however the path was spelled
+    return value
+
+
+def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set[str]) -> None:
+    """The checkpoint must be of this model, hold every tensor a resume needs, and have been taken
+    with this run's settings (unless ``cfg.resume_with_changes``)."""
     theirs = ckpt.manifest["model_config"]
     mine = {k: v for k, v in model_config.items() if k != "checkpoint"}
-    theirs = {k: v for k, v in theirs.items() if k != "checkpoint"}
+    theirs = {k: v for k, v in theirs.items() if k != "checkpoint"} if isinstance(theirs, dict) else {}
     if theirs != mine:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is of a different model (differs in {', '.join(diff)})")
-    for key in ("seed", "micro_batch_size", "micro_batches", "seq_len", "data"):
-        if key in ckpt.manifest and ckpt.manifest[key] != getattr(cfg, key):
-            raise CheckpointError(f"--resume {ckpt.directory}: checkpoint was taken with --{key.replace('_', '-')} "
-                                  f"{ckpt.manifest[key]!r}, this run has {getattr(cfg, key)!r}")
+    needed = {f"{kind}{name}" for name in param_names for kind in ("", "exp_avg/", "exp_avg_sq/", "step/")}
+    missing = sorted(needed - ckpt.names()) + ([] if "rng/torch_cpu" in ckpt.names() else ["rng/torch_cpu"])
+    if missing:
+        raise CheckpointError(f"--resume {ckpt.directory}: incomplete checkpoint: {len(missing)} tensors missing "
+                              f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    changed = [f"--{k.replace('_', '-')} {ckpt.manifest[k]!r} -> {_setting(cfg, k)!r}"
+               for k in RUN_SETTINGS if ckpt.manifest[k] != _setting(cfg, k)]
+    if changed and not getattr(cfg, "resume_with_changes", False):
+        raise CheckpointError(f"--resume {ckpt.directory}: this run changes settings of the checkpoint's run "
+                              f"({'; '.join(changed)}); pass --resume-with-changes to apply them")
     if ckpt.step > cfg.steps:
         raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is at step {ckpt.step}, beyond --steps {cfg.steps}")
 
 
+def open_for_resume(cfg, model_config) -> Checkpoint:
+    """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
+    from mobius.models import build_model
+
+    ckpt = load_checkpoint(cfg.resume)
+    names = {n for n, _ in build_model(model_config, device="meta").named_parameters()}
+    check_compatible(ckpt, model_config.to_dict(), cfg, names)
+    return ckpt
+
+
 def run_meta(cfg, model_config: dict, step: int, scaler) -> dict:
-    return {"step": step, "total_steps": cfg.steps, "model": cfg.model, "model_config": model_config,
-            "seed": cfg.seed, "micro_batch_size": cfg.micro_batch_size, "micro_batches": cfg.micro_batches,
-            "seq_len": cfg.seq_len, "data": cfg.data, "precision": cfg.precision, "backend": cfg.backend,
+    return {"step": step, "model": cfg.model, "model_config": model_config, "backend": cfg.backend,
+            **{k: _setting(cfg, k) for k in RUN_SETTINGS},
             "loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps,
             "skipped_steps": scaler.skipped_steps}
 
@@ -196,10 +260,9 @@ def restore(ckpt: Checkpoint, named_params: dict[str, torch.nn.Parameter], optim
                 raise CheckpointError(f"--resume {ckpt.directory}: {stored} has shape {tuple(value.shape)}, "
                                       f"the model has {tuple(p.shape)}")
             p.copy_(value)
-            if f"exp_avg/{stored}" in ckpt.names():
-                optimizer.state[p] = {"step": ckpt.get(f"step/{stored}").clone(),
-                                      "exp_avg": ckpt.get(f"exp_avg/{stored}").clone(),
-                                      "exp_avg_sq": ckpt.get(f"exp_avg_sq/{stored}").clone()}
+            optimizer.state[p] = {"step": ckpt.get(f"step/{stored}").clone(),
+                                  "exp_avg": ckpt.get(f"exp_avg/{stored}").clone(),
+                                  "exp_avg_sq": ckpt.get(f"exp_avg_sq/{stored}").clone()}
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
@@ -216,7 +279,10 @@ def restore_rng(ckpt: Checkpoint) -> None:
         torch.cuda.set_rng_state(ckpt.get("rng/torch_cuda"))
 
 
-def restore_scaler(ckpt: Checkpoint, scaler) -> None:
+def restore_scaler(ckpt: Checkpoint, scaler, precision: str) -> None:
+    """The fp16 loss scaler continues where it was; a run that switches precision starts afresh."""
+    if ckpt.manifest["precision"] != precision:
+        return
     scaler.scale = float(ckpt.manifest.get("loss_scale", scaler.scale))
     scaler.clean_steps = int(ckpt.manifest.get("loss_scale_clean_steps", 0))
     scaler.skipped_steps = int(ckpt.manifest.get("skipped_steps", 0))

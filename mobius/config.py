@@ -4,7 +4,7 @@ before anything expensive happens."""
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -33,6 +33,7 @@ class RunConfig:
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
+    resume_with_changes: bool = False  # a resume may change lr, steps, precision, batch shape, data
     stop_after: int | None = None
     export: str | None = None
     gpu_mem_gb: float | None = None
@@ -107,6 +108,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="checkpoint directory (written every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end or on a stop)")
     p.add_argument("--resume", default=None, help="continue from this checkpoint (any backend or topology)")
+    p.add_argument("--resume-with-changes", action="store_true",
+                   help="allow --resume with settings that differ from the checkpoint's run (lr, steps, precision, ...)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this run after K steps with a checkpoint, as a signal would (--steps stays the total)")
     p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
@@ -120,47 +123,35 @@ def build_train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable_file(option: str, path: str | None) -> None:
-    if path is None:
-        return
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise InputError(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
-        raise InputError(f"{option} {path}: not writable")
+def _positive(cfg, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def validate_shared(cfg: RunConfig) -> None:
+    """The checks of the options ``mobius.train`` and ``mobius.plan`` share."""
+    _positive(cfg, ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers", "stages"))
+    if cfg.gpu_mem_gb is not None and not (math.isfinite(cfg.gpu_mem_gb) and cfg.gpu_mem_gb > 0):
+        raise InputError(f"--gpu-mem-gb must be a positive finite number, got {cfg.gpu_mem_gb}")
 
 
 def validate(cfg: RunConfig) -> None:
-    """Checks that need no model or data; the rest happen where the thing is loaded."""
-    for name in ("steps", "micro_batch_size", "micro_batches", "seq_len", "cpu_workers"):
-        if getattr(cfg, name) <= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if not cfg.lr > 0:
-        raise InputError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.gpu_mem_gb is not None and not cfg.gpu_mem_gb > 0:
-        raise InputError(f"--gpu-mem-gb must be positive, got {cfg.gpu_mem_gb}")
-    for name in ("chunk_size", "rcache_blocks"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if cfg.stages is not None and cfg.stages <= 0:
-        raise InputError(f"--stages must be positive, got {cfg.stages}")
+    """Checks that need no model or data; paths are checked by the run's pre-flight
+    (:func:`mobius.train.check_outputs`), everything loaded where it is loaded."""
+    validate_shared(cfg)
+    _positive(cfg, ("steps", "chunk_size", "rcache_blocks", "stop_after"))
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise InputError(f"--lr must be a positive finite number, got {cfg.lr}")
+    if not 0 <= cfg.seed < 2**63:
+        raise InputError(f"--seed must be between 0 and 2**63-1, got {cfg.seed}")
     if cfg.save_every < 0:
-        raise InputError(f"--save-every must be positive, got {cfg.save_every}")
-    if cfg.stop_after is not None and cfg.stop_after <= 0:
-        raise InputError(f"--stop-after must be positive, got {cfg.stop_after}")
+        raise InputError(f"--save-every must be zero or positive, got {cfg.save_every}")
     if cfg.save_every and not cfg.save:
         raise InputError("--save-every needs --save DIR")
-    if cfg.save:
-        parent = Path(cfg.save).resolve().parent
-        if not parent.is_dir():
-            raise InputError(f"--save {cfg.save}: directory {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise InputError(f"--save {cfg.save}: not writable")
-        target = Path(cfg.save)
-        if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "manifest.json").exists())):
-            raise InputError(f"--save {cfg.save}: exists and is not a Mobius checkpoint; refusing to replace it")
-    _check_writable_file("--metrics", cfg.metrics)
-    _check_writable_file("--trace", cfg.trace)
+    if cfg.resume_with_changes and not cfg.resume:
+        raise InputError("--resume-with-changes needs --resume DIR")
     if cfg.data is not None and not Path(cfg.data).exists():
         raise InputError(f"--data {cfg.data}: no such file or directory")
 

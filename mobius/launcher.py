@@ -55,7 +55,7 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
     if cfg.resume:
         from mobius import checkpoint as ck
 
-        ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
+        ck.open_for_resume(cfg, model_config)
     budgets = [int(g.memory_gb * GB) for g in topo.gpus]
 
     def make(recompute: bool):
@@ -142,7 +142,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     if cfg.resume:
         from mobius import checkpoint as ck
 
-        ck.check_compatible(ck.load_checkpoint(cfg.resume), model_config.to_dict(), cfg)
+        ck.open_for_resume(cfg, model_config)
     use = trace_first_use(model_config)
     found = search(use, topo)  # chunk size, rCache blocks, device-resident chunks
     setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,

@@ -7,7 +7,8 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from mobius.ownership import write_atomically
 
 
 @dataclass
@@ -69,6 +70,18 @@ class Trace:
 
 
 def write_trace(path: str | os.PathLike, events: list[dict]) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def is_trace_file(head: bytes) -> bool:
+    """Does a file starting with ``head`` look like a trace :func:`write_trace` wrote?"""
+    return head.startswith(b'{"traceEvents"')
+
+
+def is_metrics_file(head: bytes) -> bool:
+    """Does a file starting with ``head`` look like a metrics file :class:`MetricsWriter` wrote?"""
+    try:
+        first = json.loads(head.split(b"\n", 1)[0])
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(first, dict) and {"step", "loss", "lr", "tokens"} <= set(first)

@@ -14,7 +14,7 @@ import torch
 
 from mobius.config import RunConfig
 from mobius.data import BatchSource
-from mobius.metrics import StepMetrics
+from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
 
@@ -30,6 +30,7 @@ class ReferenceTrainer:
         self.optimizer = make_adamw(self.model.named_parameters(), cfg.lr)
         self.dtype = DTYPES[cfg.precision]
         self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+        self.trace = Trace(enabled=bool(cfg.trace))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -45,19 +46,25 @@ class ReferenceTrainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for mb in micro:
+        for m, mb in enumerate(micro):
+            t_fwd = time.perf_counter()
             tokens, targets = mb.tokens.to(self.device), mb.targets.to(self.device)
             with self._autocast():
                 loss = self.model(tokens, targets)
+            t_bwd = time.perf_counter()
             (loss * (self.scaler.scale / len(micro))).backward()
             total += loss.item()
+            self.trace.span(f"fwd mb{m}", "compute", t_fwd, t_bwd, step=step)
+            self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
         params = list(self.model.parameters())
         overflow = self.scaler.enabled and grads_overflow(params)
         if not overflow:
             if self.scaler.enabled:
                 for p in params:
                     p.grad.div_(self.scaler.scale)
+            t_opt = time.perf_counter()
             self.optimizer.step()
+            self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
         self.scaler.update(overflow)
         tokens = len(micro) * micro[0].tokens.numel()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0

@@ -14,9 +14,11 @@ from typing import Callable
 import torch
 
 from mobius.config import RunConfig, parse_train_args
+from mobius import checkpoint as ck
+from mobius import ownership
 from mobius.data import BatchSource, load_corpus, tokenizer_for
 from mobius.errors import InputError, RunError, exits_cleanly
-from mobius.metrics import MetricsWriter, StepMetrics
+from mobius.metrics import MetricsWriter, StepMetrics, is_metrics_file, is_trace_file, write_trace
 from mobius.models import GPTConfig, get_config
 from mobius.signals import StopRequest
 
@@ -32,6 +34,21 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
         raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
                          f"{model_config.hidden} hidden is not divisible by {model_config.heads} heads")
     return model_config
+
+
+def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
+    """Before the first step: every path the run writes is free or provably ours, and none of
+    them is an input or another output."""
+    ownership.check_paths({"--data": cfg.data, "--model": model_config.checkpoint, "--resume": cfg.resume},
+                          {"--metrics": (cfg.metrics, "file"), "--trace": (cfg.trace, "file"),
+                           "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir")})
+    ownership.check_output_file("--metrics", cfg.metrics, is_metrics_file)
+    ownership.check_output_file("--trace", cfg.trace, is_trace_file)
+    ck.check_save_target(cfg)
+    if cfg.export:
+        from mobius.models.hf import check_export_target
+
+        check_export_target(model_config, cfg.export)
 
 
 def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource:
@@ -99,7 +116,6 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
-    from mobius import checkpoint as ck
     from mobius.reference import ReferenceTrainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,10 +123,9 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
     start = 0
     if cfg.resume:
-        ckpt = ck.load_checkpoint(cfg.resume)
-        ck.check_compatible(ckpt, model_config.to_dict(), cfg)
+        ckpt = ck.open_for_resume(cfg, model_config)
         ck.restore(ckpt, dict(trainer.model.named_parameters()), trainer.optimizer)
-        ck.restore_scaler(ckpt, trainer.scaler)
+        ck.restore_scaler(ckpt, trainer.scaler, cfg.precision)
         ck.restore_rng(ckpt)
         start = ckpt.step
 
@@ -128,6 +143,8 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
               + (f", resuming at step {start}" if start else ""))
     stop = StopRequest().install()
     history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop)
+    if cfg.trace:
+        write_trace(cfg.trace, trainer.trace.events)
     if cfg.export:
         from mobius.models.hf import finalize_export, start_export, write_shard
 
@@ -141,10 +158,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
 
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
-    if cfg.export:
-        from mobius.models.hf import check_export_target
-
-        check_export_target(model_config, cfg.export)
+    check_outputs(cfg, model_config)
     from mobius.backend import resolve_backend
     from mobius.planner import check_host_memory_available
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mobius import checkpoint as ck
+from mobius import ownership
 from mobius.train import main
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress"]
@@ -103,13 +104,14 @@ def test_crash_during_save_leaves_the_previous_checkpoint(saved, monkeypatch):
 
     monkeypatch.setattr(ck, "write_tensors", crash_on_second_file)
     with pytest.raises(SystemExit):
-        main(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--save", str(saved)])
+        main(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--save", str(saved),
+                     "--resume-with-changes"])
     monkeypatch.undo()
     assert ck.load_checkpoint(saved).step == 2
     after = weights(saved)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    # A crash between the two renames of a save: the checkpoint sits in DIR.old and still loads.
-    os.replace(saved, saved.with_name(saved.name + ".old"))
+    # A crash between the two renames of a save: the checkpoint is parked beside DIR and still loads.
+    os.replace(saved, ownership.sibling(saved, "previous"))
     assert ck.load_checkpoint(saved).step == 2
 
 
@@ -211,7 +213,7 @@ BAD_INPUTS = [
     (["--model", "mobius-51b"], "can be planned"),
     (["--model", "mobius-8b", "--backend", "single"], "GB of host memory"),
     (["--export", "/tmp/x-export"], "--export needs --model to be a Hugging Face directory"),
-    (["--lr", "0"], "--lr must be positive"),
+    (["--lr", "0"], "--lr must be a positive finite number"),
     (["--stages", "99", "--topology", "cpu"], "exceeds the model's 6 layers"),
 ]
 

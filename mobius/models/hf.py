@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from mobius import ownership
 from mobius.errors import InputError
 from mobius.models.gpt import GPTConfig, layer_count
 
@@ -269,10 +270,12 @@ def untrained_tensors(config: GPTConfig) -> dict[str, torch.Tensor]:
     return {k: w.get(k) for k in w.where if k not in ours}
 
 
+EXPORT_KIND = "export"
+
+
 def staging_dir(out_dir: str) -> Path:
     """Where an export is assembled before the atomic rename into ``out_dir``."""
-    out = Path(out_dir).resolve()
-    return out.with_name(out.name + ".tmp-export")
+    return ownership.sibling(out_dir, "partial")
 
 
 def write_shard(config: GPTConfig, staging: Path, name: str, layers: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -314,34 +317,19 @@ def finalize_export(config: GPTConfig, staging: Path, out_dir: str) -> None:
         src = Path(config.checkpoint, f)
         if src.is_file():
             shutil.copy2(src, staging / f)
-    out = Path(out_dir).resolve()
-    if out.exists():
-        old = out.with_name(out.name + ".old-export")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, out)
+    ownership.swap_into_place(staging, out_dir, EXPORT_KIND)
 
 
 def start_export(out_dir: str) -> Path:
-    staging = staging_dir(out_dir)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
+    return ownership.fresh_dir(staging_dir(out_dir), EXPORT_KIND)
 
 
 def check_export_target(config: GPTConfig, out_dir: str) -> None:
-    """Pre-flight: only Hugging Face directories export, and never over unrelated files."""
+    """Pre-flight: only Hugging Face directories export, and only into a new or empty directory or
+    over an export of ours that holds nothing else (the model being read is an input: see
+    :func:`mobius.ownership.check_paths`)."""
     if not config.checkpoint:
         raise InputError("--export needs --model to be a Hugging Face directory (presets have nothing to export to)")
-    out = Path(out_dir)
-    if not out.resolve().parent.is_dir():
-        raise InputError(f"--export {out_dir}: directory {out.resolve().parent} does not exist")
-    if not os.access(out.resolve().parent, os.W_OK):
-        raise InputError(f"--export {out_dir}: not writable")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
-        raise InputError(f"--export {out_dir}: exists and is not a model directory; refusing to replace it")
+    ownership.check_output_dir_parent("--export", out_dir)
+    for path in (Path(out_dir), staging_dir(out_dir), ownership.sibling(out_dir, "previous")):
+        ownership.check_removable(path, EXPORT_KIND, "--export")

@@ -193,6 +193,6 @@ def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, m
     for s, host in store.stages.items():
         ck.restore(ckpt, dict(zip(host.names, host.master.parameters())), host.optimizer, aliases)
         store.refresh_compute_copy(s)
-    ck.restore_scaler(ckpt, scaler)
+    ck.restore_scaler(ckpt, scaler, cfg.precision)
     ck.restore_rng(ckpt)
     return ckpt.step
