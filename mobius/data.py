@@ -41,7 +41,10 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise InputError(f"{path} needs the 'tokenizers' package: pip install 'mobius-train[hf]'") from None
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise InputError(f"{path}: not a readable tokenizer.json ({str(err).splitlines()[0][:120]})") from None
         self.vocab_size = self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> np.ndarray:
@@ -70,9 +73,12 @@ def _read_text(f: Path) -> bytes:
         if not line.strip():
             continue
         try:
-            texts.append(json.loads(line)["text"])
+            text = json.loads(line)["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise InputError(f"--data {f}: line {n} is not a JSON object with a 'text' field") from None
+        if not isinstance(text, str):
+            raise InputError(f"--data {f}: line {n}: 'text' must be a string, got {type(text).__name__}")
+        texts.append(text)
     return "\n\n".join(texts).encode("utf-8")
 
 

@@ -4,9 +4,10 @@ as a stages table with the predicted step time, without training."""
 from __future__ import annotations
 
 import json
+import math
 
 from mobius.backend import resolve_topology
-from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args
+from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.models import get_config
 from mobius.planner import make_plan
@@ -29,9 +30,9 @@ def build_parser() -> OneLineParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     cfg = RunConfig.from_dict(vars(args))
-    for name in ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers"):
-        if getattr(cfg, name) <= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    validate_shared(cfg)
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
     model_config = get_config(cfg.model)
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")

@@ -171,6 +171,13 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False) -> Plan:
     check_host_memory(model_name, config, topo, precision)
     profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
+    # Every worker must own at least one stage, and a stage is at least one layer.
+    workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
+    if profile.n < topo.n:
+        raise InputError(f"model {model_name} has {profile.n} layers, fewer than {workers}: every worker needs a "
+                         "stage (use fewer --cpu-workers or a larger model)")
+    if stages is not None and stages < topo.n:
+        raise InputError(f"--stages {stages} is fewer than {workers}: every worker needs a stage")
     mapping = cross_map(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, mapping)
     check_layers_fit(profile, machine)
@@ -198,6 +205,9 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         bounds = result.bounds if result.bounds and result.objective_s <= times[best] else baselines[best]
     else:
         bounds = baselines[partitioner]
+    if len(bounds) < topo.n:
+        raise InputError(f"the {partitioner} partition has {len(bounds)} stages, fewer than {workers}: every "
+                         "worker needs a stage (use --stages or fewer workers)")
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
         raise InputError(f"the {partitioner} partition does not fit: {est.reason}")

@@ -32,7 +32,11 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
                          "(python -m mobius.plan) but not trained")
     if not model_config.runnable:
         raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
-                         f"{model_config.hidden} hidden is not divisible by {model_config.heads} heads")
+                         f"{model_config.shape_problem()}")
+    if model_config.checkpoint:
+        from mobius.models.hf import check_weights
+
+        check_weights(model_config)
     return model_config
 
 

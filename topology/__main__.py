@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from topology.model import Topology, TopologyError
+from topology.model import Topology, TopologyError, load_topology_file
 from topology.presets import load_topology
 
 
@@ -33,8 +34,28 @@ def render(topo: Topology) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _check_write_target(path: str) -> None:
+    """``--write`` creates a file, or replaces a topology file; never a directory or another file."""
+    p = Path(path)
+    if p.is_dir():
+        raise TopologyError(f"--write {path}: is a directory; give a file name")
+    if not p.resolve().parent.is_dir():
+        raise TopologyError(f"--write {path}: directory {p.resolve().parent} does not exist")
+    if p.exists():
+        try:
+            load_topology_file(p)
+        except TopologyError:
+            raise TopologyError(f"--write {path}: exists and is not a topology file; refusing to overwrite it") from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m topology", description=__doc__)
+    p = _Parser(prog="python -m topology", description=__doc__)
     p.add_argument("--topology", default="auto", help="auto, a preset name, or a topology JSON file")
     p.add_argument("--cpu-workers", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print the topology file instead")
@@ -42,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write", default=None, help="write the (measured) topology to this file")
     args = p.parse_args(argv)
     try:
+        if args.cpu_workers <= 0:
+            raise TopologyError(f"--cpu-workers must be positive, got {args.cpu_workers}")
+        if args.write:
+            _check_write_target(args.write)
         topo = load_topology(args.topology, cpu_workers=args.cpu_workers)
         if args.measure:
             if topo.virtual:

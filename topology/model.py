@@ -9,6 +9,7 @@ required key is an error naming the file and the key.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,9 +133,19 @@ class Topology:
         return d
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = Path(str(path) + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        """Write through an exclusively created temporary file beside ``path`` (never a user's
+        file) and rename it into place."""
+        import tempfile
+
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.resolve().parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_dict(), indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
 
 # ---- parsing with errors that name the key ----------------------------------------------------
@@ -149,6 +160,8 @@ def _get(obj: dict, key: str, kind: type | tuple, where: str, source: str, defau
     value = obj[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        raise TopologyError(f"{source}: key {where + '.' if where else ''}{key} must be a finite number, got {value!r}")
     if not ok:
         names = "/".join("number" if k in (int, float) else k.__name__ for k in kinds)
         raise TopologyError(f"{source}: key {where + '.' if where else ''}{key} must be {names}, got {value!r}")
@@ -162,6 +175,8 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
     name = _get(d, "name", str, "", source)
     host = _get(d, "host", dict, "", source)
     host_mem = _get(host, "memory_gb", NUMBER, "host", source)
+    if host_mem <= 0:
+        raise TopologyError(f"{source}: key host.memory_gb must be positive, got {host_mem!r}")
     rcs = []
     for i, r in enumerate(_get(d, "root_complexes", list, "", source)):
         where = f"root_complexes[{i}]"
@@ -170,6 +185,9 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
             host_bandwidth_gbps=float(_get(r, "host_bandwidth_gbps", NUMBER, where, source)),
             extra={k: v for k, v in r.items() if k not in ("id", "host_bandwidth_gbps")},
         ))
+    for i, r in enumerate(rcs):
+        if r.host_bandwidth_gbps <= 0:
+            raise TopologyError(f"{source}: key root_complexes[{i}].host_bandwidth_gbps must be positive")
     rc_ids = {r.id for r in rcs}
     if len(rc_ids) != len(rcs):
         raise TopologyError(f"{source}: root_complexes: duplicate id")
@@ -217,9 +235,11 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
 
 def load_topology_file(path: str | os.PathLike) -> Topology:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as err:
         raise TopologyError(f"{path}: cannot read topology file: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise TopologyError(f"{path}: not a topology file (not UTF-8 text)") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as err:

@@ -60,10 +60,21 @@ class GPTConfig:
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
     hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2)
 
+    def shape_problem(self) -> str | None:
+        """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not
+        divide it: ``mobius-51b`` is plannable from its sizes, not runnable.)"""
+        for name in ("vocab_size", "context", "n_layer", "hidden", "heads", "n_kv_heads", "ffn"):
+            if getattr(self, name) < 1:
+                return f"{name} must be positive, got {getattr(self, name)}"
+        if self.hidden % self.heads:
+            return f"hidden size {self.hidden} is not divisible by {self.heads} attention heads"
+        if self.heads % self.n_kv_heads:
+            return f"{self.heads} attention heads are not divisible by {self.n_kv_heads} key-value heads"
+        return None
+
     @property
     def runnable(self) -> bool:
-        """Table 3 prints 80 heads for h=9216, which do not divide it: plan-only, not runnable."""
-        return self.hidden % self.heads == 0 and self.heads % self.n_kv_heads == 0
+        return self.shape_problem() is None
 
     @property
     def head_dim(self) -> int:

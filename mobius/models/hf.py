@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
+from mobius.checks import REQUIRED, Fields
 from mobius.errors import InputError
 from mobius.models.gpt import GPTConfig, layer_count
 
@@ -40,70 +41,91 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
-def _read_config(path: str) -> dict:
+def _read_config(path: str) -> Fields:
+    source = f"--model {path}: config.json"
     try:
-        return json.loads(Path(path, "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise InputError(f"--model {path}: cannot read config.json: {err}") from None
+        return Fields(json.loads(Path(path, "config.json").read_bytes().decode("utf-8")), source)
+    except OSError as err:
+        raise InputError(f"{source}: cannot read it: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{source}: is not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise InputError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}") from None
 
 
 def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
-    """Our config for a Hugging Face directory (``weights=False``: config.json alone, for planning)."""
+    """Our config for a Hugging Face directory (``weights=False``: config.json alone, for planning).
+    Every value is type- and range-checked here, so a bad config is one line naming the key."""
     c = _read_config(path)
-    kind = c.get("model_type")
+    kind = c.get("model_type", "str")
     if kind not in SUPPORTED:
         raise InputError(f"--model {path}: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
 
-    def need(key: str):
-        if key not in c:
-            raise InputError(f"--model {path}: config.json lacks {key!r}")
-        return c[key]
+    def size(key: str, default=REQUIRED):
+        return c.get(key, "int", default, minimum=1)
+
+    def unsupported(what: str):
+        raise InputError(f"--model {path}: {what} is not supported")
 
     common = {"checkpoint": os.path.abspath(path) if weights else None, "hf_arch": kind}
     if kind == "gpt2":
-        return GPTConfig(vocab_size=need("vocab_size"), context=need("n_positions"), n_layer=need("n_layer"),
-                         hidden=need("n_embd"), heads=need("n_head"), bias=True,
-                         tie_embeddings=c.get("tie_word_embeddings", True), norm_eps=c.get("layer_norm_epsilon", 1e-5),
-                         mlp=_gpt2_activation(c, path), intermediate=c.get("n_inner"), **common)
-    if kind == "opt":
-        if not c.get("do_layer_norm_before", True):
-            raise InputError(f"--model {path}: post-LayerNorm OPT (opt-350m) is not supported")
-        if c.get("word_embed_proj_dim", c["hidden_size"]) != c["hidden_size"]:
-            raise InputError(f"--model {path}: OPT with project_in/out (word_embed_proj_dim) is not supported")
-        if c.get("activation_function", "relu") != "relu":
-            raise InputError(f"--model {path}: OPT activation {c.get('activation_function')!r} is not supported")
-        return GPTConfig(vocab_size=need("vocab_size"), context=need("max_position_embeddings"),
-                         n_layer=need("num_hidden_layers"), hidden=need("hidden_size"), heads=need("num_attention_heads"),
-                         bias=c.get("enable_bias", True), tie_embeddings=c.get("tie_word_embeddings", True),
-                         mlp="relu", intermediate=need("ffn_dim"), position_offset=2, **common)
-    # Llama family
-    heads, hidden = need("num_attention_heads"), need("hidden_size")
-    if c.get("head_dim") not in (None, hidden // heads):
-        raise InputError(f"--model {path}: head_dim {c['head_dim']} != hidden_size/heads is not supported")
-    if c.get("hidden_act", "silu") != "silu":
-        raise InputError(f"--model {path}: hidden_act {c.get('hidden_act')!r} is not supported")
-    rope = c.get("rope_parameters") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
-    scaling_t = None
-    if scaling:
-        rtype = scaling.get("rope_type", scaling.get("type"))
-        if rtype != "llama3":
-            raise InputError(f"--model {path}: rope scaling {rtype!r} is not supported (only llama3)")
-        scaling_t = ("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                     float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    attn_bias = c.get("attention_bias", False)
-    return GPTConfig(vocab_size=need("vocab_size"), context=need("max_position_embeddings"),
-                     n_layer=need("num_hidden_layers"), hidden=hidden, heads=heads,
-                     kv_heads=c.get("num_key_value_heads", heads), intermediate=need("intermediate_size"),
-                     norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6), mlp="swiglu", positions="rope",
-                     rope_theta=float(theta), rope_scaling=scaling_t, tie_embeddings=c.get("tie_word_embeddings", False),
-                     qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
-                     mlp_bias=c.get("mlp_bias", False), **common)
+        config = GPTConfig(vocab_size=size("vocab_size"), context=size("n_positions"), n_layer=size("n_layer"),
+                           hidden=size("n_embd"), heads=size("n_head"), bias=True,
+                           tie_embeddings=c.get("tie_word_embeddings", "bool", True),
+                           norm_eps=c.get("layer_norm_epsilon", "number", 1e-5, minimum=0),
+                           mlp=_gpt2_activation(c, path), intermediate=size("n_inner", None), **common)
+    elif kind == "opt":
+        hidden = size("hidden_size")
+        if not c.get("do_layer_norm_before", "bool", True):
+            unsupported("post-LayerNorm OPT (opt-350m)")
+        if c.get("word_embed_proj_dim", "int", hidden) != hidden:
+            unsupported("OPT with project_in/out (word_embed_proj_dim)")
+        if c.get("activation_function", "str", "relu") != "relu":
+            unsupported(f"OPT activation {c.get('activation_function', 'str')!r}")
+        config = GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"),
+                           n_layer=size("num_hidden_layers"), hidden=hidden, heads=size("num_attention_heads"),
+                           bias=c.get("enable_bias", "bool", True), tie_embeddings=c.get("tie_word_embeddings", "bool", True),
+                           mlp="relu", intermediate=size("ffn_dim"), position_offset=2, **common)
+    else:  # Llama family
+        heads, hidden = size("num_attention_heads"), size("hidden_size")
+        if hidden % heads:
+            raise InputError(f"--model {path}: config.json: hidden_size {hidden} is not divisible by "
+                             f"num_attention_heads {heads}")
+        if c.get("head_dim", "int", hidden // heads) != hidden // heads:
+            unsupported(f"head_dim {c.get('head_dim', 'int')} != hidden_size/heads")
+        if c.get("hidden_act", "str", "silu") != "silu":
+            unsupported(f"hidden_act {c.get('hidden_act', 'str')!r}")
+        rope = Fields(c.get("rope_parameters", "dict", {}), f"--model {path}: config.json rope_parameters")
+        theta = c.get("rope_theta", "number", rope.get("rope_theta", "number", 10000.0), minimum=1e-9)
+        scaling = c.get("rope_scaling", "dict", None)
+        if scaling is None and rope.get("rope_type", "str", "default") != "default":
+            scaling = rope.obj
+        scaling_t = None
+        if scaling:
+            s = Fields(scaling, f"--model {path}: config.json rope_scaling")
+            rtype = s.get("rope_type", "str", None) or s.get("type", "str", None)
+            if rtype != "llama3":
+                unsupported(f"rope scaling {rtype!r} (only llama3)")
+            scaling_t = ("llama3", s.get("factor", "number", minimum=1e-9), s.get("low_freq_factor", "number", minimum=1e-9),
+                         s.get("high_freq_factor", "number", minimum=1e-9),
+                         s.get("original_max_position_embeddings", "int", minimum=1))
+        attn_bias = c.get("attention_bias", "bool", False)
+        config = GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"),
+                           n_layer=size("num_hidden_layers"), hidden=hidden, heads=heads,
+                           kv_heads=size("num_key_value_heads", heads), intermediate=size("intermediate_size"),
+                           norm="rmsnorm", norm_eps=c.get("rms_norm_eps", "number", 1e-6, minimum=0), mlp="swiglu",
+                           positions="rope", rope_theta=theta, rope_scaling=scaling_t,
+                           tie_embeddings=c.get("tie_word_embeddings", "bool", False),
+                           qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
+                           mlp_bias=c.get("mlp_bias", "bool", False), **common)
+    problem = config.shape_problem()
+    if problem:
+        raise InputError(f"--model {path}: config.json: {problem}")
+    return config
 
 
-def _gpt2_activation(c: dict, path: str) -> str:
-    act = c.get("activation_function", "gelu_new")
+def _gpt2_activation(c: Fields, path: str) -> str:
+    act = c.get("activation_function", "str", "gelu_new")
     if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return "gelu_tanh"
     if act == "gelu":
@@ -121,16 +143,24 @@ class HFWeights:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise InputError(f"--model {path}: no *.safetensors files (pytorch_model.bin is not read: it unpickles)")
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.where: dict[str, Path] = {}
         self.meta: dict[str, tuple[torch.dtype, tuple]] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self.where[k] = f
-                    sl = h.get_slice(k)
-                    self.meta[k] = (_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        if k in self.where:
+                            raise InputError(f"--model {path}: tensor {k!r} is in both {self.where[k].name} and {f.name}")
+                        dtype = h.get_slice(k).get_dtype()
+                        if dtype not in _DTYPES:
+                            raise InputError(f"--model {path}: {f.name}: tensor {k!r} has dtype {dtype}, which Mobius "
+                                             f"does not load (supported: {', '.join(_DTYPES)})")
+                        self.where[k] = f
+                        self.meta[k] = (_DTYPES[dtype], tuple(h.get_slice(k).get_shape()))
+            except (OSError, SafetensorError) as err:
+                raise InputError(f"--model {path}: {f.name} is not a readable safetensors file ({err})") from None
         keys = set(self.where)
         self.prefix = _detect_prefix(keys)
 
@@ -153,6 +183,9 @@ def _detect_prefix(keys: set[str]) -> str:
             return prefix
     return ""
 
+
+# Tensors of a directory that are buffers, not weights (GPT-2's causal masks, rotary tables).
+BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 _OPEN: dict[str, HFWeights] = {}
 
@@ -227,6 +260,22 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
         out += [Piece("fc.bias", (f"{b}mlp.gate_proj.bias", f"{b}mlp.up_proj.bias")),
                 Piece("fc_out.bias", (f"{b}mlp.down_proj.bias",))]
     return out
+
+
+def check_weights(config: GPTConfig) -> None:
+    """Pre-flight of a directory's weights: every tensor the model needs is there and floating
+    point, and nothing is there that we would silently ignore."""
+    w = open_weights(config.checkpoint)
+    keys = set(w.where)
+    needed = {name for i in range(layer_count(config)) for piece in _layer_map(config, i, w.prefix, keys)
+              for name in piece.names}
+    problems = [("missing", sorted(needed - keys)),
+                ("not floating point", sorted(n for n in needed & keys if not w.meta[n][0].is_floating_point)),
+                ("not used by this model", sorted(k for k in keys - needed if not k.endswith(BUFFER_SUFFIXES)))]
+    for what, names in problems:
+        if names:
+            raise InputError(f"--model {config.checkpoint}: {len(names)} tensors {what} ({', '.join(names[:3])}"
+                             f"{', ...' if len(names) > 3 else ''})")
 
 
 def load_layer_weights(config: GPTConfig, index: int, layer: torch.nn.Module) -> None:
