@@ -14,13 +14,13 @@ from mobius.config import RunConfig
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import DTYPES
-from mobius.signals import StopRequest
-from mobius.workers import agree, gather_trace, share_cpu_cores
+from mobius.workers import agree, die_with_parent, gather_trace, install_stop, share_cpu_cores
 
 COLLECTIVE_TIMEOUT_S = 60
 
 
 def worker_main(payload: dict) -> dict:
+    die_with_parent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = payload.get("cuda", False)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
@@ -48,7 +48,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
                            setup["device_chunks"], DTYPES[cfg.precision], cfg.seed, cfg.lr, cfg.steps, trace,
                            prefetch=cfg.chunk_prefetch)
     batches = make_batches(cfg, model_config)
-    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+    stop = install_stop(payload)
     start = 0
     if cfg.resume:
         from mobius import checkpoint as ck

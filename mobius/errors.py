@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import sys
 from typing import Callable, TypeVar
 
@@ -22,6 +24,8 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return main(*args, **kwargs)
         except InputError as err:
@@ -35,3 +39,14 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
             raise SystemExit(130)
 
     return wrapper
+
+
+def _interrupted_while_importing(signum, frame) -> None:
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def quiet_interrupts_while_importing() -> None:
+    """A command module calls this first: Ctrl-C while torch is still importing (seconds) is one
+    line and exit 130, like Ctrl-C later, not a traceback.  ``exits_cleanly`` takes over."""
+    signal.signal(signal.SIGINT, _interrupted_while_importing)

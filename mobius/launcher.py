@@ -7,7 +7,10 @@ non-zero naming the rank and its error; collectives time out after 60 s, so noth
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -20,7 +23,7 @@ from mobius.errors import InputError
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model, get_config
 from mobius.planner import make_plan
-from mobius.signals import StopRequest
+from mobius.signals import LauncherSignals
 from mobius.train import check_model_input, make_batches
 from topology import Topology
 
@@ -108,6 +111,11 @@ def run_workers(n: int, entry, payload: dict) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # We report a failed or interrupted worker in one line ourselves: the agent's own logging
+    # (stack traces of the children, "closing process" warnings) would bury it.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     payload["t_origin"] = time.perf_counter()
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
@@ -115,13 +123,19 @@ def run_workers(n: int, entry, payload: dict) -> dict:
                           start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT/SIGTERM: ours
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     run_dir = tempfile.mkdtemp(prefix="mobius-run-")
-    payload["stop_file"] = os.path.join(run_dir, "stop")
-    StopRequest(payload["stop_file"], kill_children=True).install()
+    signals = LauncherSignals(run_dir)
+    payload["stop_file"], payload["started_file"] = str(signals.stop.stop_file), str(signals.started_file)
     try:
-        return elastic_launch(launch, entry)(payload)
+        with signals:
+            return elastic_launch(launch, entry)(payload)
     except ChildFailedError as err:
+        if signals.aborted:
+            print(f"interrupted ({signal.Signals(signals.aborted).name}) before training started", file=sys.stderr)
+            raise SystemExit(128 + signals.aborted) from None
         print(f"error: {describe_failure(err)}", file=sys.stderr)
         raise SystemExit(1)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # made by mkdtemp above: ours
 
 
 def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):

@@ -3,6 +3,13 @@ as a stages table with the predicted step time, without training."""
 
 from __future__ import annotations
 
+from mobius.errors import quiet_interrupts_while_importing
+
+if __name__ == "__main__":
+    quiet_interrupts_while_importing()
+
+# The imports below take seconds; the guard above must come first.
+# ruff: noqa: E402
 import json
 import math
 

@@ -5,6 +5,11 @@ In a pipeline run the launcher owns the decision: it touches a stop file that ev
 at the end of each step.  The workers agree through a collective, so all of them stop after the
 same step.  A worker's own handler only records the signal (a terminal's Ctrl-C reaches every
 process of the group).
+
+Before training has started there is nothing to save: a signal then kills the workers and exits
+130 with one line.  The launcher blocks the signals while it spawns the workers, so they start
+with them blocked (a signal mask is inherited) and see one only once their handler is installed:
+no half-imported worker ever prints a ``KeyboardInterrupt`` traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class StopRequest:
@@ -24,8 +32,9 @@ class StopRequest:
         self.requested = False
 
     def install(self) -> "StopRequest":
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNALS:
             signal.signal(sig, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked since the launcher spawned us
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -45,3 +54,50 @@ class StopRequest:
 
     def check(self) -> bool:
         return self.requested or (self.stop_file is not None and self.stop_file.exists())
+
+
+class LauncherSignals:
+    """The launcher's signals while workers run: handled in a thread of their own (``sigwait``)
+    with SIGINT/SIGTERM blocked everywhere else, so the workers it spawns inherit the block.
+    ``started_file`` exists once a worker is about to train."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.stop = StopRequest(Path(run_dir) / "stop", kill_children=True)
+        self.started_file = Path(run_dir) / "started"
+        self.aborted = 0  # the signal that ended the run before training started
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mobius-signals", daemon=True)
+
+    def __enter__(self) -> "LauncherSignals":
+        # multiprocessing's resource tracker, when it first starts, unblocks these signals in the
+        # calling thread: start it before blocking them.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        # Threads started earlier (a solver's) may still take a signal: then the handler runs here.
+        self._previous = {sig: signal.signal(sig, lambda signum, frame: self._on_signal(signum)) for sig in SIGNALS}
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            info = signal.sigtimedwait(SIGNALS, 0.2)
+            if info is not None:
+                self._on_signal(info.si_signo)
+
+    def _on_signal(self, signum: int) -> None:
+        if self.aborted or not self.started_file.exists():
+            # Nothing to save yet: end the workers; the launcher then exits with one line.
+            self.aborted = self.aborted or signum
+            for child in multiprocessing.active_children():
+                child.kill()
+            return
+        self.stop._handle(signum, None)

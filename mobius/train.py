@@ -6,6 +6,13 @@ Resolves the topology, chooses the backend, checks the input, then either trains
 
 from __future__ import annotations
 
+from mobius.errors import quiet_interrupts_while_importing
+
+if __name__ == "__main__":
+    quiet_interrupts_while_importing()
+
+# The imports below take seconds; the guard above must come first.
+# ruff: noqa: E402
 import math
 import sys
 import time

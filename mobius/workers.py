@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from mobius.metrics import Trace, write_trace
+from mobius.signals import StopRequest
+
+PARENT_POLL_S = 0.5
+
+
+def die_with_parent() -> None:
+    """A worker must not outlive the process that started it, however that one dies (SIGKILL
+    included): when this process is re-parented, it kills itself."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
+
+
+def install_stop(payload: dict) -> StopRequest:
+    """This worker's stop request; from now on a signal stops training after a step, so the
+    launcher is told that training has started."""
+    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+    if payload.get("started_file"):
+        Path(payload["started_file"]).touch()
+    return stop
 
 
 def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:

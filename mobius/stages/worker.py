@@ -25,15 +25,15 @@ from mobius.reference import DTYPES
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
-from mobius.signals import StopRequest
 from mobius.swap.store import HostStageStore
-from mobius.workers import agree, gather_trace, share_cpu_cores
+from mobius.workers import agree, die_with_parent, gather_trace, install_stop, share_cpu_cores
 
 COLLECTIVE_TIMEOUT_S = 60
 
 
 def worker_main(payload: dict) -> dict:
     """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights."""
+    die_with_parent()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -100,7 +100,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     start = 0
     if cfg.resume:
         start = _restore(cfg, store, scaler, model_config)
-    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+    stop = install_stop(payload)
 
     def save(done: int) -> None:
         _save(cfg, store, scaler, model_config, done, rank)
