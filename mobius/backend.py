@@ -19,10 +19,10 @@ def resolve_topology(cfg: RunConfig) -> Topology:
 
 
 def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
-    """``(backend, topology)``; ``single`` needs no topology."""
+    """``(backend, topology)``; ``single`` needs no topology, but a bad one is still an error."""
+    topo = resolve_topology(cfg)
     if cfg.backend == "single":
         return "single", None
-    topo = resolve_topology(cfg)
     backend = cfg.backend
     if backend == "auto":
         backend, _ = topo.choose_backend()

@@ -114,7 +114,7 @@ def run_workers(n: int, entry, payload: dict) -> dict:
     # We report a failed or interrupted worker in one line ourselves: the agent's own logging
     # (stack traces of the children, "closing process" warnings) would bury it.
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     payload["t_origin"] = time.perf_counter()
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do

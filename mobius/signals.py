@@ -73,6 +73,9 @@ class LauncherSignals:
         # calling thread: start it before blocking them.
         from multiprocessing import resource_tracker
 
+        # A worker killed mid-run leaves a semaphore the tracker cleans up; its warning about that
+        # would follow our one-line report.
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
         resource_tracker.ensure_running()
         # Threads started earlier (a solver's) may still take a signal: then the handler runs here.
         self._previous = {sig: signal.signal(sig, lambda signum, frame: self._on_signal(signum)) for sig in SIGNALS}

@@ -1,0 +1,366 @@
+"""Bad input, table-driven: every case is one line on stderr naming the problem, exit status 2, no
+traceback, and nothing of the user's changed (sha256 of their files before and after)."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobius import checkpoint as ck
+from mobius import ownership
+from mobius.plan import main as plan_main
+from mobius.train import main as train_main
+from topology.__main__ import main as topology_main
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--no-progress"]
+SINGLE = TINY + ["--backend", "single"]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (the user's world, for before/after comparisons)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_exit_2(command, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        command(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (info.value.code, err)
+    return err[0]
+
+
+# ---- options -------------------------------------------------------------------------------------
+
+TRAIN_OPTIONS = [
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--topology", "nope"], "unknown topology preset 'nope'"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size must be positive"),
+    (["--seq-len", "4096"], "exceeds tiny's context of 128"),
+    (["--lr", "0"], "--lr must be a positive finite number"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--gpu-mem-gb", "inf"], "--gpu-mem-gb must be a positive finite number"),
+    (["--gpu-mem-gb", "-2"], "--gpu-mem-gb must be a positive finite number"),
+    (["--seed", "-1"], "--seed must be between 0 and 2**63-1"),
+    (["--steps", "two"], "invalid int value: 'two'"),
+    (["--save-every", "2"], "--save-every needs --save"),
+    (["--resume-with-changes"], "--resume-with-changes needs --resume"),
+    (["--data", "/nonexistent/corpus"], "no such file or directory"),
+    (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
+    (["--model", "mobius-51b"], "can be planned"),
+    (["--model", "mobius-8b"], "GB of host memory"),
+    (["--export", "/tmp/x-export"], "--export needs --model to be a Hugging Face directory"),
+    (["--backend", "pipeline", "--stages", "99", "--topology", "cpu"], "exceeds the model's 6 layers"),
+    (["--backend", "pipeline", "--topology", "cpu", "--cpu-workers", "8"], "fewer than the 8 CPU workers"),
+    (["--backend", "pipeline", "--topology", "cpu", "--cpu-workers", "3", "--stages", "2"],
+     "--stages 2 is fewer than the 3 CPU workers"),
+    (["--backend", "chunked", "--topology", "cpu", "--cpu-workers", "3"], "not divisible by the 3 data-parallel"),
+]
+
+
+@pytest.mark.parametrize("args,message", TRAIN_OPTIONS, ids=[" ".join(a) for a, _ in TRAIN_OPTIONS])
+def test_train_options(args, message, capsys):
+    assert message in one_line_exit_2(train_main, SINGLE + args, capsys)
+
+
+PLAN_OPTIONS = [
+    (["--seq-len", "0"], "--seq-len must be positive"),
+    (["--gpu-mem-gb", "inf"], "--gpu-mem-gb must be a positive finite number"),
+    (["--stages", "0"], "--stages must be positive"),
+    (["--cpu-workers", "-1"], "--cpu-workers must be positive"),
+    (["--time-limit", "nan"], "--time-limit must be a positive finite number"),
+    (["--model", "tiny", "--seq-len", "9999"], "exceeds tiny's context of 128"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("args,message", PLAN_OPTIONS, ids=[" ".join(a) for a, _ in PLAN_OPTIONS])
+def test_plan_options(args, message, capsys):
+    assert message in one_line_exit_2(plan_main, ["--model", "tiny"] + args, capsys)
+
+
+def test_topology_command(tmp_path, capsys):
+    (tmp_path / "bin.json").write_bytes(b"\x00\x01\xff\xfe")
+    (tmp_path / "notes.txt").write_text("my notes")
+    before = snapshot(tmp_path)
+    for args, message in [(["--cpu-workers", "0"], "--cpu-workers must be positive"),
+                          (["--bogus"], "unrecognized arguments"),
+                          (["--topology", str(tmp_path / "bin.json")], "not UTF-8 text"),
+                          (["--write", str(tmp_path)], "is a directory"),
+                          (["--write", str(tmp_path / "notes.txt")], "not a topology file; refusing to overwrite")]:
+        assert message in one_line_exit_2(topology_main, args, capsys)
+    assert snapshot(tmp_path) == before
+
+
+# ---- topology files --------------------------------------------------------------------------------
+
+def _topology(tmp_path, change) -> str:
+    d = json.loads((Path(__file__).parents[1] / "topology" / "presets" / "topo2+2.json").read_text())
+    change(d)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+TOPOLOGY_FILES = [
+    (lambda d: d["gpus"][0].update(memory_gb=float("nan")), "gpus[0].memory_gb must be a finite number"),
+    (lambda d: d["gpus"][1].update(tflops=float("inf")), "gpus[1].tflops must be a finite number"),
+    (lambda d: d["gpus"][0].update(memory_gb=0), "must be positive"),
+    (lambda d: d["host"].update(memory_gb=-1), "host.memory_gb must be positive"),
+    (lambda d: d["root_complexes"][0].update(host_bandwidth_gbps=0), "host_bandwidth_gbps must be positive"),
+    (lambda d: d["gpus"][0].update(root_complex=7), "unknown root complex 7"),
+    (lambda d: d["gpus"][0].pop("name"), "missing required key gpus[0].name"),
+    (lambda d: d.update(gpus=[]), "key gpus is empty"),
+]
+
+
+@pytest.mark.parametrize("change,message", TOPOLOGY_FILES, ids=[m for _, m in TOPOLOGY_FILES])
+def test_topology_files(change, message, tmp_path, capsys):
+    assert message in one_line_exit_2(train_main, TINY + ["--topology", _topology(tmp_path, change)], capsys)
+
+
+def test_unreadable_topology_files(tmp_path, capsys):
+    (tmp_path / "bin.json").write_bytes(b"\x00\x01\xff\xfe")
+    (tmp_path / "cut.json").write_text('{"name": "x"')
+    assert "not UTF-8 text" in one_line_exit_2(train_main, TINY + ["--topology", str(tmp_path / "bin.json")], capsys)
+    assert "not valid JSON" in one_line_exit_2(train_main, TINY + ["--topology", str(tmp_path / "cut.json")], capsys)
+
+
+# ---- data --------------------------------------------------------------------------------------------
+
+def test_bad_data(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
+    (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "short.txt").write_text("abc")
+    for name, message in [("empty.txt", "empty"), ("number.jsonl", "line 2: 'text' must be a string, got int"),
+                          ("notext.jsonl", "line 1 is not a JSON object with a 'text' field"),
+                          ("short.txt", "fewer than --seq-len 32 + 2")]:
+        assert message in one_line_exit_2(train_main, SINGLE + ["--data", str(tmp_path / name)], capsys)
+
+
+# ---- Hugging Face directories --------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from test_hf import make_dirs
+
+    return make_dirs(tmp_path_factory.mktemp("hf-bad"))
+
+
+def _copy(hf, arch, tmp_path) -> Path:
+    d = tmp_path / f"{arch}-copy"
+    shutil.copytree(hf[arch], d)
+    return d
+
+
+def _config(**changes):
+    def change(d: Path):
+        c = json.loads((d / "config.json").read_text())
+        for k, v in changes.items():
+            if v is None:
+                c.pop(k)
+            else:
+                c[k] = v
+        (d / "config.json").write_text(json.dumps(c))
+    return change
+
+
+def _retype(dtype):
+    def change(d: Path):
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(d / "model.safetensors")
+        key = next(k for k in t if k.endswith("wte.weight"))
+        t[key] = t[key].to(dtype)
+        save_file(t, d / "model.safetensors")
+    return change
+
+
+def _add_tensor(d: Path):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    t["transformer.h.9.attn.c_attn.weight"] = torch.zeros(2)
+    save_file(t, d / "model.safetensors")
+
+
+HF_CASES = [
+    ("gpt2", _config(n_layer="2"), "'n_layer' must be an integer, got '2'"),
+    ("gpt2", _config(n_layer=[2]), "'n_layer' must be an integer, got [2]"),
+    ("gpt2", _config(n_layer=0), "'n_layer' must be at least 1, got 0"),
+    ("gpt2", _config(n_head=0), "'n_head' must be at least 1"),
+    ("gpt2", _config(n_head=5), "hidden size 32 is not divisible by 5 attention heads"),
+    ("gpt2", _config(n_embd=-32), "'n_embd' must be at least 1"),
+    ("gpt2", _config(n_positions=None), "config.json lacks 'n_positions'"),
+    ("gpt2", _config(layer_norm_epsilon="x"), "'layer_norm_epsilon' must be a finite number"),
+    ("gpt2", _config(tie_word_embeddings="no"), "'tie_word_embeddings' must be true or false"),
+    ("gpt2", _config(model_type="bert"), "model_type 'bert' is not supported"),
+    ("opt", _config(hidden_size=None), "config.json lacks 'hidden_size'"),
+    ("opt", _config(ffn_dim=None), "config.json lacks 'ffn_dim'"),
+    ("llama", _config(num_key_value_heads=3), "4 attention heads are not divisible by 3 key-value heads"),
+    ("llama", _config(intermediate_size=None), "config.json lacks 'intermediate_size'"),
+    ("llama", _config(rope_scaling={"rope_type": "llama3"}), "rope_scaling lacks 'factor'"),
+    ("llama", _config(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope scaling 'yarn' (only llama3)"),
+    ("llama", _config(rope_theta="big"), "'rope_theta' must be a finite number"),
+    ("llama", _config(vocab_size=2.5), "'vocab_size' must be an integer, got 2.5"),
+    ("gpt2", lambda d: (d / "config.json").write_bytes(b"\xff\xfe{"), "config.json: is not UTF-8 text"),
+    ("gpt2", lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: must be a JSON object, got list"),
+    ("gpt2", lambda d: (d / "config.json").write_text("{"), "config.json: not valid JSON"),
+    ("gpt2", lambda d: (d / "model.safetensors").write_bytes(b"garbage"), "not a readable safetensors file"),
+    ("gpt2", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+     "not a readable safetensors file"),
+    ("gpt2", lambda d: shutil.copy(d / "model.safetensors", d / "model-2.safetensors"), "is in both"),
+    ("gpt2", _retype(torch.int16), "has dtype I16, which Mobius does not load"),
+    ("gpt2", _retype(torch.float8_e4m3fn), "has dtype F8_E4M3, which Mobius does not load"),
+    ("gpt2", _retype(torch.int32), "1 tensors not floating point (transformer.wte.weight)"),
+    ("gpt2", _add_tensor, "1 tensors not used by this model (transformer.h.9.attn.c_attn.weight)"),
+    ("gpt2", lambda d: (d / "tokenizer.json").write_text("{not json"), "not a readable tokenizer.json"),
+    ("gpt2", lambda d: [f.unlink() for f in d.glob("*.safetensors")], "no *.safetensors weights"),
+]
+
+
+@pytest.mark.parametrize("arch,change,message", HF_CASES, ids=[m[:40] for _, _, m in HF_CASES])
+def test_hugging_face_directories(hf, arch, change, message, tmp_path, capsys):
+    d = _copy(hf, arch, tmp_path)
+    change(d)
+    before = snapshot(d)
+    assert message in one_line_exit_2(train_main, ["--model", str(d), "--seq-len", "16", "--steps", "1",
+                                                   "--backend", "single", "--no-progress"], capsys)
+    assert snapshot(d) == before
+
+
+# ---- the user's files are never replaced ------------------------------------------------------------------
+
+def test_outputs_never_replace_the_users_files(hf, tmp_path, capsys):
+    """Each class of output collision is refused before training, and every file is unchanged."""
+    model = _copy(hf, "gpt2", tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("some training text " * 400)
+    export = tmp_path / "tuned"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / "eval-results.txt").write_text("accuracy 0.91")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("thesis draft")
+    for sibling in ("run.tmp", "run.old", "tuned.tmp-export"):  # the names earlier versions deleted
+        (tmp_path / sibling).mkdir()
+        (tmp_path / sibling / "keep.txt").write_text("mine")
+    theirs = tmp_path / "theirs"
+    train_main(SINGLE + ["--save", str(theirs)])
+    capsys.readouterr()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "thing.bin").write_bytes(b"\x00" * 10)
+    partial = ownership.sibling(tmp_path / "run2", "partial")
+    partial.mkdir()
+    (partial / "mine.txt").write_text("not Mobius'")
+    before = snapshot(tmp_path)
+
+    hf_run = ["--model", str(model), "--seq-len", "16", "--steps", "1", "--backend", "single", "--no-progress"]
+    cases = [
+        (hf_run + ["--export", str(export)], "was not written by Mobius"),
+        (hf_run + ["--export", str(model)], "overlaps --model"),
+        (hf_run + ["--export", str(model / "sub")], "overlaps --model"),
+        (hf_run + ["--metrics", str(model / "config.json")], "overlaps --model"),
+        (hf_run + ["--data", str(data), "--metrics", str(data)], "overlaps --data"),
+        (hf_run + ["--data", str(tmp_path), "--metrics", str(tmp_path / "m.jsonl")], "overlaps --data"),
+        (hf_run + ["--save", str(tmp_path / "x"), "--export", str(tmp_path / "x")], "overlap"),
+        (SINGLE + ["--save", str(tmp_path / "x"), "--metrics", str(tmp_path / "x" / "m.jsonl")], "overlap"),
+        (SINGLE + ["--metrics", str(tmp_path / "x.json"), "--trace", str(tmp_path / "x.json")], "overlap"),
+        (SINGLE + ["--metrics", str(notes)], "is not a file Mobius wrote; refusing to overwrite it"),
+        (SINGLE + ["--trace", str(notes)], "is not a file Mobius wrote; refusing to overwrite it"),
+        (SINGLE + ["--metrics", str(tmp_path)], "is a directory"),
+        (SINGLE + ["--save", str(notes)], "exists and is not a directory"),
+        (SINGLE + ["--save", str(tmp_path / "foreign")], "was not written by Mobius"),
+        (SINGLE + ["--save", str(theirs)], "holds the checkpoint of another run; continue it with --resume"),
+        (SINGLE + ["--save", str(tmp_path / "run2")], "was not written by Mobius"),
+        (SINGLE + ["--resume", str(theirs), "--metrics", str(theirs / "m.jsonl")], "overlaps --resume"),
+    ]
+    for argv, message in cases:
+        assert message in one_line_exit_2(train_main, argv, capsys), argv
+    assert snapshot(tmp_path) == before
+
+    # What earlier versions deleted (run.tmp, run.old, tuned.tmp-export) now survives real runs.
+    train_main(SINGLE + ["--save", str(tmp_path / "run")])
+    train_main(hf_run + ["--export", str(tmp_path / "tuned2"), "--metrics", str(tmp_path / "m.jsonl")])
+    after = snapshot(tmp_path)
+    assert all(after[k] == v for k, v in before.items())
+    # Our own outputs are replaced when asked: a second export over ours, metrics over ours.
+    train_main(hf_run + ["--export", str(tmp_path / "tuned2"), "--metrics", str(tmp_path / "m.jsonl")])
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def saved(tmp_path):
+    d = tmp_path / "ck"
+    train_main(SINGLE + ["--save", str(d)])
+    return d
+
+
+def _edit_manifest(d: Path, **changes) -> None:
+    m = json.loads((d / ck.MANIFEST).read_text())
+    m.update(changes)
+    (d / ck.MANIFEST).write_text(json.dumps(m))
+
+
+def test_edited_manifest_is_refused(saved, capsys):
+    _edit_manifest(saved, step=1)
+    message = one_line_exit_2(train_main, SINGLE + ["--resume", str(saved)], capsys)
+    assert "manifest.json was modified after it was written" in message
+
+
+def test_removed_optimizer_file_and_entry_is_refused(saved, capsys):
+    (saved / "optimizer.safetensors").unlink()
+    m = json.loads((saved / ck.MANIFEST).read_text())
+    del m["files"]["optimizer.safetensors"]
+    m["digest"] = ck.manifest_digest(m)  # even with a recomputed digest: the tensors are required
+    (saved / ck.MANIFEST).write_text(json.dumps(m))
+    message = one_line_exit_2(train_main, SINGLE + ["--resume", str(saved)], capsys)
+    assert "incomplete checkpoint" in message and "exp_avg/" in message
+
+
+@pytest.mark.parametrize("change,listed", [(["--lr", "2e-3"], "--lr 0.001 -> 0.002"),
+                                           (["--steps", "3"], "--steps 2 -> 3"),
+                                           (["--precision", "bf16"], "--precision 'fp32' -> 'bf16'"),
+                                           (["--micro-batches", "2"], "--micro-batches 4 -> 2"),
+                                           (["--seq-len", "16"], "--seq-len 32 -> 16")])
+def test_resume_with_changed_settings_is_refused_listing_them(saved, change, listed, capsys):
+    message = one_line_exit_2(train_main, SINGLE + ["--resume", str(saved)] + change, capsys)
+    assert "changes settings of the checkpoint's run" in message and listed in message
+
+
+def test_resume_with_changes_applies_them(saved, tmp_path, capsys):
+    """With the override, a switch to fp16 starts a fresh loss scale instead of fp32's 1.0."""
+    train_main(SINGLE + ["--resume", str(saved), "--save", str(saved), "--steps", "3", "--precision", "fp16",
+                         "--resume-with-changes", "--metrics", str(tmp_path / "m.jsonl")])
+    scales = [json.loads(line)["loss_scale"] for line in open(tmp_path / "m.jsonl")]
+    assert scales == [2.0**16]
+    assert ck.load_checkpoint(saved).manifest["precision"] == "fp16"
+
+
+def test_full_disk_during_save_is_one_line_and_keeps_the_checkpoint(saved, monkeypatch, capsys):
+    import safetensors.torch
+
+    before = snapshot(saved)
+
+    def full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(SystemExit) as info:
+        train_main(SINGLE + ["--resume", str(saved), "--save", str(saved), "--steps", "3", "--resume-with-changes"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and len(err) == 1
+    assert "No space left on device" in err[0] and "previous checkpoint is intact" in err[0]
+    assert snapshot(saved) == before and ck.load_checkpoint(saved).step == 2
