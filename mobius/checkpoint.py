@@ -22,7 +22,6 @@ Only directories that carry our marker are ever removed or replaced.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
-from mobius.errors import InputError, RunError
+from mobius.errors import InputError
 
 FORMAT = "mobius-checkpoint-2"
 MANIFEST = "manifest.json"
@@ -46,18 +45,10 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be used: the message names the file and the problem."""
 
 
-@contextlib.contextmanager
 def save_errors(directory: str | os.PathLike):
-    """A failed write (disk full, permissions) is one line naming the path; the previous
-    checkpoint is untouched because nothing is swapped in until the new one is complete."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, SafetensorError) as err:
-        why = f"{err.strerror} ({err.filename or directory})" if isinstance(err, OSError) else str(err)
-        raise RunError(f"saving a checkpoint in {directory} failed: {why}; the previous checkpoint is intact: "
-                       "free space or fix permissions, then --resume it") from None
+    """A failed write is one line; the previous checkpoint is untouched because nothing is swapped
+    in until the new one is complete."""
+    return ownership.writing("the checkpoint", directory, "the previous checkpoint is intact (--resume it)")
 
 
 def manifest_digest(manifest: dict) -> str:

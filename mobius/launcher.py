@@ -196,7 +196,11 @@ def describe_failure(err) -> str:
     def summary(f) -> str:
         message = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
         lines = str(message).strip().splitlines()
-        return lines[-1] if lines else f"exit code {f.exitcode}"
+        last = lines[-1] if lines else f"exit code {f.exitcode}"
+        for ours in ("RunError: ", "InputError: ", "CheckpointError: "):  # already a sentence for the user
+            if last.startswith(ours):
+                return last[len(ours):]
+        return last
 
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
     rank, root = ranked[0]

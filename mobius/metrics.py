@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from mobius.ownership import write_atomically
+from mobius.ownership import write_atomically, writing
 
 
 @dataclass
@@ -30,12 +30,15 @@ class MetricsWriter:
     """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing."""
 
     def __init__(self, path: str | os.PathLike | None, append: bool = False):
-        self._file = open(path, "a" if append else "w") if path else None
+        self.path = path
+        with writing("the metrics file", path):
+            self._file = open(path, "a" if append else "w") if path else None
 
     def write(self, m: StepMetrics) -> None:
         if self._file:
-            self._file.write(json.dumps(asdict(m)) + "\n")
-            self._file.flush()
+            with writing("the metrics file", self.path):
+                self._file.write(json.dumps(asdict(m)) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
         if self._file:
@@ -70,7 +73,8 @@ class Trace:
 
 
 def write_trace(path: str | os.PathLike, events: list[dict]) -> None:
-    write_atomically(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    with writing("the trace", path):
+        write_atomically(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def is_trace_file(head: bytes) -> bool:

@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mobius.errors import InputError
+from mobius.errors import InputError, RunError
 
 MARKER = ".mobius-owned.json"
 
@@ -193,6 +193,20 @@ def check_output_dir_parent(option: str, path: str) -> None:
         raise InputError(f"{option} {path}: not writable")
     if p.exists() and not p.is_dir():
         raise InputError(f"{option} {path}: exists and is not a directory; refusing to replace it")
+
+
+@contextlib.contextmanager
+def writing(what: str, path: str | os.PathLike, note: str = ""):
+    """An output that cannot be written (disk full, permissions) is one line naming the path and
+    what to do, not a traceback.  ``note`` says what survives (e.g. the previous checkpoint)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        why = f"{err.strerror} ({err.filename or path})" if isinstance(err, OSError) and err.strerror else str(err)
+        raise RunError(f"writing {what} {path} failed: {why}; {note + '; ' if note else ''}"
+                       "free space or fix permissions and run again") from None
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:

@@ -335,12 +335,19 @@ def write_shard(config: GPTConfig, staging: Path, name: str, layers: dict[int, d
     for index, state in layers.items():
         tensors.update(export_layer_tensors(config, index, state))
     if tensors:
-        save_file(tensors, str(staging / f"{name}.safetensors"), metadata={"format": "pt"})
+        with export_errors(staging):
+            save_file(tensors, str(staging / f"{name}.safetensors"), metadata={"format": "pt"})
 
 
 def finalize_export(config: GPTConfig, staging: Path, out_dir: str) -> None:
     """Add the untouched tensors, the index, config and tokenizer files, then rename into place:
     ``out_dir`` is never half-written, and a previous export there is replaced only when complete."""
+    with export_errors(out_dir):
+        _complete_export(config, staging)
+        ownership.swap_into_place(staging, out_dir, EXPORT_KIND)
+
+
+def _complete_export(config: GPTConfig, staging: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -366,11 +373,15 @@ def finalize_export(config: GPTConfig, staging: Path, out_dir: str) -> None:
         src = Path(config.checkpoint, f)
         if src.is_file():
             shutil.copy2(src, staging / f)
-    ownership.swap_into_place(staging, out_dir, EXPORT_KIND)
 
 
 def start_export(out_dir: str) -> Path:
-    return ownership.fresh_dir(staging_dir(out_dir), EXPORT_KIND)
+    with export_errors(out_dir):
+        return ownership.fresh_dir(staging_dir(out_dir), EXPORT_KIND)
+
+
+def export_errors(out_dir: str | os.PathLike):
+    return ownership.writing("the export", out_dir, "nothing was replaced")
 
 
 def check_export_target(config: GPTConfig, out_dir: str) -> None:
