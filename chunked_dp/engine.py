@@ -39,7 +39,7 @@ from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, Head, LayerList, build_layer, build_model
-from mobius.optim import BETAS, WEIGHT_DECAY, lr_at, set_lr
+from mobius.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
@@ -131,8 +131,7 @@ class ChunkedEngine:
             self.pieces.append(mine)
         groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
         # AdamW is elementwise: updating pieces of parameters gives the reference's numbers.
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=BETAS, eps=1e-8,
-                                           foreach=False)
+        self.optimizer = adamw(groups, self.lr)
         self.compute_shards = [self._compute_shard(k) for k in range(len(self.chunks))]
 
     def _compute_shard(self, k: int) -> torch.Tensor:
