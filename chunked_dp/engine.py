@@ -40,7 +40,7 @@ from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, Head, LayerList, build_layer, build_model
 from mobius.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
-
+from mobius.runtime.device import Device
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -81,10 +81,11 @@ class Counters:
 
 
 class ChunkedEngine:
-    def __init__(self, config: GPTConfig, rank: int, world: int, device: torch.device, chunk_size: int,
+    def __init__(self, config: GPTConfig, rank: int, world: int, device: Device, chunk_size: int,
                  n_block: int, offload: bool, device_chunks: int, compute_dtype: torch.dtype, seed: int,
                  lr: float, total_steps: int, trace: Trace | None = None, prefetch: bool = True):
-        self.config, self.rank, self.world, self.device = config, rank, world, device
+        self.config, self.rank, self.world = config, rank, world
+        self.dev, self.device = device, device.torch_device  # the device layer, and its torch device
         self.dtype, self.lr, self.total_steps = compute_dtype, lr, total_steps
         self.trace = trace or Trace(False)
         self.counters = Counters()
@@ -101,7 +102,7 @@ class ChunkedEngine:
         self._build_shards(seed)
         self.model = self._skeleton()
         self.params = dict(self.model.named_parameters())
-        self.blocks = [torch.empty(self.chunks[0].size, dtype=compute_dtype, device=device) for _ in range(self.n_block)]
+        self.blocks = [torch.empty(self.chunks[0].size, dtype=compute_dtype, device=self.device) for _ in range(self.n_block)]
         self.cache = RCachePolicy(self.n_block, "belady")
         self.recorded: list[int] = []
         self.state = [ChunkState.FREE] * len(self.chunks)
@@ -136,12 +137,12 @@ class ChunkedEngine:
 
     def _compute_shard(self, k: int) -> torch.Tensor:
         """This worker's shard of chunk ``k`` in the compute dtype (padding is zero)."""
-        target = self.device if self.on_device[k] else torch.device("cpu")
-        out = torch.zeros(self.shard, dtype=self.dtype, device=target)
+        if self.on_device[k]:
+            out = torch.zeros(self.shard, dtype=self.dtype, device=self.device)
+        else:  # offloaded: a host buffer the device copies from asynchronously
+            out = self.dev.host_buffer(self.shard, self.dtype).zero_()
         for piece in self.pieces[k]:
             out[piece.shard_start: piece.shard_start + piece.length] = piece.master.detach()
-        if target.type == "cpu" and self.device.type == "cuda":
-            out = out.pin_memory()
         return out
 
     def _skeleton(self) -> LayerList:
@@ -180,7 +181,9 @@ class ChunkedEngine:
         shard = self.compute_shards[k]
         if not self.on_device[k]:
             self.counters.h2d += shard.numel() * shard.element_size()
-            shard = shard.to(self.device, non_blocking=True) if self.device.type == "cuda" else shard.clone()
+            on_device = self.dev.empty(shard.numel(), shard.dtype, name=f"shard of chunk {k}")
+            self.dev.compute.copy(on_device, shard)  # the gather below runs on the compute stream
+            shard = on_device
         self.counters.gather_bytes += block.numel() * block.element_size()
         self.counters.peer += shard.numel() * shard.element_size() * (self.world - 1)
         return _all_gather(block, shard, async_op=async_op), shard

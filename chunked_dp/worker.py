@@ -6,7 +6,6 @@ import datetime
 import os
 import time
 
-import torch
 import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
@@ -14,7 +13,14 @@ from mobius.config import RunConfig
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import DTYPES
-from mobius.workers import agree, die_with_parent, gather_trace, install_stop, share_cpu_cores
+from mobius.runtime.device import open_device
+from mobius.workers import (
+    agree,
+    die_with_parent,
+    gather_trace,
+    install_stop,
+    share_cpu_cores,
+)
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -35,10 +41,8 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     from mobius.train import make_batches, run_steps
 
     cfg = RunConfig.from_dict(payload["cfg"])
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
+    device = open_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
+    if not cuda:
         share_cpu_cores(world)
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))

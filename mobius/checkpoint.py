@@ -32,6 +32,7 @@ import torch
 
 from mobius import ownership
 from mobius.errors import InputError
+from mobius.runtime.device import rng_states, set_rng_states
 
 FORMAT = "mobius-checkpoint-2"
 MANIFEST = "manifest.json"
@@ -257,17 +258,11 @@ def restore(ckpt: Checkpoint, named_params: dict[str, torch.nn.Parameter], optim
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"rng/torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    return out
+    return rng_states()
 
 
 def restore_rng(ckpt: Checkpoint) -> None:
-    if "rng/torch_cpu" in ckpt.names():
-        torch.set_rng_state(ckpt.get("rng/torch_cpu"))
-    if torch.cuda.is_available() and "rng/torch_cuda" in ckpt.names():
-        torch.cuda.set_rng_state(ckpt.get("rng/torch_cuda"))
+    set_rng_states({name: ckpt.get(name) for name in ckpt.names() if name.startswith("rng/")})
 
 
 def restore_scaler(ckpt: Checkpoint, scaler, precision: str) -> None:

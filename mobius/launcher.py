@@ -16,13 +16,12 @@ import tempfile
 import time
 import uuid
 
-import torch
-
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model, get_config
 from mobius.planner import make_plan
+from mobius.runtime.device import cuda_available
 from mobius.signals import LauncherSignals
 from mobius.train import check_model_input, make_batches
 from topology import Topology
@@ -50,7 +49,7 @@ def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
 
     model_config = check_model_input(cfg)
     topo = topo or resolve_topology(cfg)
-    cuda = not topo.virtual and torch.cuda.is_available()
+    cuda = not topo.virtual and cuda_available()
     if not topo.virtual and not cuda:
         topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
     cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
@@ -150,7 +149,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
         raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
     if cfg.micro_batches % topo.n:
         raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
-    cuda = not topo.virtual and torch.cuda.is_available()
+    cuda = not topo.virtual and cuda_available()
     cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
     make_batches(cfg, model_config)
     if cfg.resume:

@@ -22,6 +22,7 @@ from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
+from mobius.runtime.device import cuda_available, cuda_device_name
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
@@ -111,9 +112,9 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
     if how == "analytic":
         return analytic_profile(model_name, config, micro_batch, seq_len, min(g.tflops for g in topo.gpus), precision)
-    device = "cuda" if (not topo.virtual and torch.cuda.is_available()) else "cpu"
+    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     key = _hash([config.to_dict(), micro_batch, seq_len, precision, device,
-                 torch.cuda.get_device_name() if device == "cuda" else "cpu", torch.__version__])
+                 cuda_device_name(), torch.__version__])
     path = CACHE_DIR / "profiles" / f"{key}.json"
     if path.is_file():
         try:

@@ -17,6 +17,7 @@ from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
+from mobius.runtime.device import peak_memory, reset_peak_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,8 +32,7 @@ class ReferenceTrainer:
         self.dtype = DTYPES[cfg.precision]
         self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.trace))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -67,7 +67,7 @@ class ReferenceTrainer:
             self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
         self.scaler.update(overflow)
         tokens = len(micro) * micro[0].tokens.numel()
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        peak = peak_memory(self.device)
         return StepMetrics(step=step, loss=total / len(micro), lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)

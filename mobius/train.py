@@ -20,13 +20,20 @@ from typing import Callable
 
 import torch
 
-from mobius.config import RunConfig, parse_train_args
 from mobius import checkpoint as ck
 from mobius import ownership
+from mobius.config import RunConfig, parse_train_args
 from mobius.data import BatchSource, load_corpus, tokenizer_for
 from mobius.errors import InputError, RunError, exits_cleanly
-from mobius.metrics import MetricsWriter, StepMetrics, is_metrics_file, is_trace_file, write_trace
+from mobius.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    is_metrics_file,
+    is_trace_file,
+    write_trace,
+)
 from mobius.models import GPTConfig, get_config
+from mobius.runtime.device import cuda_available
 from mobius.signals import StopRequest
 
 
@@ -129,7 +136,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     from mobius.reference import ReferenceTrainer
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if cuda_available() else "cpu")
     cfg.precision = cfg.precision or ("bf16" if device.type == "cuda" else "fp32")
     trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
     start = 0

@@ -20,6 +20,12 @@ from pathlib import Path
 import torch
 
 from mobius.models import GPTConfig, build_layer, build_model, dtype_bytes, layer_count
+from mobius.runtime.device import (
+    memory_allocated,
+    peak_memory,
+    reset_peak_memory,
+    time_per_call,
+)
 
 # Model FLOPs utilisation assumed by the analytic model for matrix-heavy layers.
 ANALYTIC_MFU = 0.5
@@ -134,18 +140,7 @@ class _SavedBytes:
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
+    return time_per_call(fn, device, repeats)
 
 
 def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
@@ -199,14 +194,13 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
 
     counter = _SavedBytes()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
+        base = memory_allocated(device)
         forward_no_grad()
-        fwd_work = torch.cuda.max_memory_allocated(device) - base
-        torch.cuda.reset_peak_memory_stats(device)
+        fwd_work = peak_memory(device) - base
+        reset_peak_memory(device)
         forward_backward()
-        bwd_work = torch.cuda.max_memory_allocated(device) - base
+        bwd_work = peak_memory(device) - base
     else:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             inp = x.detach().requires_grad_(x.is_floating_point())

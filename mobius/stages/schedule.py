@@ -32,18 +32,47 @@ from mobius.metrics import Trace
 from mobius.models import Head
 from mobius.optim import DynamicLossScaler, lr_at, set_lr
 from mobius.planner import Plan
+from mobius.runtime.device import Device, Event, Stream
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
-from mobius.swap.store import HostStageStore
+from mobius.swap.store import HostStageStore, view
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class HostBuffers:
+    """Reusable host buffers (page-locked on CUDA) for activations on their way between devices.
+    A buffer comes back with the event after its last use; whoever takes it again waits for that
+    event first, so a buffer is never overwritten while a copy still reads it."""
+
+    def __init__(self, device: Device, host: Stream):
+        self.device, self.host = device, host
+        self._free: dict[tuple, list[tuple[torch.Tensor, Event]]] = {}
+        self._ours: set[int] = set()
+
+    def get(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype))
+        if free:
+            buf, last_use = free.pop()
+            self.host.wait(last_use)
+            return buf
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self.device.host_buffer(numel, dtype).view(shape)
+        self._ours.add(buf.data_ptr())
+        return buf
+
+    def put(self, buf: torch.Tensor, last_use: Event) -> None:
+        if buf.data_ptr() in self._ours:  # e.g. token batches are not ours to reuse
+            self._free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, last_use))
+
+
 class StageRunner:
     def __init__(self, plan: Plan, rank: int, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
-                 traffic: Traffic, trace: Trace, batches: BatchSource, device: torch.device, total_steps: int,
+                 traffic: Traffic, trace: Trace, batches: BatchSource, device: Device, total_steps: int,
                  peak_lr: float, scaler: DynamicLossScaler, recompute: bool):
         self.plan, self.rank, self.store, self.prefetcher = plan, rank, store, prefetcher
         self.memory, self.traffic, self.trace, self.batches = memory, traffic, trace, batches
@@ -54,6 +83,15 @@ class StageRunner:
         self.M = plan.micro_batches
         self.dtype = store.compute_dtype
         self.host_pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-host")
+        # Streams: compute; activations and gradients leave the device on their own copy stream
+        # (never behind a parameter prefetch); this thread's host-side work and the optimizer
+        # thread's are streams too, so the checker sees every hand-over.
+        self.compute = device.compute
+        self.d2h = device.new_stream("d2h")
+        self.host = device.host_stream("host")
+        self.optimizer_host = device.host_stream("optimizer")
+        self.buffers = HostBuffers(device, self.host)
+        self._outbox: list[tuple] = []  # activations on their way to the host: (event, buffer, to_stage, key)
         self._mailbox: dict[tuple, torch.Tensor] = {}  # messages between stages on this same worker
         # Tied input/output embeddings: stage 0 and the last stage each hold a copy; their
         # gradients are summed before either copy is updated (identically, so they stay equal).
@@ -62,36 +100,52 @@ class StageRunner:
         self._seen_working: dict[tuple[int, str], int] = {}
 
     # ---- transfers ---------------------------------------------------------------------------
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        self.traffic.d2h += _nbytes(t)
-        return t.detach().to("cpu") if t.device.type == "cuda" else t.detach().clone()
-
-    def _to_device(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        nbytes = _nbytes(t)
+    def _to_device(self, host: torch.Tensor, what: str, recycle: bool = True) -> torch.Tensor:
+        """A host tensor (ours, or a token batch) -> a new device tensor, on the compute stream:
+        the compute needs it next, and it never waits behind a parameter prefetch."""
+        nbytes = _nbytes(host)
         self.memory.allocate(nbytes, what)  # freed within the same phase (self._free)
         self.traffic.h2d += nbytes
-        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t.clone()
+        x = self.device.empty(host.numel(), host.dtype, name=what).view(host.shape)
+        self.compute.wait(self.host.record())  # after this thread's writes (a receive) of ``host``
+        self.compute.copy(x, host)
+        if recycle:  # else it is kept (the stage input for recomputation) and recycled later
+            self.buffers.put(host, self.compute.record())
+        return x
 
     def _tag(self, stage: int, m: int, backward: bool) -> int:
         return (stage * self.M + m) * 2 + int(backward)
 
-    def _send(self, t: torch.Tensor, to_stage: int, tag_stage: int, m: int, backward: bool, pending: list) -> None:
-        """Device tensor -> host -> the worker of ``to_stage`` (no GPU peer-to-peer)."""
-        host = self._to_host(t)
-        dst = self.plan.gpu_of_stage(to_stage)
-        key = (tag_stage, m, backward)
-        if dst == self.rank:
-            self._mailbox[key] = host
-        else:
-            self.traffic.peer += _nbytes(host)
-            pending.append((dist.isend(host, dst, tag=self._tag(*key)), host))
+    def _send(self, t: torch.Tensor, to_stage: int, tag_stage: int, m: int, backward: bool) -> None:
+        """Device tensor -> host on the D2H stream, without blocking the compute stream; the host
+        leg to the worker of ``to_stage`` follows in :meth:`_flush` (no GPU peer-to-peer)."""
+        self.d2h.wait(self.compute.record())  # after ``t`` was computed
+        buf = self.buffers.get(tuple(t.shape), t.dtype)
+        self.d2h.wait(self.host.record())  # after the buffer's previous use
+        self.d2h.copy(buf, t, name="activation staging buffer")
+        self.traffic.d2h += _nbytes(t)
+        self._outbox.append((self.d2h.record(), buf, to_stage, (tag_stage, m, backward)))
+
+    def _flush(self, pending: list, keep: int = 0) -> None:
+        """Hand every activation that reached the host, but the last ``keep``, to its receiver."""
+        while len(self._outbox) > keep:
+            done, buf, to_stage, key = self._outbox.pop(0)
+            self.host.wait(done)
+            self.host.reads(buf)
+            dst = self.plan.gpu_of_stage(to_stage)
+            if dst == self.rank:
+                self._mailbox[key] = buf
+            else:
+                self.traffic.peer += _nbytes(buf)
+                pending.append((dist.isend(buf, dst, tag=self._tag(*key)), buf))
 
     def _recv(self, from_stage: int, tag_stage: int, m: int, backward: bool, shape, dtype) -> torch.Tensor:
         key = (tag_stage, m, backward)
         src = self.plan.gpu_of_stage(from_stage)
         if src == self.rank:
             return self._mailbox.pop(key)
-        buf = torch.empty(shape, dtype=dtype)
+        buf = self.buffers.get(tuple(shape), dtype)
+        self.host.writes(buf, name="activation receive buffer")
         t0 = time.perf_counter()
         dist.recv(buf, src, tag=self._tag(*key))
         self.trace.span("recv", "comm", t0, time.perf_counter(), stage=tag_stage, mb=m)
@@ -164,7 +218,7 @@ class StageRunner:
         # ---------------- forward ----------------
         for k, s in enumerate(self.my_stages):
             self.memory.set_compute_reserve(0)  # nothing computes while we wait for the stage
-            layers = handles[s].wait()
+            layers = self.prefetcher.wait(handles[s])
             self._reserve(s, "forward")
             if k + 1 < len(self.my_stages):
                 nxt = self.my_stages[k + 1]
@@ -175,8 +229,9 @@ class StageRunner:
                     x_host = micro[m].tokens
                 else:
                     x_host = self._recv(s - 1, s - 1, m, False, hidden_shape, self.dtype)
-                targets = micro[m].targets.to(self.device) if s == last else None
-                x = self._to_device(x_host, "stage input")
+                self._flush(pending, keep=1)  # the previous micro-batch's output went on while this one computes
+                targets = micro[m].targets.to(self.device.torch_device) if s == last else None
+                x = self._to_device(x_host, "stage input", recycle=not self.recompute)
                 if self.recompute:
                     host_inputs[(s, m)] = x_host
                     with torch.no_grad():
@@ -195,10 +250,11 @@ class StageRunner:
                     loss_count += 1
                 else:
                     self.memory.allocate(_nbytes(out), "stage output")
-                    self._send(out, s + 1, s, m, False, pending)
+                    self._send(out, s + 1, s, m, False)
                     self._free(out)
                 if self.recompute:
                     del out
+            self._flush(pending)
             self._observe(s, "forward")
             self.trace.span(f"F{s}", "compute", t0, time.perf_counter(), stage=s)
             if k + 1 < len(self.my_stages):
@@ -207,21 +263,25 @@ class StageRunner:
         # ---------------- backward ----------------
         order = self.my_stages[::-1]
         optimizer_jobs: list[Future] = []
+        x_host_of: dict[tuple[int, int], torch.Tensor] = {}  # recompute inputs, recycled after their backward
         for k, s in enumerate(order):
             self.memory.set_compute_reserve(0)
-            layers = handles[s].wait()
+            layers = self.prefetcher.wait(handles[s])
             self._reserve(s, "backward")
             if k + 1 < len(order):
                 nxt = order[k + 1]
                 handles[nxt] = self.prefetcher.request(nxt, transfer_priority(nxt, self.n_stages, "backward"))
             grad_phase = self.memory.allocate(self.plan.stages[s].param_bytes, f"gradients of stage {s}")
+            grads = self._flat_gradients(s, layers)
             t0 = time.perf_counter()
             for m in range(self.M):
-                targets = micro[m].targets.to(self.device) if s == last else None
+                self._flush(pending, keep=1)
+                targets = micro[m].targets.to(self.device.torch_device) if s == last else None
                 ledger = []
                 if self.recompute:
                     x_phase = self.memory.phase
-                    x = self._to_device(host_inputs.pop((s, m)), "recompute input")
+                    x_host_of[(s, m)] = host_inputs.pop((s, m))
+                    x = self._to_device(x_host_of[(s, m)], "recompute input", recycle=False)
                     if x.is_floating_point():
                         x.requires_grad_(True)
                     with self._saved_hooks(ledger):
@@ -237,55 +297,80 @@ class StageRunner:
                     del g
                 self._free_ledger(ledger)
                 if s > 0:
-                    self._send(x.grad, s - 1, s - 1, m, True, pending)
+                    self._send(x.grad, s - 1, s - 1, m, True)
+                if self.recompute:
+                    self.buffers.put(x_host_of.pop((s, m)), self.compute.record())
                 self.memory.free(_nbytes(x), x_phase)
                 del x, out
+            self._flush(pending)
             self._observe(s, "backward")
             self.trace.span(f"B{s}", "compute", t0, time.perf_counter(), stage=s)
-            handle = handles.pop(s)
-            grads = [p.grad for p in layers.parameters()]
-            done = torch.cuda.Event() if self.device.type == "cuda" else None
-            if done is not None:
-                done.record()
+            self._gather_gradients(s, layers, grads)
+            # Gradients leave on the D2H stream; the optimizer thread takes over once they are home.
+            self.d2h.wait(self.compute.record())
+            host = self.store.stages[s]
+            self.d2h.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
+            self.traffic.d2h += _nbytes(grads)
+            arrived = self.d2h.record()
             self.memory.will_free(self.plan.stages[s].param_bytes)
-            optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, grads, done, lr, grad_phase))
+            optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, arrived, lr, grad_phase))
+            for p in layers.parameters():
+                p.grad = None
             del grads, layers
-            # The gradients now belong to the offload job; the weights can go.
-            self.prefetcher.release(handle)
+            self.prefetcher.release(handles.pop(s))
 
         self.memory.set_compute_reserve(0)
         for job in optimizer_jobs:
-            job.result()
+            self.compute.wait(job.result())  # the host weights are updated before the next loads
+        self.host.wait(self.compute.record())  # host-side updates below come after the step's device work
         if self.tied:
             self._sum_tied_gradients()
         if self.scaler.enabled:
             self._finish_fp16_step(lr)
         else:
             for s in self.tied_stages & set(self.my_stages):
-                self._update(s, lr)
-        for work, _ in pending:
+                self._update(s, lr, self.host)
+        for work, buf in pending:
             work.wait()
+            self.buffers.put(buf, self.host.record())
+        self.compute.wait(self.host.record())
         return loss_sum, loss_count
 
-    def _offload_and_update(self, s: int, grads: list[torch.Tensor], done, lr: float, grad_phase: int) -> None:
-        """Gradients -> host fp32 master grads, then (unless fp16 must agree on overflow first) AdamW."""
-        if done is not None:
-            done.synchronize()
-        t0 = time.perf_counter()
+    def _flat_gradients(self, s: int, layers: nn.ModuleList) -> torch.Tensor:
+        """One zeroed device buffer for the stage's gradients; autograd accumulates into views."""
         host = self.store.stages[s]
-        nbytes = 0
-        for p, g in zip(host.master.parameters(), grads):
-            nbytes += _nbytes(g)
-            p.grad = g.detach().to(device="cpu", dtype=torch.float32)
-            if p.grad.data_ptr() == g.data_ptr():
-                p.grad = p.grad.clone()
-        self.traffic.d2h += nbytes
+        grads = self.device.empty(host.compute.numel(), self.dtype, name=f"gradients of stage {s}")
+        grads.zero_()
+        for p, slot in zip(layers.parameters(), host.slots):
+            p.grad = view(grads, slot)
+        return grads
+
+    def _gather_gradients(self, s: int, layers: nn.ModuleList, grads: torch.Tensor) -> None:
+        """Autograd accumulates in place into a gradient that obeys the parameter's layout; should
+        it have replaced one, its values go back into the flat buffer."""
+        for p, slot in zip(layers.parameters(), self.store.stages[s].slots):
+            mine = view(grads, slot)
+            if p.grad is not None and p.grad.data_ptr() != mine.data_ptr():
+                mine.copy_(p.grad)
+
+    def _offload_and_update(self, s: int, arrived: Event, lr: float, grad_phase: int) -> Event:
+        """On the optimizer thread: once the gradients are home, fp32 master gradients, then
+        (unless fp16 must agree on overflow first) AdamW.  Returns the event after this work."""
+        host_stream = self.optimizer_host
+        t0 = time.perf_counter()
+        host_stream.wait(arrived)
+        host = self.store.stages[s]
+        host_stream.reads(host.grad_staging)
+        if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
+            host.master_grad.copy_(host.grad_staging)
+        host.attach_master_grads()
         self.memory.free(self.plan.stages[s].param_bytes, grad_phase, announced=True)
         t1 = time.perf_counter()
-        self.trace.span(f"grads {s} to host", "offload", t0, t1, bytes=nbytes)
+        self.trace.span(f"grads {s} to host", "offload", t0, t1, bytes=host.param_bytes)
         if not self.scaler.enabled and s not in self.tied_stages:
-            self._update(s, lr)
+            self._update(s, lr, host_stream)
             self.trace.span(f"AdamW {s}", "optimizer", t1, time.perf_counter())
+        return host_stream.record()
 
     def _tied_params(self) -> dict[str, torch.nn.Parameter]:
         """This worker's copies of the tied token table: {"embedding": ..., "head": ...}."""
@@ -296,7 +381,7 @@ class StageRunner:
         for role, (s, name) in wanted.items():
             if s in self.my_stages:
                 host = self.store.stages[s]
-                out[role] = dict(zip(host.names, host.master.parameters()))[name]
+                out[role] = dict(zip(host.names, host.master_params))[name]
         return out
 
     def _sum_tied_gradients(self) -> None:
@@ -319,17 +404,19 @@ class StageRunner:
         self.traffic.peer += _nbytes(param.grad)
         param.grad = param.grad + other if role == "embedding" else other + param.grad
 
-    def _update(self, s: int, lr: float) -> None:
+    def _update(self, s: int, lr: float, on: Stream) -> None:
+        """AdamW on the host, then the compute-dtype copy the next load reads (written on ``on``)."""
         host = self.store.stages[s]
         set_lr(host.optimizer, lr)
         host.optimizer.step()
         host.optimizer.zero_grad(set_to_none=True)
+        on.writes(host.compute, name=f"host weights of stage {s}")
         self.store.refresh_compute_copy(s)
 
     def _finish_fp16_step(self, lr: float) -> None:
         """fp16: every worker must agree on overflow before anyone updates."""
         local = any(not torch.isfinite(p.grad).all() for s in self.my_stages
-                    for p in self.store.stages[s].master.parameters() if p.grad is not None)
+                    for p in self.store.stages[s].master_params if p.grad is not None)
         flag = torch.tensor([1.0 if local else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         overflow = bool(flag.item())
@@ -338,10 +425,11 @@ class StageRunner:
             if overflow:
                 host.optimizer.zero_grad(set_to_none=True)
                 continue
-            for p in host.master.parameters():
+            for p in host.master_params:
                 p.grad.div_(self.scaler.scale)
-            self._update(s, lr)
+            self._update(s, lr, self.host)
         self.scaler.update(overflow)
 
     def close(self) -> None:
         self.host_pool.shutdown(wait=True)
+        self.d2h.synchronize()

@@ -22,11 +22,18 @@ from mobius.models import get_config
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.planner import Plan
 from mobius.reference import DTYPES
+from mobius.runtime.device import open_device
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
-from mobius.workers import agree, die_with_parent, gather_trace, install_stop, share_cpu_cores
+from mobius.workers import (
+    agree,
+    die_with_parent,
+    gather_trace,
+    install_stop,
+    share_cpu_cores,
+)
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -56,13 +63,8 @@ def _run(payload: dict, rank: int, world: int) -> dict:
         raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
     torch.manual_seed(cfg.seed)
     use_cuda = payload.get("cuda", False)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if use_cuda else torch.device("cpu")
     budget = int(payload["budget_bytes"][rank])
-    if use_cuda:
-        torch.cuda.set_device(device)
-        # The runtime accounts its budget itself; the allocator cap makes the device agree.
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    device = open_device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)), budget)
     memory = DeviceMemory(budget, f"worker {rank}")
     traffic = Traffic()
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
@@ -71,7 +73,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
         share_cpu_cores(world)
     model_config = get_config(cfg.model)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
-                           DTYPES[cfg.precision], pin=use_cuda)
+                           DTYPES[cfg.precision], device)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     from mobius.train import make_batches
 
@@ -115,6 +117,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     finally:
         prefetcher.close()
         runner.close()
+        device.close()
     if payload.get("export_staging"):
         _write_export_shards(store, model_config, payload["export_staging"])
     result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
@@ -147,7 +150,7 @@ def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
 
     for s, host in store.stages.items():
         layers: dict[int, dict] = {}
-        for name, p in zip(host.names, host.master.parameters()):
+        for name, p in zip(host.names, host.master_params):
             _, index, local = name.split(".", 2)
             layers.setdefault(int(index), {})[local] = p
         write_shard(config, Path(staging), f"stage-{s:05d}", layers)
@@ -160,7 +163,7 @@ def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]
 
     aliases = tied_parameter_names(store.config)
     host = store.stages[s]
-    return {n: p for n, p in zip(host.names, host.master.parameters()) if n not in aliases}
+    return {n: p for n, p in zip(host.names, host.master_params) if n not in aliases}
 
 
 def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int) -> None:
@@ -191,7 +194,7 @@ def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, m
     ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # the launcher verified it before starting us
     aliases = tied_parameter_names(model_config)
     for s, host in store.stages.items():
-        ck.restore(ckpt, dict(zip(host.names, host.master.parameters())), host.optimizer, aliases)
+        ck.restore(ckpt, dict(zip(host.names, host.master_params)), host.optimizer, aliases)
         store.refresh_compute_copy(s)
     ck.restore_scaler(ckpt, scaler, cfg.precision)
     ck.restore_rng(ckpt)

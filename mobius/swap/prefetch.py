@@ -1,13 +1,16 @@
 """Stage prefetch: copy a stage's compute-dtype weights host -> device in the background.
 
-One copy thread per worker takes load requests in priority order (the mapping's rule: the stage
-that executes earlier goes first; CUDA stream priorities do not order memory copies, so the queue
-does).  Each tensor is copied as soon as :class:`DeviceMemory` has room for it beside the running
-stage's working memory, so a stage is prefetched as far as the budget allows while the current
-stage computes, and the rest follows the moment the current stage is released.
+One thread per worker takes load requests in priority order (the mapping's rule: the stage that
+executes earlier goes first; stream priorities do not order memory copies, so the queue does) and
+issues each load on the parameter copy stream of the device layer.  A stage's weights are one
+flat host buffer; the load allocates one flat device buffer and copies into it in chunks, each as
+soon as :class:`DeviceMemory` has room for it beside the running stage's working memory, so a
+stage is prefetched as far as the budget allows while the current stage computes, and the rest
+follows the moment the current stage is released.  The stage's parameters are views of the
+device buffer.  The compute stream waits on the load's event before it reads the weights.
 
-On CUDA the copies run on a dedicated copy stream from pinned memory and the compute stream waits
-on an event; on CPU workers the copy thread does a real memcpy into fresh tensors.
+Activation and gradient transfers use streams of their own (see :mod:`mobius.stages.schedule`):
+they never queue behind a parameter prefetch.
 """
 
 from __future__ import annotations
@@ -22,36 +25,31 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.models import GPTConfig, build_layer
+from mobius.runtime.device import COPY_CHUNK_BYTES, Device, Event
 from mobius.swap.memory import DeviceMemory, Traffic
-from mobius.swap.store import HostStageStore
+from mobius.swap.store import HostStageStore, view
 
 
 class DeviceStage:
     """A stage's layers on the device; usable once :meth:`wait` returns."""
 
-    def __init__(self, index: int, nbytes: int):
+    def __init__(self, index: int, nbytes: int, after: Event):
         self.index = index
         self.nbytes = nbytes
+        self.after = after  # the load starts after this compute-stream event
         self.layers: nn.ModuleList | None = None
+        self.weights: torch.Tensor | None = None  # the flat device buffer the parameters view
+        self.event: Event | None = None  # recorded on the copy stream after the last copy
         self._loaded = threading.Event()
-        self._event = None  # CUDA event recorded after the last copy
         self.error: BaseException | None = None
-
-    def wait(self) -> nn.ModuleList:
-        self._loaded.wait()
-        if self.error is not None:
-            raise self.error
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-        return self.layers
 
 
 class Prefetcher:
-    def __init__(self, store: HostStageStore, config: GPTConfig, memory: DeviceMemory, device: torch.device,
+    def __init__(self, store: HostStageStore, config: GPTConfig, memory: DeviceMemory, device: Device,
                  traffic: Traffic, trace: Trace):
         self.store, self.config, self.memory, self.device = store, config, memory, device
         self.traffic, self.trace = traffic, trace
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = device.new_stream("h2d-params")
         self._queue: list = []
         self._counter = itertools.count()
         self._cond = threading.Condition()
@@ -60,19 +58,31 @@ class Prefetcher:
         self._thread.start()
 
     def request(self, stage: int, priority: int) -> DeviceStage:
-        handle = DeviceStage(stage, self.store.stages[stage].param_bytes)
+        """Load ``stage`` after the work the compute stream has been given so far (which covers
+        the update that last wrote its host weights)."""
+        handle = DeviceStage(stage, self.store.stages[stage].param_bytes, self.device.compute.record())
         with self._cond:
             heapq.heappush(self._queue, (priority, next(self._counter), handle))
             self._cond.notify()
         return handle
 
+    def wait(self, handle: DeviceStage) -> nn.ModuleList:
+        """The stage's layers, with the compute stream ordered after their load."""
+        handle._loaded.wait()
+        if handle.error is not None:
+            raise handle.error
+        self.device.compute.wait(handle.event)
+        self.device.compute.reads(handle.weights)
+        return handle.layers
+
     def release(self, handle: DeviceStage) -> None:
         """Evict a stage: its device weights are dropped and their bytes returned to the budget."""
-        layers = handle.wait()
+        layers = self.wait(handle)
         for p in layers.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None
-        handle.layers = None
+        self.device.compute.record()  # the compute stream's reads of the weights end here
+        handle.layers = handle.weights = None
         self.memory.free(handle.nbytes)
 
     def close(self) -> None:
@@ -95,36 +105,37 @@ class Prefetcher:
                 handle.error = err
             handle._loaded.set()
 
-    def _load(self, handle: DeviceStage) -> None:
-        host = self.store.stages[handle.index]
-        start = time.perf_counter()
+    def _device_layers(self, s: int) -> nn.ModuleList:
+        """The stage's modules on the device, built once; a swap only re-points each Parameter's
+        data.  Keeping the Parameter objects lets an autograd graph recorded in forward (recompute
+        off) find the reloaded weights in backward and accumulate gradients into them."""
+        host = self.store.stages[s]
         if host.device_layers is None:
-            # Built once; a swap only replaces each Parameter's data.  Keeping the Parameter objects
-            # lets an autograd graph recorded in forward (recompute off) find the reloaded weights
-            # in backward and accumulate gradients into them.
-            host.device_layers = nn.ModuleList([build_layer(self.config, i, seed=0, device="meta")
-                                                for i in host.layer_ids])
-            for module in host.device_layers.modules():
+            layers = nn.ModuleList([build_layer(self.config, i, seed=0, device="meta") for i in host.layer_ids])
+            for module in layers.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None:
-                        module._parameters[name] = nn.Parameter(torch.empty(0, dtype=self.store.compute_dtype,
-                                                                            device=self.device))
-        for p, src in zip(host.device_layers.parameters(), host.compute_copy):
-            nbytes = src.numel() * src.element_size()
+                        module._parameters[name] = nn.Parameter(
+                            torch.empty(0, dtype=self.store.compute_dtype, device=self.device.torch_device))
+            host.device_layers = layers
+        return host.device_layers
+
+    def _load(self, handle: DeviceStage) -> None:
+        host = self.store.stages[handle.index]
+        layers = self._device_layers(handle.index)
+        start = time.perf_counter()
+        weights = self.device.empty(host.compute.numel(), host.compute.dtype, self.stream,
+                                    name=f"weights of stage {handle.index}")
+        self.stream.wait(handle.after)
+        step = max(1, COPY_CHUNK_BYTES // host.compute.element_size())
+        for a in range(0, host.compute.numel(), step):
+            b = min(a + step, host.compute.numel())
+            nbytes = (b - a) * host.compute.element_size()
             self.memory.reserve_for_prefetch(nbytes, self._stop)
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-                    dst.copy_(src, non_blocking=True)
-                    dst.record_stream(torch.cuda.default_stream(self.device))  # used by compute
-            else:
-                dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-                dst.copy_(src)
-            p.data = dst
+            self.stream.copy(weights[a:b], host.compute[a:b])
             self.traffic.h2d += nbytes
-        if self.stream is not None:
-            handle._event = torch.cuda.Event()
-            handle._event.record(self.stream)
-        handle.layers = host.device_layers
-        self.trace.span(f"load stage {handle.index}", "prefetch", start, time.perf_counter(),
-                        bytes=handle.nbytes)
+        for p, slot in zip(layers.parameters(), host.slots):
+            p.data = view(weights, slot)
+        handle.weights, handle.layers = weights, layers
+        handle.event = self.stream.record()
+        self.trace.span(f"load stage {handle.index}", "prefetch", start, time.perf_counter(), bytes=handle.nbytes)

@@ -1,8 +1,16 @@
 """Host stage store: each worker keeps the stages the plan maps to it in host memory.
 
-Per stage: fp32 master weights with their AdamW state (updated on the CPU), plus a copy in the
-compute dtype (pinned on CUDA) that is what a stage swap copies to the device.  With fp32 compute
-the master weights are that copy.
+Per stage, everything is flat, one buffer per kind, and parameters are views into it:
+
+* ``master``: fp32 master weights (updated on the CPU by AdamW) and ``master_grad``, their
+  gradients;
+* ``compute``: the weights in the compute dtype, the buffer a stage swap copies to the device
+  (page-locked once on CUDA, by the device layer).  With fp32 compute it *is* ``master``;
+* ``grad_staging``: where the device's gradients land (compute dtype, page-locked); with fp32
+  compute it is ``master_grad`` itself.
+
+One buffer per kind means one host allocation (and one registration) per stage instead of one
+per tensor, and one chunked copy per swap.
 """
 
 from __future__ import annotations
@@ -14,51 +22,99 @@ from torch import nn
 
 from mobius.models import GPTConfig, build_layer
 from mobius.optim import make_adamw
+from mobius.runtime.device import Device
+
+
+@dataclass
+class Slot:
+    """Where a parameter lives in its stage's flat buffers."""
+
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
 
 
 @dataclass
 class HostStage:
     index: int
     layer_ids: list[int]
-    master: nn.ModuleList  # fp32 layers on the host: master weights (+ .grad for the update)
+    master_layers: nn.ModuleList  # fp32 layers on the host; their parameters are views of ``master``
     optimizer: torch.optim.Optimizer
-    compute_copy: list[torch.Tensor]  # per parameter, compute dtype, in named_parameters order
+    master: torch.Tensor
+    master_grad: torch.Tensor
+    compute: torch.Tensor
+    grad_staging: torch.Tensor
+    slots: list[Slot]  # per parameter, in named_parameters order
     names: list[str] = field(default_factory=list)  # "layers.<i>.<param>"
     device_layers: nn.ModuleList | None = None  # the stage's device modules, weights swapped in and out
 
     @property
     def param_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.compute_copy)
+        return self.compute.numel() * self.compute.element_size()
+
+    @property
+    def master_params(self) -> list[nn.Parameter]:
+        return list(self.master_layers.parameters())
+
+    def attach_master_grads(self) -> None:
+        """Point every master parameter's ``.grad`` at its view of ``master_grad``."""
+        for p, slot in zip(self.master_params, self.slots):
+            p.grad = view(self.master_grad, slot)
+
+    def host_bytes(self) -> int:
+        """Bytes this stage holds on the host (each distinct buffer once)."""
+        bufs = {t.untyped_storage().data_ptr(): t for t in (self.master, self.master_grad, self.compute,
+                                                              self.grad_staging)}
+        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                    if torch.is_tensor(v))
+        return sum(t.numel() * t.element_size() for t in bufs.values()) + state
+
+
+def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
 class HostStageStore:
     def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, lr: float,
-                 compute_dtype: torch.dtype, pin: bool):
+                 compute_dtype: torch.dtype, device: Device):
         self.config = config
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
+        same = compute_dtype == torch.float32
         for s in stages:
             lo, hi = bounds[s]
             layers = nn.ModuleList([build_layer(config, i, seed) for i in range(lo, hi)])
             names = [f"layers.{lo + k}.{n}" for k, layer in enumerate(layers) for n, _ in layer.named_parameters()]
-            params = [p for layer in layers for p in layer.parameters()]
-            optimizer = make_adamw(zip(names, params), lr)
-            if compute_dtype == torch.float32 and not pin:
-                copy = [p.data for p in params]
-            else:
-                copy = [p.detach().to(compute_dtype) for p in params]
-                if pin:
-                    copy = [t.pin_memory() for t in copy]
-            self.stages[s] = HostStage(s, list(range(lo, hi)), layers, optimizer, copy, names)
+            params = list(layers.parameters())
+            slots, offset = [], 0
+            for p in params:
+                slots.append(Slot(offset, p.numel(), tuple(p.shape)))
+                offset += p.numel()
+            # The buffer the device reads is page-locked by the device layer; fp32 compute reads the
+            # master weights themselves.
+            master = device.host_buffer(offset, torch.float32) if same else torch.empty(offset)
+            master_grad = device.host_buffer(offset, torch.float32) if same else torch.zeros(offset)
+            with torch.no_grad():
+                for p, slot in zip(params, slots):
+                    view(master, slot).copy_(p)
+                    p.data = view(master, slot)
+            compute = master if same else device.host_buffer(offset, compute_dtype)
+            grad_staging = master_grad if same else device.host_buffer(offset, compute_dtype)
+            stage = HostStage(s, list(range(lo, hi)), layers, make_adamw(zip(names, params), lr), master,
+                              master_grad, compute, grad_staging, slots, names)
+            self.stages[s] = stage
+            self.refresh_compute_copy(s)
 
     def refresh_compute_copy(self, stage: int) -> None:
         """After the update: master weights -> compute-dtype copy (a no-op when they are the same)."""
         st = self.stages[stage]
-        with torch.no_grad():
-            for dst, p in zip(st.compute_copy, st.master.parameters()):
-                if dst.data_ptr() != p.data_ptr():
-                    dst.copy_(p)
+        if st.compute.data_ptr() != st.master.data_ptr():
+            with torch.no_grad():
+                st.compute.copy_(st.master)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for st in self.stages.values()
-                for n, p in zip(st.names, st.master.parameters())}
+                for n, p in zip(st.names, st.master_params)}
+
+    def host_bytes(self) -> int:
+        return sum(st.host_bytes() for st in self.stages.values())

@@ -1,0 +1,1 @@
+"""The runtime below the commands: the device layer (streams, events, host buffers)."""
