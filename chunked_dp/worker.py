@@ -9,11 +9,15 @@ import time
 import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
+from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import Trace
 from mobius.models import get_config
+from mobius.optim import DynamicLossScaler
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
+from mobius.runtime.inputs import make_batches
+from mobius.runtime.loop import run_steps
 from mobius.workers import (
     agree,
     die_with_parent,
@@ -38,8 +42,6 @@ def worker_main(payload: dict) -> dict:
 
 
 def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
-    from mobius.train import make_batches, run_steps
-
     cfg = RunConfig.from_dict(payload["cfg"])
     device = open_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
     if not cuda:
@@ -55,8 +57,6 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     stop = install_stop(payload)
     start = 0
     if cfg.resume:
-        from mobius import checkpoint as ck
-
         ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # verified by the launcher
         engine.load(ckpt)
         ck.restore_rng(ckpt)
@@ -64,9 +64,6 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
 
     def save(done: int) -> None:
         """Full tensors by name (all-gathered), written by rank 0: any backend can resume them."""
-        from mobius import checkpoint as ck
-        from mobius.optim import DynamicLossScaler
-
         weights, optim = engine.state_dict(), engine.optimizer_state()
         if rank == 0:
             staging = ck.begin_save(cfg.save)

@@ -16,62 +16,29 @@ import tempfile
 import time
 import uuid
 
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from chunked_dp import worker as chunked_worker
+from chunked_dp.chunks import chunks_of_layers, pack, trace_first_use
+from chunked_dp.search import search
+from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model, get_config
-from mobius.planner import make_plan
+from mobius.models.hf import finalize_export, start_export
 from mobius.runtime.device import cuda_available
+from mobius.runtime.inputs import make_batches
+from mobius.runtime.spec import default_precision, prepare
 from mobius.signals import LauncherSignals
-from mobius.train import check_model_input, make_batches
+from mobius.stages import worker as pipeline_worker
 from topology import Topology
-
-GB = 10**9
-
-
-def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
-    """``--recompute auto``: keep activations on the device when every worker can hold all of its
-    stages' saved activations for all micro-batches beside its largest stage; else recompute."""
-    if cfg.recompute != "auto":
-        return cfg.recompute == "on"
-    plan = make(recompute=False)
-    for gpu in set(plan.order):
-        mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
-        kept = sum(st.mem_bwd_bytes - 2 * st.param_bytes for st in mine) * plan.micro_batches
-        if max(st.mem_bwd_bytes for st in mine) + kept > budgets[gpu]:
-            return True
-    return False
-
-
-def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
-    """Everything the workers need, decided up front: precision, plan, per-device budgets."""
-    from mobius.backend import resolve_topology
-
-    model_config = check_model_input(cfg)
-    topo = topo or resolve_topology(cfg)
-    cuda = not topo.virtual and cuda_available()
-    if not topo.virtual and not cuda:
-        topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
-    cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
-    make_batches(cfg, model_config)  # data present and non-empty, before any worker starts
-    if cfg.resume:
-        from mobius import checkpoint as ck
-
-        ck.open_for_resume(cfg, model_config)
-    budgets = [int(g.memory_gb * GB) for g in topo.gpus]
-
-    def make(recompute: bool):
-        return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
-                         cfg.precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages)
-
-    recompute = choose_recompute(cfg, budgets, make)
-    plan = make(recompute)
-    return {"plan": plan.to_dict(), "budget_bytes": budgets, "cuda": cuda, "topology": topo, "plan_obj": plan}
 
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
-    from mobius.stages.worker import worker_main
-
     prep = prepare(cfg, topo)
     plan = prep["plan_obj"]
     n_params = build_model(get_config(cfg.model), device="meta").num_parameters()
@@ -84,15 +51,9 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     payload = {"cfg": cfg.to_dict(), "plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
                "header": header, "return_weights": return_weights}
     if cfg.export:
-        from mobius.models.hf import start_export
-
         payload["export_staging"] = str(start_export(cfg.export))
-    results = run_workers(topo.n, worker_main, payload)
+    results = run_workers(topo.n, pipeline_worker.worker_main, payload)
     if cfg.export:
-        from pathlib import Path
-
-        from mobius.models.hf import finalize_export
-
         finalize_export(model_config, Path(payload["export_staging"]), cfg.export)
         print(f"exported to {cfg.export}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]
@@ -107,9 +68,6 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
 def run_workers(n: int, entry, payload: dict) -> dict:
     """Start ``n`` workers running ``entry(payload)`` through the elastic launcher; a failed worker
     ends everything with one line naming it."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     # We report a failed or interrupted worker in one line ourselves: the agent's own logging
     # (stack traces of the children, "closing process" warnings) would bury it.
     for name in list(logging.root.manager.loggerDict):
@@ -139,10 +97,6 @@ def run_workers(n: int, entry, payload: dict) -> dict:
 
 def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher."""
-    from chunked_dp.chunks import trace_first_use
-    from chunked_dp.search import search
-    from chunked_dp.worker import worker_main
-
     if cfg.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
     if cfg.precision == "fp16":
@@ -150,18 +104,14 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     if cfg.micro_batches % topo.n:
         raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
     cuda = not topo.virtual and cuda_available()
-    cfg.precision = cfg.precision or ("bf16" if cuda else "fp32")
+    cfg.precision = cfg.precision or default_precision(cuda)
     make_batches(cfg, model_config)
     if cfg.resume:
-        from mobius import checkpoint as ck
-
         ck.open_for_resume(cfg, model_config)
     use = trace_first_use(model_config)
     found = search(use, topo)  # chunk size, rCache blocks, device-resident chunks
     setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
              "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
-    from chunked_dp.chunks import chunks_of_layers, pack
-
     packed = pack(use, setup["chunk_size"], topo.n)
     need = max(len(cs) for cs in chunks_of_layers(packed, use))
     if setup["n_block"] < need:
@@ -176,7 +126,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
     payload = {"cfg": cfg.to_dict(), "chunked": setup, "cuda": cuda, "header": header,
                "return_weights": return_weights}
-    results = run_workers(topo.n, worker_main, payload)
+    results = run_workers(topo.n, chunked_worker.worker_main, payload)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history
 

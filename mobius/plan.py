@@ -17,7 +17,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.models import get_config
-from mobius.planner import make_plan
+from mobius.runtime.spec import default_precision, run_plan
 
 
 def build_parser() -> OneLineParser:
@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
     topo = resolve_topology(cfg)
-    precision = cfg.precision or ("fp32" if topo.virtual else "fp16")
-    plan = make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
-                     precision, partitioner=cfg.partitioner, recompute=cfg.recompute != "off", stages=cfg.stages,
-                     profile_how=args.profile, time_limit_s=args.time_limit, use_cache=not args.no_cache,
-                     with_baselines=args.baselines)
+    # The topology's own devices: its GPUs (planned as the run on that machine would be), or
+    # this machine's CPU workers.  Precision and recompute are decided as mobius.train decides.
+    precision = cfg.precision or default_precision(on_gpus=not topo.virtual)
+    plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
+                    use_cache=not args.no_cache, with_baselines=args.baselines)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.render())
 
 

@@ -13,45 +13,25 @@ if __name__ == "__main__":
 
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
-import math
-import sys
-import time
-from typing import Callable
-
 import torch
 
 from mobius import checkpoint as ck
 from mobius import ownership
+from mobius.backend import resolve_backend
 from mobius.config import RunConfig, parse_train_args
-from mobius.data import BatchSource, load_corpus, tokenizer_for
-from mobius.errors import InputError, RunError, exits_cleanly
-from mobius.metrics import (
-    MetricsWriter,
-    StepMetrics,
-    is_metrics_file,
-    is_trace_file,
-    write_trace,
-)
-from mobius.models import GPTConfig, get_config
+from mobius.errors import InputError, exits_cleanly
+from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
+from mobius.metrics import StepMetrics, is_metrics_file, is_trace_file, write_trace
+from mobius.models import GPTConfig
+from mobius.models.hf import check_export_target, finalize_export, start_export, write_shard
+from mobius.planner import check_host_memory_available
+from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
+from mobius.runtime.inputs import check_model_input, make_batches
+from mobius.runtime.loop import run_steps
+from mobius.runtime.spec import default_precision
 from mobius.signals import StopRequest
-
-
-def check_model_input(cfg: RunConfig) -> GPTConfig:
-    model_config = get_config(cfg.model)
-    if cfg.seq_len > model_config.context:
-        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
-    if model_config.hf_arch and not model_config.checkpoint:
-        raise InputError(f"--model {cfg.model} has config.json but no *.safetensors weights: it can be planned "
-                         "(python -m mobius.plan) but not trained")
-    if not model_config.runnable:
-        raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
-                         f"{model_config.shape_problem()}")
-    if model_config.checkpoint:
-        from mobius.models.hf import check_weights
-
-        check_weights(model_config)
-    return model_config
+from mobius.stages.worker import worker_main
 
 
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
@@ -64,80 +44,12 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     ownership.check_output_file("--trace", cfg.trace, is_trace_file)
     ck.check_save_target(cfg)
     if cfg.export:
-        from mobius.models.hf import check_export_target
-
         check_export_target(model_config, cfg.export)
 
 
-def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource:
-    tokenizer = tokenizer_for(cfg.model)
-    corpus = load_corpus(cfg.data, tokenizer=tokenizer)
-    if model_config.vocab_size < tokenizer.vocab_size and int(corpus.max()) >= model_config.vocab_size:
-        raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size}, but the data has token "
-                         f"id {int(corpus.max())} ({type(tokenizer).__name__})")
-    return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
-
-
-def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
-              save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
-              agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True) -> list[StepMetrics]:
-    """Drive ``step_fn`` from ``start_step`` to ``cfg.steps`` with a progress bar, the metrics file,
-    checkpoints (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
-
-    ``agree`` makes every pipeline worker take the same stop/save decision; only ``main`` prints.
-    """
-    from tqdm import tqdm
-
-    if main:
-        print(header, flush=True)
-    writer = MetricsWriter(cfg.metrics if main else None, append=start_step > 0)
-    history: list[StepMetrics] = []
-    t0 = time.perf_counter()
-    bar = tqdm(range(start_step, cfg.steps), disable=not (cfg.progress and main), unit="step", dynamic_ncols=True,
-               file=sys.stdout, initial=start_step, total=cfg.steps)
-    stopped_at = None
-    try:
-        for step in bar:
-            m = step_fn(step)
-            if not math.isfinite(m.loss) and cfg.precision != "fp16":
-                where = f"; the last checkpoint in {cfg.save} is kept" if cfg.save else ""
-                raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.precision}){where}")
-            history.append(m)
-            writer.write(m)
-            bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}")
-            done = step + 1
-            want_stop = (stop is not None and stop.check()) or (
-                cfg.stop_after is not None and done - start_step >= cfg.stop_after)
-            want_save = bool(cfg.save) and (want_stop or done == cfg.steps
-                                            or bool(cfg.save_every and done % cfg.save_every == 0))
-            if agree is not None:
-                want_stop, want_save = agree(want_stop, want_save)
-            if want_save and save_fn is not None:
-                save_fn(done)
-            if want_stop and done < cfg.steps:
-                stopped_at = done
-                break
-    finally:
-        bar.close()
-        writer.close()
-    if main and history:
-        wall = time.perf_counter() - t0
-        tokens = sum(m.tokens for m in history)
-        peak = max(m.peak_device_bytes for m in history)
-        print(f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
-              f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB",
-              flush=True)
-    if main and stopped_at is not None:
-        saved = f"checkpoint saved to {cfg.save}; continue with --resume {cfg.save}" if cfg.save else "nothing saved (no --save)"
-        print(f"stopped after step {stopped_at} of {cfg.steps}: {saved}", flush=True)
-    return history
-
-
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
-    from mobius.reference import ReferenceTrainer
-
     device = torch.device("cuda" if cuda_available() else "cpu")
-    cfg.precision = cfg.precision or ("bf16" if device.type == "cuda" else "fp32")
+    cfg.precision = cfg.precision or default_precision(device.type == "cuda")
     trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
     start = 0
     if cfg.resume:
@@ -164,8 +76,6 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     if cfg.trace:
         write_trace(cfg.trace, trainer.trace.events)
     if cfg.export:
-        from mobius.models.hf import finalize_export, start_export, write_shard
-
         staging = start_export(cfg.export)
         layers = {i: dict(layer.named_parameters()) for i, layer in enumerate(trainer.model.layers)}
         write_shard(model_config, staging, "all", layers)
@@ -177,34 +87,23 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
     check_outputs(cfg, model_config)
-    from mobius.backend import resolve_backend
-    from mobius.planner import check_host_memory_available
-
     check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32")
     backend, topo = resolve_backend(cfg)
     if backend == "single":
         return train_single(cfg, model_config)
     if backend == "chunked":
-        from mobius.launcher import launch_chunked
-
         return launch_chunked(cfg, model_config, topo)
-    from mobius.launcher import launch_pipeline
-
     return launch_pipeline(cfg, model_config, topo)
 
 
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv)
-    from mobius.launcher import running_under_torchrun
-
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
         if cfg.export or cfg.backend == "chunked":
             raise InputError("under torchrun only the pipeline backend runs, without --export; "
                              "start python -m mobius.train directly for the others")
-        from mobius.stages.worker import worker_main
-
         worker_main({"cfg": cfg.to_dict(), "plan": None, "header": "mobius: pipeline worker (torchrun)",
                      "budget_bytes": None})
         return

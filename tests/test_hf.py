@@ -87,7 +87,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
-    from mobius.train import make_batches
+    from mobius.runtime.inputs import make_batches
 
     cfg = RunConfig(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
                     precision="fp32")
@@ -108,7 +108,7 @@ def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path
     from mobius.backend import resolve_topology
     from mobius.launcher import launch_pipeline
     from mobius.reference import ReferenceTrainer
-    from mobius.train import make_batches
+    from mobius.runtime.inputs import make_batches
 
     out = str(tmp_path / "piped")
     cfg = RunConfig(model=hf_dirs["llama"], backend="pipeline", topology="cpu", cpu_workers=2, stages=4, steps=3,
@@ -181,7 +181,7 @@ def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     from mobius.backend import resolve_topology
     from mobius.launcher import launch_pipeline
     from mobius.reference import ReferenceTrainer
-    from mobius.train import make_batches
+    from mobius.runtime.inputs import make_batches
 
     cfg = RunConfig(model=hf_dirs["gpt2"], backend="pipeline", topology="cpu", cpu_workers=1, stages=stages, steps=3,
                     micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False)

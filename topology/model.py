@@ -245,3 +245,26 @@ def load_topology_file(path: str | os.PathLike) -> Topology:
     except json.JSONDecodeError as err:
         raise TopologyError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
     return topology_from_dict(d, str(path))
+
+
+# ---- CPU workers standing in for GPUs ------------------------------------------------------------
+
+CPU_WORKER_MEMORY_GB = 2.0
+# Notional numbers for a CPU worker: what the analytic cost model assumes for it.
+CPU_WORKER_TFLOPS = 0.05
+CPU_COPY_GBPS = 5.0
+
+
+def cpu_topology(workers: int = 2, memory_gb: float = CPU_WORKER_MEMORY_GB, host_memory_gb: float | None = None) -> Topology:
+    """Virtual workers (CPU processes over gloo) standing in for GPUs, under one root complex.
+
+    ``memory_gb`` is each worker's device budget, which the runtime enforces by its own accounting.
+    """
+    if host_memory_gb is None:
+        try:
+            host_memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        except (ValueError, OSError, AttributeError):
+            host_memory_gb = 16.0
+    gpus = [GPU(i, "cpu-worker", memory_gb, CPU_WORKER_TFLOPS, 0, CPU_COPY_GBPS) for i in range(workers)]
+    return Topology(name=f"cpu{workers}", host_memory_gb=host_memory_gb,
+                    root_complexes=[RootComplex(0, CPU_COPY_GBPS)], gpus=gpus, virtual=True)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from topology.model import GB, GPU, RootComplex, Topology
+from topology.model import GB, GPU, RootComplex, Topology, cpu_topology
 
 # Achievable host<->device GB/s per PCIe lane by generation (about 80% of the signalling rate).
 PCIE_LANE_GBPS = {1: 0.2, 2: 0.4, 3: 0.8, 4: 1.6, 5: 3.2, 6: 6.4}
@@ -155,8 +155,6 @@ def probe_nvml(nvml: ModuleType, sysfs_root: str = "/sys") -> Topology | None:
 def probe(cpu_workers: int = 2, cpu_memory_gb: float = 2.0, nvml: ModuleType | None = None,
           sysfs_root: str = "/sys", quiet: bool = False) -> Topology:
     """This machine's topology; without an NVIDIA driver or GPU, ``cpu_workers`` virtual workers."""
-    from topology.presets import cpu_topology
-
     reason = None
     if nvml is None:
         try:

@@ -18,82 +18,14 @@ stage holds a copy and the runtime sums the two gradients before the (identical)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import InputError
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape and flavour of a decoder-only transformer.
-
-    The defaults are this project's GPT (LayerNorm, learned positions, GELU MLP).  The other
-    fields describe the Hugging Face families we load: GPT-2 (tanh GELU, biases), OPT (ReLU,
-    position offset 2) and Llama/Mistral/Qwen2 (RMSNorm, rotary positions, SwiGLU, grouped-query
-    attention, optional q/k/v biases).
-    """
-
-    vocab_size: int
-    context: int
-    n_layer: int
-    hidden: int
-    heads: int
-    bias: bool = False  # default for every bias below that is left as None
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
-    intermediate: int | None = None  # MLP width (default 4 * hidden)
-    kv_heads: int | None = None  # grouped-query attention (default: heads)
-    positions: str = "learned"  # learned | rope
-    position_offset: int = 0  # OPT's learned positions start at index 2
-    rope_theta: float = 10000.0
-    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_context)
-    qkv_bias: bool | None = None
-    proj_bias: bool | None = None
-    mlp_bias: bool | None = None
-    norm_bias: bool | None = None
-    checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
-    hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2)
-
-    def shape_problem(self) -> str | None:
-        """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not
-        divide it: ``mobius-51b`` is plannable from its sizes, not runnable.)"""
-        for name in ("vocab_size", "context", "n_layer", "hidden", "heads", "n_kv_heads", "ffn"):
-            if getattr(self, name) < 1:
-                return f"{name} must be positive, got {getattr(self, name)}"
-        if self.hidden % self.heads:
-            return f"hidden size {self.hidden} is not divisible by {self.heads} attention heads"
-        if self.heads % self.n_kv_heads:
-            return f"{self.heads} attention heads are not divisible by {self.n_kv_heads} key-value heads"
-        return None
-
-    @property
-    def runnable(self) -> bool:
-        return self.shape_problem() is None
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.kv_heads or self.heads
-
-    @property
-    def ffn(self) -> int:
-        return self.intermediate or 4 * self.hidden
-
-    def flag(self, name: str) -> bool:
-        value = getattr(self, name)
-        return self.bias if value is None else value
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from mobius.models.config import GPTConfig, layer_count
+from mobius.models.hf import load_layer_weights
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -291,10 +223,6 @@ class Head(GPTLayer):
         nn.init.normal_(self.lm_head.weight, std=0.02)
 
 
-def layer_count(config: GPTConfig) -> int:
-    return config.n_layer + 2
-
-
 def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.device = "cpu") -> GPTLayer:
     """Layer ``index`` of the list, initialised from ``(seed, index)`` alone.
 
@@ -314,8 +242,6 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
     with torch.device(device):
         layer = cls(config)
     if device.type != "meta" and config.checkpoint:
-        from mobius.models.hf import load_layer_weights
-
         load_layer_weights(config, index, layer)
     elif device.type != "meta":
         gen_state = torch.random.get_rng_state()

@@ -30,7 +30,7 @@ import torch
 from mobius import ownership
 from mobius.checks import REQUIRED, Fields
 from mobius.errors import InputError
-from mobius.models.gpt import GPTConfig, layer_count
+from mobius.models.config import GPTConfig, layer_count
 
 SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2")
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -12,8 +12,12 @@ not divide it: ``mobius-51b`` is describable and plannable (meta device) but not
 
 from __future__ import annotations
 
+import glob
+import os
+
 from mobius.errors import InputError
-from mobius.models.gpt import GPTConfig
+from mobius.models.config import GPTConfig
+from mobius.models.hf import is_hf_dir, load_hf_config
 
 GPT2_VOCAB = 50257
 
@@ -38,12 +42,7 @@ PAPER_MICRO_BATCH = {"mobius-3b": 2, "mobius-8b": 2, "mobius-15b": 1, "mobius-51
 
 def get_config(name: str) -> GPTConfig:
     """A preset by name, or a Hugging Face model directory (config.json [+ safetensors])."""
-    from mobius.models.hf import is_hf_dir, load_hf_config
-
     if is_hf_dir(name):
-        import glob
-        import os
-
         return load_hf_config(name, weights=bool(glob.glob(os.path.join(name, "*.safetensors"))))
     try:
         return PRESETS[name]

@@ -12,17 +12,23 @@ import datetime
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics, Trace
-from mobius.models import get_config
+from mobius.models import get_config, tied_parameter_names
+from mobius.models.hf import write_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.planner import Plan
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
+from mobius.runtime.inputs import make_batches
+from mobius.runtime.loop import run_steps
+from mobius.runtime.spec import prepare
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
@@ -75,8 +81,6 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
                            DTYPES[cfg.precision], device)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
-    from mobius.train import make_batches
-
     batches = make_batches(cfg, model_config)
     scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
     runner = StageRunner(plan, rank, store, prefetcher, memory, traffic, trace, batches, device, cfg.steps,
@@ -107,8 +111,6 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     def save(done: int) -> None:
         _save(cfg, store, scaler, model_config, done, rank)
 
-    from mobius.train import run_steps
-
     header = payload["header"] + (f", resuming at step {start}" if start else "")
     try:
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
@@ -128,8 +130,6 @@ def _run(payload: dict, rank: int, world: int) -> dict:
 
 
 def _prepare_for_torchrun(cfg: RunConfig) -> dict:
-    from mobius.launcher import prepare
-
     prep = prepare(cfg)
     return {"plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
             "precision": cfg.precision}
@@ -144,10 +144,6 @@ def _inject_fault(rank: int, step: int) -> None:
 
 def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
     """Each worker writes the Hugging Face tensors of its own stages; the launcher finishes the export."""
-    from pathlib import Path
-
-    from mobius.models.hf import write_shard
-
     for s, host in store.stages.items():
         layers: dict[int, dict] = {}
         for name, p in zip(host.names, host.master_params):
@@ -159,8 +155,6 @@ def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
 def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:
     """The parameters of stage ``s`` by name, without the tied copy of the token table (the
     embedding's copy is the one stored)."""
-    from mobius.models import tied_parameter_names
-
     aliases = tied_parameter_names(store.config)
     host = store.stages[s]
     return {n: p for n, p in zip(host.names, host.master_params) if n not in aliases}
@@ -168,8 +162,6 @@ def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]
 
 def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int) -> None:
     """Every worker writes its stages' shards; rank 0 checksums them and swaps the checkpoint in."""
-    from mobius import checkpoint as ck
-
     staging = ck.staging_dir(cfg.save)
     if rank == 0:
         ck.begin_save(cfg.save)
@@ -188,9 +180,6 @@ def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, mode
 
 def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config) -> int:
     """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
-    from mobius import checkpoint as ck
-    from mobius.models import tied_parameter_names
-
     ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # the launcher verified it before starting us
     aliases = tied_parameter_names(model_config)
     for s, host in store.stages.items():

@@ -1,0 +1,70 @@
+"""The training loop every backend shares: steps, the metrics file, checkpoints at the right
+moments (``--save-every``, ``--stop-after``, a signal, the end), the non-finite-loss stop and the
+summary line."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Callable
+
+from tqdm import tqdm
+
+from mobius.config import RunConfig
+from mobius.errors import RunError
+from mobius.metrics import MetricsWriter, StepMetrics
+from mobius.signals import StopRequest
+
+
+def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
+              save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
+              agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True) -> list[StepMetrics]:
+    """Drive ``step_fn`` from ``start_step`` to ``cfg.steps`` with a progress bar, the metrics file,
+    checkpoints (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
+
+    ``agree`` makes every pipeline worker take the same stop/save decision; only ``main`` prints.
+    """
+    if main:
+        print(header, flush=True)
+    writer = MetricsWriter(cfg.metrics if main else None, append=start_step > 0)
+    history: list[StepMetrics] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(start_step, cfg.steps), disable=not (cfg.progress and main), unit="step", dynamic_ncols=True,
+               file=sys.stdout, initial=start_step, total=cfg.steps)
+    stopped_at = None
+    try:
+        for step in bar:
+            m = step_fn(step)
+            if not math.isfinite(m.loss) and cfg.precision != "fp16":
+                where = f"; the last checkpoint in {cfg.save} is kept" if cfg.save else ""
+                raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.precision}){where}")
+            history.append(m)
+            writer.write(m)
+            bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}")
+            done = step + 1
+            want_stop = (stop is not None and stop.check()) or (
+                cfg.stop_after is not None and done - start_step >= cfg.stop_after)
+            want_save = bool(cfg.save) and (want_stop or done == cfg.steps
+                                            or bool(cfg.save_every and done % cfg.save_every == 0))
+            if agree is not None:
+                want_stop, want_save = agree(want_stop, want_save)
+            if want_save and save_fn is not None:
+                save_fn(done)
+            if want_stop and done < cfg.steps:
+                stopped_at = done
+                break
+    finally:
+        bar.close()
+        writer.close()
+    if main and history:
+        wall = time.perf_counter() - t0
+        tokens = sum(m.tokens for m in history)
+        peak = max(m.peak_device_bytes for m in history)
+        print(f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
+              f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB",
+              flush=True)
+    if main and stopped_at is not None:
+        saved = f"checkpoint saved to {cfg.save}; continue with --resume {cfg.save}" if cfg.save else "nothing saved (no --save)"
+        print(f"stopped after step {stopped_at} of {cfg.steps}: {saved}", flush=True)
+    return history
