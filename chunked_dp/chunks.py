@@ -61,7 +61,10 @@ def trace_first_use(config: GPTConfig) -> Trace:
     current = [0]
 
     def on_module(module, _inputs):
-        for p in module.parameters(recurse=False):
+        use(module.parameters(recurse=False))
+
+    def use(params) -> None:
+        for p in params:
             name = names[id(p)]
             if name not in layer_params[current[0]]:
                 layer_params[current[0]].append(name)
@@ -76,6 +79,7 @@ def trace_first_use(config: GPTConfig) -> Trace:
         for i, layer in enumerate(model.layers):
             current[0] = i
             x = layer(x, tokens) if i == len(model.layers) - 1 else layer(x)
+            use(layer.parameters())  # weights a layer uses without calling their module (the head's)
     for h in handles:
         h.remove()
     return Trace(order, layer_params)

@@ -32,6 +32,7 @@ import torch
 
 from mobius import ownership
 from mobius.errors import InputError
+from mobius.models import build_model
 from mobius.runtime.device import rng_states, set_rng_states
 
 FORMAT = "mobius-checkpoint-2"
@@ -214,8 +215,6 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
 
 def open_for_resume(cfg, model_config) -> Checkpoint:
     """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
-    from mobius.models import build_model
-
     ckpt = load_checkpoint(cfg.resume)
     names = {n for n, _ in build_model(model_config, device="meta").named_parameters()}
     check_compatible(ckpt, model_config.to_dict(), cfg, names)

@@ -26,8 +26,9 @@ from mobius.runtime.device import cuda_available, cuda_device_name
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
-# Host bytes per parameter: fp32 master + AdamW m and v + fp32 gradient + the compute-dtype copy.
-HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 18, "fp16": 18}
+# Host bytes per parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient, plus
+# for 16-bit compute the compute-dtype copy and the gradient staging buffer.
+HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
 
 
 @dataclass

@@ -115,7 +115,8 @@ def test_runtime_under_the_checker_equals_the_reference(one_worker_env, recomput
 @pytest.mark.parametrize("victim,caught", [
     ("compute", "weights of stage 0 is read on stream 'compute' before it waited for its last write on stream "
                 "'h2d-params'"),
-    ("d2h", "on stream 'd2h'"),
+    ("d2h-activations", "activation staging buffer is overwritten or reused on stream 'd2h-activations'"),
+    ("d2h-gradients", "on stream 'd2h-gradients'"),
     ("h2d-params", "host weights of stage"),
 ])
 def test_checker_catches_a_wait_removed_from_the_runtime(one_worker_env, monkeypatch, victim, caught):

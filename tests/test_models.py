@@ -83,3 +83,23 @@ def test_unknown_preset():
     with pytest.raises(InputError, match="unknown model preset"):
         get_config("gpt5")
     assert "tiny" in PRESETS
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_cross_entropy_equals_the_full_logits_one(chunk):
+    """The head's loss and gradients without the full logits equal F.cross_entropy over them."""
+    import torch.nn.functional as F
+
+    from mobius.models.gpt import ChunkedCrossEntropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (37,), generator=g)
+    full = F.cross_entropy(h @ w.t(), t)
+    gh, gw = torch.autograd.grad(full, (h, w))
+    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk)
+    ch, cw = torch.autograd.grad(chunked, (h, w))
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)

@@ -66,6 +66,20 @@ def test_pipeline_equals_reference(case, recompute):
     assert all(m.peer_bytes > 0 for m in history) == (workers > 1)
 
 
+def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch):
+    """Many steps, one-layer stages, four workers over gloo, and random sleeps before every job of
+    every copy stream (parameters in, activations and gradients out): equal to the reference."""
+    monkeypatch.setenv("MOBIUS_STREAM_JITTER_MS", "2")
+    cfg = RunConfig(model="tiny8", topology="topo2+2", cpu_workers=4, stages=10, steps=8, micro_batch_size=2,
+                    micro_batches=3, seq_len=32, lr=3e-3, recompute="off", progress=False, backend="pipeline")
+    ref_losses, ref_weights = reference(cfg)
+    history, weights, _ = launch_pipeline(cfg, get_config("tiny8"), resolve_topology(cfg), return_weights=True)
+    for a, b in zip([m.loss for m in history], ref_losses, strict=True):
+        assert abs(a - b) / abs(b) < 1e-5
+    for name, w in weights.items():
+        assert rel(w, ref_weights[name].detach()) < 1e-5, name
+
+
 def test_budget_below_all_stages_still_trains_within_budget():
     """One worker, six one-layer stages, a budget smaller than the model's weights: stages must swap."""
     budget_gb = 0.0007

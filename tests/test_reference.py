@@ -34,3 +34,16 @@ def test_reference_trainer_loss_falls_and_is_deterministic():
     a, b = run(), run()
     assert a == b
     assert a[-1] < a[0] - 0.5
+
+
+def test_single_backend_writes_its_trace(tmp_path):
+    import json
+
+    from mobius.train import main
+
+    trace = tmp_path / "t.json"
+    main(["--model", "tiny", "--backend", "single", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2",
+          "--no-progress", "--trace", str(trace)])
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"fwd mb0", "bwd mb3", "AdamW"} <= names and all(e["dur"] >= 0 for e in events)

@@ -191,8 +191,50 @@ class Block(GPTLayer):
             ln.reset_parameters()
 
 
+# The head's loss walks the tokens in chunks whose fp32 logits take at most this many bytes, so a
+# 128k vocabulary at 32k tokens never holds its 17 GB of logits at once.
+CE_CHUNK_BYTES = 2**28
+
+
+def ce_chunk_tokens(vocab_size: int) -> int:
+    return max(1, CE_CHUNK_BYTES // (4 * vocab_size))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T`` against ``targets``, over chunks of tokens: only
+    one chunk's logits exist at a time, in forward and again (recomputed) in backward, which
+    writes the gradients of ``h`` and ``weight`` chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for a in range(0, h.shape[0], chunk):
+            logits = (h[a:a + chunk] @ weight.t()).float()
+            total += F.cross_entropy(logits, targets[a:a + chunk], reduction="sum")
+        ctx.save_for_backward(h, weight, targets)
+        ctx.chunk = chunk
+        return total / h.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, weight, targets = ctx.saved_tensors
+        n, chunk = h.shape[0], ctx.chunk
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        scale = grad.float() / n
+        for a in range(0, n, chunk):
+            hc, tc = h[a:a + chunk], targets[a:a + chunk]
+            p = torch.softmax((hc @ weight.t()).float(), dim=-1)
+            p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
+            p = (p * scale).to(h.dtype)
+            grad_h[a:a + chunk] = p @ weight
+            grad_w += (p.t() @ hc).float()
+        return grad_h, grad_w.to(weight.dtype), None, None
+
+
 class Head(GPTLayer):
-    """Final LayerNorm, LM head and the mean cross-entropy over the micro-batch's tokens."""
+    """Final LayerNorm, LM head and the mean cross-entropy over the micro-batch's tokens, computed
+    in token chunks (:class:`ChunkedCrossEntropy`) without ever holding the full logits."""
 
     kind = "head"
 
@@ -202,8 +244,17 @@ class Head(GPTLayer):
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        h = self.ln_f(x)
+        weight = self.lm_head.weight
+        chunk = ce_chunk_tokens(self.config.vocab_size)
+        kind = h.device.type
+        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+            # The loss runs its matmuls itself (forward and backward): hand it the autocast dtype.
+            dtype = torch.get_autocast_dtype(kind)
+            with torch.autocast(kind, enabled=False):
+                return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(dtype), weight.to(dtype),
+                                                 targets.reshape(-1), chunk)
+        return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -215,8 +266,11 @@ class Head(GPTLayer):
         return 4  # the scalar loss
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        # logits in the compute dtype plus their fp32 copy for the loss
-        return batch * seq * self.config.vocab_size * (dtype_bytes(dtype) + 4)
+        # The normed input (saved for backward) and one chunk of logits: in the compute dtype,
+        # their fp32 copy and the softmax.
+        tokens = batch * seq
+        chunk = min(tokens, ce_chunk_tokens(self.config.vocab_size))
+        return tokens * self.config.hidden * dtype_bytes(dtype) + chunk * self.config.vocab_size * (dtype_bytes(dtype) + 8)
 
     def reset_parameters(self) -> None:
         self.ln_f.reset_parameters()

@@ -7,6 +7,7 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus, tokenizer_for
 from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
+from mobius.models.hf import check_weights
 
 
 def check_model_input(cfg: RunConfig) -> GPTConfig:
@@ -20,8 +21,6 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
         raise InputError(f"model {cfg.model} can be planned (python -m mobius.plan) but not run: "
                          f"{model_config.shape_problem()}")
     if model_config.checkpoint:
-        from mobius.models.hf import check_weights
-
         check_weights(model_config)
     return model_config
 

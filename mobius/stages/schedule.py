@@ -83,11 +83,13 @@ class StageRunner:
         self.M = plan.micro_batches
         self.dtype = store.compute_dtype
         self.host_pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-host")
-        # Streams: compute; activations and gradients leave the device on their own copy stream
-        # (never behind a parameter prefetch); this thread's host-side work and the optimizer
+        # Streams: compute; activations leave the device on a copy stream of their own, never
+        # behind a parameter prefetch (``h2d-params``) or a stage's gradient offload
+        # (``d2h-gradients``, copied in chunks); this thread's host-side work and the optimizer
         # thread's are streams too, so the checker sees every hand-over.
         self.compute = device.compute
-        self.d2h = device.new_stream("d2h")
+        self.d2h = device.new_stream("d2h-activations")
+        self.grads_out = device.new_stream("d2h-gradients")
         self.host = device.host_stream("host")
         self.optimizer_host = device.host_stream("optimizer")
         self.buffers = HostBuffers(device, self.host)
@@ -306,12 +308,12 @@ class StageRunner:
             self._observe(s, "backward")
             self.trace.span(f"B{s}", "compute", t0, time.perf_counter(), stage=s)
             self._gather_gradients(s, layers, grads)
-            # Gradients leave on the D2H stream; the optimizer thread takes over once they are home.
-            self.d2h.wait(self.compute.record())
+            # Gradients leave on their own stream; the optimizer thread takes over once they are home.
+            self.grads_out.wait(self.compute.record())
             host = self.store.stages[s]
-            self.d2h.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
+            self.grads_out.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
             self.traffic.d2h += _nbytes(grads)
-            arrived = self.d2h.record()
+            arrived = self.grads_out.record()
             self.memory.will_free(self.plan.stages[s].param_bytes)
             optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, arrived, lr, grad_phase))
             for p in layers.parameters():
@@ -433,3 +435,4 @@ class StageRunner:
     def close(self) -> None:
         self.host_pool.shutdown(wait=True)
         self.d2h.synchronize()
+        self.grads_out.synchronize()

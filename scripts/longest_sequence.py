@@ -1,0 +1,97 @@
+"""The longest sequence each model can train on each server: the largest ``--seq-len`` (a
+multiple of 1024, micro-batch 1) for which ``mobius.plan`` finds a plan, from ``config.json``
+alone (analytic profile, bf16, recompute as ``mobius.train`` decides).
+
+The models' published ``config.json`` values are written to a temporary directory, so nothing
+is downloaded.  The numbers are what the cost model and the planner admit (predictions of the
+plan, not measurements on the GPUs).
+
+    python scripts/longest_sequence.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mobius.backend import resolve_topology  # noqa: E402
+from mobius.config import RunConfig  # noqa: E402
+from mobius.errors import InputError  # noqa: E402
+from mobius.models import get_config  # noqa: E402
+from mobius.runtime.spec import default_precision, run_plan  # noqa: E402
+
+CONFIGS = {
+    "Llama-3.1-8B": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "hidden_act": "silu"},
+    "Qwen2.5-32B": {
+        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+TOPOLOGIES = ["4x4090", "8x3090-4+4"]
+STEP = 1024
+
+
+def plans(model_dir: str, topology: str, seq_len: int):
+    cfg = RunConfig(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
+    try:
+        topo = resolve_topology(cfg)
+        return run_plan(cfg, get_config(model_dir), topo, default_precision(on_gpus=True), profile_how="analytic",
+                        time_limit_s=4.0, use_cache=False)
+    except InputError:
+        return None
+
+
+def longest(model_dir: str, topology: str, context: int):
+    """Binary search over multiples of STEP: (longest seq that plans, its plan) or (0, None)."""
+    lo, hi, best = 0, context // STEP, None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        plan = plans(model_dir, topology, mid * STEP)
+        if plan is not None:
+            lo, best = mid, plan
+        else:
+            hi = mid - 1
+    return lo * STEP, best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in CONFIGS.items():
+            d = Path(tmp) / name
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(config))
+            for topology in TOPOLOGIES:
+                seq, plan = longest(str(d), topology, config["max_position_embeddings"])
+                rows.append({"model": name, "topology": topology, "longest_seq_len": seq,
+                             "context": config["max_position_embeddings"],
+                             "stages": len(plan.bounds) if plan else 0,
+                             "recompute": plan.recompute if plan else None,
+                             "predicted_step_s": plan.predicted_step_s if plan else None})
+                print(f"{name} on {topology}: {seq} tokens", flush=True)
+    print("\nLongest trainable sequence (micro-batch 1, 4 micro-batches, bf16; planner predictions)")
+    print(f"{'model':<14} {'topology':<12} {'seq len':>8} {'context':>8} {'stages':>6} {'recompute':>9} {'pred. s/step':>12}")
+    for r in rows:
+        step = f"{r['predicted_step_s']:.1f}" if r["predicted_step_s"] else "-"
+        print(f"{r['model']:<14} {r['topology']:<12} {r['longest_seq_len']:>8} {r['context']:>8} {r['stages']:>6} "
+              f"{str(r['recompute']):>9} {step:>12}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
