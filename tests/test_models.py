@@ -98,7 +98,7 @@ def test_chunked_cross_entropy_equals_the_full_logits_one(chunk):
     t = torch.randint(0, 50, (37,), generator=g)
     full = F.cross_entropy(h @ w.t(), t)
     gh, gw = torch.autograd.grad(full, (h, w))
-    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk)
+    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk, True)
     ch, cw = torch.autograd.grad(chunked, (h, w))
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)

@@ -202,34 +202,45 @@ def ce_chunk_tokens(vocab_size: int) -> int:
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weight.T`` against ``targets``, over chunks of tokens: only
-    one chunk's logits exist at a time, in forward and again (recomputed) in backward, which
-    writes the gradients of ``h`` and ``weight`` chunk by chunk."""
+    one chunk's logits exist at a time.  The loss is the last operation of the model, so when
+    gradients will be wanted (``with_grads``) forward also computes them, chunk by chunk, in fp32
+    (one logits matmul per chunk, as plain autograd would do, not two), and backward only scales
+    them by the incoming gradient (the loss scale, in fp16) before casting."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                with_grads: bool) -> torch.Tensor:
+        n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for a in range(0, h.shape[0], chunk):
-            logits = (h[a:a + chunk] @ weight.t()).float()
-            total += F.cross_entropy(logits, targets[a:a + chunk], reduction="sum")
-        ctx.save_for_backward(h, weight, targets)
-        ctx.chunk = chunk
-        return total / h.shape[0]
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if with_grads else None
+        grad_w = None
+        for a in range(0, n, chunk):
+            hc, tc = h[a:a + chunk], targets[a:a + chunk]
+            logp = torch.log_softmax((hc @ weight.t()).float(), dim=-1)
+            rows = torch.arange(hc.shape[0], device=h.device)
+            total -= logp[rows, tc].sum()
+            if with_grads:  # d loss / d logits = (softmax - one-hot) / n, reusing logp's memory
+                p = logp.exp_()
+                p[rows, tc] -= 1.0
+                p = p.div_(n).to(h.dtype)
+                grad_h[a:a + chunk] = p @ weight
+                part = p.t() @ hc
+                if grad_w is None:
+                    grad_w = part.float()
+                elif part.dtype == torch.float32:
+                    grad_w.add_(part)
+                else:
+                    grad_w.add_(part.float())
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, weight, targets = ctx.saved_tensors
-        n, chunk = h.shape[0], ctx.chunk
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        scale = grad.float() / n
-        for a in range(0, n, chunk):
-            hc, tc = h[a:a + chunk], targets[a:a + chunk]
-            p = torch.softmax((hc @ weight.t()).float(), dim=-1)
-            p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-            p = (p * scale).to(h.dtype)
-            grad_h[a:a + chunk] = p @ weight
-            grad_w += (p.t() @ hc).float()
-        return grad_h, grad_w.to(weight.dtype), None, None
+        grad_h, grad_w = ctx.saved_tensors
+        grad = grad.float()
+        # Scaled in place (these buffers are this call's own), then cast to the inputs' dtypes.
+        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None
 
 
 class Head(GPTLayer):
@@ -247,14 +258,15 @@ class Head(GPTLayer):
         h = self.ln_f(x)
         weight = self.lm_head.weight
         chunk = ce_chunk_tokens(self.config.vocab_size)
+        with_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         kind = h.device.type
         if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
-            # The loss runs its matmuls itself (forward and backward): hand it the autocast dtype.
+            # The loss runs its matmuls itself: hand it the autocast dtype.
             dtype = torch.get_autocast_dtype(kind)
             with torch.autocast(kind, enabled=False):
                 return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(dtype), weight.to(dtype),
-                                                 targets.reshape(-1), chunk)
-        return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk)
+                                                 targets.reshape(-1), chunk, with_grads)
+        return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk, with_grads)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -266,11 +278,11 @@ class Head(GPTLayer):
         return 4  # the scalar loss
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        # The normed input (saved for backward) and one chunk of logits: in the compute dtype,
-        # their fp32 copy and the softmax.
-        tokens = batch * seq
-        chunk = min(tokens, ce_chunk_tokens(self.config.vocab_size))
-        return tokens * self.config.hidden * dtype_bytes(dtype) + chunk * self.config.vocab_size * (dtype_bytes(dtype) + 8)
+        # The fp32 gradients the loss computes in forward (of its input and of the LM head), and
+        # one chunk of logits: in the compute dtype, their fp32 copy and the softmax.
+        tokens, vocab, hidden = batch * seq, self.config.vocab_size, self.config.hidden
+        chunk = min(tokens, ce_chunk_tokens(vocab))
+        return (tokens + vocab) * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8)
 
     def reset_parameters(self) -> None:
         self.ln_f.reset_parameters()

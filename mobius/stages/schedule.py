@@ -20,19 +20,20 @@ on the device (the autograd graph of every micro-batch stays until its backward)
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mobius.data import BatchSource
-from mobius.mapping import transfer_priority
 from mobius.metrics import Trace
 from mobius.models import Head
 from mobius.optim import DynamicLossScaler, lr_at, set_lr
 from mobius.planner import Plan
 from mobius.runtime.device import Device, Event, Stream
+from mobius.stages.ops import Op, worker_ops
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
 from mobius.swap.store import HostStageStore, view
@@ -70,6 +71,29 @@ class HostBuffers:
             self._free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, last_use))
 
 
+@dataclass
+class _StepState:
+    """What the operations of one step hand each other."""
+
+    micro: list
+    lr: float
+    pending: list = field(default_factory=list)  # (send work, host buffer) of activations in flight
+    handles: dict[int, DeviceStage] = field(default_factory=dict)
+    layers: nn.ModuleList | None = None  # the resident stage being computed
+    t0: float = 0.0
+    grads: torch.Tensor | None = None  # its flat gradient buffer (backward)
+    grad_phase: int = 0
+    inbox: dict = field(default_factory=dict)  # (stage, mb) -> received host tensor
+    outbox: dict = field(default_factory=dict)  # (stage, mb) -> stage output to send
+    host_inputs: dict = field(default_factory=dict)  # recompute: (stage, mb) -> host input
+    recomputed_from: dict = field(default_factory=dict)  # (stage, mb) -> host input, recycled after backward
+    kept: dict = field(default_factory=dict)  # (stage, mb) -> (input, output, ledger, phase) on the device
+    finished: dict = field(default_factory=dict)  # (stage, mb) -> (input with .grad, phase) after backward
+    optimizer_jobs: list = field(default_factory=list)
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+
 class StageRunner:
     def __init__(self, plan: Plan, rank: int, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
                  traffic: Traffic, trace: Trace, batches: BatchSource, device: Device, total_steps: int,
@@ -81,6 +105,8 @@ class StageRunner:
         self.n_stages = len(plan.bounds)
         self.my_stages = plan.stages_of_gpu(rank)
         self.M = plan.micro_batches
+        self.ops = worker_ops(self.n_stages, self.my_stages, self.M, recompute)
+        self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
         self.host_pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-host")
         # Streams: compute; activations leave the device on a copy stream of their own, never
@@ -203,140 +229,156 @@ class StageRunner:
 
     # ---- one optimizer step --------------------------------------------------------------------
     def step(self, step: int) -> tuple[float, int]:
-        """Run step ``step``; returns (sum of this worker's micro-batch losses, micro-batches counted)."""
-        micro = self.batches.step(step)
-        lr = lr_at(step, self.total_steps, self.peak_lr)
-        last = self.n_stages - 1
-        hidden_shape = (self.batches.micro_batch_size, self.batches.seq_len, self.store.config.hidden)
-        pending: list = []
-        loss_sum, loss_count = 0.0, 0
-        host_inputs: dict[tuple[int, int], torch.Tensor] = {}
-        kept: dict[tuple[int, int], tuple] = {}  # recompute off: (input, output, ledger, phase) on the device
-
-        handles: dict[int, DeviceStage] = {}
-        if self.my_stages:
-            handles[self.my_stages[0]] = self.prefetcher.request(self.my_stages[0], 0)
-
-        # ---------------- forward ----------------
-        for k, s in enumerate(self.my_stages):
-            self.memory.set_compute_reserve(0)  # nothing computes while we wait for the stage
-            layers = self.prefetcher.wait(handles[s])
-            self._reserve(s, "forward")
-            if k + 1 < len(self.my_stages):
-                nxt = self.my_stages[k + 1]
-                handles[nxt] = self.prefetcher.request(nxt, transfer_priority(nxt, self.n_stages, "forward"))
-            t0 = time.perf_counter()
-            for m in range(self.M):
-                if s == 0:
-                    x_host = micro[m].tokens
-                else:
-                    x_host = self._recv(s - 1, s - 1, m, False, hidden_shape, self.dtype)
-                self._flush(pending, keep=1)  # the previous micro-batch's output went on while this one computes
-                targets = micro[m].targets.to(self.device.torch_device) if s == last else None
-                x = self._to_device(x_host, "stage input", recycle=not self.recompute)
-                if self.recompute:
-                    host_inputs[(s, m)] = x_host
-                    with torch.no_grad():
-                        out = self._run_layers(layers, x, targets)
-                    self._free(x)
-                    del x
-                else:
-                    ledger: list[tuple[int, int]] = []
-                    if x.is_floating_point():
-                        x.requires_grad_(True)
-                    with self._saved_hooks(ledger):
-                        out = self._run_layers(layers, x, targets)
-                    kept[(s, m)] = (x, out, ledger, self.memory.phase)
-                if s == last:
-                    loss_sum += out.item()
-                    loss_count += 1
-                else:
-                    self.memory.allocate(_nbytes(out), "stage output")
-                    self._send(out, s + 1, s, m, False)
-                    self._free(out)
-                if self.recompute:
-                    del out
-            self._flush(pending)
-            self._observe(s, "forward")
-            self.trace.span(f"F{s}", "compute", t0, time.perf_counter(), stage=s)
-            if k + 1 < len(self.my_stages):
-                self.prefetcher.release(handles.pop(s))
-
-        # ---------------- backward ----------------
-        order = self.my_stages[::-1]
-        optimizer_jobs: list[Future] = []
-        x_host_of: dict[tuple[int, int], torch.Tensor] = {}  # recompute inputs, recycled after their backward
-        for k, s in enumerate(order):
-            self.memory.set_compute_reserve(0)
-            layers = self.prefetcher.wait(handles[s])
-            self._reserve(s, "backward")
-            if k + 1 < len(order):
-                nxt = order[k + 1]
-                handles[nxt] = self.prefetcher.request(nxt, transfer_priority(nxt, self.n_stages, "backward"))
-            grad_phase = self.memory.allocate(self.plan.stages[s].param_bytes, f"gradients of stage {s}")
-            grads = self._flat_gradients(s, layers)
-            t0 = time.perf_counter()
-            for m in range(self.M):
-                self._flush(pending, keep=1)
-                targets = micro[m].targets.to(self.device.torch_device) if s == last else None
-                ledger = []
-                if self.recompute:
-                    x_phase = self.memory.phase
-                    x_host_of[(s, m)] = host_inputs.pop((s, m))
-                    x = self._to_device(x_host_of[(s, m)], "recompute input", recycle=False)
-                    if x.is_floating_point():
-                        x.requires_grad_(True)
-                    with self._saved_hooks(ledger):
-                        out = self._run_layers(layers, x, targets)
-                else:
-                    x, out, ledger, x_phase = kept.pop((s, m))
-                if s == last:
-                    (out * (self.scaler.scale / self.M)).backward()
-                else:
-                    g = self._to_device(self._recv(s + 1, s, m, True, hidden_shape, self.dtype), "output gradient")
-                    out.backward(g)
-                    self._free(g)
-                    del g
-                self._free_ledger(ledger)
-                if s > 0:
-                    self._send(x.grad, s - 1, s - 1, m, True)
-                if self.recompute:
-                    self.buffers.put(x_host_of.pop((s, m)), self.compute.record())
-                self.memory.free(_nbytes(x), x_phase)
-                del x, out
-            self._flush(pending)
-            self._observe(s, "backward")
-            self.trace.span(f"B{s}", "compute", t0, time.perf_counter(), stage=s)
-            self._gather_gradients(s, layers, grads)
-            # Gradients leave on their own stream; the optimizer thread takes over once they are home.
-            self.grads_out.wait(self.compute.record())
-            host = self.store.stages[s]
-            self.grads_out.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
-            self.traffic.d2h += _nbytes(grads)
-            arrived = self.grads_out.record()
-            self.memory.will_free(self.plan.stages[s].param_bytes)
-            optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, arrived, lr, grad_phase))
-            for p in layers.parameters():
-                p.grad = None
-            del grads, layers
-            self.prefetcher.release(handles.pop(s))
-
+        """Run step ``step`` by executing this worker's operations (:func:`worker_ops`); returns
+        (sum of this worker's micro-batch losses, micro-batches counted)."""
+        st = _StepState(self.batches.step(step), lr_at(step, self.total_steps, self.peak_lr))
+        for op in self.ops:
+            getattr(self, f"_op_{op.kind}")(op, st)
         self.memory.set_compute_reserve(0)
-        for job in optimizer_jobs:
+        for job in st.optimizer_jobs:
             self.compute.wait(job.result())  # the host weights are updated before the next loads
         self.host.wait(self.compute.record())  # host-side updates below come after the step's device work
         if self.tied:
             self._sum_tied_gradients()
         if self.scaler.enabled:
-            self._finish_fp16_step(lr)
+            self._finish_fp16_step(st.lr)
         else:
             for s in self.tied_stages & set(self.my_stages):
-                self._update(s, lr, self.host)
-        for work, buf in pending:
+                self._update(s, st.lr, self.host)
+        for work, buf in st.pending:
             work.wait()
             self.buffers.put(buf, self.host.record())
         self.compute.wait(self.host.record())
-        return loss_sum, loss_count
+        return st.loss_sum, st.loss_count
+
+    # ---- the operations ------------------------------------------------------------------------
+    def _op_load(self, op: Op, st: "_StepState") -> None:
+        st.handles[op.stage] = self.prefetcher.request(op.stage, op.priority)
+
+    def _op_wait(self, op: Op, st: "_StepState") -> None:
+        s, phase = op.stage, "backward" if op.backward else "forward"
+        self.memory.set_compute_reserve(0)  # nothing computes while we wait for the stage
+        st.layers = self.prefetcher.wait(st.handles[s])
+        self._reserve(s, phase)
+        if op.backward:
+            st.grad_phase = self.memory.allocate(self.plan.stages[s].param_bytes, f"gradients of stage {s}")
+            st.grads = self._flat_gradients(s, st.layers)
+        st.t0 = time.perf_counter()
+
+    def _op_recv(self, op: Op, st: "_StepState") -> None:
+        s, m = op.stage, op.mb
+        if op.backward:  # the output gradient, from the next stage's worker
+            st.inbox[(s, m)] = self._recv(s + 1, s, m, True, self.hidden_shape, self.dtype)
+        else:
+            st.inbox[(s, m)] = self._recv(s - 1, s - 1, m, False, self.hidden_shape, self.dtype)
+
+    def _targets(self, s: int, m: int, st: "_StepState") -> torch.Tensor | None:
+        return st.micro[m].targets.to(self.device.torch_device) if s == self.n_stages - 1 else None
+
+    def _op_compute(self, op: Op, st: "_StepState") -> None:
+        if op.backward:
+            self._backward(op.stage, op.mb, st)
+        else:
+            self._forward(op.stage, op.mb, op.recompute, st)
+
+    def _forward(self, s: int, m: int, recompute: bool, st: "_StepState") -> None:
+        x_host = st.micro[m].tokens if s == 0 else st.inbox.pop((s, m))
+        self._flush(st.pending, keep=1)  # the previous micro-batch's output went on while this one computes
+        targets = self._targets(s, m, st)
+        x = self._to_device(x_host, "stage input", recycle=not recompute)
+        if recompute:
+            st.host_inputs[(s, m)] = x_host
+            with torch.no_grad():
+                out = self._run_layers(st.layers, x, targets)
+            self._free(x)
+        else:
+            ledger: list[tuple[int, int]] = []
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            with self._saved_hooks(ledger):
+                out = self._run_layers(st.layers, x, targets)
+            st.kept[(s, m)] = (x, out, ledger, self.memory.phase)
+        if s == self.n_stages - 1:
+            st.loss_sum += out.item()
+            st.loss_count += 1
+        else:
+            st.outbox[(s, m)] = out
+
+    def _op_recompute(self, op: Op, st: "_StepState") -> None:
+        """Redo the stage's forward of micro-batch ``m`` with autograd on, from its host input."""
+        s, m = op.stage, op.mb
+        self._flush(st.pending, keep=1)
+        ledger: list[tuple[int, int]] = []
+        x_phase = self.memory.phase
+        x_host = st.host_inputs.pop((s, m))
+        x = self._to_device(x_host, "recompute input", recycle=False)
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        with self._saved_hooks(ledger):
+            out = self._run_layers(st.layers, x, self._targets(s, m, st))
+        st.kept[(s, m)] = (x, out, ledger, x_phase)
+        st.recomputed_from[(s, m)] = x_host
+
+    def _backward(self, s: int, m: int, st: "_StepState") -> None:
+        if (s, m) not in st.recomputed_from:
+            self._flush(st.pending, keep=1)
+        x, out, ledger, x_phase = st.kept.pop((s, m))
+        if s == self.n_stages - 1:
+            (out * (self.scaler.scale / self.M)).backward()
+        else:
+            g = self._to_device(st.inbox.pop((s, m)), "output gradient")
+            out.backward(g)
+            self._free(g)
+            del g
+        self._free_ledger(ledger)
+        st.finished[(s, m)] = (x, x_phase)
+        if s == 0:  # no input gradient to send
+            self._retire_input(s, m, st)
+
+    def _retire_input(self, s: int, m: int, st: "_StepState") -> None:
+        x, x_phase = st.finished.pop((s, m))
+        if (s, m) in st.recomputed_from:
+            self.buffers.put(st.recomputed_from.pop((s, m)), self.compute.record())
+        self.memory.free(_nbytes(x), x_phase)
+
+    def _op_send(self, op: Op, st: "_StepState") -> None:
+        s, m = op.stage, op.mb
+        if op.backward:  # the input gradient, to the previous stage's worker
+            x, _ = st.finished[(s, m)]
+            self._send(x.grad, s - 1, s - 1, m, True)
+            self._retire_input(s, m, st)
+        else:
+            out = st.outbox.pop((s, m))
+            self.memory.allocate(_nbytes(out), "stage output")
+            self._send(out, s + 1, s, m, False)
+            self._free(out)
+
+    def _op_end(self, op: Op, st: "_StepState") -> None:
+        """The stage's pass is done: its outputs go on, its working memory is on record."""
+        phase = "backward" if op.backward else "forward"
+        self._flush(st.pending)
+        self._observe(op.stage, phase)
+        self.trace.span(f"{'B' if op.backward else 'F'}{op.stage}", "compute", st.t0, time.perf_counter(),
+                        stage=op.stage)
+
+    def _op_offload(self, op: Op, st: "_StepState") -> None:
+        """Gradients leave on their own stream; the optimizer thread takes over once they are home."""
+        s = op.stage
+        self._gather_gradients(s, st.layers, st.grads)
+        self.grads_out.wait(self.compute.record())
+        host = self.store.stages[s]
+        self.grads_out.copy(host.grad_staging, st.grads, name=f"gradient staging of stage {s}")
+        self.traffic.d2h += _nbytes(st.grads)
+        arrived = self.grads_out.record()
+        self.memory.will_free(self.plan.stages[s].param_bytes)
+        st.optimizer_jobs.append(self.host_pool.submit(self._offload_and_update, s, arrived, st.lr, st.grad_phase))
+        for p in st.layers.parameters():
+            p.grad = None
+        st.grads = None
+
+    def _op_release(self, op: Op, st: "_StepState") -> None:
+        st.layers = None
+        self.prefetcher.release(st.handles.pop(op.stage))
 
     def _flat_gradients(self, s: int, layers: nn.ModuleList) -> torch.Tensor:
         """One zeroed device buffer for the stage's gradients; autograd accumulates into views."""

@@ -1,0 +1,80 @@
+"""The Mobius schedule of one worker, as data (Mobius §3.1, Fig. 4).
+
+:func:`worker_ops` is a pure function from the plan's shape to the ordered operations one worker
+performs in an optimizer step, in the spirit of torchgpipe's ``clock_cycles``;
+:class:`mobius.stages.schedule.StageRunner` executes them with the device layer and a transport.
+The rules it encodes:
+
+* forward, stage by stage in order: wait until the stage is resident, start loading the worker's
+  next stage, then run *every* micro-batch while the stage is resident (receive its input, compute,
+  send its output), end the stage's pass, then evict it, except the worker's last stage, which
+  backward needs first;
+* backward, the same in reverse order (with recomputation, each micro-batch's forward is redone
+  before its output gradient is awaited); after a stage's last micro-batch its gradients leave
+  for the host (and AdamW), then the stage is evicted.
+
+Loads carry the transfer priority of the mapping (the stage that executes earlier goes first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mobius.mapping import transfer_priority
+
+LOAD, WAIT, RECV, RECOMPUTE, COMPUTE, SEND, END, OFFLOAD, RELEASE = (
+    "load", "wait", "recv", "recompute", "compute", "send", "end", "offload", "release")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # one of the constants above
+    stage: int
+    mb: int = -1  # micro-batch (RECV, RECOMPUTE, COMPUTE, SEND)
+    backward: bool = False  # of the backward pass (RECV of an output gradient, SEND of an input gradient)
+    priority: int = 0  # LOAD: lower goes first
+    recompute: bool = False  # forward COMPUTE keeps only its input (on the host) for a RECOMPUTE
+
+    def __str__(self) -> str:
+        pass_ = "B" if self.backward else "F"
+        if self.mb >= 0:
+            return f"{self.kind} {pass_}{self.stage}.{self.mb}"
+        return f"{self.kind} {pass_}{self.stage}"
+
+
+def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool) -> list[Op]:
+    """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order."""
+    mine = list(stages_of_worker)
+    last = n_stages - 1
+    ops: list[Op] = [Op(LOAD, mine[0], priority=0)] if mine else []
+    for k, s in enumerate(mine):
+        ops.append(Op(WAIT, s))
+        if k + 1 < len(mine):
+            ops.append(Op(LOAD, mine[k + 1], priority=transfer_priority(mine[k + 1], n_stages, "forward")))
+        for m in range(micro_batches):
+            if s > 0:
+                ops.append(Op(RECV, s, m))
+            ops.append(Op(COMPUTE, s, m, recompute=recompute))
+            if s < last:
+                ops.append(Op(SEND, s, m))
+        ops.append(Op(END, s))
+        if k + 1 < len(mine):
+            ops.append(Op(RELEASE, s))
+    reverse = mine[::-1]
+    for k, s in enumerate(reverse):
+        ops.append(Op(WAIT, s, backward=True))
+        if k + 1 < len(reverse):
+            ops.append(Op(LOAD, reverse[k + 1], backward=True,
+                          priority=transfer_priority(reverse[k + 1], n_stages, "backward")))
+        for m in range(micro_batches):
+            if recompute:  # before the output gradient is awaited: the recomputation overlaps its arrival
+                ops.append(Op(RECOMPUTE, s, m, backward=True))
+            if s < last:
+                ops.append(Op(RECV, s, m, backward=True))
+            ops.append(Op(COMPUTE, s, m, backward=True))
+            if s > 0:
+                ops.append(Op(SEND, s, m, backward=True))
+        ops.append(Op(END, s, backward=True))
+        ops.append(Op(OFFLOAD, s, backward=True))
+        ops.append(Op(RELEASE, s, backward=True))
+    return ops

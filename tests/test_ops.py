@@ -1,0 +1,69 @@
+"""The schedule as data: one worker's operations for a step (Mobius §3.1), checked in-process."""
+
+import pytest
+
+from mobius.stages.ops import COMPUTE, END, LOAD, OFFLOAD, RECOMPUTE, RECV, RELEASE, SEND, WAIT, worker_ops
+
+
+def positions(ops, kind, stage, backward):
+    return [i for i, op in enumerate(ops) if op.kind == kind and op.stage == stage and op.backward == backward]
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("n_stages,workers", [(4, 2), (8, 4), (3, 1), (6, 2)])
+def test_mobius_schedule_rules(n_stages, workers, recompute):
+    M = 3
+    for w in range(workers):
+        mine = [s for s in range(n_stages) if s % workers == w]  # the mapping's slot order
+        ops = worker_ops(n_stages, mine, M, recompute)
+        # Every micro-batch of a stage runs while the stage is resident: between its wait and its end.
+        for backward in (False, True):
+            for s in mine:
+                wait, = positions(ops, WAIT, s, backward)
+                end, = positions(ops, END, s, backward)
+                computes = positions(ops, COMPUTE, s, backward)
+                assert [ops[i].mb for i in computes] == list(range(M))
+                assert all(wait < i < end for i in computes)
+                # no other stage computes in between
+                assert all(ops[i].stage == s for i in range(wait, end) if ops[i].kind == COMPUTE)
+        # The next stage is requested right after the current one is resident (prefetch overlaps).
+        order = mine + mine[::-1]
+        loads = [op for op in ops if op.kind == LOAD]
+        assert [op.stage for op in loads] == [mine[0]] + mine[1:] + mine[::-1][1:]
+        for k, s in enumerate(order[:-1]):
+            if k == len(mine) - 1:
+                continue  # the last stage of forward stays resident for backward: no load
+            backward = k >= len(mine)
+            wait, = positions(ops, WAIT, s, backward)
+            assert ops[wait + 1].kind == LOAD and ops[wait + 1].stage == order[k + 1]
+        # The worker's last forward stage is not released before backward; every other stage is.
+        assert positions(ops, RELEASE, mine[-1], False) == []
+        assert all(len(positions(ops, RELEASE, s, False)) == 1 for s in mine[:-1])
+        # Backward runs in reverse order; gradients leave after a stage's last micro-batch, before its release.
+        waits_b = [op.stage for op in ops if op.kind == WAIT and op.backward]
+        assert waits_b == mine[::-1]
+        for s in mine:
+            end, = positions(ops, END, s, True)
+            offload, = positions(ops, OFFLOAD, s, True)
+            release, = positions(ops, RELEASE, s, True)
+            assert end < offload < release
+        # Communication: inputs come from the previous stage and outputs go to the next one.
+        for op in ops:
+            if op.kind == RECV:
+                assert (op.stage > 0) if not op.backward else (op.stage < n_stages - 1)
+            if op.kind == SEND:
+                assert (op.stage < n_stages - 1) if not op.backward else (op.stage > 0)
+        # With recomputation each backward micro-batch is recomputed before its gradient is awaited.
+        for s in mine:
+            for m in range(M):
+                i = next(i for i, op in enumerate(ops) if op.kind == COMPUTE and op.backward and op.stage == s
+                         and op.mb == m)
+                re = [j for j, op in enumerate(ops) if op.kind == RECOMPUTE and op.stage == s and op.mb == m]
+                assert (len(re) == 1 and re[0] < i) if recompute else re == []
+
+
+def test_load_priorities_follow_execution_order():
+    ops = worker_ops(8, [1, 3, 5, 7], 2, True)
+    forward = [op.priority for op in ops if op.kind == LOAD and not op.backward]
+    backward = [op.priority for op in ops if op.kind == LOAD and op.backward]
+    assert forward == sorted(forward) and backward == sorted(backward)
