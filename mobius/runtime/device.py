@@ -25,6 +25,7 @@ writes (``stream.reads``/``writes``); copies declare theirs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import random
@@ -356,6 +357,22 @@ class _ThreadStream(Stream):
         self._thread.join(timeout=10)
 
 
+def keep_freed_host_memory() -> None:
+    """A CPU worker allocates and frees flat buffers of tens to hundreds of MB every step (stage
+    weights, gradients).  glibc hands buffers that large back to the kernel (mmap, heap trim), and
+    the next step pays a page fault per 4 KB to get them back.  Keep them in the heap instead, as
+    the CUDA caching allocator keeps device memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
 class CpuDevice(Device):
     kind = "cpu"
 
@@ -365,6 +382,7 @@ class CpuDevice(Device):
         if jitter_ms is None:
             jitter_ms = float(os.environ.get(JITTER_ENV, "0") or 0)
         super().__init__(torch.device("cpu"), check)
+        keep_freed_host_memory()
         self._jitter_s = jitter_ms / 1e3
         self.compute = _InlineStream(self, "compute")
         self._streams: list[_ThreadStream] = []

@@ -1,9 +1,11 @@
-"""The Mobius pipeline schedule for one worker (Mobius §3.1, Fig. 4).
+"""The executor of the Mobius pipeline schedule for one worker (Mobius §3.1, Fig. 4).
 
-Stage ``s`` runs on the GPU the mapping gives slot ``s mod N``.  In one optimizer step a worker:
+Stage ``s`` runs on the GPU the mapping gives slot ``s mod N``.  The order of a step's work is data
+(:func:`mobius.stages.ops.worker_ops`); :class:`StageRunner` performs each operation with the
+device layer (:mod:`mobius.runtime.device`) and gloo:
 
-* forward: for each of its stages in order, waits for the stage's weights, starts prefetching its
-  next stage, and runs *all* M micro-batches while the stage is resident, sending each output
+* forward: for each of its stages in order, wait for the stage's weights, start prefetching the
+  next stage, and run *all* M micro-batches while the stage is resident, sending each output
   activation (device -> host -> the next stage's worker) as soon as it exists.  The stage is then
   evicted — except the worker's last stage, which backward needs first;
 * backward: the same in reverse order; micro-batch m's output gradient arrives from the next
