@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -70,11 +71,8 @@ class LauncherSignals:
 
     def __enter__(self) -> "LauncherSignals":
         # multiprocessing's resource tracker, when it first starts, unblocks these signals in the
-        # calling thread: start it before blocking them.
-        from multiprocessing import resource_tracker
-
-        # A worker killed mid-run leaves a semaphore the tracker cleans up; its warning about that
-        # would follow our one-line report.
+        # calling thread: start it before blocking them.  (A worker killed mid-run leaves a
+        # semaphore the tracker cleans up; its warning about that would follow our one-line report.)
         os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
         resource_tracker.ensure_running()
         # Threads started earlier (a solver's) may still take a signal: then the handler runs here.
