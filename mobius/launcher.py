@@ -32,7 +32,7 @@ from mobius.models import GPTConfig, build_model, get_config
 from mobius.models.hf import finalize_export, start_export
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import make_batches
-from mobius.runtime.spec import default_precision, prepare
+from mobius.spec import default_precision, prepare
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology

@@ -17,7 +17,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.models import get_config
-from mobius.runtime.spec import default_precision, run_plan
+from mobius.spec import default_precision, run_plan
 
 
 def build_parser() -> OneLineParser:

@@ -29,7 +29,7 @@ from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_batches
 from mobius.runtime.loop import run_steps
-from mobius.runtime.spec import default_precision
+from mobius.spec import default_precision
 from mobius.signals import StopRequest
 from mobius.stages.worker import worker_main
 

@@ -71,7 +71,7 @@ def test_a_failed_copy_is_raised_where_it_is_waited_for(device):
 def run_one_worker(recompute: str, steps: int = 2) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.config import RunConfig
-    from mobius.runtime.spec import prepare
+    from mobius.spec import prepare
     from mobius.stages.worker import worker_main
 
     cfg = RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,

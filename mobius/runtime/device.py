@@ -179,18 +179,17 @@ class Stream:
 
     # declarations (checked on CPU; free on CUDA)
     def reads(self, *tensors: torch.Tensor, name: str | None = None) -> None:
-        checker = self.device.checker
-        if checker is not None:
-            for t in tensors:
-                checker.check_read(self, t, name)
-                self._reads.append(t)
+        if self.device.checker is not None:
+            self._declare(self.device.checker.check_read, self._reads, tensors, name)
 
     def writes(self, *tensors: torch.Tensor, name: str | None = None) -> None:
-        checker = self.device.checker
-        if checker is not None:
-            for t in tensors:
-                checker.check_write(self, t, name)
-                self._writes.append(t)
+        if self.device.checker is not None:
+            self._declare(self.device.checker.check_write, self._writes, tensors, name)
+
+    def _declare(self, check, uses: list[torch.Tensor], tensors, name: str | None) -> None:
+        for t in tensors:
+            check(self, t, name)
+            uses.append(t)
 
     def _new_event(self) -> Event:
         vector = self.clock.tick()

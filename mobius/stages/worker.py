@@ -28,7 +28,7 @@ from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
 from mobius.runtime.inputs import make_batches
 from mobius.runtime.loop import run_steps
-from mobius.runtime.spec import prepare
+from mobius.spec import prepare
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
