@@ -18,6 +18,7 @@ from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
 from mobius.runtime.inputs import make_batches
 from mobius.runtime.loop import run_steps
+from mobius.runtime.spec import RunSpec
 from mobius.workers import (
     agree,
     die_with_parent,
@@ -32,7 +33,7 @@ COLLECTIVE_TIMEOUT_S = 60
 def worker_main(payload: dict) -> dict:
     die_with_parent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = payload.get("cuda", False)
+    cuda = payload["spec"]["cuda"]
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
@@ -49,9 +50,10 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))
     model_config = get_config(cfg.model)
-    setup = payload["chunked"]
+    spec = RunSpec.from_dict(payload["spec"])
+    setup = spec.chunked
     engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],
-                           setup["device_chunks"], DTYPES[cfg.precision], cfg.seed, cfg.lr, cfg.steps, trace,
+                           setup["device_chunks"], DTYPES[spec.precision], cfg.seed, cfg.lr, cfg.steps, trace,
                            prefetch=cfg.chunk_prefetch)
     batches = make_batches(cfg, model_config)
     stop = install_stop(payload)

@@ -22,34 +22,26 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from chunked_dp import worker as chunked_worker
-from chunked_dp.chunks import chunks_of_layers, pack, trace_first_use
-from chunked_dp.search import search
-from mobius import checkpoint as ck
 from mobius.config import RunConfig
-from mobius.errors import InputError
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model, get_config
 from mobius.models.hf import finalize_export, start_export
-from mobius.runtime.device import cuda_available
-from mobius.runtime.inputs import make_batches
-from mobius.spec import default_precision, prepare
+from mobius.runtime.spec import RunSpec
+from mobius.spec import prepare_chunked, prepare_pipeline
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology
 
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
-    prep = prepare(cfg, topo)
-    plan = prep["plan_obj"]
+    spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(get_config(cfg.model), device="meta").num_parameters()
-    where = "CUDA GPUs" if prep["cuda"] else "CPU workers"
-    header = (f"mobius: backend pipeline on {topo.n} {where} ({topo.name}), model {cfg.model} "
+    header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
-              f"{cfg.precision}, recompute {'on' if plan.recompute else 'off'}, "
+              f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {plan.predicted_step_s:.2f} s/step")
-    payload = {"cfg": cfg.to_dict(), "plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
-               "header": header, "return_weights": return_weights}
+    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
     if cfg.export:
         payload["export_staging"] = str(start_export(cfg.export))
     results = run_workers(topo.n, pipeline_worker.worker_main, payload)
@@ -63,6 +55,10 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
+
+
+def _devices(spec: RunSpec) -> str:
+    return "CUDA GPUs" if spec.cuda else "CPU workers"
 
 
 def run_workers(n: int, entry, payload: dict) -> dict:
@@ -97,35 +93,15 @@ def run_workers(n: int, entry, payload: dict) -> dict:
 
 def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher."""
-    if cfg.export:
-        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
-    if cfg.precision == "fp16":
-        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
-    if cfg.micro_batches % topo.n:
-        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
-    cuda = not topo.virtual and cuda_available()
-    cfg.precision = cfg.precision or default_precision(cuda)
-    make_batches(cfg, model_config)
-    if cfg.resume:
-        ck.open_for_resume(cfg, model_config)
-    use = trace_first_use(model_config)
-    found = search(use, topo)  # chunk size, rCache blocks, device-resident chunks
-    setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
-             "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
-    packed = pack(use, setup["chunk_size"], topo.n)
-    need = max(len(cs) for cs in chunks_of_layers(packed, use))
-    if setup["n_block"] < need:
-        raise InputError(f"--rcache-blocks {setup['n_block']}: a layer of {cfg.model} spans {need} chunks of "
-                         f"{packed[0].size} elements; the rCache needs at least {need} blocks")
+    spec = prepare_chunked(cfg, topo)
+    setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
-    header = (f"mobius: backend chunked on {topo.n} {'CUDA GPUs' if cuda else 'CPU workers'} ({topo.name}), "
+    on_device = setup["n_chunks"] if not setup["offload"] else min(setup["device_chunks"], setup["n_chunks"])
+    header = (f"mobius: backend chunked on {topo.n} {_devices(spec)} ({topo.name}), "
               f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup['chunk_size']} elements, "
-              f"rCache {setup['n_block']} blocks, "
-              f"{len(packed) if not setup['offload'] else min(setup['device_chunks'], len(packed))} of {len(packed)} "
-              f"chunks on the device, "
-              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}")
-    payload = {"cfg": cfg.to_dict(), "chunked": setup, "cuda": cuda, "header": header,
-               "return_weights": return_weights}
+              f"rCache {setup['n_block']} blocks, {on_device} of {setup['n_chunks']} chunks on the device, "
+              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {spec.precision}")
+    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
     results = run_workers(topo.n, chunked_worker.worker_main, payload)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history

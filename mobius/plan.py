@@ -17,7 +17,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.models import get_config
-from mobius.spec import default_precision, run_plan
+from mobius.spec import resolve_precision, run_plan
 
 
 def build_parser() -> OneLineParser:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     topo = resolve_topology(cfg)
     # The topology's own devices: its GPUs (planned as the run on that machine would be), or
     # this machine's CPU workers.  Precision and recompute are decided as mobius.train decides.
-    precision = cfg.precision or default_precision(on_gpus=not topo.virtual)
+    precision = resolve_precision(cfg, not topo.virtual)
     plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
                     use_cache=not args.no_cache, with_baselines=args.baselines)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.render())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,82 +22,13 @@ from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import cuda_available, cuda_device_name
+from mobius.runtime.spec import Plan, StagePlan
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
 # Host bytes per parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient, plus
 # for 16-bit compute the compute-dtype copy and the gradient staging buffer.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
-
-
-@dataclass
-class StagePlan:
-    index: int
-    layers: tuple[int, int]  # [start, end)
-    gpu: int
-    param_bytes: int
-    fwd_ms: float  # per micro-batch
-    bwd_ms: float  # per micro-batch, including recomputation
-    prefetch_fwd_bytes: float
-    prefetch_bwd_bytes: float
-    mem_fwd_bytes: int
-    mem_bwd_bytes: int
-
-
-@dataclass
-class Plan:
-    model: str
-    topology: str
-    micro_batch_size: int
-    micro_batches: int
-    seq_len: int
-    precision: str
-    recompute: bool
-    partitioner: str
-    bounds: list[tuple[int, int]]
-    order: list[int]  # pipeline slot -> GPU
-    contention: float
-    predicted_step_s: float
-    stages: list[StagePlan]
-    solver: dict = field(default_factory=dict)
-    profile_source: str = ""
-    baselines: dict = field(default_factory=dict)  # partitioner -> predicted step seconds
-
-    def gpu_of_stage(self, stage: int) -> int:
-        return self.order[stage % len(self.order)]
-
-    def stages_of_gpu(self, gpu: int) -> list[int]:
-        return [s for s in range(len(self.bounds)) if self.gpu_of_stage(s) == gpu]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        d = dict(d)
-        d["stages"] = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d["stages"]]
-        d["bounds"] = [tuple(b) for b in d["bounds"]]
-        return cls(**d)
-
-    def render(self) -> str:
-        lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
-                 f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",
-                 f"partitioner {self.partitioner}: {len(self.bounds)} stages; mapping slot->GPU {self.order} "
-                 f"(Eq. 13 contention {self.contention:.3f})"]
-        if self.solver:
-            lines.append(f"solver: {self.solver.get('status')} in {self.solver.get('solve_s', 0):.2f} s, "
-                         f"gap {self.solver.get('gap', 0):.2e}")
-        lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
-                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}")
-        for s in self.stages:
-            lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
-                         f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
-                         f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
-                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}")
-        lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
-        if self.baselines:
-            lines.append("baselines: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.baselines.items()))
-        return "\n".join(lines)
 
 
 def _hash(obj) -> str:

@@ -1,16 +1,20 @@
 """Decide once: the device kind, the precision, the recompute decision, the per-device budgets and
-the plan of a run are resolved here, before any worker starts, and handed to every worker (and
-shown by ``mobius.plan``) as they are.  Nothing downstream picks a default of its own."""
+the plan (or the chunked configuration) of a run are resolved here, before any worker starts, into
+a frozen :class:`RunSpec` handed to every worker (and shown by ``mobius.plan``) as it is.  Nothing
+downstream picks a default of its own."""
 
 from __future__ import annotations
 
+from chunked_dp.chunks import chunks_of_layers, pack, trace_first_use
+from chunked_dp.search import search
 from mobius import checkpoint as ck
-from mobius.backend import resolve_topology
 from mobius.config import RunConfig
+from mobius.errors import InputError
 from mobius.models import GPTConfig
-from mobius.planner import Plan, make_plan
+from mobius.planner import make_plan
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_batches
+from mobius.runtime.spec import Plan, RunSpec
 from topology import Topology
 
 GB = 10**9
@@ -19,6 +23,20 @@ GB = 10**9
 def default_precision(on_gpus: bool) -> str:
     """bf16 where GPUs compute (every card we target has it), fp32 on CPU workers."""
     return "bf16" if on_gpus else "fp32"
+
+
+def resolve_devices(topo: Topology) -> bool:
+    """True when real GPUs compute: the topology is this machine's and CUDA works here.  Otherwise
+    CPU workers rehearse the topology's devices (``topo.virtual``: the profile is measured on them)."""
+    cuda = not topo.virtual and cuda_available()
+    topo.virtual = not cuda
+    return cuda
+
+
+def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
+    """``--precision`` or the default for the devices; recorded in ``cfg`` (checkpoints keep it)."""
+    cfg.precision = cfg.precision or default_precision(cuda)
+    return cfg.precision
 
 
 def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
@@ -35,10 +53,14 @@ def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
     return False
 
 
+def budgets_of(topo: Topology) -> tuple[int, ...]:
+    return tuple(int(g.memory_gb * GB) for g in topo.gpus)
+
+
 def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, **plan_options) -> Plan:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained."""
-    budgets = [int(g.memory_gb * GB) for g in topo.gpus]
+    budgets = list(budgets_of(topo))
 
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
@@ -48,18 +70,43 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     return make(choose_recompute(cfg, budgets, make))
 
 
-def prepare(cfg: RunConfig, topo: Topology | None = None) -> dict:
-    """Everything the workers need, decided once, up front: device kind, precision, plan,
-    per-device budgets (and ``cfg.precision`` resolved)."""
-    model_config = check_model_input(cfg)
-    topo = topo or resolve_topology(cfg)
-    cuda = not topo.virtual and cuda_available()
-    if not topo.virtual and not cuda:
-        topo.virtual = True  # rehearsal: CPU workers stand in for the topology's GPUs
-    cfg.precision = cfg.precision or default_precision(cuda)
+def _check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     make_batches(cfg, model_config)  # data present and non-empty, before any worker starts
     if cfg.resume:
         ck.open_for_resume(cfg, model_config)
-    plan = run_plan(cfg, model_config, topo, cfg.precision)
-    return {"plan": plan.to_dict(), "budget_bytes": [int(g.memory_gb * GB) for g in topo.gpus], "cuda": cuda,
-            "topology": topo, "plan_obj": plan}
+
+
+def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
+    """The spec of a pipeline run (and its plan, for the launcher's header)."""
+    model_config = check_model_input(cfg)
+    cuda = resolve_devices(topo)
+    precision = resolve_precision(cfg, cuda)
+    _check_run_inputs(cfg, model_config)
+    plan = run_plan(cfg, model_config, topo, precision)
+    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict()), plan
+
+
+def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
+    """The spec of a chunked data-parallel run: chunk size, rCache blocks and device-resident chunks
+    searched for this model and topology (Elixir), unless given."""
+    model_config = check_model_input(cfg)
+    if cfg.export:
+        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.precision == "fp16":
+        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
+    if cfg.micro_batches % topo.n:
+        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
+    cuda = resolve_devices(topo)
+    precision = resolve_precision(cfg, cuda)
+    _check_run_inputs(cfg, model_config)
+    use = trace_first_use(model_config)
+    found = search(use, topo)
+    setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
+             "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
+    packed = pack(use, setup["chunk_size"], topo.n)
+    need = max(len(cs) for cs in chunks_of_layers(packed, use))
+    if setup["n_block"] < need:
+        raise InputError(f"--rcache-blocks {setup['n_block']}: a layer of {cfg.model} spans {need} chunks of "
+                         f"{packed[0].size} elements; the rCache needs at least {need} blocks")
+    setup["n_chunks"] = len(packed)
+    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup)

@@ -17,7 +17,7 @@ import torch
 
 from mobius import checkpoint as ck
 from mobius import ownership
-from mobius.backend import resolve_backend
+from mobius.backend import resolve_backend, resolve_topology
 from mobius.config import RunConfig, parse_train_args
 from mobius.errors import InputError, exits_cleanly
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
@@ -29,7 +29,7 @@ from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_batches
 from mobius.runtime.loop import run_steps
-from mobius.spec import default_precision
+from mobius.spec import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
 from mobius.stages.worker import worker_main
 
@@ -48,8 +48,8 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
-    device = torch.device("cuda" if cuda_available() else "cpu")
-    cfg.precision = cfg.precision or default_precision(device.type == "cuda")
+    device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
+    resolve_precision(cfg, device.type == "cuda")
     trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
     start = 0
     if cfg.resume:
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.export or cfg.backend == "chunked":
             raise InputError("under torchrun only the pipeline backend runs, without --export; "
                              "start python -m mobius.train directly for the others")
-        worker_main({"cfg": cfg.to_dict(), "plan": None, "header": "mobius: pipeline worker (torchrun)",
-                     "budget_bytes": None})
+        worker_main({"cfg": cfg.to_dict(), "spec": None, "header": "mobius: pipeline worker (torchrun)"},
+                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg))[0].to_dict())
         return
     run(cfg)
 

@@ -24,7 +24,7 @@ from mobius.launcher import launch_pipeline
 from mobius.models import get_config
 from mobius.optim import make_adamw
 from mobius.partition.profile import measure_profile
-from mobius.planner import Plan
+from mobius.runtime.spec import Plan
 from mobius.sim import simulate_mobius
 from topology.presets import cpu_topology
 

@@ -71,14 +71,14 @@ def test_a_failed_copy_is_raised_where_it_is_waited_for(device):
 def run_one_worker(recompute: str, steps: int = 2) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.config import RunConfig
-    from mobius.spec import prepare
+    from mobius.backend import resolve_topology
+    from mobius.spec import prepare_pipeline
     from mobius.stages.worker import worker_main
 
     cfg = RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,
                     micro_batch_size=2, micro_batches=3, recompute=recompute, progress=False)
-    prep = prepare(cfg)
-    payload = {"cfg": cfg.to_dict(), "plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": False,
-               "header": "test"}
+    spec, _ = prepare_pipeline(cfg, resolve_topology(cfg))
+    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": "test"}
     return [h["loss"] for h in worker_main(payload)["history"]]
 
 

@@ -33,7 +33,7 @@ from mobius.data import BatchSource
 from mobius.metrics import Trace
 from mobius.models import Head
 from mobius.optim import DynamicLossScaler, lr_at, set_lr
-from mobius.planner import Plan
+from mobius.runtime.spec import Plan
 from mobius.runtime.device import Device, Event, Stream
 from mobius.stages.ops import Op, worker_ops
 from mobius.swap.memory import DeviceMemory, Traffic

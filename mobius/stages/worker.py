@@ -23,12 +23,11 @@ from mobius.metrics import StepMetrics, Trace
 from mobius.models import get_config, tied_parameter_names
 from mobius.models.hf import write_shard
 from mobius.optim import DynamicLossScaler, lr_at
-from mobius.planner import Plan
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
 from mobius.runtime.inputs import make_batches
 from mobius.runtime.loop import run_steps
-from mobius.spec import prepare
+from mobius.runtime.spec import RunSpec
 from mobius.stages.schedule import StageRunner
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
@@ -44,32 +43,34 @@ from mobius.workers import (
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def worker_main(payload: dict) -> dict:
-    """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights."""
+def worker_main(payload: dict, decide=None) -> dict:
+    """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights.
+    Under torchrun the payload has no spec: rank 0 makes it with ``decide()`` and shares it."""
     die_with_parent()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        return _run(payload, rank, world)
+        return _run(payload, rank, world, decide)
     finally:
         dist.destroy_process_group()
 
 
-def _run(payload: dict, rank: int, world: int) -> dict:
+def _run(payload: dict, rank: int, world: int, decide) -> dict:
     cfg = RunConfig.from_dict(payload["cfg"])
-    if payload.get("plan") is None:  # started by torchrun: rank 0 decides, everyone follows
-        shared = [_prepare_for_torchrun(cfg) if rank == 0 else None]
+    if payload.get("spec") is None:  # started by torchrun: rank 0 decides, everyone follows
+        shared = [decide() if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
-        payload = {**payload, **shared[0]}
+        payload = {**payload, "spec": shared[0]}
         cfg.precision = shared[0]["precision"]
-    plan = Plan.from_dict(payload["plan"])
+    spec = RunSpec.from_dict(payload["spec"])
+    plan = spec.the_plan()
     if max(plan.order) >= world:
         raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
     torch.manual_seed(cfg.seed)
-    use_cuda = payload.get("cuda", False)
-    budget = int(payload["budget_bytes"][rank])
+    use_cuda = spec.cuda
+    budget = spec.budget_bytes[rank]
     device = open_device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)), budget)
     memory = DeviceMemory(budget, f"worker {rank}")
     traffic = Traffic()
@@ -79,7 +80,7 @@ def _run(payload: dict, rank: int, world: int) -> dict:
         share_cpu_cores(world)
     model_config = get_config(cfg.model)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
-                           DTYPES[cfg.precision], device)
+                           DTYPES[spec.precision], device)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     batches = make_batches(cfg, model_config)
     scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
@@ -127,12 +128,6 @@ def _run(payload: dict, rank: int, world: int) -> dict:
     if payload.get("return_weights"):
         result["weights"] = store.state_dict()
     return result
-
-
-def _prepare_for_torchrun(cfg: RunConfig) -> dict:
-    prep = prepare(cfg)
-    return {"plan": prep["plan"], "budget_bytes": prep["budget_bytes"], "cuda": prep["cuda"],
-            "precision": cfg.precision}
 
 
 def _inject_fault(rank: int, step: int) -> None:

@@ -1,0 +1,99 @@
+"""What a run executes, as data: the :class:`Plan` of a pipeline run and the :class:`RunSpec` every
+worker receives.  Decided by :mod:`mobius.spec` (and :mod:`mobius.planner`) before any worker
+starts; plain data here, so workers need neither the solver nor the profiler to read it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StagePlan:
+    index: int
+    layers: tuple[int, int]  # [start, end)
+    gpu: int
+    param_bytes: int
+    fwd_ms: float  # per micro-batch
+    bwd_ms: float  # per micro-batch, including recomputation
+    prefetch_fwd_bytes: float
+    prefetch_bwd_bytes: float
+    mem_fwd_bytes: int
+    mem_bwd_bytes: int
+
+
+@dataclass
+class Plan:
+    model: str
+    topology: str
+    micro_batch_size: int
+    micro_batches: int
+    seq_len: int
+    precision: str
+    recompute: bool
+    partitioner: str
+    bounds: list[tuple[int, int]]
+    order: list[int]  # pipeline slot -> GPU
+    contention: float
+    predicted_step_s: float
+    stages: list[StagePlan]
+    solver: dict = field(default_factory=dict)
+    profile_source: str = ""
+    baselines: dict = field(default_factory=dict)  # partitioner -> predicted step seconds
+
+    def gpu_of_stage(self, stage: int) -> int:
+        return self.order[stage % len(self.order)]
+
+    def stages_of_gpu(self, gpu: int) -> list[int]:
+        return [s for s in range(len(self.bounds)) if self.gpu_of_stage(s) == gpu]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d["stages"] = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d["stages"]]
+        d["bounds"] = [tuple(b) for b in d["bounds"]]
+        return cls(**d)
+
+    def render(self) -> str:
+        lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
+                 f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",
+                 f"partitioner {self.partitioner}: {len(self.bounds)} stages; mapping slot->GPU {self.order} "
+                 f"(Eq. 13 contention {self.contention:.3f})"]
+        if self.solver:
+            lines.append(f"solver: {self.solver.get('status')} in {self.solver.get('solve_s', 0):.2f} s, "
+                         f"gap {self.solver.get('gap', 0):.2e}")
+        lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
+                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}")
+        for s in self.stages:
+            lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
+                         f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
+                         f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
+                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}")
+        lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
+        if self.baselines:
+            lines.append("baselines: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.baselines.items()))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every worker of a run executes; sent to them as :meth:`to_dict`."""
+
+    backend: str  # "pipeline" | "chunked"
+    cuda: bool  # real GPUs, or CPU workers standing in for the topology's devices
+    precision: str  # "fp32" | "bf16" | "fp16"
+    budget_bytes: tuple[int, ...]  # per device
+    plan: dict | None = None  # pipeline: Plan.to_dict()
+    chunked: dict | None = None  # chunked: chunk_size, n_block, offload, device_chunks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSpec":
+        return cls(**{**d, "budget_bytes": tuple(d["budget_bytes"])})
+
+    def the_plan(self) -> Plan:
+        return Plan.from_dict(self.plan)
