@@ -12,6 +12,7 @@ import datetime
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +25,12 @@ from mobius.models import get_config, tied_parameter_names
 from mobius.models.hf import write_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
-from mobius.runtime.device import open_device
+from mobius.runtime.device import Device, open_device
 from mobius.runtime.inputs import make_batches
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.stages.schedule import StageRunner
+from mobius.stages.transport import GlooTransport, Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
@@ -68,25 +70,14 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     plan = spec.the_plan()
     if max(plan.order) >= world:
         raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
-    torch.manual_seed(cfg.seed)
-    use_cuda = spec.cuda
-    budget = spec.budget_bytes[rank]
-    device = open_device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)), budget)
-    memory = DeviceMemory(budget, f"worker {rank}")
-    traffic = Traffic()
+    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.budget_bytes[rank])
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
-    if not use_cuda:  # CPU workers share the cores
+    if not spec.cuda:  # CPU workers share the cores
         share_cpu_cores(world)
-    model_config = get_config(cfg.model)
-    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
-                           DTYPES[spec.precision], device)
-    prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
-    batches = make_batches(cfg, model_config)
-    scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
-    runner = StageRunner(plan, rank, store, prefetcher, memory, traffic, trace, batches, device, cfg.steps,
-                         cfg.lr, scaler, recompute=plan.recompute)
-
+    parts = build_worker(cfg, spec, GlooTransport(), device, trace)
+    store, memory, traffic, scaler, runner = parts.store, parts.memory, parts.traffic, parts.scaler, parts.runner
+    model_config = store.config
     def one_step(step: int) -> StepMetrics:
         _inject_fault(rank, step)
         traffic.reset()
@@ -118,16 +109,49 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
                             main=rank == 0)
         gather_trace(trace, cfg.trace, rank, world)
     finally:
-        prefetcher.close()
-        runner.close()
-        device.close()
+        parts.close()
     if payload.get("export_staging"):
         _write_export_shards(store, model_config, payload["export_staging"])
     result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
-              "budget_bytes": budget, "peak_bytes_max": max((m.peak_device_bytes for m in history), default=0)}
+              "budget_bytes": spec.budget_bytes[rank], "peak_bytes_max": max((m.peak_device_bytes for m in history), default=0)}
     if payload.get("return_weights"):
         result["weights"] = store.state_dict()
     return result
+
+
+@dataclass
+class WorkerParts:
+    """One pipeline worker's runtime, built by :func:`build_worker`."""
+
+    store: HostStageStore
+    memory: DeviceMemory
+    traffic: Traffic
+    scaler: DynamicLossScaler
+    prefetcher: Prefetcher
+    runner: StageRunner
+    device: Device
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        self.runner.close()
+        self.device.close()
+
+
+def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: Device, trace: Trace) -> WorkerParts:
+    """The runtime of worker ``transport.rank``: its stages in host memory, the prefetcher, the
+    executor.  Between processes the transport is gloo; tests run several in threads."""
+    plan, rank = spec.the_plan(), transport.rank
+    torch.manual_seed(cfg.seed)
+    memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
+    traffic = Traffic()
+    model_config = get_config(cfg.model)
+    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
+                           DTYPES[spec.precision], device)
+    prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
+    scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
+    runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, make_batches(cfg, model_config), device,
+                         cfg.steps, cfg.lr, scaler, transport)
+    return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device)
 
 
 def _inject_fault(rank: int, step: int) -> None:

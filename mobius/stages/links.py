@@ -1,0 +1,137 @@
+"""Activations and their gradients on their way between stages, as one worker sees them.
+
+A stage's output leaves the device on a copy stream of its own (``d2h-activations``), never
+behind a parameter prefetch or a gradient offload and never blocking the compute stream, into a
+reusable host buffer (page-locked on CUDA); once it is home it goes to the worker of the next stage
+through the :mod:`~mobius.stages.transport`, or, when this worker holds that stage too, into a
+local mailbox.  Inputs arrive into host buffers and go to the device on the compute stream, which
+needs them next.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mobius.metrics import Trace
+from mobius.runtime.device import Device, Event, Stream
+from mobius.runtime.spec import Plan
+from mobius.stages.transport import Transport
+from mobius.swap.memory import DeviceMemory, Traffic
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class HostBuffers:
+    """Reusable host buffers (page-locked on CUDA) for activations on their way between devices.
+    A buffer comes back with the event after its last use; whoever takes it again waits for that
+    event first, so a buffer is never overwritten while a copy still reads it."""
+
+    def __init__(self, device: Device, host: Stream):
+        self.device, self.host = device, host
+        self._free: dict[tuple, list[tuple[torch.Tensor, Event]]] = {}
+        self._ours: set[int] = set()
+
+    def get(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype))
+        if free:
+            buf, last_use = free.pop()
+            self.host.wait(last_use)
+            return buf
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self.device.host_buffer(numel, dtype).view(shape)
+        self._ours.add(buf.data_ptr())
+        return buf
+
+    def put(self, buf: torch.Tensor, last_use: Event) -> None:
+        if buf.data_ptr() in self._ours:  # e.g. token batches are not ours to reuse
+            self._free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, last_use))
+
+
+class ActivationLinks:
+    """One worker's ends of the links between stages.  A message is keyed by (stage, micro-batch,
+    backward): the sending stage's output, or the input gradient of the stage it is sent to."""
+
+    def __init__(self, plan: Plan, transport: Transport, device: Device, host: Stream, memory: DeviceMemory,
+                 traffic: Traffic, trace: Trace):
+        self.plan, self.transport, self.device = plan, transport, device
+        self.memory, self.traffic, self.trace = memory, traffic, trace
+        self.rank = transport.rank
+        self.compute, self.host = device.compute, host
+        self.d2h = device.new_stream("d2h-activations")
+        self.buffers = HostBuffers(device, host)
+        self._outbox: list[tuple] = []  # on their way to the host: (event, buffer, to_stage, key)
+        self._mailbox: dict[tuple, torch.Tensor] = {}  # messages between stages of this worker
+        self._pending: list[tuple] = []  # (send work, buffer) handed to the transport
+
+    def tag(self, stage: int, m: int, backward: bool) -> int:
+        return (stage * self.plan.micro_batches + m) * 2 + int(backward)
+
+    def to_device(self, host: torch.Tensor, what: str, recycle: bool = True) -> torch.Tensor:
+        """A host tensor (ours, or a token batch) -> a new device tensor, on the compute stream:
+        the compute needs it next, and it never waits behind a parameter prefetch.  Unless
+        ``recycle`` is off (the caller keeps ``host``, then hands it to :meth:`recycle`), the host
+        buffer is reused once the copy is done."""
+        n = nbytes(host)
+        self.memory.allocate(n, what)  # the caller frees it within the running phase
+        self.traffic.h2d += n
+        x = self.device.empty(host.numel(), host.dtype, name=what).view(host.shape)
+        self.compute.wait(self.host.record())  # after this thread's writes (a receive) of ``host``
+        self.compute.copy(x, host)
+        if recycle:
+            self.recycle(host)
+        return x
+
+    def recycle(self, host: torch.Tensor) -> None:
+        """``host`` is free again once the compute stream's work so far is done."""
+        self.buffers.put(host, self.compute.record())
+
+    def send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, bool]) -> None:
+        """Device tensor -> host on the D2H stream, without blocking the compute stream; the host
+        leg to the worker of ``to_stage`` follows in :meth:`flush`."""
+        self.d2h.wait(self.compute.record())  # after ``t`` was computed
+        buf = self.buffers.get(tuple(t.shape), t.dtype)
+        self.d2h.wait(self.host.record())  # after the buffer's previous use
+        self.d2h.copy(buf, t, name="activation staging buffer")
+        self.traffic.d2h += nbytes(t)
+        self._outbox.append((self.d2h.record(), buf, to_stage, key))
+
+    def flush(self, keep: int = 0) -> None:
+        """Hand every message that reached the host, but the last ``keep``, to its receiver."""
+        while len(self._outbox) > keep:
+            done, buf, to_stage, key = self._outbox.pop(0)
+            self.host.wait(done)
+            self.host.reads(buf)
+            dst = self.plan.gpu_of_stage(to_stage)
+            if dst == self.rank:
+                self._mailbox[key] = buf
+            else:
+                self.traffic.peer += nbytes(buf)
+                self._pending.append((self.transport.isend(buf, dst, self.tag(*key)), buf))
+
+    def recv(self, from_stage: int, key: tuple[int, int, bool], shape, dtype) -> torch.Tensor:
+        src = self.plan.gpu_of_stage(from_stage)
+        if src == self.rank:
+            return self._mailbox.pop(key)
+        buf = self.buffers.get(tuple(shape), dtype)
+        self.host.writes(buf, name="activation receive buffer")
+        t0 = time.perf_counter()
+        self.transport.recv(buf, src, self.tag(*key))
+        stage, m, _ = key
+        self.trace.span("recv", "comm", t0, time.perf_counter(), stage=stage, mb=m)
+        return buf
+
+    def finish_sends(self) -> None:
+        """Wait for the messages of this step to be delivered; their buffers are free again."""
+        for work, buf in self._pending:
+            work.wait()
+            self.buffers.put(buf, self.host.record())
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.d2h.synchronize()

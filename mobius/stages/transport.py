@@ -1,0 +1,105 @@
+"""How workers hand each other host tensors: point-to-point messages keyed by a tag, and the one
+collective the pipeline needs (fp16's overflow vote).
+
+* :class:`GlooTransport`: between worker processes, over ``torch.distributed`` (gloo).  Our target
+  GPUs have no peer-to-peer path, so device -> host -> host -> device is the real route and gloo
+  moves the host leg.
+* :class:`LocalGroup`: between threads of one process (each thread runs one worker's
+  :class:`~mobius.stages.schedule.StageRunner`): the whole pipeline executor in a unit test, in
+  milliseconds, without starting processes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+RECV_TIMEOUT_S = 60  # as the process group's collective timeout: a lost message fails, never hangs
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    rank: int
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
+        """Start sending ``buf``; it must not change until the returned work is waited for."""
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        """Receive into ``buf`` (blocking)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any of them."""
+
+
+class GlooTransport:
+    def __init__(self):
+        self.rank = dist.get_rank()
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
+        return dist.isend(buf, dst, tag=tag)
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        dist.recv(buf, src, tag=tag)
+
+    def any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+class _Sent:
+    def wait(self) -> None:  # the message was copied when sent
+        return None
+
+
+class LocalGroup:
+    """``n`` ranks in one process; :meth:`endpoint` gives rank ``r`` its transport."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
+        self._barrier = threading.Barrier(n, timeout=RECV_TIMEOUT_S)
+        self._votes: list[bool] = []
+
+    def _queue(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._queues[(src, dst, tag)]
+
+    def endpoint(self, rank: int) -> "LocalTransport":
+        return LocalTransport(self, rank)
+
+
+class LocalTransport:
+    def __init__(self, group: LocalGroup, rank: int):
+        self.group, self.rank = group, rank
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
+        self.group._queue(self.rank, dst, tag).put(buf.clone())
+        return _Sent()
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        try:
+            buf.copy_(self.group._queue(src, self.rank, tag).get(timeout=RECV_TIMEOUT_S))
+        except queue.Empty:
+            raise RuntimeError(f"rank {self.rank}: no message from rank {src} (tag {tag}) "
+                               f"within {RECV_TIMEOUT_S} s") from None
+
+    def any_rank(self, flag: bool) -> bool:
+        g = self.group
+        with g._lock:
+            g._votes.append(flag)
+        g._barrier.wait()  # every vote is in
+        result = any(g._votes)
+        if g._barrier.wait() == 0:  # every rank has read it: one of them clears it
+            g._votes.clear()
+        g._barrier.wait()
+        return result

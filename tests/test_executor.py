@@ -1,0 +1,123 @@
+"""The pipeline executor of several workers in one process: each worker's StageRunner on a thread,
+linked by an in-process transport, every stream under the order checker.  Covers what only
+several workers exercise (messages between workers, the tied embedding's exchange, fp16's
+overflow vote) in seconds, without starting processes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mobius.backend import resolve_topology
+from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
+from mobius.metrics import Trace
+from mobius.models import get_config
+from mobius.reference import ReferenceTrainer
+from mobius.runtime.device import CpuDevice
+from mobius.spec import prepare_pipeline
+from mobius.stages.transport import LocalGroup
+from mobius.stages.worker import build_worker
+
+SEQ, MBS, M = 32, 2, 3
+
+
+@pytest.fixture(scope="module")
+def tied_gpt2(tmp_path_factory) -> str:
+    """A 4-block GPT-2 directory with its token table tied to the LM head."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=4,
+                                                         n_head=4)).save_pretrained(path)
+    return str(path)
+
+
+def config(workers: int, stages: int, steps: int, model: str = "tiny8", **kw) -> RunConfig:
+    return RunConfig(model=model, topology="cpu", cpu_workers=workers, stages=stages, steps=steps, seq_len=SEQ,
+                     micro_batch_size=MBS, micro_batches=M, progress=False, **kw)
+
+
+def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and final weights of the pipeline, one thread per worker."""
+    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    group = LocalGroup(cfg.cpu_workers)
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    building = threading.Lock()  # layers are initialised through torch's global generator
+
+    def worker(rank: int) -> None:
+        try:
+            with building:
+                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False))
+            try:
+                sums = [parts.runner.step(k) for k in range(cfg.steps)]
+            finally:
+                parts.close()
+            results[rank] = (sums, parts.store.state_dict())
+        except BaseException as err:  # reported by the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(cfg.cpu_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    losses = []
+    for k in range(cfg.steps):
+        total = sum(results[r][0][k][0] for r in results)
+        count = sum(results[r][0][k][1] for r in results)
+        losses.append(total / count)
+    weights = {n: w for r in results for n, w in results[r][1].items()}
+    assert len(plan.bounds) == cfg.stages
+    return losses, weights
+
+
+def reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    ref_cfg = RunConfig(**{**cfg.to_dict(), "backend": "single"})
+    t = ReferenceTrainer(ref_cfg, get_config(cfg.model), BatchSource(load_corpus(None), SEQ, MBS, M, cfg.seed),
+                         torch.device("cpu"))
+    losses = [t.step(k).loss for k in range(cfg.steps)]
+    return losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+
+def assert_same(got, want) -> None:
+    (losses, weights), (ref_losses, ref_weights) = got, want
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("workers,stages,recompute", [(2, 4, "on"), (2, 5, "off"), (4, 8, "on")])
+def test_workers_in_threads_equal_the_reference(workers, stages, recompute):
+    """Two stages per worker (the Mobius swap), an odd split where one worker holds three, four
+    workers."""
+    cfg = config(workers, stages, steps=3, recompute=recompute, precision="fp32")
+    assert_same(run_in_threads(cfg), reference(cfg))
+
+
+@pytest.mark.parametrize("workers,stages", [(2, 4), (3, 6)])
+def test_tied_embedding_exchanged_between_workers(tied_gpt2, workers, stages):
+    """The token table (stage 0) and the LM head (last stage) on different workers: their gradients
+    are exchanged and summed before either copy is updated; both copies end equal to the
+    reference's one parameter."""
+    cfg = config(workers, stages, steps=3, model=tied_gpt2, recompute="on", precision="fp32")
+    assert get_config(tied_gpt2).tie_embeddings
+    got = run_in_threads(cfg)
+    assert_same(got, reference(cfg))
+    weights = got[1]
+    head = [n for n in weights if n.endswith("lm_head.weight")]
+    assert head and torch.equal(weights[head[0]], weights["layers.0.wte.weight"])
+
+
+def test_fp16_overflow_vote_in_threads():
+    """fp16: every worker must skip the same steps (the vote goes through the transport)."""
+    cfg = config(2, 4, steps=3, recompute="on", precision="fp16")
+    losses, weights = run_in_threads(cfg)
+    ref_losses, _ = reference(cfg)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert all(torch.isfinite(w).all() for w in weights.values())
