@@ -40,7 +40,13 @@ MANIFEST = "manifest.json"
 KIND = "checkpoint"
 # Settings that change the numbers of the rest of a run: a resume that changes one is refused
 # unless the user says so (--resume-with-changes).
-RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision")
+RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision",
+                "optimizer_lag")
+# Settings added after checkpoints of this format were first written, with the value they had.
+SETTING_DEFAULTS = {"optimizer_lag": 0}
+# With --optimizer-lag 1 the weights the next step computes with (one update behind the master
+# weights stored by name) are stored as LAGGED + name.
+LAGGED = "lagged/"
 
 
 class CheckpointError(InputError):
@@ -161,6 +167,8 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
     if manifest.get("digest") != manifest_digest(manifest):
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST} was modified after it was written "
                               "(its digest does not match)")
+    for key, value in SETTING_DEFAULTS.items():
+        manifest.setdefault(key, value)
     for key in ("step", "model_config", *RUN_SETTINGS):
         if key not in manifest:
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} lacks {key!r}")
@@ -199,7 +207,8 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
     if theirs != mine:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is of a different model (differs in {', '.join(diff)})")
-    needed = {f"{kind}{name}" for name in param_names for kind in ("", "exp_avg/", "exp_avg_sq/", "step/")}
+    kinds = ("", "exp_avg/", "exp_avg_sq/", "step/") + ((LAGGED,) if ckpt.manifest["optimizer_lag"] else ())
+    needed = {f"{kind}{name}" for name in param_names for kind in kinds}
     missing = sorted(needed - ckpt.names()) + ([] if "rng/torch_cpu" in ckpt.names() else ["rng/torch_cpu"])
     if missing:
         raise CheckpointError(f"--resume {ckpt.directory}: incomplete checkpoint: {len(missing)} tensors missing "
@@ -254,6 +263,14 @@ def restore(ckpt: Checkpoint, named_params: dict[str, torch.nn.Parameter], optim
             optimizer.state[p] = {"step": ckpt.get(f"step/{stored}").clone(),
                                   "exp_avg": ckpt.get(f"exp_avg/{stored}").clone(),
                                   "exp_avg_sq": ckpt.get(f"exp_avg_sq/{stored}").clone()}
+
+
+def lagged_weights(ckpt: Checkpoint, name: str, lag: int) -> torch.Tensor:
+    """The weights step ``ckpt.step`` computes with: one update behind when the checkpoint's run and
+    this one both lag, else the master weights (a resume that switches the lag starts from them)."""
+    if lag and ckpt.manifest["optimizer_lag"]:
+        return ckpt.get(LAGGED + name)
+    return ckpt.get(name)
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ class RunConfig:
     recompute: str = "auto"  # auto | on | off
     partitioner: str = "mip"
     stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
+    optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
     chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
     rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
     offload: str = "auto"  # chunked backend: auto (searched placement) | on (all chunks on the host) | off
@@ -113,6 +114,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this run after K steps with a checkpoint, as a signal would (--steps stays the total)")
     p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
+    p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
+                   help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
+                        "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
     p.add_argument("--chunk-size", type=int, default=None, help="chunked backend: elements per chunk (default: searched)")
     p.add_argument("--rcache-blocks", type=int, default=None, help="chunked backend: rCache blocks (default: searched)")
     p.add_argument("--offload", choices=("auto", "on", "off"), default="auto",

@@ -3,6 +3,12 @@
 It defines "correct" for every other backend: same data order, same micro-batching (gradients
 accumulated over ``--micro-batches`` micro-batches, each loss divided by their number), same AdamW
 and schedule (:mod:`mobius.optim`).
+
+``--optimizer-lag 1`` defines the lagged update every backend reproduces: AdamW steps a master copy
+of the weights, and the weights step k+1 computes with are the master weights *before* step k's
+gradient is applied (W_{k+1} = AdamW(W_k, g_{k-1}); steps 0 and 1 both use the initial weights).
+The master weights hold every update made so far: they are what a checkpoint stores by name and
+what an export writes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ class ReferenceTrainer:
         self.device = device
         self.batches = batches
         self.model = build_model(model_config, seed=cfg.seed).to(device)
-        self.optimizer = make_adamw(self.model.named_parameters(), cfg.lr)
+        self.lag = cfg.optimizer_lag
+        # The weights AdamW steps: the model's own, or with a lag a copy one update ahead of them.
+        self.master = {n: torch.nn.Parameter(p.detach().clone()) if self.lag else p
+                       for n, p in self.model.named_parameters()}
+        self.optimizer = make_adamw(self.master.items(), cfg.lr)
         self.dtype = DTYPES[cfg.precision]
         self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.trace))
@@ -44,7 +54,7 @@ class ReferenceTrainer:
         micro = self.batches.step(step)
         lr = lr_at(step, self.cfg.steps, self.cfg.lr)
         set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         total = 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
@@ -58,6 +68,12 @@ class ReferenceTrainer:
             self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
         params = list(self.model.parameters())
         overflow = self.scaler.enabled and grads_overflow(params)
+        if self.lag:  # the next step computes with the master weights as they are before this update
+            with torch.no_grad():
+                for p, m in zip(params, self.master.values()):
+                    m.grad = p.grad
+                    p.copy_(m)
+            params = list(self.master.values())
         if not overflow:
             if self.scaler.enabled:
                 for p in params:
@@ -66,6 +82,8 @@ class ReferenceTrainer:
             self.optimizer.step()
             self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
         self.scaler.update(overflow)
+        for p in params:
+            p.grad = None
         tokens = len(micro) * micro[0].tokens.numel()
         peak = peak_memory(self.device)
         return StepMetrics(step=step, loss=total / len(micro), lr=lr, tokens=tokens,

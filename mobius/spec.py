@@ -92,6 +92,8 @@ def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
     model_config = check_model_input(cfg)
     if cfg.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.optimizer_lag:
+        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
     if cfg.precision == "fp16":
         raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
     if cfg.micro_batches % topo.n:

@@ -54,16 +54,22 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     start = 0
     if cfg.resume:
         ckpt = ck.open_for_resume(cfg, model_config)
-        ck.restore(ckpt, dict(trainer.model.named_parameters()), trainer.optimizer)
+        ck.restore(ckpt, trainer.master, trainer.optimizer)
+        if trainer.lag:
+            with torch.no_grad():
+                for name, p in trainer.model.named_parameters():
+                    p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
         ck.restore_scaler(ckpt, trainer.scaler, cfg.precision)
         ck.restore_rng(ckpt)
         start = ckpt.step
 
     def save(done: int) -> None:
         staging = ck.begin_save(cfg.save)
-        named = dict(trainer.model.named_parameters())
-        ck.write_tensors(staging, "weights.safetensors", named)
-        ck.write_tensors(staging, "optimizer.safetensors", ck.optimizer_tensors(named, trainer.optimizer))
+        ck.write_tensors(staging, "weights.safetensors", trainer.master)
+        ck.write_tensors(staging, "optimizer.safetensors", ck.optimizer_tensors(trainer.master, trainer.optimizer))
+        if trainer.lag:
+            ck.write_tensors(staging, "lagged-weights.safetensors",
+                             {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()})
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
         ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler))
 
@@ -77,7 +83,10 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
         write_trace(cfg.trace, trainer.trace.events)
     if cfg.export:
         staging = start_export(cfg.export)
-        layers = {i: dict(layer.named_parameters()) for i, layer in enumerate(trainer.model.layers)}
+        layers: dict[int, dict] = {}
+        for name, p in trainer.master.items():  # every update applied, lagged or not
+            _, index, local = name.split(".", 2)
+            layers.setdefault(int(index), {})[local] = p
         write_shard(model_config, staging, "all", layers)
         finalize_export(model_config, staging, cfg.export)
         print(f"exported to {cfg.export}", flush=True)

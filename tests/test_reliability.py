@@ -28,14 +28,14 @@ def weights(directory):
     return {n: c.get(n) for n in c.names() if "/" not in n}
 
 
-def test_stop_after_then_resume_equals_straight_run_bitwise(tmp_path):
+@pytest.mark.parametrize("lag", ["0", "1"])
+def test_stop_after_then_resume_equals_straight_run_bitwise(tmp_path, lag):
     a, b = tmp_path / "a", tmp_path / "b"
-    main(TINY + ["--backend", "single", "--steps", "10", "--stop-after", "5", "--save", str(a),
-                 "--metrics", str(tmp_path / "a.jsonl")])
+    args = TINY + ["--backend", "single", "--steps", "10", "--optimizer-lag", lag]
+    main(args + ["--stop-after", "5", "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
     assert ck.load_checkpoint(a).step == 5
-    main(TINY + ["--backend", "single", "--steps", "10", "--resume", str(a), "--save", str(a),
-                 "--metrics", str(tmp_path / "a.jsonl")])
-    main(TINY + ["--backend", "single", "--steps", "10", "--save", str(b), "--metrics", str(tmp_path / "b.jsonl")])
+    main(args + ["--resume", str(a), "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
+    main(args + ["--save", str(b), "--metrics", str(tmp_path / "b.jsonl")])
     assert losses(tmp_path / "a.jsonl") == losses(tmp_path / "b.jsonl")
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -51,6 +51,25 @@ def test_pipeline_checkpoint_resumes_on_single_backend(tmp_path):
     main(TINY + ["--backend", "single", "--steps", "6", "--metrics", str(tmp_path / "s.jsonl")])
     for x, y in zip(losses(tmp_path / "p.jsonl"), losses(tmp_path / "s.jsonl"), strict=True):
         assert abs(x - y) / y < 1e-5
+
+
+def test_lagged_checkpoints_move_between_backends(tmp_path):
+    """--optimizer-lag 1: the pipeline's checkpoint (master weights plus the weights the next step
+    computes with) resumes on single and single's on the pipeline, as one straight run."""
+    lag = ["--optimizer-lag", "1", "--steps", "6", "--metrics", str(tmp_path / "p.jsonl")]
+    pipe = ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4"]
+    d = tmp_path / "ck"
+    main(TINY + pipe + lag + ["--stop-after", "2", "--save", str(d)])
+    assert any(n.startswith(ck.LAGGED) for n in ck.load_checkpoint(d).names())
+    main(TINY + lag + ["--backend", "single", "--resume", str(d), "--stop-after", "2", "--save", str(d)])
+    main(TINY + pipe + lag + ["--resume", str(d), "--save", str(d)])
+    main(TINY + ["--backend", "single", "--optimizer-lag", "1", "--steps", "6", "--save", str(tmp_path / "s"),
+                 "--metrics", str(tmp_path / "s.jsonl")])
+    assert losses(tmp_path / "p.jsonl") == pytest.approx(losses(tmp_path / "s.jsonl"), rel=1e-5)
+    wp, ws = weights(d), weights(tmp_path / "s")
+    assert wp.keys() == ws.keys()
+    for k in ws:
+        torch.testing.assert_close(wp[k], ws[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 @pytest.fixture()

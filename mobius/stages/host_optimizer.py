@@ -6,7 +6,12 @@ of its own (``d2h-gradients``) into the stage's host staging buffer; a backgroun
 ``optimizer`` host stream) waits for it, converts it into the fp32 master gradients and runs fused
 AdamW on the stage's master weights, then refreshes the compute-dtype copy the next load reads —
 while the device runs the next stage's backward.  Updates that must wait for every stage's
-gradients (the tied embedding's sum, fp16's overflow vote) run in :meth:`HostOptimizer.finish_step`.
+gradients (the tied embedding's sum, fp16's overflow vote) are issued by
+:meth:`HostOptimizer.finish_step`.
+
+With ``--optimizer-lag 1`` the next step does not wait for this step's updates: they write the
+compute buffer the step after next reads (:mod:`mobius.swap.store`), and run on while the next
+step computes, off the critical path (the semantics of :mod:`mobius.reference`).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ class HostOptimizer:
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
         self.scaler, self.tied, self.transport = scaler, tied, transport
+        self.lag = store.lag
         self.compute = device.compute
         self.grads_out = device.new_stream("d2h-gradients")
         self.host = device.host_stream("optimizer")  # what the optimizer thread does to host buffers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-optimizer")
-        self._jobs: list[Future] = []
+        self._to_master_jobs: list[Future] = []  # this step's
+        self._updates: dict[int, list[Future]] = {}  # step -> its update jobs
+        self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> tuple[torch.Tensor, int]:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
@@ -48,9 +56,13 @@ class HostOptimizer:
             p.grad = view(grads, slot)
         return grads, phase
 
-    def offload(self, s: int, layers: nn.ModuleList, grads: torch.Tensor, phase: int, lr: float) -> None:
-        """Stage ``s``'s backward is done: its gradients leave on their own stream and the optimizer
-        thread takes over once they are home."""
+    def _deferred(self, s: int) -> bool:
+        """Whether stage ``s``'s update waits for the whole step (tied sum, fp16 overflow vote)."""
+        return self.scaler.enabled or s in self.tied.stages
+
+    def offload(self, s: int, layers: nn.ModuleList, grads: torch.Tensor, phase: int, step: int, lr: float) -> None:
+        """Stage ``s``'s backward of step ``step`` is done: its gradients leave on their own stream
+        and the optimizer thread takes over once they are home."""
         host = self.store.stages[s]
         # Autograd accumulates in place into a gradient that obeys the parameter's layout; should
         # it have replaced one, its values go back into the flat buffer.
@@ -59,16 +71,26 @@ class HostOptimizer:
             if p.grad is not None and p.grad.data_ptr() != mine.data_ptr():
                 mine.copy_(p.grad)
             p.grad = None
+        if s in self._last_job:  # with a lag, last step's update of this stage may still read them
+            self.grads_out.wait(self._last_job.pop(s).result())
         self.grads_out.wait(self.compute.record())
         self.grads_out.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
         self.traffic.d2h += host.param_bytes
         arrived = self.grads_out.record()
         self.memory.will_free(host.param_bytes)
-        self._jobs.append(self._pool.submit(self._to_master_and_update, s, arrived, lr, phase))
+        job = self._pool.submit(self._to_master, s, arrived, phase)
+        self._to_master_jobs.append(job)
+        self._last_job[s] = job
+        if not self._deferred(s):
+            self._submit_update(s, step, lr)
 
-    def _to_master_and_update(self, s: int, arrived: Event, lr: float, phase: int) -> Event:
-        """On the optimizer thread: once the gradients are home, fp32 master gradients, then
-        (unless the update must wait for the whole step) AdamW.  Returns the event after it."""
+    def _submit_update(self, s: int, step: int, lr: float, unscale: float | None = None, apply: bool = True) -> None:
+        job = self._pool.submit(self._update, s, step, lr, unscale, apply)
+        self._updates.setdefault(step, []).append(job)
+        self._last_job[s] = job
+
+    def _to_master(self, s: int, arrived: Event, phase: int) -> Event:
+        """On the optimizer thread: once the gradients are home, the fp32 master gradients."""
         t0 = time.perf_counter()
         self.host.wait(arrived)
         host = self.store.stages[s]
@@ -77,50 +99,57 @@ class HostOptimizer:
             host.master_grad.copy_(host.grad_staging)
         host.attach_master_grads()
         self.memory.free(host.param_bytes, phase, announced=True)
-        t1 = time.perf_counter()
-        self.trace.span(f"grads {s} to host", "offload", t0, t1, bytes=host.param_bytes)
-        if not self.scaler.enabled and s not in self.tied.stages:
-            self._update(s, lr, self.host)
-            self.trace.span(f"AdamW {s}", "optimizer", t1, time.perf_counter())
+        self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.param_bytes)
         return self.host.record()
 
-    def finish_step(self, lr: float, host: Stream) -> None:
-        """Every offload of the step has been issued: wait for the updates (the next step's loads
-        read the refreshed weights), then the updates that needed every stage's gradients, on
-        ``host`` (the calling thread's stream)."""
-        for job in self._jobs:
-            self.compute.wait(job.result())
-        self._jobs.clear()
-        host.wait(self.compute.record())  # after the step's device work
-        self.tied.sum_gradients()
-        if self.scaler.enabled:
-            self._finish_fp16(lr, host)
-        else:
-            for s in self.tied.stages & set(self.store.stages):
-                self._update(s, lr, host)
-
-    def _update(self, s: int, lr: float, on: Stream) -> None:
-        """AdamW on the host, then the compute-dtype copy the next load reads (written on ``on``)."""
+    def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool) -> Event:
+        """On the optimizer thread: AdamW with step ``step``'s gradients (unless ``apply`` is off: an
+        fp16 step skipped for overflow), then the compute-dtype copy the step ``step + 1 + lag``
+        reads."""
+        t0 = time.perf_counter()
         host = self.store.stages[s]
-        set_lr(host.optimizer, lr)
-        host.optimizer.step()
+        if apply:
+            if unscale is not None:
+                for p in host.master_params:
+                    p.grad.div_(unscale)
+            set_lr(host.optimizer, lr)
+            host.optimizer.step()
         host.optimizer.zero_grad(set_to_none=True)
-        on.writes(host.compute, name=f"host weights of stage {s}")
-        self.store.refresh_compute_copy(s)
+        buffer = self.store.buffer_updated_by(step)
+        self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
+        self.store.refresh_compute_copy(s, buffer)
+        self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter())
+        return self.host.record()
 
-    def _finish_fp16(self, lr: float, host: Stream) -> None:
-        """fp16: every worker must agree on overflow before anyone updates."""
-        local = any(not torch.isfinite(p.grad).all() for st in self.store.stages.values()
-                    for p in st.master_params if p.grad is not None)
-        overflow = self.transport.any_rank(local)
-        for s, st in self.store.stages.items():
-            if overflow:
-                st.optimizer.zero_grad(set_to_none=True)
-                continue
-            for p in st.master_params:
-                p.grad.div_(self.scaler.scale)
-            self._update(s, lr, host)
-        self.scaler.update(overflow)
+    def finish_step(self, step: int, lr: float, host: Stream) -> None:
+        """Every offload of step ``step`` has been issued.  The updates that need every stage's
+        gradients (the tied sum, fp16's overflow vote) are decided here, on ``host`` (the calling
+        thread's stream); then the compute stream waits for the updates the next step's loads read:
+        this step's, or with a lag the previous step's (this step's run on during the next)."""
+        if any(self._deferred(s) for s in self.store.stages):
+            for job in self._to_master_jobs:
+                host.wait(job.result())
+            self.tied.sum_gradients()
+            deferred = [s for s in self.store.stages if self._deferred(s)]
+            if self.scaler.enabled:
+                local = any(not torch.isfinite(p.grad).all() for s in deferred
+                            for p in self.store.stages[s].master_params if p.grad is not None)
+                overflow = self.transport.any_rank(local)
+                for s in deferred:
+                    self._submit_update(s, step, lr, unscale=self.scaler.scale, apply=not overflow)
+                self.scaler.update(overflow)
+            else:
+                for s in deferred:
+                    self._submit_update(s, step, lr)
+        self._to_master_jobs.clear()
+        for job in self._updates.pop(step - self.lag, []):
+            self.compute.wait(job.result())
+
+    def drain(self) -> None:
+        """Wait for every update issued so far (before a checkpoint or the final weights are read)."""
+        for step in sorted(self._updates):
+            for job in self._updates.pop(step):
+                self.compute.wait(job.result())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -56,6 +56,7 @@ class _StepState:
 
     micro: list
     lr: float
+    step: int
     handles: dict[int, DeviceStage] = field(default_factory=dict)
     layers: nn.ModuleList | None = None  # the resident stage being computed
     stage_pass: ExitStack = field(default_factory=ExitStack)  # its working-memory reservation
@@ -101,11 +102,12 @@ class StageRunner:
     def step(self, step: int) -> tuple[float, int]:
         """Run step ``step`` by executing this worker's operations (:func:`worker_ops`); returns
         (sum of this worker's micro-batch losses, micro-batches counted)."""
-        st = _StepState(self.batches.step(step), lr_at(step, self.total_steps, self.peak_lr))
+        st = _StepState(self.batches.step(step), lr_at(step, self.total_steps, self.peak_lr), step)
+        self.store.begin_step(step)
         for op in self.ops:
             getattr(self, f"_op_{op.kind}")(op, st)
         self.working.idle()
-        self.optimizer.finish_step(st.lr, self.host)
+        self.optimizer.finish_step(step, st.lr, self.host)
         self.links.finish_sends()
         self.compute.wait(self.host.record())
         return st.loss_sum, st.loss_count
@@ -217,7 +219,7 @@ class StageRunner:
                         stage=op.stage)
 
     def _op_offload(self, op: Op, st: _StepState) -> None:
-        self.optimizer.offload(op.stage, st.layers, st.grads, st.grad_phase, st.lr)
+        self.optimizer.offload(op.stage, st.layers, st.grads, st.grad_phase, st.step, st.lr)
         st.grads = None
 
     def _op_release(self, op: Op, st: _StepState) -> None:

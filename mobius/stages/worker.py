@@ -101,12 +101,14 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     stop = install_stop(payload)
 
     def save(done: int) -> None:
+        runner.optimizer.drain()
         _save(cfg, store, scaler, model_config, done, rank)
 
     header = payload["header"] + (f", resuming at step {start}" if start else "")
     try:
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0)
+        runner.optimizer.drain()  # with a lag, the last step's update
         gather_trace(trace, cfg.trace, rank, world)
     finally:
         parts.close()
@@ -146,7 +148,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     traffic = Traffic()
     model_config = get_config(cfg.model)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
-                           DTYPES[spec.precision], device)
+                           DTYPES[spec.precision], device, cfg.optimizer_lag)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, make_batches(cfg, model_config), device,
@@ -189,6 +191,9 @@ def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, mode
         named = _stage_state(store, s)
         ck.write_tensors(staging, f"weights-stage{s:04d}.safetensors", named)
         ck.write_tensors(staging, f"optimizer-stage{s:04d}.safetensors", ck.optimizer_tensors(named, host.optimizer))
+        if store.lag:
+            lagged = store.lagged_state(done)
+            ck.write_tensors(staging, f"lagged-stage{s:04d}.safetensors", {ck.LAGGED + n: lagged[n] for n in named})
     if rank == 0:
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
     dist.barrier()
@@ -203,7 +208,13 @@ def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, m
     aliases = tied_parameter_names(model_config)
     for s, host in store.stages.items():
         ck.restore(ckpt, dict(zip(host.names, host.master_params)), host.optimizer, aliases)
-        store.refresh_compute_copy(s)
+        for b in range(len(host.compute_buffers)):
+            store.refresh_compute_copy(s, b)
+    if store.lag:  # the weights the first step computes with: one update behind the master
+        lagged = store.lagged_state(ckpt.step)
+        with torch.no_grad():
+            for name, buf in lagged.items():
+                buf.copy_(ck.lagged_weights(ckpt, aliases.get(name, name), store.lag))
     ck.restore_scaler(ckpt, scaler, cfg.precision)
     ck.restore_rng(ckpt)
     return ckpt.step

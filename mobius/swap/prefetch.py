@@ -33,9 +33,10 @@ from mobius.swap.store import HostStageStore, view
 class DeviceStage:
     """A stage's layers on the device; usable once :meth:`wait` returns."""
 
-    def __init__(self, index: int, nbytes: int, after: Event):
+    def __init__(self, index: int, source: torch.Tensor, after: Event):
         self.index = index
-        self.nbytes = nbytes
+        self.source = source  # the host buffer to load (this step's compute copy)
+        self.nbytes = source.numel() * source.element_size()
         self.after = after  # the load starts after this compute-stream event
         self.layers: nn.ModuleList | None = None
         self.weights: torch.Tensor | None = None  # the flat device buffer the parameters view
@@ -60,7 +61,7 @@ class Prefetcher:
     def request(self, stage: int, priority: int) -> DeviceStage:
         """Load ``stage`` after the work the compute stream has been given so far (which covers
         the update that last wrote its host weights)."""
-        handle = DeviceStage(stage, self.store.stages[stage].param_bytes, self.device.compute.record())
+        handle = DeviceStage(stage, self.store.stages[stage].compute, self.device.compute.record())
         with self._cond:
             heapq.heappush(self._queue, (priority, next(self._counter), handle))
             self._cond.notify()
@@ -121,18 +122,17 @@ class Prefetcher:
         return host.device_layers
 
     def _load(self, handle: DeviceStage) -> None:
-        host = self.store.stages[handle.index]
+        host, source = self.store.stages[handle.index], handle.source
         layers = self._device_layers(handle.index)
         start = time.perf_counter()
-        weights = self.device.empty(host.compute.numel(), host.compute.dtype, self.stream,
-                                    name=f"weights of stage {handle.index}")
+        weights = self.device.empty(source.numel(), source.dtype, self.stream, name=f"weights of stage {handle.index}")
         self.stream.wait(handle.after)
-        step = max(1, COPY_CHUNK_BYTES // host.compute.element_size())
-        for a in range(0, host.compute.numel(), step):
-            b = min(a + step, host.compute.numel())
-            nbytes = (b - a) * host.compute.element_size()
+        step = max(1, COPY_CHUNK_BYTES // source.element_size())
+        for a in range(0, source.numel(), step):
+            b = min(a + step, source.numel())
+            nbytes = (b - a) * source.element_size()
             self.memory.reserve_for_prefetch(nbytes, self._stop)
-            self.stream.copy(weights[a:b], host.compute[a:b])
+            self.stream.copy(weights[a:b], source[a:b])
             self.traffic.h2d += nbytes
         for p, slot in zip(layers.parameters(), host.slots):
             p.data = view(weights, slot)

@@ -5,7 +5,9 @@ Per stage, everything is flat, one buffer per kind, and parameters are views int
 * ``master``: fp32 master weights (updated on the CPU by AdamW) and ``master_grad``, their
   gradients;
 * ``compute``: the weights in the compute dtype, the buffer a stage swap copies to the device
-  (page-locked once on CUDA, by the device layer).  With fp32 compute it *is* ``master``;
+  (page-locked once on CUDA, by the device layer).  With fp32 compute it *is* ``master``.  With
+  ``--optimizer-lag 1`` there are two (``compute_buffers``): step k reads buffer ``k % 2`` while
+  the update of step k-1's gradients writes the other, so the next step never waits for AdamW;
 * ``grad_staging``: where the device's gradients land (compute dtype, page-locked); with fp32
   compute it is ``master_grad`` itself.
 
@@ -42,11 +44,12 @@ class HostStage:
     optimizer: torch.optim.Optimizer
     master: torch.Tensor
     master_grad: torch.Tensor
-    compute: torch.Tensor
+    compute_buffers: list[torch.Tensor]  # one, or with an optimizer lag of 1 two (by step parity)
     grad_staging: torch.Tensor
     slots: list[Slot]  # per parameter, in named_parameters order
     names: list[str] = field(default_factory=list)  # "layers.<i>.<param>"
     device_layers: nn.ModuleList | None = None  # the stage's device modules, weights swapped in and out
+    compute: torch.Tensor | None = None  # the buffer this step's loads read (HostStageStore.begin_step)
 
     @property
     def param_bytes(self) -> int:
@@ -63,7 +66,7 @@ class HostStage:
 
     def host_bytes(self) -> int:
         """Bytes this stage holds on the host (each distinct buffer once)."""
-        bufs = {t.untyped_storage().data_ptr(): t for t in (self.master, self.master_grad, self.compute,
+        bufs = {t.untyped_storage().data_ptr(): t for t in (self.master, self.master_grad, *self.compute_buffers,
                                                               self.grad_staging)}
         state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
                     if torch.is_tensor(v))
@@ -76,11 +79,13 @@ def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 class HostStageStore:
     def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, lr: float,
-                 compute_dtype: torch.dtype, device: Device):
+                 compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0):
         self.config = config
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
-        same = compute_dtype == torch.float32
+        self.lag = optimizer_lag
+        n_buffers = optimizer_lag + 1
+        same = compute_dtype == torch.float32 and n_buffers == 1
         for s in stages:
             lo, hi = bounds[s]
             layers = nn.ModuleList([build_layer(config, i, seed) for i in range(lo, hi)])
@@ -92,25 +97,47 @@ class HostStageStore:
                 offset += p.numel()
             # The buffer the device reads is page-locked by the device layer; fp32 compute reads the
             # master weights themselves.
+            fp32 = compute_dtype == torch.float32
             master = device.host_buffer(offset, torch.float32) if same else torch.empty(offset)
-            master_grad = device.host_buffer(offset, torch.float32) if same else torch.zeros(offset)
+            master_grad = device.host_buffer(offset, torch.float32) if fp32 else torch.zeros(offset)
             with torch.no_grad():
                 for p, slot in zip(params, slots):
                     view(master, slot).copy_(p)
                     p.data = view(master, slot)
-            compute = master if same else device.host_buffer(offset, compute_dtype)
-            grad_staging = master_grad if same else device.host_buffer(offset, compute_dtype)
+            computes = [master] if same else [device.host_buffer(offset, compute_dtype) for _ in range(n_buffers)]
+            grad_staging = master_grad if fp32 else device.host_buffer(offset, compute_dtype)
             stage = HostStage(s, list(range(lo, hi)), layers, make_adamw(zip(names, params), lr), master,
-                              master_grad, compute, grad_staging, slots, names)
+                              master_grad, computes, grad_staging, slots, names)
             self.stages[s] = stage
-            self.refresh_compute_copy(s)
+            for b in range(n_buffers):
+                self.refresh_compute_copy(s, b)
+        self.begin_step(0)
 
-    def refresh_compute_copy(self, stage: int) -> None:
-        """After the update: master weights -> compute-dtype copy (a no-op when they are the same)."""
+    def begin_step(self, step: int) -> None:
+        """Loads of step ``step`` read its compute buffer."""
+        for st in self.stages.values():
+            st.compute = st.compute_buffers[step % len(st.compute_buffers)]
+
+    def buffer_updated_by(self, step: int) -> int:
+        """The compute buffer the update of step ``step``'s gradients writes: the one step
+        ``step + 1 + lag`` reads."""
+        return (step + 1 + self.lag) % (self.lag + 1)
+
+    def refresh_compute_copy(self, stage: int, buffer: int = 0) -> None:
+        """Master weights -> a compute-dtype copy (a no-op when they are the same)."""
         st = self.stages[stage]
-        if st.compute.data_ptr() != st.master.data_ptr():
+        dst = st.compute_buffers[buffer]
+        if dst.data_ptr() != st.master.data_ptr():
             with torch.no_grad():
-                st.compute.copy_(st.master)
+                dst.copy_(st.master)
+
+    def lagged_state(self, step: int) -> dict[str, torch.Tensor]:
+        """With a lag: the weights step ``step`` computes with, by name (a checkpoint's LAGGED tensors)."""
+        out = {}
+        for st in self.stages.values():
+            buf = st.compute_buffers[step % len(st.compute_buffers)]
+            out.update({n: view(buf, slot) for n, slot in zip(st.names, st.slots)})
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for st in self.stages.values()
