@@ -12,11 +12,10 @@ from chunked_dp.engine import ChunkedEngine
 from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import Trace
-from mobius.models import get_config
 from mobius.optim import DynamicLossScaler
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
-from mobius.runtime.inputs import make_batches
+from mobius.runtime.inputs import make_batches, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.workers import (
@@ -49,7 +48,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
         share_cpu_cores(world)
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))
-    model_config = get_config(cfg.model)
+    model_config = model_config_for(cfg)
     spec = RunSpec.from_dict(payload["spec"])
     setup = spec.chunked
     engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],

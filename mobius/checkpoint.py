@@ -5,7 +5,8 @@ A checkpoint is a directory:
 * ``manifest.json``: the run's identity (model config, seed, batch shape, total steps), the number
   of completed steps (which is also the data position: batches are a pure function of
   ``(seed, step)``), the fp16 loss scaler, and the SHA-256 of every other file;
-* safetensors files of fp32 master weights, AdamW state (``exp_avg/<name>``, ``exp_avg_sq/<name>``,
+* safetensors files of fp32 master weights (under LoRA only the adapters: the base weights are
+  the model's own and never change), AdamW state (``exp_avg/<name>``, ``exp_avg_sq/<name>``,
   ``step/<name>``) and RNG states, named by parameter (``layers.<i>.<param>``).  One backend writes
   one file per kind, and the pipeline one file per stage.  A reader reassembles them by name, so a
   checkpoint from any backend or topology resumes on any other.
@@ -225,7 +226,7 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
 def open_for_resume(cfg, model_config) -> Checkpoint:
     """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
     ckpt = load_checkpoint(cfg.resume)
-    names = {n for n, _ in build_model(model_config, device="meta").named_parameters()}
+    names = {n for n, p in build_model(model_config, device="meta").named_parameters() if p.requires_grad}
     check_compatible(ckpt, model_config.to_dict(), cfg, names)
     return ckpt
 

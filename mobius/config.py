@@ -41,6 +41,10 @@ class RunConfig:
     recompute: str = "auto"  # auto | on | off
     partitioner: str = "mip"
     stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
+    lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
+    lora_alpha: float | None = None  # None: the rank (scaling 1)
+    lora_dropout: float = 0.0
+    lora_targets: str = "qkv,proj,fc,fc_out"
     optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
     chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
     rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
@@ -72,6 +76,13 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="auto (probe this machine), a preset name, or a topology JSON file")
     p.add_argument("--model", default=d.model,
                    help="a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, OPT, Llama)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank on frozen base weights (0: full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: the rank)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (only 0 is built)")
+    p.add_argument("--lora-targets", default=d.lora_targets,
+                   help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
+                        "fc (MLP in; gate and up), fc_out (MLP out)")
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="micro-batches per optimizer step")
@@ -139,6 +150,29 @@ def validate_shared(cfg: RunConfig) -> None:
     _positive(cfg, ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers", "stages"))
     if cfg.gpu_mem_gb is not None and not (math.isfinite(cfg.gpu_mem_gb) and cfg.gpu_mem_gb > 0):
         raise InputError(f"--gpu-mem-gb must be a positive finite number, got {cfg.gpu_mem_gb}")
+    _validate_lora(cfg)
+
+
+def _validate_lora(cfg: RunConfig) -> None:
+    from mobius.models.lora import TARGETS
+
+    if cfg.lora_rank < 0:
+        raise InputError(f"--lora-rank must be zero or positive, got {cfg.lora_rank}")
+    d = RunConfig()
+    if not cfg.lora_rank:
+        changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(cfg, f"lora_{k}") != getattr(d, f"lora_{k}")]
+        if changed:
+            raise InputError(f"{', '.join(changed)} needs --lora-rank R")
+        return
+    if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
+        raise InputError(f"--lora-alpha must be a positive finite number, got {cfg.lora_alpha}")
+    if cfg.lora_dropout != 0:
+        raise InputError(f"--lora-dropout {cfg.lora_dropout}: only 0 is built (the equivalence of backends "
+                         "is checked without dropout)")
+    targets = cfg.lora_targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or len(set(targets)) != len(targets):
+        raise InputError(f"--lora-targets {cfg.lora_targets!r}: give distinct names among {', '.join(TARGETS)}")
 
 
 def validate(cfg: RunConfig) -> None:

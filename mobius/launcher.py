@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics
-from mobius.models import GPTConfig, build_model, get_config
+from mobius.models import GPTConfig, build_model
 from mobius.models.hf import finalize_export, start_export
 from mobius.runtime.spec import RunSpec
 from mobius.spec import prepare_chunked, prepare_pipeline
@@ -35,7 +35,7 @@ from topology import Topology
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
     spec, plan = prepare_pipeline(cfg, topo)
-    n_params = build_model(get_config(cfg.model), device="meta").num_parameters()
+    n_params = build_model(model_config, device="meta").num_parameters()
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "

@@ -26,10 +26,12 @@ def lr_at(step: int, total_steps: int, peak_lr: float) -> float:
 
 
 def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (``p.dim() >= 2``) only."""
+    """AdamW with weight decay on matrices (``p.dim() >= 2``) only, over the parameters that train
+    (frozen ones, e.g. base weights under LoRA, have no optimizer state)."""
     decay, no_decay = [], []
     for _, p in named_params:
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
     return adamw([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}], lr)
 
 

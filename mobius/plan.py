@@ -16,7 +16,7 @@ import math
 from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
-from mobius.models import get_config
+from mobius.runtime.inputs import model_config_for
 from mobius.spec import resolve_precision, run_plan
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     validate_shared(cfg)
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
-    model_config = get_config(cfg.model)
+    model_config = model_config_for(cfg)
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
     topo = resolve_topology(cfg)

@@ -36,13 +36,17 @@ class ReferenceTrainer:
         self.model = build_model(model_config, seed=cfg.seed).to(device)
         self.lag = cfg.optimizer_lag
         # The weights AdamW steps: the model's own, or with a lag a copy one update ahead of them.
-        self.master = {n: torch.nn.Parameter(p.detach().clone()) if self.lag else p
+        self.master = {n: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) if self.lag else p
                        for n, p in self.model.named_parameters()}
         self.optimizer = make_adamw(self.master.items(), cfg.lr)
         self.dtype = DTYPES[cfg.precision]
         self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.trace))
         reset_peak_memory(device)
+
+    def trained(self) -> dict[str, torch.nn.Parameter]:
+        """The master weights that train (under LoRA, the adapters): what a checkpoint holds."""
+        return {n: p for n, p in self.master.items() if p.requires_grad}
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -71,8 +75,9 @@ class ReferenceTrainer:
         if self.lag:  # the next step computes with the master weights as they are before this update
             with torch.no_grad():
                 for p, m in zip(params, self.master.values()):
-                    m.grad = p.grad
-                    p.copy_(m)
+                    if m.requires_grad:
+                        m.grad = p.grad
+                        p.copy_(m)
             params = list(self.master.values())
         if not overflow:
             if self.scaler.enabled:

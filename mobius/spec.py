@@ -92,6 +92,8 @@ def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
     model_config = check_model_input(cfg)
     if cfg.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.lora_rank:
+        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
     if cfg.optimizer_lag:
         raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
     if cfg.precision == "fp16":

@@ -54,22 +54,24 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     start = 0
     if cfg.resume:
         ckpt = ck.open_for_resume(cfg, model_config)
-        ck.restore(ckpt, trainer.master, trainer.optimizer)
+        ck.restore(ckpt, trainer.trained(), trainer.optimizer)
         if trainer.lag:
             with torch.no_grad():
                 for name, p in trainer.model.named_parameters():
-                    p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
+                    if p.requires_grad:
+                        p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
         ck.restore_scaler(ckpt, trainer.scaler, cfg.precision)
         ck.restore_rng(ckpt)
         start = ckpt.step
 
     def save(done: int) -> None:
         staging = ck.begin_save(cfg.save)
-        ck.write_tensors(staging, "weights.safetensors", trainer.master)
-        ck.write_tensors(staging, "optimizer.safetensors", ck.optimizer_tensors(trainer.master, trainer.optimizer))
+        trained = trainer.trained()
+        ck.write_tensors(staging, "weights.safetensors", trained)
+        ck.write_tensors(staging, "optimizer.safetensors", ck.optimizer_tensors(trained, trainer.optimizer))
         if trainer.lag:
             ck.write_tensors(staging, "lagged-weights.safetensors",
-                             {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()})
+                             {ck.LAGGED + n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
         ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler))
 

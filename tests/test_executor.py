@@ -17,6 +17,7 @@ from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CpuDevice
+from mobius.runtime.inputs import model_config_for
 from mobius.spec import prepare_pipeline
 from mobius.stages.transport import LocalGroup
 from mobius.stages.worker import build_worker
@@ -79,7 +80,7 @@ def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]
 
 def reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     ref_cfg = RunConfig(**{**cfg.to_dict(), "backend": "single"})
-    t = ReferenceTrainer(ref_cfg, get_config(cfg.model), BatchSource(load_corpus(None), SEQ, MBS, M, cfg.seed),
+    t = ReferenceTrainer(ref_cfg, model_config_for(cfg), BatchSource(load_corpus(None), SEQ, MBS, M, cfg.seed),
                          torch.device("cpu"))
     losses = [t.step(k).loss for k in range(cfg.steps)]
     return losses, {n: p.detach().clone() for n, p in t.master.items()}

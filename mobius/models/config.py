@@ -38,6 +38,11 @@ class GPTConfig:
     norm_bias: bool | None = None
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
     hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2)
+    # LoRA (mobius.models.lora): rank 0 trains every weight; else only adapters on the projections
+    # named in lora_targets (comma-separated) train, the base weights are frozen.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = ""
 
     def shape_problem(self) -> str | None:
         """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not

@@ -26,6 +26,7 @@ from torch import nn
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
+from mobius.models.lora import add_lora, freeze
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -318,6 +319,11 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
                 # Same values as the embedding's token table (built from the embedding's seed).
                 layer.lm_head.weight.copy_(build_layer(config, 0, seed).wte.weight)
         torch.random.set_rng_state(gen_state)
+    if config.lora_rank:
+        if cls is Block:
+            add_lora(layer, config, None if device.type == "meta" else seed * 100_003 + index)
+        else:
+            freeze(layer)
     return layer
 
 

@@ -185,7 +185,8 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
     def forward_backward():
         inp = x.detach().requires_grad_(x.is_floating_point())
         out = run(inp)
-        out.backward(torch.ones_like(out))
+        if out.requires_grad:  # a frozen embedding under LoRA has no backward
+            out.backward(torch.ones_like(out))
 
     forward_no_grad()
     forward_backward()  # warm-up (allocator, kernels)

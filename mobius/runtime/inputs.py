@@ -3,6 +3,8 @@ Every process of a run (the command, each worker) reads them through here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus, tokenizer_for
 from mobius.errors import InputError
@@ -10,8 +12,17 @@ from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
 
 
+def model_config_for(cfg: RunConfig) -> GPTConfig:
+    """The model a run trains: ``--model``, with LoRA adapters when ``--lora-rank`` is given."""
+    config = get_config(cfg.model)
+    if not cfg.lora_rank:
+        return config
+    return dataclasses.replace(config, lora_rank=cfg.lora_rank, lora_alpha=float(cfg.lora_alpha or cfg.lora_rank),
+                               lora_targets=cfg.lora_targets)
+
+
 def check_model_input(cfg: RunConfig) -> GPTConfig:
-    model_config = get_config(cfg.model)
+    model_config = model_config_for(cfg)
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
     if model_config.hf_arch and not model_config.checkpoint:

@@ -49,11 +49,12 @@ class HostOptimizer:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
         into views of it.  Returns (buffer, its memory phase)."""
         host = self.store.stages[s]
-        phase = self.memory.allocate(host.param_bytes, f"gradients of stage {s}")
+        phase = self.memory.allocate(host.grad_bytes, f"gradients of stage {s}")
         grads = self.device.empty(host.compute.numel(), host.compute.dtype, name=f"gradients of stage {s}")
         grads.zero_()
-        for p, slot in zip(layers.parameters(), host.slots):
-            p.grad = view(grads, slot)
+        for p, slot in zip(layers.parameters(), host.grad_slots()):
+            if slot is not None:
+                p.grad = view(grads, slot)
         return grads, phase
 
     def _deferred(self, s: int) -> bool:
@@ -66,18 +67,19 @@ class HostOptimizer:
         host = self.store.stages[s]
         # Autograd accumulates in place into a gradient that obeys the parameter's layout; should
         # it have replaced one, its values go back into the flat buffer.
-        for p, slot in zip(layers.parameters(), host.slots):
-            mine = view(grads, slot)
-            if p.grad is not None and p.grad.data_ptr() != mine.data_ptr():
-                mine.copy_(p.grad)
+        for p, slot in zip(layers.parameters(), host.grad_slots()):
+            if slot is not None:
+                mine = view(grads, slot)
+                if p.grad is not None and p.grad.data_ptr() != mine.data_ptr():
+                    mine.copy_(p.grad)
             p.grad = None
         if s in self._last_job:  # with a lag, last step's update of this stage may still read them
             self.grads_out.wait(self._last_job.pop(s).result())
         self.grads_out.wait(self.compute.record())
         self.grads_out.copy(host.grad_staging, grads, name=f"gradient staging of stage {s}")
-        self.traffic.d2h += host.param_bytes
+        self.traffic.d2h += host.grad_bytes
         arrived = self.grads_out.record()
-        self.memory.will_free(host.param_bytes)
+        self.memory.will_free(host.grad_bytes)
         job = self._pool.submit(self._to_master, s, arrived, phase)
         self._to_master_jobs.append(job)
         self._last_job[s] = job
@@ -98,8 +100,8 @@ class HostOptimizer:
         if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
             host.master_grad.copy_(host.grad_staging)
         host.attach_master_grads()
-        self.memory.free(host.param_bytes, phase, announced=True)
-        self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.param_bytes)
+        self.memory.free(host.grad_bytes, phase, announced=True)
+        self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.grad_bytes)
         return self.host.record()
 
     def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool) -> Event:

@@ -185,7 +185,8 @@ class StageRunner:
             (out * (self.scaler.scale / self.M)).backward()
         else:
             g = self.links.to_device(st.inbox.pop((s, m)), "output gradient")
-            out.backward(g)
+            if out.requires_grad:  # else nothing before it trains (e.g. a frozen embedding under LoRA)
+                out.backward(g)
             self.working.free(g)
             del g
         self.working.release(ledger)

@@ -22,8 +22,10 @@ class TiedEmbedding:
         self.store, self.plan, self.transport, self.traffic = store, plan, transport, traffic
         n_stages = len(plan.bounds)
         self.last = n_stages - 1
-        # Stages whose update waits for the sum (none when the model does not tie).
-        self.stages: set[int] = {0, self.last} if store.config.tie_embeddings else set()
+        # Stages whose update waits for the sum (none when the model does not tie, or under LoRA,
+        # which freezes the table).
+        trains = store.config.tie_embeddings and not store.config.lora_rank
+        self.stages: set[int] = {0, self.last} if trains else set()
         self._tag = n_stages * plan.micro_batches * 2  # above every activation message's tag
 
     def _copies(self) -> dict[str, nn.Parameter]:
@@ -34,7 +36,7 @@ class TiedEmbedding:
         for role, (s, name) in wanted.items():
             if s in self.store.stages:
                 host = self.store.stages[s]
-                out[role] = dict(zip(host.names, host.master_params))[name]
+                out[role] = dict(host.trained())[name]
         return out
 
     def sum_gradients(self) -> None:

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics, Trace
-from mobius.models import get_config, tied_parameter_names
+from mobius.models import tied_parameter_names
 from mobius.models.hf import write_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
 from mobius.runtime.device import Device, open_device
-from mobius.runtime.inputs import make_batches
+from mobius.runtime.inputs import make_batches, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.stages.schedule import StageRunner
@@ -146,7 +146,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     torch.manual_seed(cfg.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
-    model_config = get_config(cfg.model)
+    model_config = model_config_for(cfg)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
                            DTYPES[spec.precision], device, cfg.optimizer_lag)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
@@ -167,7 +167,7 @@ def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
     """Each worker writes the Hugging Face tensors of its own stages; the launcher finishes the export."""
     for s, host in store.stages.items():
         layers: dict[int, dict] = {}
-        for name, p in zip(host.names, host.master_params):
+        for name, p in host.named_params():
             _, index, local = name.split(".", 2)
             layers.setdefault(int(index), {})[local] = p
         write_shard(config, Path(staging), f"stage-{s:05d}", layers)
@@ -178,7 +178,7 @@ def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]
     embedding's copy is the one stored)."""
     aliases = tied_parameter_names(store.config)
     host = store.stages[s]
-    return {n: p for n, p in zip(host.names, host.master_params) if n not in aliases}
+    return {n: p for n, p in host.trained() if n not in aliases}
 
 
 def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int) -> None:
@@ -207,7 +207,7 @@ def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, m
     ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # the launcher verified it before starting us
     aliases = tied_parameter_names(model_config)
     for s, host in store.stages.items():
-        ck.restore(ckpt, dict(zip(host.names, host.master_params)), host.optimizer, aliases)
+        ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
         for b in range(len(host.compute_buffers)):
             store.refresh_compute_copy(s, b)
     if store.lag:  # the weights the first step computes with: one update behind the master

@@ -33,10 +33,10 @@ from mobius.swap.store import HostStageStore, view
 class DeviceStage:
     """A stage's layers on the device; usable once :meth:`wait` returns."""
 
-    def __init__(self, index: int, source: torch.Tensor, after: Event):
+    def __init__(self, index: int, sources: list[torch.Tensor], after: Event):
         self.index = index
-        self.source = source  # the host buffer to load (this step's compute copy)
-        self.nbytes = source.numel() * source.element_size()
+        self.sources = sources  # the host buffers to load, in slab order: frozen, then this step's compute copy
+        self.nbytes = sum(t.numel() * t.element_size() for t in sources)
         self.after = after  # the load starts after this compute-stream event
         self.layers: nn.ModuleList | None = None
         self.weights: torch.Tensor | None = None  # the flat device buffer the parameters view
@@ -61,7 +61,8 @@ class Prefetcher:
     def request(self, stage: int, priority: int) -> DeviceStage:
         """Load ``stage`` after the work the compute stream has been given so far (which covers
         the update that last wrote its host weights)."""
-        handle = DeviceStage(stage, self.store.stages[stage].compute, self.device.compute.record())
+        host = self.store.stages[stage]
+        handle = DeviceStage(stage, [host.frozen, host.compute], self.device.compute.record())
         with self._cond:
             heapq.heappush(self._queue, (priority, next(self._counter), handle))
             self._cond.notify()
@@ -117,23 +118,28 @@ class Prefetcher:
                 for name, p in list(module._parameters.items()):
                     if p is not None:
                         module._parameters[name] = nn.Parameter(
-                            torch.empty(0, dtype=self.store.compute_dtype, device=self.device.torch_device))
+                            torch.empty(0, dtype=self.store.compute_dtype, device=self.device.torch_device),
+                            requires_grad=p.requires_grad)
             host.device_layers = layers
         return host.device_layers
 
     def _load(self, handle: DeviceStage) -> None:
-        host, source = self.store.stages[handle.index], handle.source
+        host = self.store.stages[handle.index]
         layers = self._device_layers(handle.index)
         start = time.perf_counter()
-        weights = self.device.empty(source.numel(), source.dtype, self.stream, name=f"weights of stage {handle.index}")
+        numel = sum(t.numel() for t in handle.sources)
+        weights = self.device.empty(numel, self.store.compute_dtype, self.stream, name=f"weights of stage {handle.index}")
         self.stream.wait(handle.after)
-        step = max(1, COPY_CHUNK_BYTES // source.element_size())
-        for a in range(0, source.numel(), step):
-            b = min(a + step, source.numel())
-            nbytes = (b - a) * source.element_size()
-            self.memory.reserve_for_prefetch(nbytes, self._stop)
-            self.stream.copy(weights[a:b], source[a:b])
-            self.traffic.h2d += nbytes
+        at = 0
+        for source in handle.sources:
+            step = max(1, COPY_CHUNK_BYTES // source.element_size())
+            for a in range(0, source.numel(), step):
+                b = min(a + step, source.numel())
+                nbytes = (b - a) * source.element_size()
+                self.memory.reserve_for_prefetch(nbytes, self._stop)
+                self.stream.copy(weights[at + a:at + b], source[a:b])
+                self.traffic.h2d += nbytes
+            at += source.numel()
         for p, slot in zip(layers.parameters(), host.slots):
             p.data = view(weights, slot)
         handle.weights, handle.layers = weights, layers

@@ -2,17 +2,21 @@
 
 Per stage, everything is flat, one buffer per kind, and parameters are views into it:
 
-* ``master``: fp32 master weights (updated on the CPU by AdamW) and ``master_grad``, their
-  gradients;
-* ``compute``: the weights in the compute dtype, the buffer a stage swap copies to the device
-  (page-locked once on CUDA, by the device layer).  With fp32 compute it *is* ``master``.  With
-  ``--optimizer-lag 1`` there are two (``compute_buffers``): step k reads buffer ``k % 2`` while
-  the update of step k-1's gradients writes the other, so the next step never waits for AdamW;
+* ``frozen``: weights that never change (the base weights under LoRA), held once, in the compute
+  dtype only: no master copy, gradient or optimizer state (empty in full fine-tuning);
+* ``master``: fp32 master weights of the parameters that train (updated on the CPU by AdamW) and
+  ``master_grad``, their gradients;
+* ``compute``: the trained weights in the compute dtype (page-locked once on CUDA, by the device
+  layer).  With fp32 compute it *is* ``master``.  With ``--optimizer-lag 1`` there are two
+  (``compute_buffers``): step k reads buffer ``k % 2`` while the update of step k-1's gradients
+  writes the other, so the next step never waits for AdamW;
 * ``grad_staging``: where the device's gradients land (compute dtype, page-locked); with fp32
   compute it is ``master_grad`` itself.
 
-One buffer per kind means one host allocation (and one registration) per stage instead of one
-per tensor, and one chunked copy per swap.
+A stage swap copies ``frozen`` then ``compute`` into one device slab, ``[frozen | trained]``, from
+which the device parameters are views (:class:`Slot` offsets are into that slab); gradients exist
+for the trained part only.  One buffer per kind means one host allocation (and one registration)
+per stage instead of one per tensor, and one chunked copy per swap.
 """
 
 from __future__ import annotations
@@ -34,40 +38,62 @@ class Slot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    trained: bool = True
 
 
 @dataclass
 class HostStage:
     index: int
     layer_ids: list[int]
-    master_layers: nn.ModuleList  # fp32 layers on the host; their parameters are views of ``master``
+    master_layers: nn.ModuleList  # host layers: trained parameters view ``master``, frozen ones ``frozen``
     optimizer: torch.optim.Optimizer
+    frozen: torch.Tensor
     master: torch.Tensor
     master_grad: torch.Tensor
     compute_buffers: list[torch.Tensor]  # one, or with an optimizer lag of 1 two (by step parity)
     grad_staging: torch.Tensor
-    slots: list[Slot]  # per parameter, in named_parameters order
+    slots: list[Slot]  # per parameter, in named_parameters order, in the device slab [frozen | trained]
     names: list[str] = field(default_factory=list)  # "layers.<i>.<param>"
     device_layers: nn.ModuleList | None = None  # the stage's device modules, weights swapped in and out
     compute: torch.Tensor | None = None  # the buffer this step's loads read (HostStageStore.begin_step)
 
     @property
     def param_bytes(self) -> int:
+        """Bytes of the device slab: every weight of the stage in the compute dtype."""
+        return (self.frozen.numel() + self.compute.numel()) * self.compute.element_size()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the stage's device gradients (the trained weights only)."""
         return self.compute.numel() * self.compute.element_size()
+
+    def grad_slots(self) -> list[Slot | None]:
+        """Per parameter: its place in the gradient (and master) buffers, or None when frozen."""
+        n = self.frozen.numel()
+        return [Slot(sl.offset - n, sl.numel, sl.shape) if sl.trained else None for sl in self.slots]
+
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """Every host parameter by name (frozen ones in the compute dtype)."""
+        return list(zip(self.names, self.master_layers.parameters()))
+
+    def trained(self) -> list[tuple[str, nn.Parameter]]:
+        """The fp32 master parameters that train, by name."""
+        return [(n, p) for n, p in self.named_params() if p.requires_grad]
 
     @property
     def master_params(self) -> list[nn.Parameter]:
-        return list(self.master_layers.parameters())
+        return [p for _, p in self.trained()]
 
     def attach_master_grads(self) -> None:
-        """Point every master parameter's ``.grad`` at its view of ``master_grad``."""
-        for p, slot in zip(self.master_params, self.slots):
-            p.grad = view(self.master_grad, slot)
+        """Point every trained master parameter's ``.grad`` at its view of ``master_grad``."""
+        for (_, p), slot in zip(self.named_params(), self.grad_slots()):
+            if slot is not None:
+                p.grad = view(self.master_grad, slot)
 
     def host_bytes(self) -> int:
         """Bytes this stage holds on the host (each distinct buffer once)."""
-        bufs = {t.untyped_storage().data_ptr(): t for t in (self.master, self.master_grad, *self.compute_buffers,
-                                                              self.grad_staging)}
+        bufs = {t.untyped_storage().data_ptr(): t for t in (self.frozen, self.master, self.master_grad,
+                                                              *self.compute_buffers, self.grad_staging)}
         state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
                     if torch.is_tensor(v))
         return sum(t.numel() * t.element_size() for t in bufs.values()) + state
@@ -91,22 +117,33 @@ class HostStageStore:
             layers = nn.ModuleList([build_layer(config, i, seed) for i in range(lo, hi)])
             names = [f"layers.{lo + k}.{n}" for k, layer in enumerate(layers) for n, _ in layer.named_parameters()]
             params = list(layers.parameters())
-            slots, offset = [], 0
+            n_frozen = sum(p.numel() for p in params if not p.requires_grad)
+            n_trained = sum(p.numel() for p in params if p.requires_grad)
+            slots, frozen_at, trained_at = [], 0, n_frozen
             for p in params:
-                slots.append(Slot(offset, p.numel(), tuple(p.shape)))
-                offset += p.numel()
-            # The buffer the device reads is page-locked by the device layer; fp32 compute reads the
-            # master weights themselves.
+                if p.requires_grad:
+                    slots.append(Slot(trained_at, p.numel(), tuple(p.shape)))
+                    trained_at += p.numel()
+                else:
+                    slots.append(Slot(frozen_at, p.numel(), tuple(p.shape), trained=False))
+                    frozen_at += p.numel()
+            # What the device reads is page-locked by the device layer; fp32 compute without a lag
+            # reads the master weights themselves.
             fp32 = compute_dtype == torch.float32
-            master = device.host_buffer(offset, torch.float32) if same else torch.empty(offset)
-            master_grad = device.host_buffer(offset, torch.float32) if fp32 else torch.zeros(offset)
+            frozen = device.host_buffer(n_frozen, compute_dtype) if n_frozen else torch.empty(0, dtype=compute_dtype)
+            master = device.host_buffer(n_trained, torch.float32) if same else torch.empty(n_trained)
+            master_grad = device.host_buffer(n_trained, torch.float32) if fp32 else torch.zeros(n_trained)
             with torch.no_grad():
                 for p, slot in zip(params, slots):
-                    view(master, slot).copy_(p)
-                    p.data = view(master, slot)
-            computes = [master] if same else [device.host_buffer(offset, compute_dtype) for _ in range(n_buffers)]
-            grad_staging = master_grad if fp32 else device.host_buffer(offset, compute_dtype)
-            stage = HostStage(s, list(range(lo, hi)), layers, make_adamw(zip(names, params), lr), master,
+                    if slot.trained:
+                        dst = view(master, Slot(slot.offset - n_frozen, slot.numel, slot.shape))
+                    else:
+                        dst = view(frozen, slot)
+                    dst.copy_(p)
+                    p.data = dst  # the only copy: a frozen weight lives in the compute dtype
+            computes = [master] if same else [device.host_buffer(n_trained, compute_dtype) for _ in range(n_buffers)]
+            grad_staging = master_grad if fp32 else device.host_buffer(n_trained, compute_dtype)
+            stage = HostStage(s, list(range(lo, hi)), layers, make_adamw(zip(names, params), lr), frozen, master,
                               master_grad, computes, grad_staging, slots, names)
             self.stages[s] = stage
             for b in range(n_buffers):
@@ -132,16 +169,16 @@ class HostStageStore:
                 dst.copy_(st.master)
 
     def lagged_state(self, step: int) -> dict[str, torch.Tensor]:
-        """With a lag: the weights step ``step`` computes with, by name (a checkpoint's LAGGED tensors)."""
+        """With a lag: the trained weights step ``step`` computes with, by name (a checkpoint's
+        LAGGED tensors)."""
         out = {}
         for st in self.stages.values():
             buf = st.compute_buffers[step % len(st.compute_buffers)]
-            out.update({n: view(buf, slot) for n, slot in zip(st.names, st.slots)})
+            out.update({n: view(buf, slot) for n, slot in zip(st.names, st.grad_slots()) if slot is not None})
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for st in self.stages.values()
-                for n, p in zip(st.names, st.master_params)}
+        return {n: p.detach().clone() for st in self.stages.values() for n, p in st.named_params()}
 
     def host_bytes(self) -> int:
         return sum(st.host_bytes() for st in self.stages.values())

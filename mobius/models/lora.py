@@ -1,0 +1,92 @@
+"""LoRA adapters on the linear projections of attention and MLP, with PEFT's conventions.
+
+``y = x W^T + b + (alpha / r) * (x A^T) B^T`` with ``A`` (r x in) drawn like ``nn.Linear``'s weight
+(Kaiming-uniform, a = sqrt(5)) and ``B`` (out x r) zero, so training starts from the base model.
+The base ``W`` and ``b`` are frozen; only ``A`` and ``B`` train.
+
+Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`` for Llama and
+OPT, gate|up in ``fc`` for SwiGLU): such a projection carries one adapter per Hugging Face module,
+each on its slice of the output, exactly as PEFT puts one on each module, so an exported adapter
+loads into PEFT unchanged.  Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mobius.models.config import GPTConfig
+
+TARGETS = ("qkv", "proj", "fc", "fc_out")  # every linear projection of attention and MLP
+# Adapters are initialised from a generator of their own per layer, so adding them changes no
+# base weight of a seeded preset.
+SEED_OFFSET = 2**40
+
+
+def parts(config: GPTConfig, module: str) -> list[int]:
+    """Output sizes of the Hugging Face modules fused in our ``module``."""
+    h, kv = config.hidden, config.head_dim * config.n_kv_heads
+    if module == "qkv" and config.hf_arch not in (None, "gpt2"):
+        return [h, kv, kv]  # q_proj, k_proj, v_proj
+    if module == "qkv":
+        return [h + 2 * kv]  # GPT-2's c_attn
+    if module == "fc" and config.mlp == "swiglu":
+        return [config.ffn, config.ffn]  # gate_proj, up_proj
+    if module == "fc":
+        return [config.ffn]
+    return [h]  # proj, fc_out
+
+
+class LoRALinear(nn.Linear):
+    """A frozen ``nn.Linear`` plus one low-rank adapter per part of its output."""
+
+    def add_adapters(self, sizes: list[int], rank: int, alpha: float) -> None:
+        assert sum(sizes) == self.out_features
+        self.scaling = alpha / rank
+        self.lora_A = nn.ParameterList([nn.Parameter(torch.empty(rank, self.in_features, device=self.weight.device))
+                                        for _ in sizes])
+        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(n, rank, device=self.weight.device)) for n in sizes])
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.requires_grad_(False)
+
+    def reset_adapters(self, generator: torch.Generator) -> None:
+        for a, b in zip(self.lora_A, self.lora_B):
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            nn.init.zeros_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        deltas = [F.linear(F.linear(x, a), b) for a, b in zip(self.lora_A, self.lora_B)]
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+        return y + delta * self.scaling
+
+
+def add_lora(block: nn.Module, config: GPTConfig, seed: int | None) -> None:
+    """Freeze every parameter of ``block`` and put adapters on its target projections,
+    initialised from ``seed`` (None: left uninitialised, e.g. on the meta device)."""
+    for p in block.parameters():
+        p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
+    for name in config.lora_targets.split(","):
+        lin = getattr(block, name)
+        lin.__class__ = LoRALinear
+        lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha)
+        if generator is not None:
+            with torch.no_grad():
+                lin.reset_adapters(generator)
+
+
+def freeze(layer: nn.Module) -> None:
+    """Embedding and head under LoRA: frozen, no adapters."""
+    for p in layer.parameters():
+        p.requires_grad_(False)
+
+
+def merged(weight: torch.Tensor, lin: LoRALinear) -> torch.Tensor:
+    """``W + scaling * B A`` (per part), as PEFT's ``merge_and_unload`` computes it."""
+    delta = torch.cat([b @ a for a, b in zip(lin.lora_A, lin.lora_B)], dim=0)
+    return weight + delta.to(weight.dtype) * lin.scaling
