@@ -36,6 +36,7 @@ class RunConfig:
     resume_with_changes: bool = False  # a resume may change lr, steps, precision, batch shape, data
     stop_after: int | None = None
     export: str | None = None
+    export_merged: str | None = None  # LoRA: a full Hugging Face model with the adapters merged
     gpu_mem_gb: float | None = None
     cpu_workers: int = 2
     recompute: str = "auto"  # auto | on | off
@@ -124,7 +125,10 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="allow --resume with settings that differ from the checkpoint's run (lr, steps, precision, ...)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this run after K steps with a checkpoint, as a signal would (--steps stays the total)")
-    p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory")
+    p.add_argument("--export", default=None, help="write the fine-tuned model here as a Hugging Face directory "
+                   "(under LoRA: a PEFT adapter directory)")
+    p.add_argument("--export-merged", default=None,
+                   help="LoRA: write the base model with the adapters merged here, as a Hugging Face directory")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
                         "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
@@ -188,6 +192,8 @@ def validate(cfg: RunConfig) -> None:
         raise InputError(f"--save-every must be zero or positive, got {cfg.save_every}")
     if cfg.save_every and not cfg.save:
         raise InputError("--save-every needs --save DIR")
+    if cfg.export_merged and not cfg.lora_rank:
+        raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
     if cfg.resume_with_changes and not cfg.resume:
         raise InputError("--resume-with-changes needs --resume DIR")
     if cfg.data is not None and not Path(cfg.data).exists():

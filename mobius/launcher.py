@@ -25,7 +25,8 @@ from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
-from mobius.models.hf import finalize_export, start_export
+from mobius.models.adapters import finish_export
+from mobius.models.hf import start_export
 from mobius.runtime.spec import RunSpec
 from mobius.spec import prepare_chunked, prepare_pipeline
 from mobius.signals import LauncherSignals
@@ -42,12 +43,13 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {plan.predicted_step_s:.2f} s/step")
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
-    if cfg.export:
-        payload["export_staging"] = str(start_export(cfg.export))
+    # Each worker writes its stages' tensors into the staging directory of each export.
+    wanted = [(out, out == cfg.export_merged) for out in (cfg.export, cfg.export_merged) if out]
+    payload["exports"] = [(str(start_export(out)), merged) for out, merged in wanted]
     results = run_workers(topo.n, pipeline_worker.worker_main, payload)
-    if cfg.export:
-        finalize_export(model_config, Path(payload["export_staging"]), cfg.export)
-        print(f"exported to {cfg.export}", flush=True)
+    for (out, merged), (staging, _) in zip(wanted, payload["exports"]):
+        finish_export(model_config, Path(staging), out, merged)
+        print(f"exported to {out}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     if return_weights:
         weights = {}

@@ -23,7 +23,8 @@ from mobius.errors import InputError, exits_cleanly
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
 from mobius.metrics import StepMetrics, is_metrics_file, is_trace_file, write_trace
 from mobius.models import GPTConfig
-from mobius.models.hf import check_export_target, finalize_export, start_export, write_shard
+from mobius.models.adapters import finish_export, layer_states, write_export_shard
+from mobius.models.hf import check_export_target, start_export
 from mobius.planner import check_host_memory_available
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
@@ -39,12 +40,18 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     them is an input or another output."""
     ownership.check_paths({"--data": cfg.data, "--model": model_config.checkpoint, "--resume": cfg.resume},
                           {"--metrics": (cfg.metrics, "file"), "--trace": (cfg.trace, "file"),
-                           "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir")})
+                           "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir"),
+                           "--export-merged": (cfg.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.metrics, is_metrics_file)
     ownership.check_output_file("--trace", cfg.trace, is_trace_file)
     ck.check_save_target(cfg)
-    if cfg.export:
-        check_export_target(model_config, cfg.export)
+    for option, out in exports(cfg):
+        check_export_target(model_config, out, option)
+
+
+def exports(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(option, directory) of each export the run writes."""
+    return [(o, d) for o, d in (("--export", cfg.export), ("--export-merged", cfg.export_merged)) if d]
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
@@ -83,15 +90,11 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop)
     if cfg.trace:
         write_trace(cfg.trace, trainer.trace.events)
-    if cfg.export:
-        staging = start_export(cfg.export)
-        layers: dict[int, dict] = {}
-        for name, p in trainer.master.items():  # every update applied, lagged or not
-            _, index, local = name.split(".", 2)
-            layers.setdefault(int(index), {})[local] = p
-        write_shard(model_config, staging, "all", layers)
-        finalize_export(model_config, staging, cfg.export)
-        print(f"exported to {cfg.export}", flush=True)
+    for _, out in exports(cfg):
+        staging = start_export(out)
+        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged=out == cfg.export_merged)
+        finish_export(model_config, staging, out, merged=out == cfg.export_merged)
+        print(f"exported to {out}", flush=True)
     return history
 
 
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if cfg.export or cfg.backend == "chunked":
+        if exports(cfg) or cfg.backend == "chunked":
             raise InputError("under torchrun only the pipeline backend runs, without --export; "
                              "start python -m mobius.train directly for the others")
         worker_main({"cfg": cfg.to_dict(), "spec": None, "header": "mobius: pipeline worker (torchrun)"},

@@ -384,12 +384,12 @@ def export_errors(out_dir: str | os.PathLike):
     return ownership.writing("the export", out_dir, "nothing was replaced")
 
 
-def check_export_target(config: GPTConfig, out_dir: str) -> None:
+def check_export_target(config: GPTConfig, out_dir: str, option: str = "--export") -> None:
     """Pre-flight: only Hugging Face directories export, and only into a new or empty directory or
     over an export of ours that holds nothing else (the model being read is an input: see
     :func:`mobius.ownership.check_paths`)."""
     if not config.checkpoint:
-        raise InputError("--export needs --model to be a Hugging Face directory (presets have nothing to export to)")
-    ownership.check_output_dir_parent("--export", out_dir)
+        raise InputError(f"{option} needs --model to be a Hugging Face directory (presets have nothing to export to)")
+    ownership.check_output_dir_parent(option, out_dir)
     for path in (Path(out_dir), staging_dir(out_dir), ownership.sibling(out_dir, "previous")):
-        ownership.check_removable(path, EXPORT_KIND, "--export")
+        ownership.check_removable(path, EXPORT_KIND, option)

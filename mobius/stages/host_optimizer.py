@@ -65,6 +65,8 @@ class HostOptimizer:
         """Stage ``s``'s backward of step ``step`` is done: its gradients leave on their own stream
         and the optimizer thread takes over once they are home."""
         host = self.store.stages[s]
+        if host.optimizer is None:  # nothing of this stage trains
+            return
         # Autograd accumulates in place into a gradient that obeys the parameter's layout; should
         # it have replaced one, its values go back into the flat buffer.
         for p, slot in zip(layers.parameters(), host.grad_slots()):
@@ -110,6 +112,8 @@ class HostOptimizer:
         reads."""
         t0 = time.perf_counter()
         host = self.store.stages[s]
+        if host.optimizer is None:
+            return self.host.record()
         if apply:
             if unscale is not None:
                 for p in host.master_params:

@@ -22,7 +22,7 @@ from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
-from mobius.models.hf import write_shard
+from mobius.models.adapters import layer_states, write_export_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
 from mobius.runtime.device import Device, open_device
@@ -112,8 +112,10 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
         gather_trace(trace, cfg.trace, rank, world)
     finally:
         parts.close()
-    if payload.get("export_staging"):
-        _write_export_shards(store, model_config, payload["export_staging"])
+    for staging, merged in payload.get("exports", []):
+        for s, host in store.stages.items():
+            write_export_shard(model_config, Path(staging), f"stage-{s:05d}", layer_states(dict(host.named_params())),
+                               merged)
     result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
               "budget_bytes": spec.budget_bytes[rank], "peak_bytes_max": max((m.peak_device_bytes for m in history), default=0)}
     if payload.get("return_weights"):
@@ -161,16 +163,6 @@ def _inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get("MOBIUS_FAULT")
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_export_shards(store: HostStageStore, config, staging: str) -> None:
-    """Each worker writes the Hugging Face tensors of its own stages; the launcher finishes the export."""
-    for s, host in store.stages.items():
-        layers: dict[int, dict] = {}
-        for name, p in host.named_params():
-            _, index, local = name.split(".", 2)
-            layers.setdefault(int(index), {})[local] = p
-        write_shard(config, Path(staging), f"stage-{s:05d}", layers)
 
 
 def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:

@@ -46,7 +46,7 @@ class HostStage:
     index: int
     layer_ids: list[int]
     master_layers: nn.ModuleList  # host layers: trained parameters view ``master``, frozen ones ``frozen``
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None when nothing in the stage trains (LoRA: embedding, head)
     frozen: torch.Tensor
     master: torch.Tensor
     master_grad: torch.Tensor
@@ -94,8 +94,8 @@ class HostStage:
         """Bytes this stage holds on the host (each distinct buffer once)."""
         bufs = {t.untyped_storage().data_ptr(): t for t in (self.frozen, self.master, self.master_grad,
                                                               *self.compute_buffers, self.grad_staging)}
-        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
-                    if torch.is_tensor(v))
+        states = self.optimizer.state.values() if self.optimizer else []
+        state = sum(v.numel() * v.element_size() for st in states for v in st.values() if torch.is_tensor(v))
         return sum(t.numel() * t.element_size() for t in bufs.values()) + state
 
 
@@ -143,7 +143,8 @@ class HostStageStore:
                     p.data = dst  # the only copy: a frozen weight lives in the compute dtype
             computes = [master] if same else [device.host_buffer(n_trained, compute_dtype) for _ in range(n_buffers)]
             grad_staging = master_grad if fp32 else device.host_buffer(n_trained, compute_dtype)
-            stage = HostStage(s, list(range(lo, hi)), layers, make_adamw(zip(names, params), lr), frozen, master,
+            optimizer = make_adamw(zip(names, params), lr) if n_trained else None
+            stage = HostStage(s, list(range(lo, hi)), layers, optimizer, frozen, master,
                               master_grad, computes, grad_staging, slots, names)
             self.stages[s] = stage
             for b in range(n_buffers):

@@ -1,0 +1,125 @@
+"""LoRA adapters out, in the ecosystem's formats.
+
+* ``--export DIR`` under LoRA: a PEFT adapter directory, ``adapter_config.json`` +
+  ``adapter_model.safetensors`` with PEFT's tensor names
+  (``base_model.model.<module path>.lora_A.weight``), which ``peft.PeftModel.from_pretrained(base,
+  DIR)`` loads onto the unchanged base model;
+* ``--export-merged DIR``: a full Hugging Face model with every adapter merged into its base weight
+  (``W + alpha/r * B A``, as PEFT's ``merge_and_unload``); every other tensor is the input's.
+
+Both are assembled in a staging directory of ours and renamed into place when complete, like
+every export (:mod:`mobius.models.hf`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mobius import ownership
+from mobius.models.config import GPTConfig
+from mobius.models.hf import EXPORT_KIND, _layer_map, export_errors, finalize_export, write_shard
+from mobius.models.lora import parts
+
+# Where each family's decoder sits inside its ``*ForCausalLM`` module tree (PEFT names modules by it).
+MODULE_ROOT = {"gpt2": "transformer.", "opt": "model.decoder."}  # Llama, Mistral, Qwen2: "model."
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def _module_paths(config: GPTConfig, index: int, module: str) -> list[str]:
+    """The Hugging Face module paths of our projection ``module`` in layer ``index`` (one per part)."""
+    root = MODULE_ROOT.get(config.hf_arch, "model.")
+    piece = next(p for p in _layer_map(config, index, root) if p.ours == f"{module}.weight")
+    return [name.removesuffix(".weight") for name in piece.names]
+
+
+def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PEFT-named adapter tensors (fp32) from {layer index: local-name state}."""
+    out = {}
+    for index, state in layers.items():
+        for module in config.lora_targets.split(","):
+            if f"{module}.lora_A.0" not in state:
+                continue
+            for part, path in enumerate(_module_paths(config, index, module)):
+                for ab in ("A", "B"):
+                    tensor = state[f"{module}.lora_{ab}.{part}"]
+                    out[f"base_model.model.{path}.lora_{ab}.weight"] = tensor.detach().float().contiguous().cpu()
+    return out
+
+
+def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The layers' weights with every adapter merged into its base weight (in fp32)."""
+    scaling = config.lora_alpha / config.lora_rank
+    out = {}
+    for index, state in layers.items():
+        merged = {k: v for k, v in state.items() if ".lora_" not in k}
+        for module in config.lora_targets.split(","):
+            if f"{module}.lora_A.0" not in state:
+                continue
+            n = len(parts(config, module))
+            delta = torch.cat([state[f"{module}.lora_B.{i}"].float() @ state[f"{module}.lora_A.{i}"].float()
+                               for i in range(n)], dim=0)
+            merged[f"{module}.weight"] = state[f"{module}.weight"].float() + delta * scaling
+        out[index] = merged
+    return out
+
+
+def adapter_config(config: GPTConfig) -> dict:
+    """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
+    targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets.split(",")
+                      for path in _module_paths(config, 1, module)})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config.checkpoint,
+            "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": targets, "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "use_rslora": False, "use_dora": False}
+
+
+def write_export_shard(config: GPTConfig, staging: Path, name: str, layers: dict[int, dict[str, torch.Tensor]],
+                       merged: bool) -> None:
+    """This process's part of an export: the model's Hugging Face tensors, or under LoRA its adapter
+    tensors (``merged``: the Hugging Face tensors with the adapters merged)."""
+    if not config.lora_rank:
+        write_shard(config, staging, name, layers)
+        return
+    if merged:
+        write_shard(config, staging, name, merged_layers(config, layers))
+        return
+    from safetensors.torch import save_file
+
+    tensors = adapter_tensors(config, layers)
+    if tensors:
+        with export_errors(staging):
+            save_file(tensors, str(staging / f"{name}.adapter.safetensors"), metadata={"format": "pt"})
+
+
+def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) -> None:
+    """Complete the export assembled in ``staging`` and rename it into place."""
+    if merged or not config.lora_rank:
+        finalize_export(config, staging, out_dir)
+        return
+    from safetensors.torch import load_file, save_file
+
+    with export_errors(out_dir):
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(staging.glob("*.adapter.safetensors")):
+            tensors.update(load_file(str(shard)))
+            shard.unlink()
+        expected = sum(2 * len(parts(config, m)) for m in config.lora_targets.split(",")) * config.n_layer
+        if len(tensors) != expected:
+            raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
+        save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+        (staging / "adapter_config.json").write_text(json.dumps(adapter_config(config), indent=2))
+        ownership.swap_into_place(staging, out_dir, EXPORT_KIND)
+
+
+def layer_states(named: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """{"layers.<i>.<local>": tensor} -> {i: {local: tensor}}."""
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in named.items():
+        _, index, local = name.split(".", 2)
+        layers.setdefault(int(index), {})[local] = t
+    return layers
+

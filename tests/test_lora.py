@@ -1,0 +1,167 @@
+"""LoRA against a peer: the same tiny GPT-2 and Llama fine-tuned with ``transformers`` + ``peft``
+(same data, same adapter initialisation, same AdamW and schedule, fp32) give our per-step losses on
+the single backend and on the pipeline; our exports load in PEFT and ``transformers``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from mobius import checkpoint as ck  # noqa: E402
+from mobius.config import RunConfig  # noqa: E402
+from mobius.models import build_model  # noqa: E402
+from mobius.models.adapters import adapter_tensors, layer_states  # noqa: E402
+from mobius.optim import BETAS, WEIGHT_DECAY, lr_at  # noqa: E402
+from mobius.reference import ReferenceTrainer  # noqa: E402
+from mobius.runtime.inputs import make_batches, model_config_for  # noqa: E402
+from mobius.train import main  # noqa: E402
+
+STEPS, M, MBS, SEQ, RANK = 4, 2, 2, 16, 4
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-hf")
+    torch.manual_seed(0)
+    T = transformers
+    models = {
+        "gpt2": T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+        "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                  intermediate_size=48)),
+    }
+    for name, m in models.items():
+        m.save_pretrained(root / name)
+    return {name: str(root / name) for name in models}
+
+
+def lora_cfg(path: str, **kw) -> RunConfig:
+    return RunConfig(model=path, steps=STEPS, micro_batches=M, micro_batch_size=MBS, seq_len=SEQ, lr=1e-2,
+                     precision="fp32", lora_rank=RANK, lora_alpha=8.0, progress=False, **kw)
+
+
+def initial_adapters(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    config = model_config_for(cfg)
+    model = build_model(config, seed=cfg.seed)
+    return adapter_tensors(config, layer_states(dict(model.named_parameters())))
+
+
+def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
+    from mobius.models.adapters import adapter_config
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    settings = adapter_config(model_config_for(cfg))
+    lora = peft.LoraConfig(r=settings["r"], lora_alpha=settings["lora_alpha"], lora_dropout=0.0,
+                           target_modules=settings["target_modules"], fan_in_fan_out=settings["fan_in_fan_out"],
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, lora)
+    result = peft.set_peft_model_state_dict(model, adapters)
+    assert not result.unexpected_keys
+    return model
+
+
+def peer_losses(path: str, cfg: RunConfig) -> list[float]:
+    """``transformers`` + ``peft``, trained as our reference trains: fused AdamW (weight decay on
+    matrices: every adapter), warm-up + cosine schedule, loss / M per micro-batch."""
+    model = peft_model(path, cfg, initial_adapters(cfg))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY, fused=True)
+    batches = make_batches(cfg, model_config_for(cfg))
+    losses = []
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.steps, cfg.lr)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in batches.step(step):
+            logits = model(mb.tokens).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb.targets.reshape(-1))
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / M)
+    return losses
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_single_and_pipeline_equal_peft(hf_dirs, arch):
+    from test_executor import run_in_threads
+
+    path = hf_dirs[arch]
+    cfg = lora_cfg(path)
+    want = peer_losses(path, cfg)
+    trainer = ReferenceTrainer(cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)),
+                               torch.device("cpu"))
+    single = [trainer.step(k).loss for k in range(STEPS)]
+    assert single == pytest.approx(want, rel=1e-5)
+    assert want[-1] < want[0]
+    for workers in (2, 4):
+        pipe = lora_cfg(path, topology="cpu", cpu_workers=workers, stages=4, recompute="on")
+        losses, weights = run_in_threads(pipe)
+        assert losses == pytest.approx(want, rel=1e-5), workers
+        base = dict(build_model(model_config_for(pipe), seed=pipe.seed).named_parameters())
+        for name, p in base.items():  # the base weights never moved
+            if not p.requires_grad:
+                assert torch.equal(weights[name], p.detach()), name
+
+
+def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
+    """A pipeline run (2 workers) exports the adapter and the merged model; PEFT's model with our
+    adapter, the merged model and ours give the same logits; untouched tensors are the input's."""
+    from safetensors.torch import load_file
+
+    path = hf_dirs["llama"]
+    adapter, merged, save = tmp_path / "adapter", tmp_path / "merged", tmp_path / "ck"
+    main(["--model", path, "--topology", "cpu", "--cpu-workers", "2", "--steps", "3", "--micro-batches", "2",
+          "--micro-batch-size", "2", "--seq-len", "16", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8", "--no-progress",
+          "--export", str(adapter), "--export-merged", str(merged), "--save", str(save)])
+    assert {f.name for f in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        a, b = with_adapter(tokens).logits, merged_model(tokens).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Ours, rebuilt from the checkpoint (adapters only) on the base weights.
+    ckpt = ck.load_checkpoint(save)
+    assert all(".lora_" in n for n in ckpt.names() if "/" not in n)
+    ours = build_model(model_config_for(lora_cfg(path)))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if p.requires_grad:
+                p.copy_(ckpt.get(name))
+        torch.testing.assert_close(ours.logits(tokens), a, rtol=1e-5, atol=1e-5)
+    before, after = load_file(os.path.join(path, "model.safetensors")), {}
+    for shard in merged.glob("*.safetensors"):  # one file per pipeline stage
+        after.update(load_file(str(shard)))
+    assert before.keys() == after.keys()
+    untouched = [k for k in before if not k.endswith(("_proj.weight",))]
+    assert untouched and all(torch.equal(before[k], after[k]) for k in untouched)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.endswith("q_proj.weight"))
+
+
+def test_lora_checkpoint_resumes_exactly(hf_dirs, tmp_path):
+    path, a, b = hf_dirs["gpt2"], tmp_path / "a", tmp_path / "b"
+    args = ["--model", path, "--backend", "single", "--steps", "6", "--micro-batches", "2", "--micro-batch-size", "2",
+            "--seq-len", "16", "--lora-rank", "4", "--no-progress"]
+    main(args + ["--stop-after", "3", "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
+    main(args + ["--resume", str(a), "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
+    main(args + ["--save", str(b), "--metrics", str(tmp_path / "b.jsonl")])
+    read = lambda f: [line for line in open(f)]  # noqa: E731
+    import json
+
+    la = [json.loads(x)["loss"] for x in read(tmp_path / "a.jsonl")]
+    lb = [json.loads(x)["loss"] for x in read(tmp_path / "b.jsonl")]
+    assert la == lb
+    ca, cb = ck.load_checkpoint(a), ck.load_checkpoint(b)
+    weights = [n for n in cb.names() if "/" not in n]
+    assert weights and all(".lora_" in n for n in weights)
+    assert all(torch.equal(ca.get(n), cb.get(n)) for n in weights)
