@@ -26,9 +26,22 @@ from mobius.runtime.spec import Plan, StagePlan
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
-# Host bytes per parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient, plus
-# for 16-bit compute the compute-dtype copy and the gradient staging buffer.
+# Host bytes per trained parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient,
+# plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
+# parameter (LoRA's base weights) is held once, in the compute dtype.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0) -> int:
+    """What the workers' stage stores hold on the host for this model (all stages together)."""
+    params = list(build_model(config, device="meta").parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    per_trained = HOST_BYTES_PER_PARAM[precision]
+    if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
+        per_trained += COMPUTE_BYTES[precision] * (2 if precision == "fp32" else 1)
+    return trained * per_trained + frozen * COMPUTE_BYTES[precision]
 
 
 def _hash(obj) -> str:
@@ -68,8 +81,7 @@ def _save_quietly(path: Path, data: dict) -> None:
 
 
 def check_host_memory(model_name: str, config: GPTConfig, topo: Topology, precision: str) -> None:
-    n = build_model(config, device="meta").num_parameters()
-    need = n * HOST_BYTES_PER_PARAM[precision]
+    need = host_bytes_needed(config, precision)
     if need > topo.host_memory_gb * GB:
         raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory for master weights, optimizer "
                          f"state and gradients, but {topo.name} has {topo.host_memory_gb:.1f} GB")
@@ -86,12 +98,12 @@ def available_host_memory() -> int | None:
     return None
 
 
-def check_host_memory_available(model_name: str, config: GPTConfig, precision: str) -> None:
+def check_host_memory_available(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int = 0) -> None:
     """Pre-flight on the machine itself: master weights, AdamW state and gradients must fit in RAM."""
     available = available_host_memory()
     if available is None:
         return
-    need = build_model(config, device="meta").num_parameters() * HOST_BYTES_PER_PARAM[precision]
+    need = host_bytes_needed(config, precision, optimizer_lag)
     if need > available:
         raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
                          f"gradients), but this machine has {available / GB:.1f} GB available")
@@ -148,7 +160,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     machine = machine_for(topo, mapping)
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     stage_plans = [StagePlan(j, (c.start, c.end), mapping.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
-                             c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd)
+                             c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
+                             c.grad_bytes)
                    for j, c in enumerate(est.stages)]
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,

@@ -47,7 +47,7 @@ def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
     plan = make(recompute=False)
     for gpu in set(plan.order):
         mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
-        kept = sum(st.mem_bwd_bytes - 2 * st.param_bytes for st in mine) * plan.micro_batches
+        kept = sum(st.mem_bwd_bytes - st.param_bytes - st.grad_bytes for st in mine) * plan.micro_batches
         if max(st.mem_bwd_bytes for st in mine) + kept > budgets[gpu]:
             return True
     return False

@@ -101,7 +101,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
     check_outputs(cfg, model_config)
-    check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32")
+    check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag)
     backend, topo = resolve_backend(cfg)
     if backend == "single":
         return train_single(cfg, model_config)

@@ -59,6 +59,7 @@ class StageCost:
     in_bytes: int
     mem_fwd: int
     mem_bwd: int
+    grad_bytes: int  # the trained parameters' gradients (under LoRA, the adapters')
 
 
 @dataclass
@@ -76,13 +77,14 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
     for j, (lo, hi) in enumerate(bounds):
         ls = profile.layers[lo:hi]
         s = sum(l.param_bytes for l in ls)
+        g = sum(l.trained_bytes for l in ls)
         a_in = profile.layers[lo - 1].out_bytes if lo > 0 else 0
         a_out = ls[-1].out_bytes
         fwd = sum(l.fwd_s for l in ls)
         bwd = sum(l.bwd_s for l in ls) + (fwd if recompute else 0.0)
         mem_f = s + max(l.fwd_work_bytes for l in ls) + 2 * a_in
-        mem_b = 2 * s + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
-        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b))
+        mem_b = s + g + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
+        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g))
     return out
 
 

@@ -90,6 +90,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     length = [hi - lo for lo, hi in runs]
     first = [profile.layers[lo] for lo, _ in runs]
     p = [x.param_bytes / GB for x in first]
+    g = [x.trained_bytes / GB for x in first]  # gradients (under LoRA, the adapters' only)
     f = [x.fwd_s for x in first]
     b = [x.bwd_s + (x.fwd_s if recompute else 0.0) for x in first]
     out = [x.out_bytes / GB for x in first]
@@ -128,7 +129,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         return act[j - 1] if j else 0
 
     Wf = [S[j] + w[j] + 2 * act_in(j) for j in range(K)]
-    Wb = [2 * S[j] + pulp.lpSum(bw_work[r] * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j]
+    Wb = [S[j] + pulp.lpSum((g[r] + bw_work[r]) * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j]
           for j in range(K)]
 
     # ---- partition structure ----

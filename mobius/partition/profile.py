@@ -42,6 +42,11 @@ class LayerProfile:
     out_bytes: int  # boundary activation of one micro-batch (what goes to the next stage)
     fwd_work_bytes: int  # extra device memory while running forward without autograd
     bwd_work_bytes: int  # activations autograd keeps for one micro-batch (forward with grad)
+    grad_bytes: int | None = None  # gradients in the compute dtype: the trained parameters (None: all)
+
+    @property
+    def trained_bytes(self) -> int:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
 
 @dataclass
@@ -93,7 +98,7 @@ class Profile:
 
 
 def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:
-    keys = ("kind", "fwd_s", "bwd_s", "param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes")
+    keys = ("kind", "fwd_s", "bwd_s", "param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -111,13 +116,22 @@ def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_l
         classes.setdefault(sig, len(classes))
         fwd = layer.forward_flops(micro_batch, seq_len) / (tflops * 1e12 * ANALYTIC_MFU)
         out = 0 if layer.kind == "head" else layer.output_bytes(micro_batch, seq_len, dtype)
+        # Backward: the input's gradient (as much work as forward) plus the weights' (as much
+        # again); frozen weights (LoRA's base) need only the former, a frozen embedding neither.
+        trains = any(p.requires_grad for p in layer.parameters())
+        bwd = (0.0 if i == 0 else fwd) + (fwd if trains and not config.lora_rank else 0.0)
         layers.append(LayerProfile(
-            name=f"layers.{i}", kind=layer.kind, similarity_class=classes[sig], fwd_s=fwd, bwd_s=2 * fwd,
+            name=f"layers.{i}", kind=layer.kind, similarity_class=classes[sig], fwd_s=fwd, bwd_s=bwd,
             param_bytes=layer.param_bytes(dtype), out_bytes=out,
             fwd_work_bytes=2 * out if layer.kind != "head" else layer.working_bytes(micro_batch, seq_len, dtype),
-            bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype)))
+            bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype), grad_bytes=trained_bytes(layer, dtype)))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"analytic:{tflops:g}TFLOPS", layers=layers, distinct_measured=0)
+
+
+def trained_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the layer's gradients: its trained parameters (under LoRA, the adapters only)."""
+    return sum(p.numel() for p in layer.parameters() if p.requires_grad) * dtype_bytes(dtype)
 
 
 class _SavedBytes:
@@ -215,4 +229,5 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
     return LayerProfile(name=f"layers.{index}", kind=layer.kind, similarity_class=similarity_class,
                         fwd_s=fwd_s, bwd_s=max(fwd_bwd_s - fwd_s, 0.0),
                         param_bytes=layer.param_bytes(dtype), out_bytes=out_bytes,
-                        fwd_work_bytes=int(fwd_work), bwd_work_bytes=int(bwd_work))
+                        fwd_work_bytes=int(fwd_work), bwd_work_bytes=int(bwd_work),
+                        grad_bytes=trained_bytes(layer, dtype))

@@ -19,6 +19,7 @@ class StagePlan:
     prefetch_bwd_bytes: float
     mem_fwd_bytes: int
     mem_bwd_bytes: int
+    grad_bytes: int = 0  # the trained parameters' gradients (under LoRA, the adapters')
 
 
 @dataclass

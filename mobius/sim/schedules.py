@@ -118,8 +118,8 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                 grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", H2D, gpu[j - 1], st[j].in_bytes, (out,),
                                               prio + 1)
         # Gradient offload yields to activations, which are on the critical path.
-        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].param_bytes, (B[j][M - 1],), 3 * S + prio)
-        sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].param_bytes / elt / adam_params_per_s, (off,))
+        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), 3 * S + prio)
+        sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
     return SimOutcome("mobius", (r := sim.run()).step_s, result=r)
 
 

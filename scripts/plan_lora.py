@@ -1,0 +1,82 @@
+"""Plans for a 70B Llama-family model on the commodity presets: full fine-tuning against LoRA, from
+``config.json`` alone (analytic profile, bf16, as ``python -m mobius.plan --lora-rank R`` plans).
+
+For each topology and mode: the host memory the stage stores need (``mobius.planner.
+host_bytes_needed``) against what the preset states, and, when it fits, the plan's stages and
+predicted step time.  Everything here is a planner prediction, not a measurement.
+
+    python scripts/plan_lora.py [--rank 16] [--seq-len 4096] [--micro-batches 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mobius.backend import resolve_topology  # noqa: E402
+from mobius.config import RunConfig  # noqa: E402
+from mobius.errors import InputError  # noqa: E402
+from mobius.models import build_model  # noqa: E402
+from mobius.planner import GB, host_bytes_needed  # noqa: E402
+from mobius.runtime.inputs import model_config_for  # noqa: E402
+from mobius.spec import run_plan  # noqa: E402
+
+LLAMA_70B = {  # Llama-3.1-70B's published config.json
+    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "hidden_act": "silu"}
+TOPOLOGIES = ["8x3090-4+4", "4x4090"]
+
+
+def row(model_dir: str, topology: str, rank: int, args) -> dict:
+    cfg = RunConfig(model=model_dir, topology=topology, micro_batch_size=1, micro_batches=args.micro_batches,
+                    seq_len=args.seq_len, lora_rank=rank, precision="bf16")
+    config = model_config_for(cfg)
+    topo = resolve_topology(cfg)
+    params = list(build_model(config, device="meta").parameters())
+    out = {"topology": topology, "mode": f"LoRA r={rank}" if rank else "full",
+           "trained_params": sum(p.numel() for p in params if p.requires_grad),
+           "host_gb_needed": host_bytes_needed(config, "bf16") / GB, "host_gb_preset": topo.host_memory_gb}
+    try:
+        plan = run_plan(cfg, config, topo, "bf16", profile_how="analytic", time_limit_s=8.0, use_cache=False)
+    except InputError as err:
+        return {**out, "plan": None, "why": str(err)}
+    return {**out, "plan": {"stages": len(plan.bounds), "recompute": plan.recompute, "partitioner": plan.partitioner,
+                            "predicted_step_s": plan.predicted_step_s,
+                            "tokens_per_s": args.micro_batches * args.seq_len / plan.predicted_step_s}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--json", default="plan_lora.json")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mobius-70b-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_70B))
+        rows = [row(tmp, t, r, args) for t in TOPOLOGIES for r in (0, args.rank)]
+    print(f"Llama-3.1-70B (config.json only), bf16, {args.micro_batches} micro-batches of 1x{args.seq_len}; "
+          "planner predictions")
+    print(f"{'topology':>11} {'mode':>10} {'trained':>9} {'host GB need/have':>18} {'stages':>6} "
+          f"{'predicted s/step':>16} {'tokens/s':>9}")
+    for r in rows:
+        need = f"{r['host_gb_needed']:.0f}/{r['host_gb_preset']:.0f}"
+        if r["plan"]:
+            pl = r["plan"]
+            tail = f"{pl['stages']:>6} {pl['predicted_step_s']:>16.1f} {pl['tokens_per_s']:>9.0f}"
+        else:
+            tail = f"  refused: {r['why'][:70]}"
+        print(f"{r['topology']:>11} {r['mode']:>10} {r['trained_params'] / 1e6:>8.1f}M {need:>18} {tail}")
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
