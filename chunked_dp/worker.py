@@ -55,6 +55,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
                            setup["device_chunks"], DTYPES[spec.precision], cfg.seed, cfg.lr, cfg.steps, trace,
                            prefetch=cfg.chunk_prefetch)
     batches = make_batches(cfg, model_config)
+    device.start_steps()
     stop = install_stop(payload)
     start = 0
     if cfg.resume:

@@ -4,7 +4,8 @@ sampled every 0.2 s, per parameter of the model.
 The number reported is the median of the samples taken while steps run (after the first step's
 metrics line appears), divided by the model's parameter count; the peak is printed too.  It
 includes everything a process holds: the stage stores, torch's own runtime (a few hundred MB per
-process), activations and the data.
+process), activations and the data, and on CPU workers their stand-in "device" memory (reported
+apart, from the run's peak_device_bytes).
 
     python scripts/measure_host_memory.py [--json FILE] -- <mobius.train options>
 """
@@ -24,8 +25,9 @@ from pathlib import Path
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def tree_rss(root: int) -> int:
-    """Bytes resident in ``root`` and every descendant process."""
+def tree_rss(root: int) -> tuple[int, int]:
+    """Bytes resident in ``root`` and every descendant process, and in the descendants alone (the
+    workers)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -34,15 +36,17 @@ def tree_rss(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [root]
+    total, workers, todo = 0, 0, [root]
     while todo:
         pid = todo.pop()
         try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+            rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
         except (OSError, IndexError, ValueError):
-            pass
+            rss = 0
+        total += rss
+        workers += rss if pid != root else 0
         todo += children.get(pid, [])
-    return total
+    return total, workers
 
 
 def main() -> None:
@@ -60,21 +64,31 @@ def main() -> None:
         metrics = Path(tmp) / "m.jsonl"
         proc = subprocess.Popen([sys.executable, "-m", "mobius.train", *args.train, "--metrics", str(metrics),
                                  "--no-progress"], stdout=subprocess.DEVNULL)
-        during, peak = [], 0
+        during, during_workers, peak = [], [], 0
         while proc.poll() is None:
-            rss = tree_rss(proc.pid)
+            rss, workers = tree_rss(proc.pid)
             peak = max(peak, rss)
             if metrics.is_file() and metrics.stat().st_size:
                 during.append(rss)
+                during_workers.append(workers)
             time.sleep(0.2)
         if proc.returncode:
             raise SystemExit(f"the run failed (exit {proc.returncode})")
+        device_peak = max(json.loads(line)["peak_device_bytes"] for line in metrics.read_text().splitlines())
     median = statistics.median(during) if during else float("nan")
+    median_workers = statistics.median(during_workers) if during_workers else float("nan")
     print(f"{' '.join(args.train)}: {n_params / 1e6:.1f}M parameters")
-    print(f"RSS while training (median of {len(during)} samples): {median / 1e9:.2f} GB = "
-          f"{median / n_params:.2f} bytes/parameter; peak {peak / 1e9:.2f} GB = {peak / n_params:.2f} bytes/parameter")
+    print(f"RSS while training (median of {len(during)} samples): workers {median_workers / 1e9:.2f} GB = "
+          f"{median_workers / n_params:.2f} bytes/parameter; with the launching process {median / 1e9:.2f} GB = "
+          f"{median / n_params:.2f} bytes/parameter; peak of all {peak / 1e9:.2f} GB")
+    # CPU workers stand in for GPUs: their "device" memory is host memory and sits in their RSS.
+    workers = cfg.cpu_workers
+    host_side = median_workers - workers * device_peak
+    print(f"of which device memory of the {workers} CPU workers: at most {workers} x {device_peak / 1e9:.2f} GB; "
+          f"host side at least {host_side / 1e9:.2f} GB = {host_side / n_params:.2f} bytes/parameter")
     Path(args.json).write_text(json.dumps({"options": args.train, "parameters": n_params, "rss_median_bytes": median,
-                                           "rss_peak_bytes": peak, "samples": len(during)}, indent=1))
+                                           "rss_workers_median_bytes": median_workers, "rss_peak_bytes": peak, "device_peak_bytes_per_worker": device_peak,
+                                           "samples": len(during)}, indent=1))
 
 
 if __name__ == "__main__":

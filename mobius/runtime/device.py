@@ -261,6 +261,9 @@ class Device:
     def close(self) -> None:
         pass
 
+    def start_steps(self) -> None:
+        """The long-lived host state is built; what follows is the steps' allocate-and-free cycle."""
+
     # memory statistics of the device (CUDA) or nothing (CPU: the runtime accounts its budget)
     def reset_peak_memory(self) -> None:
         pass
@@ -381,10 +384,14 @@ class CpuDevice(Device):
         if jitter_ms is None:
             jitter_ms = float(os.environ.get(JITTER_ENV, "0") or 0)
         super().__init__(torch.device("cpu"), check)
-        keep_freed_host_memory()
         self._jitter_s = jitter_ms / 1e3
         self.compute = _InlineStream(self, "compute")
         self._streams: list[_ThreadStream] = []
+
+    def start_steps(self) -> None:
+        # Only now: while the stage store is built, the fp32 layers it copies from must go back
+        # to the kernel, not stay in the heap.
+        keep_freed_host_memory()
 
     def new_stream(self, name: str) -> Stream:
         stream = _ThreadStream(self, name, self._jitter_s)

@@ -76,6 +76,7 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     if not spec.cuda:  # CPU workers share the cores
         share_cpu_cores(world)
     parts = build_worker(cfg, spec, GlooTransport(), device, trace)
+    device.start_steps()
     store, memory, traffic, scaler, runner = parts.store, parts.memory, parts.traffic, parts.scaler, parts.runner
     model_config = store.config
     def one_step(step: int) -> StepMetrics:

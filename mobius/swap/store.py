@@ -103,6 +103,20 @@ def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
+def _fill(meta: nn.Module, built: nn.Module, homes: list[torch.Tensor], at: int) -> int:
+    """Copy the weights of ``built`` into their homes in the flat buffers (``homes[at:]``, in
+    parameter order) and make ``meta``'s parameters views of them; returns the next index."""
+    sources = iter(built.parameters())  # same order: the same layer, built on the CPU
+    with torch.no_grad():
+        for module in meta.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    homes[at].copy_(next(sources))
+                    module._parameters[name] = nn.Parameter(homes[at], requires_grad=p.requires_grad)
+                    at += 1
+    return at
+
+
 class HostStageStore:
     def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, lr: float,
                  compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0):
@@ -114,7 +128,9 @@ class HostStageStore:
         same = compute_dtype == torch.float32 and n_buffers == 1
         for s in stages:
             lo, hi = bounds[s]
-            layers = nn.ModuleList([build_layer(config, i, seed) for i in range(lo, hi)])
+            # The stage's shape from meta layers; the weights are then built one layer at a time
+            # and copied into the flat buffers, so building never holds more than one fp32 layer.
+            layers = nn.ModuleList([build_layer(config, i, seed, device="meta") for i in range(lo, hi)])
             names = [f"layers.{lo + k}.{n}" for k, layer in enumerate(layers) for n, _ in layer.named_parameters()]
             params = list(layers.parameters())
             n_frozen = sum(p.numel() for p in params if not p.requires_grad)
@@ -133,14 +149,12 @@ class HostStageStore:
             frozen = device.host_buffer(n_frozen, compute_dtype) if n_frozen else torch.empty(0, dtype=compute_dtype)
             master = device.host_buffer(n_trained, torch.float32) if same else torch.empty(n_trained)
             master_grad = device.host_buffer(n_trained, torch.float32) if fp32 else torch.zeros(n_trained)
-            with torch.no_grad():
-                for p, slot in zip(params, slots):
-                    if slot.trained:
-                        dst = view(master, Slot(slot.offset - n_frozen, slot.numel, slot.shape))
-                    else:
-                        dst = view(frozen, slot)
-                    dst.copy_(p)
-                    p.data = dst  # the only copy: a frozen weight lives in the compute dtype
+            homes = [view(master, Slot(sl.offset - n_frozen, sl.numel, sl.shape)) if sl.trained else view(frozen, sl)
+                     for sl in slots]
+            at = 0
+            for k, layer in enumerate(layers):
+                at = _fill(layer, build_layer(config, lo + k, seed), homes, at)
+            params = list(layers.parameters())
             computes = [master] if same else [device.host_buffer(n_trained, compute_dtype) for _ in range(n_buffers)]
             grad_staging = master_grad if fp32 else device.host_buffer(n_trained, compute_dtype)
             optimizer = make_adamw(zip(names, params), lr) if n_trained else None
