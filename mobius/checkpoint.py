@@ -7,7 +7,9 @@ A checkpoint is a directory:
   ``(seed, step)``), the fp16 loss scaler, and the SHA-256 of every other file;
 * safetensors files of fp32 master weights (under LoRA only the adapters: the base weights are
   the model's own and never change), AdamW state (``exp_avg/<name>``, ``exp_avg_sq/<name>``,
-  ``step/<name>``) and RNG states, named by parameter (``layers.<i>.<param>``).  One backend writes
+  ``step/<name>``) and RNG states, named by parameter (``layers.<i>.<param>``); with
+  ``--optimizer-lag 1`` also the weights the next step computes with (``lagged/<name>``, one
+  update behind the master weights).  One backend writes
   one file per kind, and the pipeline one file per stage.  A reader reassembles them by name, so a
   checkpoint from any backend or topology resumes on any other.
 
