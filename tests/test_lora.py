@@ -28,18 +28,9 @@ STEPS, M, MBS, SEQ, RANK = 4, 2, 2, 16, 4
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-hf")
-    torch.manual_seed(0)
-    T = transformers
-    models = {
-        "gpt2": T.GPT2LMHeadModel(T.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
-        "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
-                                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                                  intermediate_size=48)),
-    }
-    for name, m in models.items():
-        m.save_pretrained(root / name)
-    return {name: str(root / name) for name in models}
+    from test_hf import make_dirs  # the tiny GPT-2, OPT and Llama directories
+
+    return make_dirs(tmp_path_factory.mktemp("lora-hf"))
 
 
 def lora_cfg(path: str, **kw) -> RunConfig:
