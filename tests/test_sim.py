@@ -43,6 +43,21 @@ def test_hand_computed_mobius_schedule_2_gpus_4_stages_2_micro_batches():
     assert out.result.total_bytes() == pytest.approx(10e9)
 
 
+def test_optimizer_lag_takes_adamw_off_the_step():
+    """3 s of AdamW per stage: without the lag the last stage's update (S0, gradients home at 17 s)
+    ends the step at 20 s; with it the step ends at 17 s, since each worker's optimizer thread
+    needs 2 x 3 s, less than a step."""
+    prof = unit_profile()
+    params_per_s = 10**9 / 4 / 3.0  # 1 GB of fp32 weights per stage in 3 s
+    kw = dict(micro_batches=2, recompute=False, adam_params_per_s=params_per_s)
+    plain = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], **kw)
+    lagged = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], optimizer_lag=1, **kw)
+    assert plain.step_s == pytest.approx(20.0) and lagged.step_s == pytest.approx(17.0)
+    slow = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], optimizer_lag=1,
+                           micro_batches=2, recompute=False, adam_params_per_s=params_per_s / 4)
+    assert slow.step_s == pytest.approx(24.0)  # 2 stages x 12 s of AdamW per worker: the optimizer bounds the step
+
+
 def test_two_transfers_on_one_root_complex_share_it_equally():
     sim = Simulator(Link(gpu_bw={0: 10.0, 1: 10.0}, rc_of={0: 0, 1: 0}, rc_bw={0: 10.0}))
     a = sim.add("a", H2D, 0, 10.0)

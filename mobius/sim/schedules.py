@@ -49,7 +49,10 @@ class SimOutcome:
 
 def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
                     recompute: bool = True, adam_params_per_s: float = DEFAULT_ADAM_PARAMS_PER_S,
-                    memory_bytes: list[int] | None = None) -> SimOutcome:
+                    memory_bytes: list[int] | None = None, optimizer_lag: int = 0) -> SimOutcome:
+    """One step of the Mobius pipeline.  With ``optimizer_lag`` the CPU updates of a step run on
+    while the next step computes: the step ends when its device work and gradient offloads do,
+    unless a worker's optimizer thread needs longer than that for its stages' updates."""
     n, M, S = len(order), micro_batches, len(bounds)
     st = stage_costs(profile, bounds, recompute)
     gpu = [order[j % n] for j in range(S)]
@@ -120,7 +123,15 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         # Gradient offload yields to activations, which are on the critical path.
         off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), 3 * S + prio)
         sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
-    return SimOutcome("mobius", (r := sim.run()).step_s, result=r)
+    r = sim.run()
+    if not optimizer_lag:
+        return SimOutcome("mobius", r.step_s, result=r)
+    device_end = max((t.end for t in r.tasks if t.kind != CPU), default=0.0)
+    optimizer_busy: dict[int, float] = {}
+    for t in r.tasks:
+        if t.kind == CPU:
+            optimizer_busy[t.gpu] = optimizer_busy.get(t.gpu, 0.0) + t.work
+    return SimOutcome("mobius", max(device_end, *optimizer_busy.values(), 0.0), result=r)
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:
