@@ -5,7 +5,9 @@ The number reported is the median of the samples taken while steps run (after th
 metrics line appears), divided by the model's parameter count; the peak is printed too.  It
 includes everything a process holds: the stage stores, torch's own runtime (a few hundred MB per
 process), activations and the data, and on CPU workers their stand-in "device" memory (reported
-apart, from the run's peak_device_bytes).
+apart, from the run's peak_device_bytes).  The workers run with ``MOBIUS_KEEP_FREED_MEMORY=0``:
+their policy of keeping freed memory in the heap (which mimics the CUDA caching allocator) would
+otherwise keep freed stand-in device slabs in the RSS.
 
     python scripts/measure_host_memory.py [--json FILE] -- <mobius.train options>
 """
@@ -62,8 +64,12 @@ def main() -> None:
     n_params = build_model(model_config_for(cfg), device="meta").num_parameters()
     with tempfile.TemporaryDirectory(prefix="mobius-mem-") as tmp:
         metrics = Path(tmp) / "m.jsonl"
+        # CPU workers keep freed memory in their heap, as the CUDA caching allocator keeps device
+        # memory; here their stand-in device slabs would stay in the RSS after being freed, so
+        # the policy is off and only the device memory in use is in the RSS.
+        env = {**os.environ, "MOBIUS_KEEP_FREED_MEMORY": "0"}
         proc = subprocess.Popen([sys.executable, "-m", "mobius.train", *args.train, "--metrics", str(metrics),
-                                 "--no-progress"], stdout=subprocess.DEVNULL)
+                                 "--no-progress"], stdout=subprocess.DEVNULL, env=env)
         during, during_workers, peak = [], [], 0
         while proc.poll() is None:
             rss, workers = tree_rss(proc.pid)

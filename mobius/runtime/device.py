@@ -38,6 +38,7 @@ import torch
 
 CHECK_ENV = "MOBIUS_CHECK_STREAMS"
 JITTER_ENV = "MOBIUS_STREAM_JITTER_MS"
+KEEP_FREED_ENV = "MOBIUS_KEEP_FREED_MEMORY"
 COPY_CHUNK_BYTES = 64 * 2**20  # host<->device copies of flat buffers go in pieces of this size
 
 
@@ -390,8 +391,10 @@ class CpuDevice(Device):
 
     def start_steps(self) -> None:
         # Only now: while the stage store is built, the fp32 layers it copies from must go back
-        # to the kernel, not stay in the heap.
-        keep_freed_host_memory()
+        # to the kernel, not stay in the heap.  MOBIUS_KEEP_FREED_MEMORY=0 turns the policy off
+        # (scripts/measure_host_memory.py: the stand-in device's freed slabs then leave the RSS).
+        if os.environ.get(KEEP_FREED_ENV, "1") != "0":
+            keep_freed_host_memory()
 
     def new_stream(self, name: str) -> Stream:
         stream = _ThreadStream(self, name, self._jitter_s)
