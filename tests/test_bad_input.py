@@ -62,6 +62,18 @@ TRAIN_OPTIONS = [
     (["--backend", "pipeline", "--topology", "cpu", "--cpu-workers", "3", "--stages", "2"],
      "--stages 2 is fewer than the 3 CPU workers"),
     (["--backend", "chunked", "--topology", "cpu", "--cpu-workers", "3"], "not divisible by the 3 data-parallel"),
+    (["--lora-rank", "-1"], "--lora-rank must be zero or positive, got -1"),
+    (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R"),
+    (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive finite number, got nan"),
+    (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1: only 0 is built"),
+    (["--lora-rank", "4", "--lora-targets", "qkv,mlp"], "--lora-targets 'qkv,mlp': give distinct names among"),
+    (["--lora-rank", "4", "--lora-targets", "qkv,qkv"], "--lora-targets 'qkv,qkv': give distinct names among"),
+    (["--export-merged", "/tmp/x-merged"], "--export-merged needs --lora-rank R"),
+    (["--lora-rank", "4", "--export-merged", "/tmp/x-merged"], "--export-merged needs --model to be a Hugging Face"),
+    (["--optimizer-lag", "2"], "invalid choice: 2"),
+    (["--backend", "chunked", "--topology", "cpu", "--lora-rank", "4"], "--lora-rank is built for --backend pipeline"),
+    (["--backend", "chunked", "--topology", "cpu", "--optimizer-lag", "1"],
+     "--optimizer-lag is built for --backend pipeline"),
 ]
 
 
