@@ -15,6 +15,10 @@ BACKENDS = ("auto", "pipeline", "chunked", "single")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+# The projections LoRA can adapt (mobius.models.lora): q|k|v, attention output, MLP in, MLP out.
+LORA_TARGETS = ("qkv", "proj", "fc", "fc_out")
+
+
 @dataclass
 class RunConfig:
     topology: str = "auto"
@@ -45,7 +49,7 @@ class RunConfig:
     lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_dropout: float = 0.0
-    lora_targets: str = "qkv,proj,fc,fc_out"
+    lora_targets: str = ",".join(LORA_TARGETS)
     optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
     chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
     rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
@@ -158,8 +162,6 @@ def validate_shared(cfg: RunConfig) -> None:
 
 
 def _validate_lora(cfg: RunConfig) -> None:
-    from mobius.models.lora import TARGETS
-
     if cfg.lora_rank < 0:
         raise InputError(f"--lora-rank must be zero or positive, got {cfg.lora_rank}")
     d = RunConfig()
@@ -174,9 +176,9 @@ def _validate_lora(cfg: RunConfig) -> None:
         raise InputError(f"--lora-dropout {cfg.lora_dropout}: only 0 is built (the equivalence of backends "
                          "is checked without dropout)")
     targets = cfg.lora_targets.split(",")
-    unknown = [t for t in targets if t not in TARGETS]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or len(set(targets)) != len(targets):
-        raise InputError(f"--lora-targets {cfg.lora_targets!r}: give distinct names among {', '.join(TARGETS)}")
+        raise InputError(f"--lora-targets {cfg.lora_targets!r}: give distinct names among {', '.join(LORA_TARGETS)}")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -20,7 +20,6 @@ from torch import nn
 
 from mobius.models.config import GPTConfig
 
-TARGETS = ("qkv", "proj", "fc", "fc_out")  # every linear projection of attention and MLP
 # Adapters are initialised from a generator of their own per layer, so adding them changes no
 # base weight of a seeded preset.
 SEED_OFFSET = 2**40
