@@ -57,6 +57,11 @@ class RunConfig:
     chunk_prefetch: bool = True  # chunked backend: gather the next layer's chunks while this one computes
     progress: bool = True
 
+    def exports(self) -> list[tuple[str, str, bool]]:
+        """(option, directory, merged) of each export the run writes."""
+        return [(o, d, merged) for o, d, merged in (("--export", self.export, False),
+                                                     ("--export-merged", self.export_merged, True)) if d]
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -44,10 +44,10 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"predicted {plan.predicted_step_s:.2f} s/step")
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
     # Each worker writes its stages' tensors into the staging directory of each export.
-    wanted = [(out, out == cfg.export_merged) for out in (cfg.export, cfg.export_merged) if out]
-    payload["exports"] = [(str(start_export(out)), merged) for out, merged in wanted]
+    wanted = cfg.exports()
+    payload["exports"] = [(str(start_export(out)), merged) for _, out, merged in wanted]
     results = run_workers(topo.n, pipeline_worker.worker_main, payload)
-    for (out, merged), (staging, _) in zip(wanted, payload["exports"]):
+    for (_, out, merged), (staging, _) in zip(wanted, payload["exports"]):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]

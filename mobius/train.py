@@ -45,13 +45,8 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     ownership.check_output_file("--metrics", cfg.metrics, is_metrics_file)
     ownership.check_output_file("--trace", cfg.trace, is_trace_file)
     ck.check_save_target(cfg)
-    for option, out in exports(cfg):
+    for option, out, _ in cfg.exports():
         check_export_target(model_config, out, option)
-
-
-def exports(cfg: RunConfig) -> list[tuple[str, str]]:
-    """(option, directory) of each export the run writes."""
-    return [(o, d) for o, d in (("--export", cfg.export), ("--export-merged", cfg.export_merged)) if d]
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
@@ -90,10 +85,10 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop)
     if cfg.trace:
         write_trace(cfg.trace, trainer.trace.events)
-    for _, out in exports(cfg):
+    for _, out, merged in cfg.exports():
         staging = start_export(out)
-        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged=out == cfg.export_merged)
-        finish_export(model_config, staging, out, merged=out == cfg.export_merged)
+        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
+        finish_export(model_config, staging, out, merged)
         print(f"exported to {out}", flush=True)
     return history
 
@@ -115,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if exports(cfg) or cfg.backend == "chunked":
+        if cfg.exports() or cfg.backend == "chunked":
             raise InputError("under torchrun only the pipeline backend runs, without --export; "
                              "start python -m mobius.train directly for the others")
         worker_main({"cfg": cfg.to_dict(), "spec": None, "header": "mobius: pipeline worker (torchrun)"},

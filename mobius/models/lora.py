@@ -84,8 +84,3 @@ def freeze(layer: nn.Module) -> None:
     for p in layer.parameters():
         p.requires_grad_(False)
 
-
-def merged(weight: torch.Tensor, lin: LoRALinear) -> torch.Tensor:
-    """``W + scaling * B A`` (per part), as PEFT's ``merge_and_unload`` computes it."""
-    delta = torch.cat([b @ a for a, b in zip(lin.lora_A, lin.lora_B)], dim=0)
-    return weight + delta.to(weight.dtype) * lin.scaling

@@ -180,12 +180,12 @@ def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, mode
     if rank == 0:
         ck.begin_save(cfg.save)
     dist.barrier()
+    lagged = store.lagged_state(done) if store.lag else {}
     for s, host in store.stages.items():
         named = _stage_state(store, s)
         ck.write_tensors(staging, f"weights-stage{s:04d}.safetensors", named)
         ck.write_tensors(staging, f"optimizer-stage{s:04d}.safetensors", ck.optimizer_tensors(named, host.optimizer))
         if store.lag:
-            lagged = store.lagged_state(done)
             ck.write_tensors(staging, f"lagged-stage{s:04d}.safetensors", {ck.LAGGED + n: lagged[n] for n in named})
     if rank == 0:
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
