@@ -46,6 +46,9 @@ class RunConfig:
     recompute: str = "auto"  # auto | on | off
     partitioner: str = "mip"
     stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
+    mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
+    prefetch: bool = True  # load the next stage while the current one computes
+    emulate: bool = False  # CPU workers stand for the topology's GPUs with emulated links and dilated time
     lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_dropout: float = 0.0
@@ -109,6 +112,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    default=d.partitioner)
     p.add_argument("--stages", type=int, default=None,
                    help="force this many stages (uniform split) instead of the partitioner's choice")
+    p.add_argument("--mapping", choices=("cross", "sequential"), default=d.mapping,
+                   help="place adjacent stages under different root complexes (cross, Mobius §3.3) or GPUs in order")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="load each stage only when the previous one is released (to see what prefetching gains)")
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -120,6 +127,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend,
                    help="auto: chunked on NVLink topologies, else pipeline; single: plain PyTorch reference")
+    p.add_argument("--emulate", action="store_true",
+                   help="rehearse --topology's GPUs on CPU workers: emulated PCIe links and root complexes, "
+                        "compute as long as on the GPUs, all time dilated by one factor (pipeline backend)")
     p.add_argument("--data", default=None,
                    help="a text file or a directory of text files (default: this Python's stdlib sources)")
     p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps of the run")
@@ -201,6 +211,11 @@ def validate(cfg: RunConfig) -> None:
         raise InputError("--save-every needs --save DIR")
     if cfg.export_merged and not cfg.lora_rank:
         raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
+    if cfg.emulate and cfg.topology == "auto":
+        raise InputError("--emulate rehearses the GPUs of --topology PRESET|FILE on CPU workers; "
+                         "--topology auto is this machine")
+    if cfg.emulate and cfg.backend == "single":
+        raise InputError("--emulate is built for --backend pipeline, not single")
     if cfg.resume_with_changes and not cfg.resume:
         raise InputError("--resume-with-changes needs --resume DIR")
     if cfg.data is not None and not Path(cfg.data).exists():

@@ -27,6 +27,7 @@ from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
+from mobius.runtime.emulation import EmulationSpec, create_counters
 from mobius.runtime.spec import RunSpec
 from mobius.spec import prepare_chunked, prepare_pipeline
 from mobius.signals import LauncherSignals
@@ -37,16 +38,22 @@ from topology import Topology
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
     spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(model_config, device="meta").num_parameters()
-    header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)} ({topo.name}), model {cfg.model} "
+    emulating = f", {EmulationSpec.from_dict(spec.emulation).header()}" if spec.emulation else ""
+    header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-              f"predicted {plan.predicted_step_s:.2f} s/step")
+              f"predicted {_seconds(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
     payload["exports"] = [(str(start_export(out)), merged) for _, out, merged in wanted]
-    results = run_workers(topo.n, pipeline_worker.worker_main, payload)
+    with tempfile.TemporaryDirectory(prefix="mobius-links-") as links:  # ours: made here, removed here
+        if spec.emulation:
+            counters = str(Path(links) / "counters")
+            create_counters(counters, topo.n)
+            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
+        results = run_workers(topo.n, pipeline_worker.worker_main, payload)
     for (_, out, merged), (staging, _) in zip(wanted, payload["exports"]):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
@@ -57,6 +64,10 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def _devices(spec: RunSpec) -> str:

@@ -24,6 +24,7 @@ class StepMetrics:
     peak_device_bytes: int = 0
     loss_scale: float = 1.0  # fp16 dynamic loss scale after this step
     skipped_steps: int = 0  # fp16 steps skipped for overflow so far
+    emulated_step_s: float | None = None  # --emulate: the step time on the emulated GPUs (wall / dilation)
 
 
 class MetricsWriter:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from mobius.errors import InputError
-from mobius.mapping import cross_map
+from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_model
 from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
@@ -31,6 +32,9 @@ CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius
 # parameter (LoRA's base weights) is held once, in the compute dtype.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
 
 
 def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0) -> int:
@@ -112,7 +116,8 @@ def check_host_memory_available(model_name: str, config: GPTConfig, precision: s
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
-              time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False) -> Plan:
+              time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
+              mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0) -> Plan:
     check_host_memory(model_name, config, topo, precision)
     profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
     # Every worker must own at least one stage, and a stage is at least one layer.
@@ -122,10 +127,11 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                          "stage (use fewer --cpu-workers or a larger model)")
     if stages is not None and stages < topo.n:
         raise InputError(f"--stages {stages} is fewer than {workers}: every worker needs a stage")
-    mapping = cross_map(topo, max(topo.n, stages or 2 * topo.n))
-    machine = machine_for(topo, mapping)
+    place = MAPPINGS[mapping]
+    machine = machine_for(topo, place(topo, max(topo.n, stages or 2 * topo.n)), prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
-    key = _hash([profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute, stages, with_baselines])
+    key = _hash([profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute, stages, with_baselines,
+                 mapping, prefetch, optimizer_lag])
     cache = CACHE_DIR / "plans" / f"{key}.json"
     if use_cache and cache.is_file():
         try:
@@ -156,18 +162,19 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if not est.feasible:
         raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
     # The mapping was searched for an assumed stage count; redo it for the real one.
-    mapping = cross_map(topo, len(bounds))
-    machine = machine_for(topo, mapping)
+    placed = place(topo, len(bounds))
+    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag)
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
-    stage_plans = [StagePlan(j, (c.start, c.end), mapping.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
+    stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
-                order=list(mapping.order), contention=mapping.contention, predicted_step_s=est.step_s,
+                order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,
                 stages=stage_plans, solver=solver, profile_source=profile.source,
-                baselines=times if with_baselines else {})
+                baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
+                host_costs=asdict(profile.host))
     if use_cache:
         _save_quietly(cache, plan.to_dict())
     return plan

@@ -5,17 +5,22 @@ downstream picks a default of its own."""
 
 from __future__ import annotations
 
+import math
+import os
+
 from chunked_dp.chunks import chunks_of_layers, pack, trace_first_use
 from chunked_dp.search import search
 from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
-from mobius.planner import make_plan
+from mobius.partition.cost import stage_costs
+from mobius.planner import get_profile, make_plan
 from mobius.runtime.device import cuda_available
+from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.inputs import check_model_input, make_batches
 from mobius.runtime.spec import Plan, RunSpec
-from topology import Topology
+from topology import Topology, cpu_topology
 
 GB = 10**9
 
@@ -25,10 +30,11 @@ def default_precision(on_gpus: bool) -> str:
     return "bf16" if on_gpus else "fp32"
 
 
-def resolve_devices(topo: Topology) -> bool:
+def resolve_devices(topo: Topology, emulate: bool = False) -> bool:
     """True when real GPUs compute: the topology is this machine's and CUDA works here.  Otherwise
-    CPU workers rehearse the topology's devices (``topo.virtual``: the profile is measured on them)."""
-    cuda = not topo.virtual and cuda_available()
+    CPU workers rehearse the topology's devices (``topo.virtual``: the profile is measured on them,
+    unless they ``emulate`` the topology's GPUs)."""
+    cuda = not emulate and not topo.virtual and cuda_available()
     topo.virtual = not cuda
     return cuda
 
@@ -61,10 +67,13 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained."""
     budgets = list(budgets_of(topo))
+    if cfg.emulate:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
+        plan_options.setdefault("profile_how", "analytic")
 
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
                          precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages,
+                         mapping=cfg.mapping, prefetch=cfg.prefetch, optimizer_lag=cfg.optimizer_lag,
                          **plan_options)
 
     return make(choose_recompute(cfg, budgets, make))
@@ -79,11 +88,44 @@ def _check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
 def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
     """The spec of a pipeline run (and its plan, for the launcher's header)."""
     model_config = check_model_input(cfg)
-    cuda = resolve_devices(topo)
+    cuda = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
     _check_run_inputs(cfg, model_config)
     plan = run_plan(cfg, model_config, topo, precision)
-    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict()), plan
+    emulation = emulation_for(cfg, model_config, topo, plan).to_dict() if cfg.emulate else None
+    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict(), emulation=emulation), plan
+
+
+# The real compute of the slowest stage, with every worker computing at once on this machine's cores,
+# must fit this many times into its emulated time: the margin for noise and the runtime's own work.
+EMULATION_MARGIN = 2.0
+
+
+def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan) -> EmulationSpec:
+    """The emulated links of ``topo``'s GPUs and the dilation: the smallest round factor by which each
+    worker's measured CPU compute fits (with :data:`EMULATION_MARGIN`) into its GPU's compute time."""
+    cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
+                      plan.precision, "measure")
+    # Per worker, all its stages together: a layer the GPU does in next to no time (an embedding
+    # lookup) may overrun its own span by a little; the worker's compute as a whole must fit.
+    real, emulated = [0.0] * topo.n, [0.0] * topo.n
+    for c, st in zip(stage_costs(cpu, plan.bounds, plan.recompute), plan.stages):
+        real[st.gpu] += c.fwd_s + c.bwd_s
+        emulated[st.gpu] += (st.fwd_ms + st.bwd_ms) / 1e3
+    slower = max(r / max(e, 1e-12) for r, e in zip(real, emulated))
+    crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
+    factor = _round_up(EMULATION_MARGIN * slower * crowding)
+    return EmulationSpec(topology=topo.name, factor=factor,
+                         link_bps=tuple(g.link_bandwidth_gbps * 1e9 for g in topo.gpus),
+                         root_complex=tuple(g.root_complex for g in topo.gpus),
+                         rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
+                         counters="")  # the launcher makes the file
+
+
+def _round_up(x: float) -> float:
+    """The next of 1, 2, 5, 10, 20, 50, ... at or above ``x``."""
+    decade = 10 ** math.floor(math.log10(max(x, 1.0)))
+    return next(m * decade for m in (1, 2, 5, 10) if m * decade >= x)
 
 
 def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
@@ -96,6 +138,8 @@ def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
         raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
     if cfg.optimizer_lag:
         raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
+    if cfg.emulate:
+        raise InputError("--emulate is built for --backend pipeline, not chunked")
     if cfg.precision == "fp16":
         raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
     if cfg.micro_batches % topo.n:

@@ -20,7 +20,7 @@ def device():
 
 
 def test_side_streams_are_asynchronous_and_ordered_by_events(device):
-    h2d = device.new_stream("h2d")
+    h2d = device.new_stream("h2d", "h2d")
     host = torch.arange(1 << 16, dtype=torch.float32)
     dev = device.empty(host.numel(), host.dtype, h2d, name="slab")
     gate = device.host_stream("gate")
@@ -35,7 +35,7 @@ def test_side_streams_are_asynchronous_and_ordered_by_events(device):
 
 
 def test_checker_names_the_buffer_and_both_streams(device):
-    h2d = device.new_stream("h2d")
+    h2d = device.new_stream("h2d", "h2d")
     dev = device.empty(8, torch.float32, h2d, name="weights of stage 3")
     h2d.copy(dev, torch.ones(8))
     loaded = h2d.record()
@@ -51,7 +51,7 @@ def test_checker_names_the_buffer_and_both_streams(device):
 
 def test_ordering_is_transitive(device):
     """a -> b -> c: c has waited for a's write through b (vector clocks)."""
-    a, b = device.new_stream("a"), device.new_stream("b")
+    a, b = device.new_stream("a", "h2d"), device.new_stream("b", "h2d")
     buf = device.host_buffer(4, torch.float32)
     a.writes(buf)
     b.wait(a.record())
@@ -60,7 +60,7 @@ def test_ordering_is_transitive(device):
 
 
 def test_a_failed_copy_is_raised_where_it_is_waited_for(device):
-    s = device.new_stream("h2d")
+    s = device.new_stream("h2d", "h2d")
     s.copy(torch.empty(3), torch.empty(4))  # shapes differ: fails on the stream's thread
     with pytest.raises(RuntimeError, match="stream 'h2d' failed"):
         s.record().synchronize()

@@ -16,22 +16,32 @@ mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its p
 * load (9): stage ``j`` starts no earlier than ``end(j-N) + (S_j - P_j) / B_j``; the first ``N``
   stages load at time 0 with nothing to hide behind; in backward the last ``N`` stages are still
   resident;
-* order (8): micro-batch ``m`` of stage ``j`` starts after stage ``j-1`` finished it and its
-  activation crossed host memory (``a/B_src + a/B_dst``; no peer-to-peer); (10) one micro-batch
-  at a time; (11) backward after forward.
+* order (8): micro-batch ``m`` of stage ``j`` starts after stage ``j-1`` finished it, its
+  activation reached host memory (``a/B_src``; no peer-to-peer) and the other worker got it
+  (``h``, the hand-off latency); (10) one micro-batch at a time; (11) backward after forward.
+
+What the runtime showed, calibrated (issue 15): a stage's input (and in backward its output
+gradient, and with recomputation its input again) is copied to the device *on the compute
+stream*, so a micro-batch occupies the device for ``a/B_dst`` on top of its compute, plus a fixed
+``o`` per micro-batch (the runtime's own work); each stage's gradients then leave the device
+(``g_j/B_j``) and AdamW updates them on the host (``g_j / (e · R_adam)`` for ``e`` bytes per
+element), one optimizer thread per worker.  ``h``, ``o`` and ``R_adam`` are measured with the
+profile (:class:`~mobius.partition.profile.HostCosts`).
 
 Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
 fixed partition: the MIP's optimum for that partition equals this recurrence.  Objective: the step
-time ``t^b_{0,M} + T^b_0``.  Not modelled here (the simulator's job): gradient offload and CPU Adam
-overlapped with backward, contention beyond the expected sharing, re-upload of recompute inputs.
+time, the latest of every stage's ``t^b_{j,M} + T^b_j + g_j/B_j + adam_j`` (without
+``--optimizer-lag``) and of each worker's optimizer thread's total work.  Not modelled here (the
+simulator's job): contention beyond the expected sharing, the optimizer thread's order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from mobius.errors import InputError
-from mobius.partition.profile import Profile
+from mobius.partition.profile import HostCosts, Profile
 
 GB = 1e9
 
@@ -42,6 +52,11 @@ class Machine:
 
     bandwidth: tuple[float, ...]  # bytes/s per slot
     memory: tuple[int, ...]  # bytes per slot
+    prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
+    handoff_s: float = 0.0  # latency of an activation between two workers, beyond its copies
+    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
+    adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
+    optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
 
     @property
     def n(self) -> int:
@@ -70,6 +85,25 @@ class StepEstimate:
     prefetch_fwd: list[float]  # bytes prefetched while the previous stage on the GPU computes
     prefetch_bwd: list[float]
     reason: str = ""
+
+
+def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[StageCost]:
+    """The stages' per-micro-batch times as the device is occupied: compute plus the copies the
+    runtime issues on the compute stream (input; output gradient; input again to recompute) and
+    the fixed per-micro-batch cost."""
+    n = machine.n
+    out = []
+    for j, c in enumerate(st):
+        bw = machine.bandwidth[j % n]
+        up_f = c.in_bytes / bw
+        up_b = c.out_bytes / bw + (c.in_bytes / bw if recompute else 0.0)
+        out.append(replace(c, fwd_s=c.fwd_s + up_f + machine.micro_batch_s,
+                           bwd_s=c.bwd_s + up_b + machine.micro_batch_s))
+    return out
+
+
+def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
+    return c.grad_bytes / element_bytes / machine.adam_params_per_s
 
 
 def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True) -> list[StageCost]:
@@ -107,7 +141,8 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
              recompute: bool = True) -> StepEstimate:
     """Step time of the partition ``bounds`` (``[start, end)`` layer ranges, in order)."""
     n, m_count = machine.n, micro_batches
-    st = stage_costs(profile, bounds, recompute)
+    compute_only = stage_costs(profile, bounds, recompute)
+    st = on_device(compute_only, machine, recompute)
     s_count = len(st)
     bw = [machine.bandwidth[j % n] for j in range(s_count)]
     mem = [machine.memory[j % n] for j in range(s_count)]
@@ -115,9 +150,12 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         if c.mem_fwd > mem[j] or c.mem_bwd > mem[j]:
             return StepEstimate(float("inf"), False, st, [], [],
                                 reason=f"stage {j} needs {max(c.mem_fwd, c.mem_bwd) / GB:.2f} GB > {mem[j] / GB:.2f} GB")
+    handoff = machine.handoff_s if n > 1 else 0.0
 
     def xfer(j_from: int, j_to: int, nbytes: int) -> float:
-        return nbytes / bw[j_from] + nbytes / bw[j_to]
+        """Until the receiver may start: the copy to the host and the hand-off (its copy to the
+        device is on the receiver's compute stream, in ``on_device``)."""
+        return nbytes / bw[j_from] + handoff
 
     tf = [[0.0] * m_count for _ in range(s_count)]
     pf = [0.0] * s_count
@@ -127,7 +165,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         else:
             prev = st[j - n]
             span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
-            pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span))
+            pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span)) if machine.prefetch else 0.0
             ready = tf[j - n][-1] + prev.fwd_s + (c.param_bytes - pf[j]) / bw[j]
         for m in range(m_count):
             t = ready
@@ -147,7 +185,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         else:
             nxt = st[j + n]
             span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
-            pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span))
+            pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span)) if machine.prefetch else 0.0
             ready = tb[j + n][-1] + nxt.bwd_s + (c.param_bytes - pb[j]) / bw[j]
         for m in range(m_count):
             t = ready
@@ -156,10 +194,22 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             if j < s_count - 1:
                 t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + xfer(j + 1, j, c.out_bytes))
             tb[j][m] = t
-    return StepEstimate(tb[0][-1] + st[0].bwd_s, True, st, pf, pb)
+    elt = element_bytes(profile.dtype)
+    adam = [adam_s(c, machine, elt) for c in st]
+    if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
+        ends = [tb[j][-1] + c.bwd_s + c.grad_bytes / bw[j] for j, c in enumerate(st)]
+    else:
+        ends = [tb[j][-1] + c.bwd_s + c.grad_bytes / bw[j] + adam[j] for j, c in enumerate(st)]
+    per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
+    return StepEstimate(max(ends + per_thread), True, compute_only, pf, pb)
 
 
-def machine_for(topo, mapping) -> Machine:
+def element_bytes(dtype: str) -> int:
+    return 2 if dtype in ("fp16", "bf16") else 4
+
+
+def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,
+                optimizer_lag: int = 0) -> Machine:
     """Per-slot bandwidth and memory of a mapped topology.
 
     A GPU's expected bandwidth is its share of its root complex among the GPUs that prefetch at
@@ -175,4 +225,6 @@ def machine_for(topo, mapping) -> Machine:
         concurrent = 1 + sum(1 for o in neighbours if topo.root_complex_of(o) == rc)
         bws.append(topo.host_bandwidth_share(g, concurrent) * GB)
         mems.append(int(topo.gpus[g].memory_gb * GB))
-    return Machine(tuple(bws), tuple(mems))
+    host = host or HostCosts()
+    return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.adam_params_per_s,
+                   optimizer_lag)

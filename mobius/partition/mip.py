@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from mobius.partition.cost import GB, Machine, evaluate
+from mobius.partition.cost import GB, Machine, element_bytes, evaluate
 from mobius.partition.profile import Profile
 
 
@@ -112,8 +112,9 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     w = [V(f"w_{j}", 0) for j in range(K)]
     tf = [[V(f"tf_{j}_{m}", 0) for m in range(M)] for j in range(K)]
     tb = [[V(f"tb_{j}_{m}", 0) for m in range(M)] for j in range(K)]
-    pf = [V(f"pf_{j}", 0) for j in range(K)]
-    pb = [V(f"pb_{j}", 0) for j in range(K)]
+    no_prefetch = None if machine.prefetch else 0  # --no-prefetch: nothing loads ahead
+    pf = [V(f"pf_{j}", 0, no_prefetch) for j in range(K)]
+    pb = [V(f"pb_{j}", 0, no_prefetch) for j in range(K)]
     lb = [V(f"lb_{j}", 0) for j in range(K)]
 
     def cnt(r, j):
@@ -127,6 +128,15 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
 
     def act_in(j):
         return act[j - 1] if j else 0
+
+    # What occupies the device per micro-batch (cost.on_device): compute, the copies on the compute
+    # stream, the fixed per-micro-batch cost; a hand-off between workers (cost.evaluate's xfer).
+    o, handoff = machine.micro_batch_s, (machine.handoff_s if n > 1 else 0.0)
+    Fd = [F[j] + act_in(j) * (1.0 / Bw[j]) + o * u[j] for j in range(K)]
+    Bd = [Bk[j] + act[j] * (1.0 / Bw[j]) + (act_in(j) * (1.0 / Bw[j]) if recompute else 0) + o * u[j]
+          for j in range(K)]
+    grad = [pulp.lpSum(g[r] * cnt(r, j) for r in range(R)) for j in range(K)]  # GB
+    adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
 
     Wf = [S[j] + w[j] + 2 * act_in(j) for j in range(K)]
     Wb = [S[j] + pulp.lpSum((g[r] + bw_work[r]) * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j]
@@ -161,34 +171,40 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         if j < n:
             prob += tf[j][0] >= S[j] * (1.0 / Bw[j])
         else:
-            prob += tf[j][0] >= tf[j - n][M - 1] + F[j - n] + (S[j] - pf[j]) * (1.0 / Bw[j])
+            prob += tf[j][0] >= tf[j - n][M - 1] + Fd[j - n] + (S[j] - pf[j]) * (1.0 / Bw[j])
             prob += pf[j] <= S[j]
             prob += pf[j] <= G[j] - Wf[j - n]
-            prob += pf[j] <= Bw[j] * (F[j - n] + tf[j - n][M - 1] - tf[j - n][0])
+            prob += pf[j] <= Bw[j] * (Fd[j - n] + tf[j - n][M - 1] - tf[j - n][0])
         for m in range(M):
             if m:
-                prob += tf[j][m] >= tf[j][m - 1] + F[j]
+                prob += tf[j][m] >= tf[j][m - 1] + Fd[j]
             if j:
-                prob += tf[j][m] >= tf[j - 1][m] + F[j - 1] + act[j - 1] * (1.0 / Bw[j - 1] + 1.0 / Bw[j])
-    end_f = tf[K - 1][M - 1] + F[K - 1]
+                prob += tf[j][m] >= tf[j - 1][m] + Fd[j - 1] + act[j - 1] * (1.0 / Bw[j - 1]) + handoff * u[j]
+    end_f = tf[K - 1][M - 1] + Fd[K - 1]
 
     # ---- backward: (11) after forward, then the mirror image ----
     for j in range(K - 1, -1, -1):
         prob += tb[j][0] >= end_f
         if j + n < K:
             prob += lb[j] >= S[j] - total_p * (1 - u[j + n])
-            prob += tb[j][0] >= tb[j + n][M - 1] + Bk[j + n] + (lb[j] - pb[j]) * (1.0 / Bw[j])
+            prob += tb[j][0] >= tb[j + n][M - 1] + Bd[j + n] + (lb[j] - pb[j]) * (1.0 / Bw[j])
             prob += pb[j] <= lb[j]
             prob += pb[j] <= G[j] - Wb[j + n]
-            prob += pb[j] <= Bw[j] * (Bk[j + n] + tb[j + n][M - 1] - tb[j + n][0])
+            prob += pb[j] <= Bw[j] * (Bd[j + n] + tb[j + n][M - 1] - tb[j + n][0])
         for m in range(M):
             if m:
-                prob += tb[j][m] >= tb[j][m - 1] + Bk[j]
+                prob += tb[j][m] >= tb[j][m - 1] + Bd[j]
             if j + 1 < K:
-                prob += tb[j][m] >= tb[j + 1][m] + Bk[j + 1] + act[j] * (1.0 / Bw[j + 1] + 1.0 / Bw[j])
+                prob += tb[j][m] >= tb[j + 1][m] + Bd[j + 1] + act[j] * (1.0 / Bw[j + 1]) + handoff * u[j + 1]
 
-    objective = tb[0][M - 1] + Bk[0]
-    prob += objective
+    # The step ends when every stage's gradients are home and (without a lag) updated, and when
+    # each worker's optimizer thread has done its stages' updates.
+    step = V("step", 0)
+    for j in range(K):
+        prob += step >= tb[j][M - 1] + Bd[j] + grad[j] * (1.0 / Bw[j]) + (0 if machine.optimizer_lag else adam[j])
+    for k in range(n):
+        prob += step >= pulp.lpSum(adam[j] for j in range(k, K, n))
+    prob += step
     start = _integer_start(warm_start, runs, K) if warm_start and len(warm_start) <= K else {}
     solver = _WarmStartHiGHS(start, msg=False, timeLimit=time_limit_s, gapRel=gap)
     t0 = time.perf_counter()

@@ -29,6 +29,19 @@ from mobius.runtime.device import (
 
 # Model FLOPs utilisation assumed by the analytic model for matrix-heavy layers.
 ANALYTIC_MFU = 0.5
+# Host AdamW rate the analytic model assumes for one worker's optimizer thread: a fused CPU AdamW
+# on a server socket does about 1e9 parameters/s (DeepSpeed reports ~1.5e9/s).
+ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
+
+
+@dataclass
+class HostCosts:
+    """What the runtime costs beyond the layers, on the machine that runs (cost model, MIP and
+    simulator use them; :mod:`mobius.partition.calibrate` measures them on CPU workers)."""
+
+    handoff_s: float = 0.0  # an activation from one worker to another, beyond its two copies
+    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
+    adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S  # one worker's optimizer thread
 
 
 @dataclass
@@ -60,6 +73,7 @@ class Profile:
     distinct_measured: int = 0
     profile_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    host: HostCosts = field(default_factory=HostCosts)
 
     @property
     def n(self) -> int:
@@ -85,6 +99,7 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         d = dict(d)
         d["layers"] = [LayerProfile(**x) for x in d["layers"]]
+        d["host"] = HostCosts(**d.get("host", {}))
         return cls(**d)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -32,6 +32,7 @@ import random
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -172,8 +173,9 @@ class Stream:
 
     _ids = iter(range(1, 1 << 30))
 
-    def __init__(self, device: "Device", name: str):
+    def __init__(self, device: "Device", name: str, direction: str = "h2d"):
         self.device, self.name = device, name
+        self.direction = direction  # of its copies: "h2d" or "d2h" (the compute stream's are h2d)
         self.clock = Clock(next(Stream._ids))
         self._reads: list[torch.Tensor] = []
         self._writes: list[torch.Tensor] = []
@@ -234,8 +236,14 @@ class Device:
         self.checker = StreamChecker() if check else None
         self.compute: Stream
 
-    def new_stream(self, name: str) -> Stream:
+    def new_stream(self, name: str, direction: str) -> Stream:
+        """A stream for copies in ``direction`` ("h2d" or "d2h")."""
         raise NotImplementedError
+
+    def compute_span(self, emulated_s: float):
+        """Context for the compute of one micro-batch on a stage whose emulated GPU takes
+        ``emulated_s`` (:mod:`mobius.runtime.emulation`); nothing on real devices."""
+        return nullcontext()
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat host buffer the device copies to and from asynchronously (page-locked on CUDA)."""
@@ -301,8 +309,7 @@ class _InlineStream(Stream):
         event._done.wait()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        for d, s in chunked(dst, src):
-            d.copy_(s)
+        self.device.timed_copy(self.direction, dst, src)
 
 
 class _ThreadStream(Stream):
@@ -310,8 +317,8 @@ class _ThreadStream(Stream):
     is skipped, events are still set (no waiter hangs), and the error is raised by the next
     issue on the stream or by synchronizing one of its events."""
 
-    def __init__(self, device: "CpuDevice", name: str, jitter_s: float):
-        super().__init__(device, name)
+    def __init__(self, device: "CpuDevice", name: str, direction: str, jitter_s: float):
+        super().__init__(device, name, direction)
         self._jitter_s = jitter_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
@@ -349,11 +356,7 @@ class _ThreadStream(Stream):
         self._enqueue(event.synchronize)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        def job() -> None:
-            for d, s in chunked(dst, src):
-                d.copy_(s)
-
-        self._enqueue(job)
+        self._enqueue(lambda: self.device.timed_copy(self.direction, dst, src))
 
     def close(self) -> None:
         self._queue.put((None, None))
@@ -376,10 +379,18 @@ def keep_freed_host_memory() -> None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
+def _copy_pieces(dst: torch.Tensor, src: torch.Tensor) -> None:
+    for d, s in chunked(dst, src):
+        d.copy_(s)
+
+
 class CpuDevice(Device):
+    """CPU workers; with ``emulation`` (:class:`~mobius.runtime.emulation.EmulatedLinks`), each stands
+    for a GPU of a PCIe box: copies take the emulated link's time, compute at least the GPU's."""
+
     kind = "cpu"
 
-    def __init__(self, check: bool | None = None, jitter_ms: float | None = None):
+    def __init__(self, check: bool | None = None, jitter_ms: float | None = None, emulation=None):
         if check is None:
             check = os.environ.get(CHECK_ENV) == "1"
         if jitter_ms is None:
@@ -388,6 +399,17 @@ class CpuDevice(Device):
         self._jitter_s = jitter_ms / 1e3
         self.compute = _InlineStream(self, "compute")
         self._streams: list[_ThreadStream] = []
+        self.emulation = emulation
+
+    def timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The copy of a stream's job: as fast as memory goes, or at the emulated link's rate."""
+        if self.emulation is None:
+            _copy_pieces(dst, src)
+        else:
+            self.emulation.transfer(src.numel() * src.element_size(), direction, lambda: _copy_pieces(dst, src))
+
+    def compute_span(self, emulated_s: float):
+        return nullcontext() if self.emulation is None else self.emulation.compute_span(emulated_s)
 
     def start_steps(self) -> None:
         # Only now: while the stage store is built, the fp32 layers it copies from must go back
@@ -396,8 +418,8 @@ class CpuDevice(Device):
         if os.environ.get(KEEP_FREED_ENV, "1") != "0":
             keep_freed_host_memory()
 
-    def new_stream(self, name: str) -> Stream:
-        stream = _ThreadStream(self, name, self._jitter_s)
+    def new_stream(self, name: str, direction: str) -> Stream:
+        stream = _ThreadStream(self, name, direction, self._jitter_s)
         self._streams.append(stream)
         return stream
 
@@ -419,8 +441,8 @@ class CpuDevice(Device):
 # ---- CUDA ---------------------------------------------------------------------------------------------
 
 class _CudaStream(Stream):
-    def __init__(self, device: "CudaDevice", name: str, stream):
-        super().__init__(device, name)
+    def __init__(self, device: "CudaDevice", name: str, stream, direction: str = "h2d"):
+        super().__init__(device, name, direction)
         self.cuda = stream
 
     def record(self) -> Event:
@@ -466,8 +488,8 @@ class CudaDevice(Device):
         self.compute = _CudaStream(self, "compute", torch.cuda.current_stream(self.torch_device))
         self._registered: list[torch.Tensor] = []
 
-    def new_stream(self, name: str) -> Stream:
-        return _CudaStream(self, name, torch.cuda.Stream(self.torch_device))
+    def new_stream(self, name: str, direction: str) -> Stream:
+        return _CudaStream(self, name, torch.cuda.Stream(self.torch_device), direction)
 
     def _allocate(self, numel: int, dtype: torch.dtype, stream: Stream) -> torch.Tensor:
         with torch.cuda.stream(stream.cuda):
@@ -558,5 +580,5 @@ def time_per_call(fn: Callable[[], object], device: torch.device, repeats: int) 
 
 # ---- deciding which -------------------------------------------------------------------------------------
 
-def open_device(use_cuda: bool, local_rank: int = 0, memory_cap_bytes: int | None = None) -> Device:
-    return CudaDevice(local_rank, memory_cap_bytes) if use_cuda else CpuDevice()
+def open_device(use_cuda: bool, local_rank: int = 0, memory_cap_bytes: int | None = None, emulation=None) -> Device:
+    return CudaDevice(local_rank, memory_cap_bytes) if use_cuda else CpuDevice(emulation=emulation)

@@ -40,6 +40,9 @@ class Plan:
     solver: dict = field(default_factory=dict)
     profile_source: str = ""
     baselines: dict = field(default_factory=dict)  # partitioner -> predicted step seconds
+    mapping: str = "cross"  # how slots were placed on GPUs: cross (Mobius §3.3) or sequential
+    prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
+    host_costs: dict = field(default_factory=dict)  # the HostCosts the prediction assumed
 
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
@@ -88,6 +91,7 @@ class RunSpec:
     budget_bytes: tuple[int, ...]  # per device
     plan: dict | None = None  # pipeline: Plan.to_dict()
     chunked: dict | None = None  # chunked: chunk_size, n_block, offload, device_chunks
+    emulation: dict | None = None  # --emulate: EmulationSpec.to_dict() (mobius.runtime.emulation)
 
     def to_dict(self) -> dict:
         return asdict(self)

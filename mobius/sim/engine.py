@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 EPS = 1e-12
 
 COMPUTE, H2D, D2H, CPU = "compute", "h2d", "d2h", "cpu"
+DELAY = "delay"  # a latency: takes its time, holds no resource
 
 
 @dataclass
@@ -143,7 +144,7 @@ class Simulator:
         queues: dict[tuple[str, int], list[int]] = defaultdict(list)  # issue order per resource
         for t in tasks:
             t.remaining = t.work
-            queues[(t.kind, t.gpu)].append(t.id)
+            queues[_resource(t)].append(t.id)
         busy: dict[tuple[str, int], int | None] = {k: None for k in queues}
         now = 0.0
         finished = 0
@@ -199,12 +200,17 @@ class Simulator:
                     t.end = now
                     done[t.id] = True
                     finished += 1
-                    busy[(t.kind, t.gpu)] = None
+                    busy[_resource(t)] = None
                     if t.kind in (H2D, D2H):
                         by_gpu[(t.gpu, t.kind)] += t.work
                         by_rc[(self.link.rc_of[t.gpu], t.kind)] += t.work
         return SimResult(step_s=max((t.end for t in tasks), default=0.0), tasks=tasks,
                          bytes_by_gpu=dict(by_gpu), bytes_by_rc=dict(by_rc))
+
+
+def _resource(t: Task) -> tuple[str, int]:
+    """The queue a task waits in: its GPU's stream or copy engine (a delay holds nothing)."""
+    return (t.kind, t.gpu if t.kind != DELAY else -1 - t.id)
 
 
 def link_for(topo) -> Link:

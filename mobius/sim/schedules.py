@@ -24,12 +24,9 @@ from dataclasses import dataclass
 
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
-from mobius.partition.profile import Profile
-from mobius.sim.engine import COMPUTE, CPU, D2H, H2D, SimResult, Simulator, link_for
+from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
+from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
 
-# CPU AdamW throughput (parameters per second per worker).  A fused multi-threaded CPU Adam on a
-# server socket does about 1e9/s (DeepSpeed reports ~1.5e9/s); a CPU worker here measures its own.
-DEFAULT_ADAM_PARAMS_PER_S = 1.0e9
 # GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.
 GPU_HBM_BPS = 0.9e12
 
@@ -48,11 +45,17 @@ class SimOutcome:
 
 
 def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
-                    recompute: bool = True, adam_params_per_s: float = DEFAULT_ADAM_PARAMS_PER_S,
-                    memory_bytes: list[int] | None = None, optimizer_lag: int = 0) -> SimOutcome:
-    """One step of the Mobius pipeline.  With ``optimizer_lag`` the CPU updates of a step run on
-    while the next step computes: the step ends when its device work and gradient offloads do,
-    unless a worker's optimizer thread needs longer than that for its stages' updates."""
+                    recompute: bool = True, adam_params_per_s: float | None = None,
+                    memory_bytes: list[int] | None = None, optimizer_lag: int = 0,
+                    prefetch: bool = True) -> SimOutcome:
+    """One step of the Mobius pipeline as the runtime issues it.  A stage's input (in backward its
+    output gradient, and with recomputation its input again) is copied to the device on the compute
+    stream, so it occupies the device (at the GPU's link rate) before the compute; an activation
+    reaches the next worker ``profile.host.handoff_s`` after it reached the host.  AdamW runs at
+    ``adam_params_per_s`` (default: the profile's host rate).  With ``optimizer_lag`` the CPU
+    updates of a step run on while the next step computes: the step ends when its device work and
+    gradient offloads do, unless a worker's optimizer thread needs longer than that for its
+    stages' updates.  Without ``prefetch`` a stage's load starts once the previous one is done."""
     n, M, S = len(order), micro_batches, len(bounds)
     st = stage_costs(profile, bounds, recompute)
     gpu = [order[j % n] for j in range(S)]
@@ -62,7 +65,11 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         if need > mem[gpu[j]]:
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
     elt = 2 if profile.dtype in ("fp16", "bf16") else 4
-    sim = Simulator(link_for(topo))
+    host = profile.host
+    adam_params_per_s = adam_params_per_s or host.adam_params_per_s
+    link = link_for(topo)
+    up = [link.gpu_bw[gpu[j]] for j in range(S)]  # a copy on the compute stream: at the GPU link's rate
+    sim = Simulator(link)
     F = [[None] * M for _ in range(S)]
     B = [[None] * M for _ in range(S)]
     load_f: dict[int, list[int]] = {}
@@ -70,7 +77,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
 
     def load(j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
         size = st[j].param_bytes
-        first = max(0.0, min(size, prefetch_bytes))
+        first = max(0.0, min(size, prefetch_bytes)) if prefetch else 0.0
         a = sim.add(f"{tag} load S{j} (prefetch)", H2D, gpu[j], first, (early_dep,), prio)
         b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio)
         return [a, b]
@@ -89,10 +96,11 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                 deps.append(F[j][m - 1])
             if j:
                 deps.append(act_in[(j, m)])
-            F[j][m] = sim.add(f"F{j}.{m}", COMPUTE, gpu[j], st[j].fwd_s, deps)
+            work = st[j].fwd_s + st[j].in_bytes / up[j] + host.micro_batch_s
+            F[j][m] = sim.add(f"F{j}.{m}", COMPUTE, gpu[j], work, deps)
             if j + 1 < S:
                 out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1)
-                act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", H2D, gpu[j + 1], st[j].out_bytes, (out,), j + 1)
+                act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, gpu[j + 1], host.handoff_s, (out,))
 
     # Backward.
     grad_in: dict[tuple[int, int], int] = {}
@@ -112,21 +120,19 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                 deps.append(F[S - 1][M - 1])
             if j + 1 < S:
                 deps.append(grad_in[(j, m)])
-            if recompute and j > 0:
-                deps.append(sim.add(f"input S{j}.{m} for recompute", H2D, gpu[j], st[j].in_bytes,
-                                    tuple(load_b[j][-1:]) or (F[j][M - 1],), prio))
-            B[j][m] = sim.add(f"B{j}.{m}", COMPUTE, gpu[j], st[j].bwd_s, deps)
+            work = (st[j].bwd_s + st[j].out_bytes / up[j] + (st[j].in_bytes / up[j] if recompute else 0.0)
+                    + host.micro_batch_s)
+            B[j][m] = sim.add(f"B{j}.{m}", COMPUTE, gpu[j], work, deps)
             if j > 0:
                 out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1)
-                grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", H2D, gpu[j - 1], st[j].in_bytes, (out,),
-                                              prio + 1)
+                grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, gpu[j - 1], host.handoff_s, (out,))
         # Gradient offload yields to activations, which are on the critical path.
         off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), 3 * S + prio)
         sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
     r = sim.run()
     if not optimizer_lag:
         return SimOutcome("mobius", r.step_s, result=r)
-    device_end = max((t.end for t in r.tasks if t.kind != CPU), default=0.0)
+    device_end = max((t.end for t in r.tasks if t.kind not in (CPU, DELAY)), default=0.0)
     optimizer_busy: dict[int, float] = {}
     for t in r.tasks:
         if t.kind == CPU:
@@ -170,7 +176,7 @@ def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool =
 
 
 def simulate_zero3_offload(profile: Profile, topo, micro_batches: int, recompute: bool = True,
-                           adam_params_per_s: float = DEFAULT_ADAM_PARAMS_PER_S) -> SimOutcome:
+                           adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S) -> SimOutcome:
     n, L = topo.n, profile.n
     per_gpu = math.ceil(micro_batches / n)  # micro-batches each data-parallel rank runs
     layers = profile.layers

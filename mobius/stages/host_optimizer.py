@@ -33,12 +33,14 @@ from mobius.swap.store import HostStageStore, view
 
 class HostOptimizer:
     def __init__(self, store: HostStageStore, device: Device, memory: DeviceMemory, traffic: Traffic, trace: Trace,
-                 scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport):
+                 scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
+                 adam_params_per_s: float = float("inf")):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
         self.scaler, self.tied, self.transport = scaler, tied, transport
         self.lag = store.lag
+        self.adam_params_per_s = adam_params_per_s  # the host's rate as planned (emulated GPUs' hosts take this long)
         self.compute = device.compute
-        self.grads_out = device.new_stream("d2h-gradients")
+        self.grads_out = device.new_stream("d2h-gradients", "d2h")
         self.host = device.host_stream("optimizer")  # what the optimizer thread does to host buffers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-optimizer")
         self._to_master_jobs: list[Future] = []  # this step's
@@ -119,7 +121,9 @@ class HostOptimizer:
                 for p in host.master_params:
                     p.grad.div_(unscale)
             set_lr(host.optimizer, lr)
-            host.optimizer.step()
+            trained = sum(p.numel() for p in host.master_params)
+            with self.device.compute_span(trained / self.adam_params_per_s):
+                host.optimizer.step()
         host.optimizer.zero_grad(set_to_none=True)
         buffer = self.store.buffer_updated_by(step)
         self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")

@@ -6,10 +6,16 @@ reusable host buffer (page-locked on CUDA); once it is home it goes to the worke
 through the :mod:`~mobius.stages.transport`, or, when this worker holds that stage too, into a
 local mailbox.  Inputs arrive into host buffers and go to the device on the compute stream, which
 needs them next.
+
+A sender thread hands each message to the transport the moment its copy is home.  (Handing them
+over from the compute thread between micro-batches delayed every message by a micro-batch: with
+recomputation the compute thread blocks in the next receive first.  ``--emulate`` showed it.)
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
@@ -63,11 +69,18 @@ class ActivationLinks:
         self.memory, self.traffic, self.trace = memory, traffic, trace
         self.rank = transport.rank
         self.compute, self.host = device.compute, host
-        self.d2h = device.new_stream("d2h-activations")
+        self.d2h = device.new_stream("d2h-activations", "d2h")
         self.buffers = HostBuffers(device, host)
-        self._outbox: list[tuple] = []  # on their way to the host: (event, buffer, to_stage, key)
+        self._outbox: list[tuple] = []  # for this worker's own stages: (event, buffer, key)
         self._mailbox: dict[tuple, torch.Tensor] = {}  # messages between stages of this worker
-        self._pending: list[tuple] = []  # (send work, buffer) handed to the transport
+        self._sending: queue.SimpleQueue = queue.SimpleQueue()  # (event, buffer, dst, tag), or None: stop
+        self._sender_view = device.host_stream("sender")  # what the sender thread does to host buffers
+        self._pending: list[tuple] = []  # (send work, buffer, event after the sender's hand-over)
+        self._handed = threading.Condition()
+        self._queued = self._done = 0
+        self._error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="mobius-sender", daemon=True)
+        self._sender.start()
 
     def tag(self, stage: int, m: int, backward: bool) -> int:
         return (stage * self.plan.micro_batches + m) * 2 + int(backward)
@@ -99,20 +112,38 @@ class ActivationLinks:
         self.d2h.wait(self.host.record())  # after the buffer's previous use
         self.d2h.copy(buf, t, name="activation staging buffer")
         self.traffic.d2h += nbytes(t)
-        self._outbox.append((self.d2h.record(), buf, to_stage, key))
+        dst = self.plan.gpu_of_stage(to_stage)
+        if dst == self.rank:
+            self._outbox.append((self.d2h.record(), buf, key))
+        else:
+            self.traffic.peer += nbytes(t)
+            with self._handed:
+                self._queued += 1
+            self._sending.put((self.d2h.record(), buf, dst, self.tag(*key)))
+
+    def _send_loop(self) -> None:
+        while (item := self._sending.get()) is not None:
+            done, buf, dst, tag = item
+            try:
+                if self._error is None:
+                    self._sender_view.wait(done)  # the copy is home
+                    self._sender_view.reads(buf)
+                    work = self.transport.isend(buf, dst, tag)
+                    self._pending.append((work, buf, self._sender_view.record()))
+            except BaseException as err:  # surfaced by finish_sends
+                self._error = err
+            with self._handed:
+                self._done += 1
+                self._handed.notify_all()
 
     def flush(self, keep: int = 0) -> None:
-        """Hand every message that reached the host, but the last ``keep``, to its receiver."""
+        """Move every message for this worker's own stages that reached the host, but the last
+        ``keep``, into the mailbox (messages to other workers leave by the sender thread)."""
         while len(self._outbox) > keep:
-            done, buf, to_stage, key = self._outbox.pop(0)
+            done, buf, key = self._outbox.pop(0)
             self.host.wait(done)
             self.host.reads(buf)
-            dst = self.plan.gpu_of_stage(to_stage)
-            if dst == self.rank:
-                self._mailbox[key] = buf
-            else:
-                self.traffic.peer += nbytes(buf)
-                self._pending.append((self.transport.isend(buf, dst, self.tag(*key)), buf))
+            self._mailbox[key] = buf
 
     def recv(self, from_stage: int, key: tuple[int, int, bool], shape, dtype) -> torch.Tensor:
         src = self.plan.gpu_of_stage(from_stage)
@@ -128,10 +159,17 @@ class ActivationLinks:
 
     def finish_sends(self) -> None:
         """Wait for the messages of this step to be delivered; their buffers are free again."""
-        for work, buf in self._pending:
+        with self._handed:
+            self._handed.wait_for(lambda: self._done == self._queued)
+        if self._error is not None:
+            raise RuntimeError(f"sending an activation failed: {self._error}") from self._error
+        for work, buf, handed in self._pending:
             work.wait()
+            self.host.wait(handed)
             self.buffers.put(buf, self.host.record())
         self._pending.clear()
 
     def close(self) -> None:
+        self._sending.put(None)
+        self._sender.join(timeout=10)
         self.d2h.synchronize()

@@ -42,15 +42,22 @@ class Op:
         return f"{self.kind} {pass_}{self.stage}"
 
 
-def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool) -> list[Op]:
-    """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order."""
+def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool,
+               prefetch: bool = True) -> list[Op]:
+    """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order.
+    Without ``prefetch`` a stage's load is issued only once the previous stage is released."""
     mine = list(stages_of_worker)
     last = n_stages - 1
     ops: list[Op] = [Op(LOAD, mine[0], priority=0)] if mine else []
+
+    def load_next(k: int, stages: list[int], backward: bool, after_release: bool) -> None:
+        if k + 1 < len(stages) and after_release != prefetch:
+            ops.append(Op(LOAD, stages[k + 1], backward=backward,
+                          priority=transfer_priority(stages[k + 1], n_stages, "backward" if backward else "forward")))
+
     for k, s in enumerate(mine):
         ops.append(Op(WAIT, s))
-        if k + 1 < len(mine):
-            ops.append(Op(LOAD, mine[k + 1], priority=transfer_priority(mine[k + 1], n_stages, "forward")))
+        load_next(k, mine, False, after_release=False)
         for m in range(micro_batches):
             if s > 0:
                 ops.append(Op(RECV, s, m))
@@ -60,12 +67,11 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
         ops.append(Op(END, s))
         if k + 1 < len(mine):
             ops.append(Op(RELEASE, s))
+        load_next(k, mine, False, after_release=True)
     reverse = mine[::-1]
     for k, s in enumerate(reverse):
         ops.append(Op(WAIT, s, backward=True))
-        if k + 1 < len(reverse):
-            ops.append(Op(LOAD, reverse[k + 1], backward=True,
-                          priority=transfer_priority(reverse[k + 1], n_stages, "backward")))
+        load_next(k, reverse, True, after_release=False)
         for m in range(micro_batches):
             if recompute:  # before the output gradient is awaited: the recomputation overlaps its arrival
                 ops.append(Op(RECOMPUTE, s, m, backward=True))
@@ -77,4 +83,5 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
         ops.append(Op(END, s, backward=True))
         ops.append(Op(OFFLOAD, s, backward=True))
         ops.append(Op(RELEASE, s, backward=True))
+        load_next(k, reverse, True, after_release=True)
     return ops

@@ -81,7 +81,8 @@ class StageRunner:
         self.device, self.total_steps, self.peak_lr, self.scaler = device, total_steps, peak_lr, scaler
         self.n_stages = len(plan.bounds)
         self.M = plan.micro_batches
-        self.ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute)
+        self.ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute,
+                              plan.prefetch)
         self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
         # Streams: compute, and this thread's host-side work (so the checker sees every hand-over);
@@ -91,7 +92,8 @@ class StageRunner:
         self.links = ActivationLinks(plan, transport, device, self.host, memory, traffic, trace)
         self.working = WorkingMemory(memory, plan)
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
-                                       TiedEmbedding(store, plan, transport, traffic), transport)
+                                       TiedEmbedding(store, plan, transport, traffic), transport,
+                                       plan.host_costs.get("adam_params_per_s", float("inf")))
 
     def _run_layers(self, layers: nn.ModuleList, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         for layer in layers:
@@ -135,11 +137,20 @@ class StageRunner:
     def _targets(self, s: int, m: int, st: _StepState) -> torch.Tensor | None:
         return st.micro[m].targets.to(self.device.torch_device) if s == self.n_stages - 1 else None
 
+    def _emulated_s(self, s: int, kind: str) -> float:
+        """The planned time of one micro-batch of stage ``s`` (on emulated GPUs, the least it takes):
+        the plan's backward includes the recomputed forward, which runs as an operation of its own."""
+        st = self.plan.stages[s]
+        if kind == "backward":
+            return (st.bwd_ms - (st.fwd_ms if self.plan.recompute else 0.0)) / 1e3
+        return st.fwd_ms / 1e3
+
     def _op_compute(self, op: Op, st: _StepState) -> None:
-        if op.backward:
-            self._backward(op.stage, op.mb, st)
-        else:
-            self._forward(op.stage, op.mb, op.recompute, st)
+        with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):
+            if op.backward:
+                self._backward(op.stage, op.mb, st)
+            else:
+                self._forward(op.stage, op.mb, op.recompute, st)
 
     def _forward(self, s: int, m: int, recompute: bool, st: _StepState) -> None:
         x_host = st.micro[m].tokens if s == 0 else st.inbox.pop((s, m))
@@ -172,7 +183,7 @@ class StageRunner:
         x = self.links.to_device(x_host, "recompute input", recycle=False)
         if x.is_floating_point():
             x.requires_grad_(True)
-        with self.working.saved_activations() as ledger:
+        with self.working.saved_activations() as ledger, self.device.compute_span(self._emulated_s(s, "forward")):
             out = self._run_layers(st.layers, x, self._targets(s, m, st))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host

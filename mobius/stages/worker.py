@@ -26,6 +26,7 @@ from mobius.models.adapters import layer_states, write_export_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
 from mobius.runtime.device import Device, open_device
+from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
 from mobius.runtime.inputs import make_batches, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
@@ -70,7 +71,8 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     plan = spec.the_plan()
     if max(plan.order) >= world:
         raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
-    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.budget_bytes[rank])
+    emulation = EmulatedLinks(EmulationSpec.from_dict(spec.emulation), rank) if spec.emulation else None
+    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.budget_bytes[rank], emulation)
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
     if not spec.cuda:  # CPU workers share the cores
@@ -90,8 +92,10 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
         peak = torch.tensor([memory.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         tokens = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+        wall = time.perf_counter() - t0
         return StepMetrics(step=step, loss=stats[0].item() / stats[1].item(),
-                           lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=time.perf_counter() - t0,
+                           lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=wall,
+                           emulated_step_s=wall / emulation.factor if emulation else None,
                            h2d_bytes=int(stats[2]), d2h_bytes=int(stats[3]), peer_bytes=int(stats[4]),
                            peak_device_bytes=int(peak.item()), loss_scale=scaler.scale,
                            skipped_steps=scaler.skipped_steps)

@@ -50,7 +50,7 @@ class Prefetcher:
                  traffic: Traffic, trace: Trace):
         self.store, self.config, self.memory, self.device = store, config, memory, device
         self.traffic, self.trace = traffic, trace
-        self.stream = device.new_stream("h2d-params")
+        self.stream = device.new_stream("h2d-params", "h2d")
         self._queue: list = []
         self._counter = itertools.count()
         self._cond = threading.Condition()

@@ -1,0 +1,118 @@
+"""Emulated GPUs for CPU workers (``--emulate``): a rehearsal of a PCIe box this machine lacks, in
+which the effects Mobius exists for (root-complex contention, prefetching, the partition) show in
+the real runtime, not only in the cost model.
+
+Each CPU worker stands for one GPU of the topology.  Time is *dilated* by one factor ``F`` for the
+whole run: an emulated second lasts ``F`` wall seconds, so the real CPU work (which is much slower
+than the GPU's) fits inside the emulated GPU time, and a step's wall time divided by ``F`` is the
+emulated step time.
+
+* Compute of a micro-batch on a stage lasts at least the GPU's profiled time (:meth:`compute_span`).
+* A host<->device copy moves its bytes at the emulated link's rate, a fluid model recomputed every
+  few milliseconds: the transfers of one direction under one root complex share its host bandwidth
+  equally, *across worker processes*, and a GPU's own link caps its transfers (shared between its
+  concurrent transfers of that direction).  The active transfers are counted in a small shared
+  file, one slot per (worker, direction), written only by the worker that owns it.
+
+Real tensors still flow: the losses equal an unemulated run's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+DIRECTIONS = ("h2d", "d2h")
+SLICE_S = 0.002  # wall seconds between re-reads of the sharing (the fluid model's time step)
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """What every worker needs to emulate its GPU; part of the run's spec."""
+
+    topology: str
+    factor: float  # wall seconds per emulated second
+    link_bps: tuple[float, ...]  # per worker (GPU): its own link, bytes per emulated second
+    root_complex: tuple[int, ...]  # per worker: the root complex it hangs off
+    rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
+    counters: str  # the shared file of active-transfer counters (made by the launcher)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EmulationSpec":
+        return cls(**{**d, "link_bps": tuple(d["link_bps"]), "root_complex": tuple(d["root_complex"])})
+
+    def header(self) -> str:
+        return f"emulating {self.topology} at 1/{self.factor:g} speed"
+
+
+def create_counters(path: str, workers: int) -> None:
+    """The zeroed shared counter file (the launcher's, inside its run directory)."""
+    with open(path, "wb") as f:
+        f.write(bytes(4 * workers * len(DIRECTIONS)))
+
+
+class EmulatedLinks:
+    """One worker's emulated GPU: its link, its root complex and the clock dilation."""
+
+    def __init__(self, spec: EmulationSpec, rank: int):
+        self.spec, self.rank, self.factor = spec, rank, spec.factor
+        n = len(spec.link_bps)
+        self._counts = torch.from_file(spec.counters, shared=True, size=n * len(DIRECTIONS), dtype=torch.int32)
+        rc = spec.root_complex[rank]
+        self._peers = [w for w in range(n) if spec.root_complex[w] == rc]
+        self._link = spec.link_bps[rank]
+        self._rc = float(spec.rc_bps[str(rc)])
+        self._lock = threading.Lock()  # this worker's streams share its slots
+        self._thread = threading.local()  # wall seconds this thread spent in transfers
+
+    def _slot(self, worker: int, direction: str) -> int:
+        return worker * len(DIRECTIONS) + DIRECTIONS.index(direction)
+
+    def _rate(self, direction: str) -> float:
+        """Bytes per emulated second a transfer of ours gets now."""
+        mine = max(1, int(self._counts[self._slot(self.rank, direction)]))
+        sharing = max(1, sum(int(self._counts[self._slot(w, direction)]) for w in self._peers))
+        return min(self._link / mine, self._rc / sharing)
+
+    def transfer(self, nbytes: int, direction: str, copy) -> None:
+        """Run ``copy()`` (the real copy) and return when ``nbytes`` would have crossed the link."""
+        slot = self._slot(self.rank, direction)
+        began = time.perf_counter()
+        with self._lock:
+            self._counts[slot] += 1
+        try:
+            last, rate = time.perf_counter(), self._rate(direction)
+            copy()
+            remaining = float(nbytes)
+            while True:  # each slice at the rate the sharing gave at its start
+                now = time.perf_counter()
+                remaining -= rate * (now - last) / self.factor
+                last = now
+                if remaining <= 0:
+                    return
+                rate = self._rate(direction)
+                time.sleep(min(remaining / rate * self.factor, SLICE_S))
+        finally:
+            with self._lock:
+                self._counts[slot] -= 1
+            self._thread.in_transfers = self._in_transfers() + time.perf_counter() - began
+
+    def _in_transfers(self) -> float:
+        return getattr(self._thread, "in_transfers", 0.0)
+
+    @contextmanager
+    def compute_span(self, emulated_s: float):
+        """The body's compute lasts at least ``emulated_s`` of the emulated GPU's time; copies the
+        body issues on the compute stream (an input's host -> device) come on top, as on a GPU."""
+        start, copies = time.perf_counter(), self._in_transfers()
+        yield
+        left = start + (self._in_transfers() - copies) + emulated_s * self.factor - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
