@@ -1,8 +1,11 @@
 """Profile -> partition -> cross map: the :class:`Plan` a run executes (and ``mobius.plan`` prints).
 
 Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile, topology, batch settings,
-partitioner); measured profiles are cached by (model, micro-batch, sequence, dtype, device), so a
-second run with the same settings neither profiles nor solves again.
+partitioner); measured profiles are cached by (model, micro-batch, sequence, dtype, device,
+workers), so a second run with the same settings neither profiles nor solves again.  A cached
+measured profile is re-validated, not trusted forever: its costliest layer is timed again, and a
+miss by more than :data:`REVALIDATE_TOLERANCE` (the machine got busier or quieter, or changed)
+measures the whole profile again.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from mobius.models import GPTConfig, build_model
 from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
 from mobius.partition.mip import solve_partition
-from mobius.partition.profile import Profile, analytic_profile, measure_profile
+from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
 from mobius.runtime.device import cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
 from topology import Topology
@@ -48,6 +51,9 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
     return trained * per_trained + frozen * COMPUTE_BYTES[precision]
 
 
+REVALIDATE_TOLERANCE = 0.3
+
+
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -61,17 +67,29 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     if how == "analytic":
         return analytic_profile(model_name, config, micro_batch, seq_len, min(g.tflops for g in topo.gpus), precision)
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
+    workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     key = _hash([config.to_dict(), micro_batch, seq_len, precision, device,
-                 cuda_device_name(), torch.__version__])
+                 cuda_device_name(), torch.__version__, workers])
     path = CACHE_DIR / "profiles" / f"{key}.json"
     if path.is_file():
         try:
-            return Profile.load(path)
+            cached = Profile.load(path)
+            if still_holds(cached, config, precision, device, workers):
+                return cached
         except (OSError, ValueError, TypeError, KeyError):
             pass  # a damaged cache entry is re-measured
-    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device)
+    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers)
     _save_quietly(path, profile.to_dict())
     return profile
+
+
+def still_holds(profile: Profile, config: GPTConfig, precision: str, device: str, workers: int) -> bool:
+    """Time the profile's costliest layer again; the profile holds if it is within the tolerance."""
+    layer = max(profile.layers, key=lambda l: l.fwd_s + l.bwd_s)
+    index = int(layer.name.split(".")[1])
+    fwd, fwd_bwd = time_layer(config, index, profile.micro_batch, profile.seq_len, DTYPES[precision],
+                              torch.device(device), repeats=3, workers=workers)
+    return abs(fwd_bwd / max(layer.fwd_s + layer.bwd_s, 1e-12) - 1) <= REVALIDATE_TOLERANCE
 
 
 def _save_quietly(path: Path, data: dict) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.metrics import Trace, write_trace
+from mobius.runtime.device import cpu_threads_per_worker
 from mobius.signals import StopRequest
 
 PARENT_POLL_S = 0.5
@@ -48,8 +49,7 @@ def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
 
 def share_cpu_cores(world: int) -> None:
     """CPU workers standing in for GPUs split the machine's cores between them."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
 
 def gather_trace(trace: Trace, path: str | None, rank: int, world: int) -> None:

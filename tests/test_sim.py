@@ -67,13 +67,16 @@ def test_two_transfers_on_one_root_complex_share_it_equally():
     assert [bw for _, bw in r.achieved_bandwidths()] == pytest.approx([5e-9, 5e-9])
 
 
-def test_priorities_order_transfers_on_a_shared_root_complex():
+def test_priorities_order_one_gpus_queue_but_not_a_root_complex():
+    """PCIe shares a root complex fairly between GPUs whatever their queues' priorities (as the
+    emulated links do); a GPU's own copy engine takes its most urgent transfer first."""
     sim = Simulator(Link(gpu_bw={0: 10.0, 1: 10.0}, rc_of={0: 0, 1: 0}, rc_bw={0: 10.0}))
     late = sim.add("later stage", H2D, 0, 10.0, priority=5)
     early = sim.add("earlier stage", H2D, 1, 10.0, priority=1)
+    mine_late = sim.add("GPU 1, later", H2D, 1, 5.0, priority=9)
     r = sim.run()
-    assert r.tasks[early].end == pytest.approx(1.0)
-    assert r.tasks[late].start == pytest.approx(0.0) and r.tasks[late].end == pytest.approx(2.0)
+    assert r.tasks[early].end == pytest.approx(2.0) and r.tasks[late].end == pytest.approx(2.0)
+    assert r.tasks[mine_late].start == pytest.approx(2.0) and r.tasks[mine_late].end == pytest.approx(2.5)
 
 
 def test_gpu_link_caps_a_transfer_below_its_root_complex_share():

@@ -57,6 +57,18 @@ class Machine:
     micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
     adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
+    # The first load of every slot starts at once; those under one root complex share its bandwidth.
+    link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
+    first_wave_peers: tuple[tuple[int, ...], ...] = ()  # per slot: the slots under its root complex
+    rc_bandwidth: tuple[float, ...] = ()  # per slot: its root complex's host bandwidth, bytes/s
+
+    def first_load_s(self, j: int, sizes: list[float]) -> float:
+        """When slot ``j``'s first stage (``sizes[j]`` bytes; ``sizes`` of the first stage of every
+        slot) is on the device: fair sharing of its root complex, capped by its link."""
+        if not self.link:
+            return sizes[j] / self.bandwidth[j]
+        together = sum(sizes[k] for k in self.first_wave_peers[j] if k < len(sizes))
+        return max(sizes[j] / self.link[j], together / self.rc_bandwidth[j])
 
     @property
     def n(self) -> int:
@@ -159,9 +171,10 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
 
     tf = [[0.0] * m_count for _ in range(s_count)]
     pf = [0.0] * s_count
+    first = [float(c.param_bytes) for c in st[:n]]
     for j, c in enumerate(st):
         if j < n:
-            ready = c.param_bytes / bw[j]
+            ready = machine.first_load_s(j, first)
         else:
             prev = st[j - n]
             span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
@@ -225,6 +238,10 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
         concurrent = 1 + sum(1 for o in neighbours if topo.root_complex_of(o) == rc)
         bws.append(topo.host_bandwidth_share(g, concurrent) * GB)
         mems.append(int(topo.gpus[g].memory_gb * GB))
+    rc_of = [topo.root_complex_of(mapping.order[k]) for k in range(n)]
     host = host or HostCosts()
     return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.adam_params_per_s,
-                   optimizer_lag)
+                   optimizer_lag,
+                   link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
+                   first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
+                   rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)))

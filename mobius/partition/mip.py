@@ -168,8 +168,13 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
 
     # ---- forward: (9) load, (5)-(7) prefetch, (10) order, (8) dependencies ----
     for j in range(K):
-        if j < n:
-            prob += tf[j][0] >= S[j] * (1.0 / Bw[j])
+        if j < n:  # the first loads all start at once (cost.Machine.first_load_s)
+            if machine.link:
+                prob += tf[j][0] >= S[j] * (GB / machine.link[j])
+                prob += tf[j][0] >= pulp.lpSum(S[k] for k in machine.first_wave_peers[j] if k < K) * (
+                    GB / machine.rc_bandwidth[j])
+            else:
+                prob += tf[j][0] >= S[j] * (1.0 / Bw[j])
         else:
             prob += tf[j][0] >= tf[j - n][M - 1] + Fd[j - n] + (S[j] - pf[j]) * (1.0 / Bw[j])
             prob += pf[j] <= S[j]

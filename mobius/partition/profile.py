@@ -4,7 +4,9 @@ Two sources produce the same :class:`Profile`:
 
 * :func:`measure_profile` runs each *distinct* layer once (layer similarity: same type, parameter
   shapes and input shape -> same numbers) on CPU (``perf_counter``; working memory from the bytes
-  autograd saves) or CUDA (events; the caching allocator's peak counters).
+  autograd saves) or CUDA (events; the caching allocator's peak counters).  On CPU it measures
+  under the workers' conditions: each worker's share of the cores as threads, the other workers
+  computing at the same time, the median of several runs; the host's AdamW rate with it.
 * :func:`analytic_profile` computes it from FLOPs and bytes for a topology's GPUs, so the paper's
   3B-51B models can be planned on a laptop.
 """
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import torch
 
 from mobius.models import GPTConfig, build_layer, build_model, dtype_bytes, layer_count
 from mobius.runtime.device import (
+    cpu_threads_per_worker,
     memory_allocated,
     peak_memory,
     reset_peak_memory,
@@ -169,12 +175,55 @@ class _SavedBytes:
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
-    return time_per_call(fn, device, repeats)
+    """Seconds per call: the median of ``repeats`` calls (a busy moment is an outlier, not a cost)."""
+    if device.type == "cuda":
+        return time_per_call(fn, device, repeats)
+    return statistics.median(time_per_call(fn, device, 1) for _ in range(repeats))
+
+
+@contextmanager
+def worker_conditions(device: torch.device, workers: int, busy_work=None):
+    """CPU only: this thread computes with one worker's share of the cores while ``workers - 1``
+    threads run ``busy_work`` (the other workers computing at the same time)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker(workers))
+    stop = threading.Event()
+
+    def keep_busy() -> None:
+        while not stop.is_set():
+            busy_work()
+
+    others = [threading.Thread(target=keep_busy, daemon=True)
+              for _ in range(min(workers, os.cpu_count() or 1) - 1)] if busy_work else []
+    for t in others:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in others:
+            t.join()
+        torch.set_num_threads(threads_before)
+
+
+def measure_adam_rate(device: torch.device, workers: int, numel: int = 2**21, repeats: int = 5) -> float:
+    """Parameters per second of one worker's fused AdamW step, under the workers' conditions."""
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    opt.step()
+    with worker_conditions(device, workers):
+        return numel / _time(opt.step, torch.device("cpu"), repeats)
 
 
 def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
-                    precision: str = "fp32", device: str | torch.device = "cpu", repeats: int = 2) -> Profile:
-    """Run each distinct layer forward and backward once (after a warm-up) and record its costs."""
+                    precision: str = "fp32", device: str | torch.device = "cpu", repeats: int = 5,
+                    workers: int = 1) -> Profile:
+    """Run each distinct layer forward and backward (after a warm-up) and record its costs; on CPU
+    as one of ``workers`` workers (:func:`worker_conditions`)."""
     device = torch.device(device)
     dtype = DTYPES[precision]
     t_start = time.perf_counter()
@@ -187,16 +236,17 @@ def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_le
         sig = (meta.layers[i].signature(), in_shape)
         if sig not in measured:
             measured[sig] = _measure_layer(config, i, micro_batch, seq_len, dtype, device, repeats,
-                                           similarity_class=len(measured))
+                                           similarity_class=len(measured), workers=workers)
         p = measured[sig]
         layers.append(LayerProfile(**{**asdict(p), "name": f"layers.{i}", "kind": kind}))
+    host = HostCosts(adam_params_per_s=measure_adam_rate(device, workers)) if device.type == "cpu" else HostCosts()
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"measured-{device.type}", layers=layers, distinct_measured=len(measured),
-                   profile_seconds=time.perf_counter() - t_start)
+                   profile_seconds=time.perf_counter() - t_start, extra={"workers": workers}, host=host)
 
 
-def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device,
-                   repeats: int, similarity_class: int) -> LayerProfile:
+def _layer_runs(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device):
+    """(layer, input, forward without autograd, forward + backward) of layer ``index``."""
     layer = build_layer(config, index, seed=0).to(device=device, dtype=dtype)
     n = layer_count(config)
     gen = torch.Generator().manual_seed(index)
@@ -217,10 +267,25 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
         if out.requires_grad:  # a frozen embedding under LoRA has no backward
             out.backward(torch.ones_like(out))
 
-    forward_no_grad()
-    forward_backward()  # warm-up (allocator, kernels)
-    fwd_s = _time(forward_no_grad, device, repeats)
-    fwd_bwd_s = _time(forward_backward, device, repeats)
+    return layer, x, run, forward_no_grad, forward_backward
+
+
+def time_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device,
+               repeats: int, workers: int) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of layer ``index`` as one of ``workers`` workers runs it."""
+    *_, forward_no_grad, forward_backward = _layer_runs(config, index, b, t, dtype, device)
+    busy = _layer_runs(config, index, b, t, dtype, device)[-1] if workers > 1 and device.type == "cpu" else None
+    with worker_conditions(device, workers, busy):
+        forward_no_grad()
+        forward_backward()  # warm-up (allocator, kernels)
+        return _time(forward_no_grad, device, repeats), _time(forward_backward, device, repeats)
+
+
+def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device,
+                   repeats: int, similarity_class: int, workers: int = 1) -> LayerProfile:
+    layer, x, run, forward_no_grad, forward_backward = _layer_runs(config, index, b, t, dtype, device)
+    n = layer_count(config)
+    fwd_s, fwd_bwd_s = time_layer(config, index, b, t, dtype, device, repeats, workers)
 
     counter = _SavedBytes()
     if device.type == "cuda":

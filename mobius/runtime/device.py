@@ -578,6 +578,11 @@ def time_per_call(fn: Callable[[], object], device: torch.device, repeats: int) 
     return (time.perf_counter() - t0) / repeats
 
 
+def cpu_threads_per_worker(workers: int) -> int:
+    """CPU workers standing in for GPUs split the machine's cores between them."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 # ---- deciding which -------------------------------------------------------------------------------------
 
 def open_device(use_cuda: bool, local_rank: int = 0, memory_cap_bytes: int | None = None, emulation=None) -> Device:

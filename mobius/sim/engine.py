@@ -6,9 +6,9 @@ AdamW).  A copy engine runs one transfer at a time and picks, among the issued t
 dependencies are done, the one with the best priority (the runtime's transfer queue).
 
 Bandwidth is a fluid model.  A transfer is capped by its GPU's link; the transfers of one root
-complex in one direction share its host bandwidth.  The share is max-min fair within a priority
-class, and classes are served in priority order (strict priority: the mapping's rule that the
-stage executing earlier goes first).  Rates are recomputed whenever a transfer starts or ends.
+complex in one direction share its host bandwidth, max-min fair (PCIe has no priorities between
+devices; a GPU's own queue picks its next transfer by priority).  Rates are recomputed whenever a
+transfer starts or ends.
 """
 
 from __future__ import annotations
@@ -124,17 +124,13 @@ class Simulator:
         for t in active:
             groups[(self.link.rc_of[t.gpu], t.kind)].append(t)
         for (rc, _), flows in groups.items():
-            capacity = self.link.rc_bw[rc]
-            for prio in sorted({f.priority for f in flows}):
-                cls = [f for f in flows if f.priority == prio]
-                # Max-min fair water-filling with per-flow caps (the GPU links).
-                caps = sorted(cls, key=lambda f: self.link.gpu_bw[f.gpu])
-                left, n = capacity, len(caps)
-                for k, f in enumerate(caps):
-                    share = left / (n - k) if n - k else 0.0
-                    f.rate = min(self.link.gpu_bw[f.gpu], share)
-                    left -= f.rate
-                capacity = max(0.0, left)
+            # Max-min fair water-filling with per-flow caps (the GPU links).
+            caps = sorted(flows, key=lambda f: self.link.gpu_bw[f.gpu])
+            left, n = self.link.rc_bw[rc], len(caps)
+            for k, f in enumerate(caps):
+                share = left / (n - k)
+                f.rate = min(self.link.gpu_bw[f.gpu], share)
+                left -= f.rate
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> SimResult:
