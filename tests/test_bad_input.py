@@ -74,6 +74,10 @@ TRAIN_OPTIONS = [
     (["--backend", "chunked", "--topology", "cpu", "--lora-rank", "4"], "--lora-rank is built for --backend pipeline"),
     (["--backend", "chunked", "--topology", "cpu", "--optimizer-lag", "1"],
      "--optimizer-lag is built for --backend pipeline"),
+    (["--emulate"], "--topology auto is this machine"),
+    (["--emulate", "--topology", "topo2+2", "--backend", "single"], "--emulate is built for --backend pipeline"),
+    (["--emulate", "--topology", "dgx-a100", "--backend", "chunked"], "--emulate is built for --backend pipeline"),
+    (["--mapping", "diagonal"], "invalid choice: 'diagonal'"),
 ]
 
 

@@ -40,6 +40,14 @@ def test_mip_equals_exhaustive_optimum(seed):
     memory = tuple(int(rng.uniform(2.6, 8.0) * 1e9) for _ in range(n_gpus))
     bandwidth = tuple(rng.uniform(5e9, 15e9) for _ in range(n_gpus))
     machine = Machine(bandwidth, memory)
+    if seed % 2:  # what the runtime revealed (issue 15): the MIP must encode it as evaluate does
+        rc_of = [rng.randint(0, 1) for _ in range(n_gpus)]
+        machine = Machine(bandwidth, memory, prefetch=rng.random() < 0.7, handoff_s=rng.uniform(0, 0.01),
+                          micro_batch_s=rng.uniform(0, 0.01), adam_params_per_s=rng.uniform(2e9, 2e10),
+                          optimizer_lag=rng.randint(0, 1), link=tuple(b * 1.2 for b in bandwidth),
+                          first_wave_peers=tuple(tuple(i for i in range(n_gpus) if rc_of[i] == rc_of[k])
+                                                 for k in range(n_gpus)),
+                          rc_bandwidth=tuple(rng.uniform(8e9, 20e9) for _ in range(n_gpus)))
     micro_batches = rng.choice([1, 2, 4])
     best, _ = exhaustive_optimum(profile, machine, micro_batches)
     result = solve_partition(profile, machine, micro_batches, time_limit_s=60, gap=GAP)
@@ -91,3 +99,23 @@ def test_plan_command_rejects_bad_input_with_one_line():
     import json
     plan = json.loads(r.stdout)
     assert plan["bounds"][0][0] == 0 and plan["bounds"][-1][1] == 52 and plan["predicted_step_s"] > 0
+
+
+def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch):
+    """A cached measured profile whose costliest layer no longer times as recorded (the machine got
+    busier or quieter) is measured again."""
+    from mobius import planner
+    from topology import cpu_topology
+
+    monkeypatch.setattr(planner, "CACHE_DIR", tmp_path)
+    config, topo = get_config("tiny"), cpu_topology(2)
+    first = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
+    assert first.extra["workers"] == 2 and first.host.adam_params_per_s > 0
+    (path,) = (tmp_path / "profiles").glob("*.json")
+    stale = Profile.load(path)
+    for layer in stale.layers:
+        layer.fwd_s, layer.bwd_s = layer.fwd_s * 100, layer.bwd_s * 100
+    stale.save(path)
+    fresh = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
+    costliest = max(range(fresh.n), key=lambda i: stale.layers[i].fwd_s + stale.layers[i].bwd_s)
+    assert fresh.layers[costliest].fwd_s < stale.layers[costliest].fwd_s / 10

@@ -1,0 +1,124 @@
+"""The paper's effects in the real runtime: emulated PCIe boxes on CPU workers (``--emulate``).
+
+Each row is one configuration, three step times in emulated milliseconds:
+
+* predicted: the cost model the MIP optimises (``plan.predicted_step_s``);
+* simulated: the discrete-event simulator on the same plan (:func:`mobius.sim.simulate_mobius`);
+* measured: ``python -m mobius.train --emulate`` on this machine, the median ``emulated_step_s``
+  of its steps after the first (warm-up).
+
+Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
+``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
+small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
+
+    python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--json bench_emulated.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mobius.backend import resolve_topology
+from mobius.config import parse_train_args
+from mobius.errors import InputError
+from mobius.models import get_config
+from mobius.planner import get_profile
+from mobius.sim.schedules import simulate_mobius
+from mobius.spec import prepare_pipeline
+
+BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
+PAIR = "--topology topo2+2 --model small --gpu-mem-gb 0.05"
+SMALL_BLOCKS = "--topology topo2+2 --model small --gpu-mem-gb 0.1 --micro-batch-size 8"
+LARGE_BLOCKS = "--topology topo2+2 --model gpt2 --gpu-mem-gb 0.8 --micro-batch-size 2"
+PARTITIONERS = ("mip", "min", "max", "balanced")
+
+TABLES: dict[str, list[tuple[str, str]]] = {
+    "prefetch": [("8x3090-4+4 prefetch on", BOX), ("8x3090-4+4 prefetch off", f"{BOX} --no-prefetch")],
+    "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
+                ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
+    "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
+    "partition": [(f"small blocks {p}", f"{SMALL_BLOCKS} --partitioner {p}") for p in PARTITIONERS]
+    + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
+}
+# (table, faster row, slower row): the gains the runtime must show as the cost model predicts them.
+GAINS = [("prefetch", "8x3090-4+4 prefetch on", "8x3090-4+4 prefetch off"),
+         ("mapping", "8x3090-4+4 cross", "8x3090-4+4 sequential"),
+         ("mapping", "topo2+2 cross", "topo2+2 sequential"),
+         ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0")]
+
+
+def predict(options: str, steps: int) -> dict:
+    """The plan's predicted and simulated step times, and the dilation the run will use."""
+    cfg = parse_train_args([*shlex.split(options), "--emulate", "--steps", str(steps)])
+    topo = resolve_topology(cfg)
+    spec, plan = prepare_pipeline(cfg, topo)
+    profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.micro_batch_size, cfg.seq_len,
+                          plan.precision, "analytic")
+    sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
+                          prefetch=plan.prefetch).step_s
+    return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
+            "factor": spec.emulation["factor"]}
+
+
+def measure(options: str, steps: int, metrics: Path) -> list[float]:
+    metrics.unlink(missing_ok=True)
+    subprocess.run([sys.executable, "-m", "mobius.train", *shlex.split(options), "--emulate", "--steps", str(steps),
+                    "--metrics", str(metrics), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line)["emulated_step_s"] for line in metrics.read_text().splitlines()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
+    p.add_argument("--only", choices=tuple(TABLES), action="append", help="run only these tables")
+    p.add_argument("--json", default="bench_emulated.json")
+    args = p.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="mobius-bench-") as tmp:
+        for table in args.only or TABLES:
+            print(f"\n{table}")
+            print(f"{'configuration':<28} {'stages':>6} {'1/F':>6} {'predicted ms':>12} {'simulated ms':>12} "
+                  f"{'measured ms':>11} {'pred/meas':>9}")
+            for name, options in TABLES[table]:
+                try:
+                    row = predict(options, args.steps)
+                except InputError as err:  # e.g. a partition with fewer stages than GPUs
+                    print(f"{name:<28} not run: {err}", flush=True)
+                    continue
+                steps = measure(options, args.steps, Path(tmp) / "metrics.jsonl")
+                row.update(measured_s=statistics.median(steps[1:]), steps_s=steps, options=options)
+                row["error"] = row["predicted_s"] / row["measured_s"] - 1
+                results[name] = row
+                print(f"{name:<28} {row['stages']:>6} {row['factor']:>6g} {row['predicted_s'] * 1e3:>12.2f} "
+                      f"{row['simulated_s'] * 1e3:>12.2f} {row['measured_s'] * 1e3:>11.2f} {row['error']:>+9.1%}",
+                      flush=True)
+    gains = []
+    for _, fast, slow in GAINS:
+        if fast in results and slow in results:
+            g = {"faster": fast, "slower": slow,
+                 "predicted_gain": 1 - results[fast]["predicted_s"] / results[slow]["predicted_s"],
+                 "measured_gain": 1 - results[fast]["measured_s"] / results[slow]["measured_s"]}
+            gains.append(g)
+            print(f"gain of {fast} over {slow}: predicted {g['predicted_gain']:+.1%}, measured {g['measured_gain']:+.1%}")
+    for prefix in ("small blocks", "large blocks"):
+        rows = {k.split()[-1]: v for k, v in results.items() if k.startswith(prefix)}
+        if rows:
+            by_pred = sorted(rows, key=lambda k: rows[k]["predicted_s"])
+            by_meas = sorted(rows, key=lambda k: rows[k]["measured_s"])
+            print(f"{prefix}: predicted ranking {by_pred}, measured ranking {by_meas}")
+    if results:
+        worst = max(results, key=lambda k: abs(results[k]["error"]))
+        print(f"worst prediction: {worst} {results[worst]['error']:+.1%}")
+    Path(args.json).write_text(json.dumps({"rows": results, "gains": gains}, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

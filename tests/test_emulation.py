@@ -1,0 +1,134 @@
+"""--emulate: emulated PCIe links shared across workers, dilated compute, and the switches that show
+the paper's effects (--mapping, --no-prefetch), in process (the multi-process run is in
+scripts/bench_emulated.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mobius.partition.cost import Machine, evaluate
+from mobius.partition.profile import LayerProfile, Profile
+from mobius.runtime.device import CpuDevice
+from mobius.runtime.emulation import EmulatedLinks, EmulationSpec, create_counters
+from mobius.stages.ops import LOAD, RELEASE, WAIT, worker_ops
+
+FACTOR = 40.0  # wall seconds per emulated second: 1 MB at 1 GB/s = 1 ms emulated = 40 ms wall
+MB = 10**6
+
+
+def links(tmp_path, root_complex=(0, 0, 1), link_bps=1e9, rc_bps=1e9) -> list[EmulatedLinks]:
+    path = str(tmp_path / "counters")
+    create_counters(path, len(root_complex))
+    spec = EmulationSpec("test", FACTOR, (link_bps,) * len(root_complex), tuple(root_complex),
+                         {str(r): rc_bps for r in set(root_complex)}, path)
+    return [EmulatedLinks(spec, rank) for rank in range(len(root_complex))]
+
+
+def emulated_s(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) / FACTOR
+
+
+def at_once(*fns) -> list[float]:
+    """Emulated seconds each of ``fns`` took, all started together on threads."""
+    out = [0.0] * len(fns)
+
+    def run(i: int) -> None:
+        out[i] = emulated_s(fns[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_transfer_alone_takes_bytes_over_bandwidth(tmp_path):
+    w = links(tmp_path)
+    assert emulated_s(lambda: w[0].transfer(MB, "h2d", lambda: None)) == pytest.approx(1e-3, rel=0.25)
+
+
+def test_workers_under_one_root_complex_share_it_across_emulators(tmp_path):
+    """Workers 0 and 1 hang off root complex 0: two transfers at once each get half of it; worker 2
+    (root complex 1) and transfers in the other direction are not slowed."""
+    w = links(tmp_path)
+    shared = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[1].transfer(MB, "h2d", lambda: None))
+    assert shared == pytest.approx([2e-3, 2e-3], rel=0.25)
+    apart = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[2].transfer(MB, "h2d", lambda: None),
+                    lambda: w[1].transfer(MB, "d2h", lambda: None))
+    assert apart == pytest.approx([1e-3, 1e-3, 1e-3], rel=0.25)
+
+
+def test_the_gpu_link_caps_a_transfer_below_its_share(tmp_path):
+    w = links(tmp_path, root_complex=(0,), link_bps=0.5e9, rc_bps=1e9)
+    assert emulated_s(lambda: w[0].transfer(MB, "h2d", lambda: None)) == pytest.approx(2e-3, rel=0.25)
+
+
+def test_compute_lasts_the_gpu_time_and_compute_stream_copies_come_on_top(tmp_path):
+    """A micro-batch whose emulated GPU time is 2 ms takes 2 ms however fast the CPU is; its input's
+    copy on the compute stream (1 MB, 1 ms) adds to it, as on a GPU."""
+    w = links(tmp_path, root_complex=(0,))
+    device = CpuDevice(check=False, emulation=w[0])
+
+    def step() -> None:
+        with device.compute_span(2e-3):
+            w[0].transfer(MB, "h2d", lambda: None)
+
+    assert emulated_s(step) == pytest.approx(3e-3, rel=0.25)
+    with device.compute_span(0.0):
+        pass  # nothing to pad
+
+
+def test_real_copies_still_move_the_data(tmp_path):
+    import torch
+
+    w = links(tmp_path, root_complex=(0,))
+    device = CpuDevice(check=True, emulation=w[0])
+    stream = device.new_stream("h2d", "h2d")
+    src = torch.arange(1000, dtype=torch.float32)
+    dst = device.empty(1000, torch.float32, stream)
+    stream.copy(dst, src)
+    stream.synchronize()
+    assert torch.equal(dst, src)
+    device.close()
+
+
+def test_without_prefetch_a_stage_loads_after_the_previous_is_released():
+    ops = worker_ops(8, [0, 2, 4, 6], 2, recompute=True, prefetch=False)
+    seq = [(op.kind, op.stage, op.backward) for op in ops if op.kind in (LOAD, WAIT, RELEASE)]
+    for k, (kind, s, backward) in enumerate(seq):
+        if kind == LOAD and k > 0:  # every load but the first follows the release of the stage before
+            assert seq[k - 1][0] == RELEASE and seq[k + 1] == (WAIT, s, backward)
+    assert worker_ops(8, [0, 2, 4, 6], 2, recompute=True) != ops
+
+
+def two_blocks() -> Profile:
+    block = dict(kind="block", similarity_class=0, fwd_s=1.0, bwd_s=2.0, param_bytes=4, out_bytes=1,
+                 fwd_work_bytes=0, bwd_work_bytes=0)
+    return Profile("t", 1, 1, "fp32", "synthetic", [LayerProfile(name="l0", **block), LayerProfile(name="l1", **{
+        **block, "out_bytes": 0})])
+
+
+def test_cost_model_terms_by_hand():
+    """One GPU, two one-layer stages (4 B each, 1 B boundary activation), one micro-batch, 1 B/s,
+    recompute off, no prefetch, ``o`` per micro-batch.  Forward: S0 loads 4, computes 1 (+o);
+    S1 loads 4 after it, then its input's copy on the compute stream 1, compute 1 (+o): 11+2o.
+    Backward: S1 2 (+o); S0 loads 4, output gradient's copy 1, compute 2 (+o): 20+4o; its gradients
+    come home (4) and AdamW updates its one parameter: 24+4o+adam."""
+    prof, bounds = two_blocks(), [(0, 1), (1, 2)]
+
+    def step(**kw) -> float:
+        return evaluate(prof, bounds, Machine((1.0,), (100,), prefetch=False, **kw), 1, recompute=False).step_s
+
+    assert step() == pytest.approx(24.0)
+    assert step(micro_batch_s=0.5) == pytest.approx(26.0)
+    assert step(adam_params_per_s=2.0) == pytest.approx(24.5)
+    assert step(adam_params_per_s=2.0, optimizer_lag=1) == pytest.approx(24.0)  # off the critical path
+    assert step(adam_params_per_s=0.02) == pytest.approx(100.0)  # the optimizer thread: 2 params at 0.02/s
+    # With prefetching S1 loads 1 B while S0 computes (1 s at 1 B/s), S0 2 B during S1's 2 s backward.
+    assert evaluate(prof, bounds, Machine((1.0,), (100,)), 1, recompute=False).step_s == pytest.approx(21.0)
