@@ -10,13 +10,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from mobius.errors import InputError
+from mobius.models.lora import LORA_MODULES
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-# The projections LoRA can adapt (mobius.models.lora): q|k|v, attention output, MLP in, MLP out.
-LORA_TARGETS = ("qkv", "proj", "fc", "fc_out")
+# The projections LoRA can adapt: q|k|v, attention output, MLP in, MLP out.
+LORA_TARGETS = LORA_MODULES
 
 
 @dataclass
@@ -92,7 +93,9 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank on frozen base weights (0: full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: the rank)")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (only 0 is built)")
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input in training (masks seeded per step, micro-batch, layer and "
+                        "module: every backend and every recomputation draws the same)")
     p.add_argument("--lora-targets", default=d.lora_targets,
                    help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
                         "fc (MLP in; gate and up), fc_out (MLP out)")
@@ -187,9 +190,8 @@ def _validate_lora(cfg: RunConfig) -> None:
         return
     if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
         raise InputError(f"--lora-alpha must be a positive finite number, got {cfg.lora_alpha}")
-    if cfg.lora_dropout != 0:
-        raise InputError(f"--lora-dropout {cfg.lora_dropout}: only 0 is built (the equivalence of backends "
-                         "is checked without dropout)")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise InputError(f"--lora-dropout must be at least 0 and below 1, got {cfg.lora_dropout}")
     targets = cfg.lora_targets.split(",")
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or len(set(targets)) != len(targets):

@@ -22,6 +22,7 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
+from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
 from mobius.runtime.device import peak_memory, reset_peak_memory
 
@@ -63,7 +64,7 @@ class ReferenceTrainer:
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
             tokens, targets = mb.tokens.to(self.device), mb.targets.to(self.device)
-            with self._autocast():
+            with self._autocast(), dropout_micro_batch(self.cfg.seed, step, m):
                 loss = self.model(tokens, targets)
             t_bwd = time.perf_counter()
             (loss * (self.scaler.scale / len(micro))).backward()

@@ -65,7 +65,7 @@ TRAIN_OPTIONS = [
     (["--lora-rank", "-1"], "--lora-rank must be zero or positive, got -1"),
     (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R"),
     (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive finite number, got nan"),
-    (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1: only 0 is built"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be at least 0 and below 1, got 1.0"),
     (["--lora-rank", "4", "--lora-targets", "qkv,mlp"], "--lora-targets 'qkv,mlp': give distinct names among"),
     (["--lora-rank", "4", "--lora-targets", "qkv,qkv"], "--lora-targets 'qkv,qkv': give distinct names among"),
     (["--export-merged", "/tmp/x-merged"], "--export-merged needs --lora-rank R"),

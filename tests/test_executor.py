@@ -136,3 +136,15 @@ def test_optimizer_lag_equals_its_reference(tied_gpt2, model, workers, stages):
     assert_same(got, want)
     unlagged, _ = reference(config(workers, stages, steps=4, model=model, precision="fp32"))
     assert want[0][0] == unlagged[0] and want[0][1] != pytest.approx(unlagged[1], rel=1e-3)
+
+
+@pytest.mark.parametrize("recompute", ["on", "off"])
+def test_lora_dropout_masks_are_the_references(recompute):
+    """--lora-dropout: every micro-batch's masks are a function of (seed, step, micro-batch, layer,
+    module, part), so the pipeline (whose recomputation redoes each forward) equals the reference;
+    and the dropout does something."""
+    cfg = config(2, 4, steps=3, recompute=recompute, precision="fp32", lora_rank=4, lora_dropout=0.3)
+    got = run_in_threads(cfg)
+    assert_same(got, reference(cfg))
+    plain = reference(RunConfig(**{**cfg.to_dict(), "lora_dropout": 0.0}))
+    assert abs(got[0][1] - plain[0][1]) > 1e-4

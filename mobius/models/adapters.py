@@ -71,7 +71,7 @@ def adapter_config(config: GPTConfig) -> dict:
     targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets.split(",")
                       for path in _module_paths(config, 1, module)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config.checkpoint,
-            "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+            "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout, "bias": "none",
             "target_modules": targets, "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
             "use_rslora": False, "use_dora": False}

@@ -43,6 +43,7 @@ class GPTConfig:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: str = ""
+    lora_dropout: float = 0.0  # on the adapters' input, in training steps (mobius.models.lora)
 
     def shape_problem(self) -> str | None:
         """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not

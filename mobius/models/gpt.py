@@ -321,7 +321,7 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
         torch.random.set_rng_state(gen_state)
     if config.lora_rank:
         if cls is Block:
-            add_lora(layer, config, None if device.type == "meta" else seed * 100_003 + index)
+            add_lora(layer, config, None if device.type == "meta" else seed * 100_003 + index, index)
         else:
             freeze(layer)
     return layer

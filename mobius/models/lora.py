@@ -4,6 +4,12 @@
 (Kaiming-uniform, a = sqrt(5)) and ``B`` (out x r) zero, so training starts from the base model.
 The base ``W`` and ``b`` are frozen; only ``A`` and ``B`` train.
 
+Dropout on an adapter's input (``--lora-dropout p``, PEFT's ``lora_dropout``) must give every
+backend the same masks, and recomputation the mask of the forward it redoes, so a mask is not drawn
+from a global generator: it is a pure function of (run seed, step, micro-batch, layer, module, part),
+drawn on the CPU.  The trainer names the micro-batch being computed (:func:`dropout_micro_batch`);
+outside of that (evaluation, exports) no dropout applies.
+
 Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`` for Llama and
 OPT, gate|up in ``fc`` for SwiGLU): such a projection carries one adapter per Hugging Face module,
 each on its slice of the output, exactly as PEFT puts one on each module, so an exported adapter
@@ -12,6 +18,8 @@ loads into PEFT unchanged.  Parameter names: ``<module>.lora_A.<part>``, ``<modu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -20,9 +28,33 @@ from torch import nn
 
 from mobius.models.config import GPTConfig
 
+# Every projection an adapter can sit on (q|k|v, attention output, MLP in, MLP out), numbered for
+# the dropout masks.
+LORA_MODULES = ("qkv", "proj", "fc", "fc_out")
+
 # Adapters are initialised from a generator of their own per layer, so adding them changes no
 # base weight of a seeded preset.
 SEED_OFFSET = 2**40
+
+# (run seed, step, micro-batch) of the micro-batch this thread computes, or None: no dropout.
+_MICRO_BATCH: contextvars.ContextVar = contextvars.ContextVar("lora_micro_batch", default=None)
+
+
+@contextlib.contextmanager
+def dropout_micro_batch(seed: int, step: int, micro_batch: int):
+    """Adapter dropout within this block draws the masks of micro-batch ``micro_batch`` of ``step``."""
+    token = _MICRO_BATCH.set((seed, step, micro_batch))
+    try:
+        yield
+    finally:
+        _MICRO_BATCH.reset(token)
+
+
+def _mix(*values: int) -> int:
+    h = 0
+    for v in values:
+        h = (h * 1_000_003 + int(v)) % (2**63 - 1)
+    return h
 
 
 def parts(config: GPTConfig, module: str) -> list[int]:
@@ -42,9 +74,12 @@ def parts(config: GPTConfig, module: str) -> list[int]:
 class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus one low-rank adapter per part of its output."""
 
-    def add_adapters(self, sizes: list[int], rank: int, alpha: float) -> None:
+    def add_adapters(self, sizes: list[int], rank: int, alpha: float, dropout: float = 0.0,
+                     where: tuple[int, int] = (0, 0)) -> None:
+        """``where``: (layer index, module number), what a dropout mask is a function of."""
         assert sum(sizes) == self.out_features
         self.scaling = alpha / rank
+        self.dropout, self.where = dropout, where
         self.lora_A = nn.ParameterList([nn.Parameter(torch.empty(rank, self.in_features, device=self.weight.device))
                                         for _ in sizes])
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(n, rank, device=self.weight.device)) for n in sizes])
@@ -57,23 +92,32 @@ class LoRALinear(nn.Linear):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
             nn.init.zeros_(b)
 
+    def _dropped(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        key = _MICRO_BATCH.get()
+        if not self.dropout or key is None:
+            return x
+        generator = torch.Generator().manual_seed(_mix(*key, *self.where, part))
+        keep = torch.rand(x.shape, generator=generator) >= self.dropout
+        return x * keep.to(device=x.device, dtype=x.dtype) * (1.0 / (1.0 - self.dropout))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        deltas = [F.linear(F.linear(x, a), b) for a, b in zip(self.lora_A, self.lora_B)]
+        deltas = [F.linear(F.linear(self._dropped(x, k), a), b) for k, (a, b) in enumerate(zip(self.lora_A, self.lora_B))]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return y + delta * self.scaling
 
 
-def add_lora(block: nn.Module, config: GPTConfig, seed: int | None) -> None:
-    """Freeze every parameter of ``block`` and put adapters on its target projections,
-    initialised from ``seed`` (None: left uninitialised, e.g. on the meta device)."""
+def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int = 0) -> None:
+    """Freeze every parameter of ``block`` (layer ``index``) and put adapters on its target
+    projections, initialised from ``seed`` (None: left uninitialised, e.g. on the meta device)."""
     for p in block.parameters():
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
     for name in config.lora_targets.split(","):
         lin = getattr(block, name)
         lin.__class__ = LoRALinear
-        lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha)
+        lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
+                         (index, LORA_MODULES.index(name)))
         if generator is not None:
             with torch.no_grad():
                 lin.reset_adapters(generator)

@@ -18,7 +18,7 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     if not cfg.lora_rank:
         return config
     return dataclasses.replace(config, lora_rank=cfg.lora_rank, lora_alpha=float(cfg.lora_alpha or cfg.lora_rank),
-                               lora_targets=cfg.lora_targets)
+                               lora_targets=cfg.lora_targets, lora_dropout=cfg.lora_dropout)
 
 
 def check_model_input(cfg: RunConfig) -> GPTConfig:

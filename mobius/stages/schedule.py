@@ -36,6 +36,7 @@ from torch import nn
 from mobius.data import BatchSource
 from mobius.metrics import Trace
 from mobius.models import Head
+from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.runtime.device import Device
 from mobius.runtime.spec import Plan
@@ -145,6 +146,10 @@ class StageRunner:
             return (st.bwd_ms - (st.fwd_ms if self.plan.recompute else 0.0)) / 1e3
         return st.fwd_ms / 1e3
 
+    def _dropout(self, m: int, st: _StepState):
+        """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation."""
+        return dropout_micro_batch(self.batches.seed, st.step, m)
+
     def _op_compute(self, op: Op, st: _StepState) -> None:
         with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):
             if op.backward:
@@ -159,13 +164,13 @@ class StageRunner:
         x = self.links.to_device(x_host, "stage input", recycle=not recompute)
         if recompute:
             st.host_inputs[(s, m)] = x_host
-            with torch.no_grad():
+            with torch.no_grad(), self._dropout(m, st):
                 out = self._run_layers(st.layers, x, targets)
             self.working.free(x)
         else:
             if x.is_floating_point():
                 x.requires_grad_(True)
-            with self.working.saved_activations() as ledger:
+            with self.working.saved_activations() as ledger, self._dropout(m, st):
                 out = self._run_layers(st.layers, x, targets)
             st.kept[(s, m)] = (x, out, ledger, self.working.memory.phase)
         if s == self.n_stages - 1:
@@ -183,7 +188,8 @@ class StageRunner:
         x = self.links.to_device(x_host, "recompute input", recycle=False)
         if x.is_floating_point():
             x.requires_grad_(True)
-        with self.working.saved_activations() as ledger, self.device.compute_span(self._emulated_s(s, "forward")):
+        with self.working.saved_activations() as ledger, self.device.compute_span(self._emulated_s(s, "forward")), \
+                self._dropout(m, st):
             out = self._run_layers(st.layers, x, self._targets(s, m, st))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host
