@@ -7,6 +7,9 @@ Each row is one configuration, three step times in emulated milliseconds:
 * measured: ``python -m mobius.train --emulate`` on this machine, the median ``emulated_step_s``
   of its steps after the first (warm-up).
 
+The ``rehearsal`` table is the plain CPU rehearsal (``--topology auto``, no emulation): the CPU's
+own measured profile predicts the CPU workers' ``step_time_s``.
+
 Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
 ``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
 small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
@@ -39,8 +42,12 @@ SMALL_BLOCKS = "--topology topo2+2 --model small --gpu-mem-gb 0.1 --micro-batch-
 LARGE_BLOCKS = "--topology topo2+2 --model gpt2 --gpu-mem-gb 0.8 --micro-batch-size 2"
 PARTITIONERS = ("mip", "min", "max", "balanced")
 
+REHEARSAL = "--topology auto"  # the default run (model small, 2 CPU workers), at least 8 steps
+
 TABLES: dict[str, list[tuple[str, str]]] = {
-    "prefetch": [("8x3090-4+4 prefetch on", BOX), ("8x3090-4+4 prefetch off", f"{BOX} --no-prefetch")],
+    "rehearsal": [("CPU rehearsal (default run)", REHEARSAL)],
+    "prefetch": [("topo2+2 prefetch on", PAIR), ("topo2+2 prefetch off", f"{PAIR} --no-prefetch"),
+                 ("8x3090-4+4 prefetch on", BOX), ("8x3090-4+4 prefetch off", f"{BOX} --no-prefetch")],
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
                 ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
     "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
@@ -48,30 +55,38 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
 }
 # (table, faster row, slower row): the gains the runtime must show as the cost model predicts them.
-GAINS = [("prefetch", "8x3090-4+4 prefetch on", "8x3090-4+4 prefetch off"),
+GAINS = [("prefetch", "topo2+2 prefetch on", "topo2+2 prefetch off"),
+         ("prefetch", "8x3090-4+4 prefetch on", "8x3090-4+4 prefetch off"),
          ("mapping", "8x3090-4+4 cross", "8x3090-4+4 sequential"),
          ("mapping", "topo2+2 cross", "topo2+2 sequential"),
          ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0")]
 
 
+def command(options: str, steps: int) -> list[str]:
+    if "--topology auto" in options:  # a CPU rehearsal: real time, noisier, so more steps
+        return [*shlex.split(options), "--steps", str(max(steps, 8))]
+    return [*shlex.split(options), "--emulate", "--steps", str(steps)]
+
+
 def predict(options: str, steps: int) -> dict:
     """The plan's predicted and simulated step times, and the dilation the run will use."""
-    cfg = parse_train_args([*shlex.split(options), "--emulate", "--steps", str(steps)])
+    cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(cfg, topo)
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.micro_batch_size, cfg.seq_len,
-                          plan.precision, "analytic")
+                          plan.precision, "analytic" if cfg.emulate else "measure")
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                          prefetch=plan.prefetch).step_s
+                          optimizer_lag=cfg.optimizer_lag, prefetch=plan.prefetch).step_s
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
-            "factor": spec.emulation["factor"]}
+            "factor": spec.emulation["factor"] if spec.emulation else 1}
 
 
 def measure(options: str, steps: int, metrics: Path) -> list[float]:
     metrics.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "mobius.train", *shlex.split(options), "--emulate", "--steps", str(steps),
-                    "--metrics", str(metrics), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line)["emulated_step_s"] for line in metrics.read_text().splitlines()]
+    subprocess.run([sys.executable, "-m", "mobius.train", *command(options, steps), "--metrics", str(metrics),
+                    "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+    key = "emulated_step_s" if "--topology auto" not in options else "step_time_s"
+    return [json.loads(line)[key] for line in metrics.read_text().splitlines()]
 
 
 def main() -> None:
