@@ -22,7 +22,7 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_model
 from mobius.partition.baselines import BASELINES, uniform_bounds
-from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for
+from mobius.partition.cost import GB, check_layers_fit, evaluate, link_duty, machine_for
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
 from mobius.runtime.device import cuda_available, cuda_device_name
@@ -146,7 +146,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if stages is not None and stages < topo.n:
         raise InputError(f"--stages {stages} is fewer than {workers}: every worker needs a stage")
     place = MAPPINGS[mapping]
-    machine = machine_for(topo, place(topo, max(topo.n, stages or 2 * topo.n)), prefetch, profile.host, optimizer_lag)
+    assumed = place(topo, max(topo.n, stages or 2 * topo.n))
+    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
     key = _hash([profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute, stages, with_baselines,
                  mapping, prefetch, optimizer_lag])
@@ -157,8 +158,17 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         except (OSError, ValueError, TypeError, KeyError):
             pass
 
-    baselines = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
-    times = {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in baselines.items()}
+    def candidates(machine):
+        found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
+        return found, {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in found.items()}
+
+    # How busy each GPU's link is (in the best baseline's step) decides how much neighbours under one
+    # root complex slow each other down; then the partitions are chosen on that machine.
+    baselines, times = candidates(machine)
+    first = min(times, key=times.get)
+    duty = link_duty(profile, baselines[first], machine, micro_batches, recompute, times[first])
+    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, duty)
+    baselines, times = candidates(machine)
     solver: dict = {}
     if stages is not None:
         if stages > profile.n:
@@ -181,7 +191,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
     # The mapping was searched for an assumed stage count; redo it for the real one.
     placed = place(topo, len(bounds))
-    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag)
+    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag, duty)
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,

@@ -14,7 +14,7 @@ Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``top
 ``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
 small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
-    python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--json bench_emulated.json]
+    python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
     p.add_argument("--only", choices=tuple(TABLES), action="append", help="run only these tables")
+    p.add_argument("--match", action="append", help="run only the rows whose name contains this")
     p.add_argument("--json", default="bench_emulated.json")
     args = p.parse_args()
     results: dict[str, dict] = {}
@@ -102,6 +103,8 @@ def main() -> None:
             print(f"{'configuration':<28} {'stages':>6} {'1/F':>6} {'predicted ms':>12} {'simulated ms':>12} "
                   f"{'measured ms':>11} {'pred/meas':>9}")
             for name, options in TABLES[table]:
+                if args.match and not any(m in name for m in args.match):
+                    continue
                 try:
                     row = predict(options, args.steps)
                 except InputError as err:  # e.g. a partition with fewer stages than GPUs

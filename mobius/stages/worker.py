@@ -53,11 +53,19 @@ def worker_main(payload: dict, decide=None) -> dict:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=collective_timeout_s(payload.get("spec"))))
     try:
         return _run(payload, rank, world, decide)
     finally:
         dist.destroy_process_group()
+
+
+def collective_timeout_s(spec: dict | None) -> float:
+    """How long a message may wait for its receiver before the run fails: under ``--emulate`` a
+    worker may legitimately be busy for several dilated steps' worth of wall time."""
+    if not spec or not spec.get("emulation"):
+        return COLLECTIVE_TIMEOUT_S
+    return COLLECTIVE_TIMEOUT_S + 3 * spec["emulation"]["factor"] * spec["plan"]["predicted_step_s"]
 
 
 def _run(payload: dict, rank: int, world: int, decide) -> dict:
