@@ -245,6 +245,10 @@ class Device:
         ``emulated_s`` (:mod:`mobius.runtime.emulation`); nothing on real devices."""
         return nullcontext()
 
+    def timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The copy a CPU-side stream performs (emulated devices take their links' time)."""
+        _copy_pieces(dst, src)
+
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat host buffer the device copies to and from asynchronously (page-locked on CUDA)."""
         raise NotImplementedError
@@ -402,7 +406,7 @@ class CpuDevice(Device):
         self.emulation = emulation
 
     def timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The copy of a stream's job: as fast as memory goes, or at the emulated link's rate."""
+        """As fast as memory goes, or at the emulated link's rate."""
         if self.emulation is None:
             _copy_pieces(dst, src)
         else:

@@ -7,7 +7,8 @@ whole run: an emulated second lasts ``F`` wall seconds, so the real CPU work (wh
 than the GPU's) fits inside the emulated GPU time, and a step's wall time divided by ``F`` is the
 emulated step time.
 
-* Compute of a micro-batch on a stage lasts at least the GPU's profiled time (:meth:`compute_span`).
+* Compute of a micro-batch on a stage lasts at least the GPU's profiled time (:meth:`compute_span`);
+  a stage's AdamW update on the host at least its parameters over the host rate the plan assumed.
 * A host<->device copy moves its bytes at the emulated link's rate, a fluid model recomputed every
   few milliseconds: the transfers of one direction under one root complex share its host bandwidth
   equally, *across worker processes*, and a GPU's own link caps its transfers (shared between its
@@ -53,7 +54,7 @@ class EmulationSpec:
 
 
 def create_counters(path: str, workers: int) -> None:
-    """The zeroed shared counter file (the launcher's, inside its run directory)."""
+    """The zeroed shared counter file (the launcher makes it in a temporary directory of its own)."""
     with open(path, "wb") as f:
         f.write(bytes(4 * workers * len(DIRECTIONS)))
 
