@@ -52,6 +52,8 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 
 REVALIDATE_TOLERANCE = 0.3
+# Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
+COST_MODEL_VERSION = 2
 
 
 def _hash(obj) -> str:
@@ -149,8 +151,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
-    key = _hash([profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute, stages, with_baselines,
-                 mapping, prefetch, optimizer_lag])
+    key = _hash([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
+                 stages, with_baselines, mapping, prefetch, optimizer_lag])
     cache = CACHE_DIR / "plans" / f"{key}.json"
     if use_cache and cache.is_file():
         try:
