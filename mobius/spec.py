@@ -96,8 +96,8 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict(), emulation=emulation), plan
 
 
-# The real compute of the slowest stage, with every worker computing at once on this machine's cores,
-# must fit this many times into its emulated time: the margin for noise and the runtime's own work.
+# Each worker's real compute, with every worker computing at once on this machine's cores, must fit
+# this many times into its emulated compute time: the margin for noise and the runtime's own work.
 EMULATION_MARGIN = 2.0
 
 
