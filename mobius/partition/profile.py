@@ -43,7 +43,8 @@ ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
 @dataclass
 class HostCosts:
     """What the runtime costs beyond the layers, on the machine that runs (cost model, MIP and
-    simulator use them; :mod:`mobius.partition.calibrate` measures them on CPU workers)."""
+    simulator use them).  :func:`measure_profile` measures the AdamW rate on CPU workers; the
+    hand-off and per-micro-batch costs are not measured yet (0)."""
 
     handoff_s: float = 0.0  # an activation from one worker to another, beyond its two copies
     micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
@@ -246,7 +247,7 @@ def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_le
 
 
 def _layer_runs(config: GPTConfig, index: int, b: int, t: int, dtype: torch.dtype, device: torch.device):
-    """(layer, input, forward without autograd, forward + backward) of layer ``index``."""
+    """(layer, input, its call, forward without autograd, forward + backward) of layer ``index``."""
     layer = build_layer(config, index, seed=0).to(device=device, dtype=dtype)
     n = layer_count(config)
     gen = torch.Generator().manual_seed(index)
