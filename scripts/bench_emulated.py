@@ -62,8 +62,13 @@ GAINS = [("prefetch", "topo2+2 prefetch on", "topo2+2 prefetch off"),
          ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0")]
 
 
+def rehearsal(options: str) -> bool:
+    """A plain CPU rehearsal (no emulation): real time, noisier, so more steps."""
+    return "--topology auto" in options
+
+
 def command(options: str, steps: int) -> list[str]:
-    if "--topology auto" in options:  # a CPU rehearsal: real time, noisier, so more steps
+    if rehearsal(options):
         return [*shlex.split(options), "--steps", str(max(steps, 8))]
     return [*shlex.split(options), "--emulate", "--steps", str(steps)]
 
@@ -85,7 +90,7 @@ def measure(options: str, steps: int, metrics: Path) -> list[float]:
     metrics.unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "mobius.train", *command(options, steps), "--metrics", str(metrics),
                     "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-    key = "emulated_step_s" if "--topology auto" not in options else "step_time_s"
+    key = "step_time_s" if rehearsal(options) else "emulated_step_s"
     return [json.loads(line)[key] for line in metrics.read_text().splitlines()]
 
 

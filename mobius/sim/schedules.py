@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import stage_costs
+from mobius.partition.cost import element_bytes, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
 
@@ -64,7 +64,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         need = max(c.mem_fwd, c.mem_bwd)
         if need > mem[gpu[j]]:
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
-    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    elt = element_bytes(profile.dtype)
     host = profile.host
     adam_params_per_s = adam_params_per_s or host.adam_params_per_s
     link = link_for(topo)
@@ -145,7 +145,7 @@ def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool =
     costs = [l.fwd_s + l.bwd_s for l in profile.layers]
     bounds = balanced_bounds(costs, n)
     st = stage_costs(profile, bounds, recompute)
-    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    elt = element_bytes(profile.dtype)
     for j, c in enumerate(st):
         params = c.param_bytes / elt
         # fp16 weights + fp16 grads + fp32 master, m, v (mixed precision: 16 B/param), the stashed
@@ -180,7 +180,7 @@ def simulate_zero3_offload(profile: Profile, topo, micro_batches: int, recompute
     n, L = topo.n, profile.n
     per_gpu = math.ceil(micro_batches / n)  # micro-batches each data-parallel rank runs
     layers = profile.layers
-    elt = 2 if profile.dtype in ("fp16", "bf16") else 4
+    elt = element_bytes(profile.dtype)
     sim = Simulator(link_for(topo))
     grad_done = {g: [] for g in range(n)}
     for g in range(n):

@@ -121,8 +121,7 @@ class HostOptimizer:
                 for p in host.master_params:
                     p.grad.div_(unscale)
             set_lr(host.optimizer, lr)
-            trained = sum(p.numel() for p in host.master_params)
-            with self.device.compute_span(trained / self.adam_params_per_s):
+            with self.device.compute_span(host.master_grad.numel() / self.adam_params_per_s):
                 host.optimizer.step()
         host.optimizer.zero_grad(set_to_none=True)
         buffer = self.store.buffer_updated_by(step)
