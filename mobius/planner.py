@@ -22,7 +22,7 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_model
 from mobius.partition.baselines import BASELINES, uniform_bounds
-from mobius.partition.cost import GB, check_layers_fit, evaluate, link_duty, machine_for
+from mobius.partition.cost import GB, check_layers_fit, evaluate, link_duty, machine_for, offload_duty
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
 from mobius.runtime.device import cuda_available, cuda_device_name
@@ -53,7 +53,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 2
+COST_MODEL_VERSION = 4
 
 
 def _hash(obj) -> str:
@@ -164,12 +164,15 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
         return found, {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in found.items()}
 
-    # How busy each GPU's link is (in the best baseline's step) decides how much neighbours under one
-    # root complex slow each other down; then the partitions are chosen on that machine.
+
+    # How busy each GPU's link is, and how many gradient offloads each root complex carries in
+    # backward (in the best baseline's step), decide how much GPUs under one root complex slow each
+    # other down; then the partitions are chosen on that machine.
     baselines, times = candidates(machine)
     first = min(times, key=times.get)
     duty = link_duty(profile, baselines[first], machine, micro_batches, recompute, times[first])
-    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, duty)
+    offload = offload_duty(profile, baselines[first], machine, recompute, times[first])
+    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, duty, offload)
     baselines, times = candidates(machine)
     solver: dict = {}
     if stages is not None:
@@ -193,7 +196,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
     # The mapping was searched for an assumed stage count; redo it for the real one.
     placed = place(topo, len(bounds))
-    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag, duty)
+    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag, duty, offload)
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,

@@ -129,6 +129,8 @@ def test_cost_model_terms_by_hand():
     assert step(micro_batch_s=0.5) == pytest.approx(26.0)
     assert step(adam_params_per_s=2.0) == pytest.approx(24.5)
     assert step(adam_params_per_s=2.0, optimizer_lag=1) == pytest.approx(24.0)  # off the critical path
-    assert step(adam_params_per_s=0.02) == pytest.approx(100.0)  # the optimizer thread: 2 params at 0.02/s
+    # The optimizer thread updates S1 once its gradients are home (13 + 4), then S0 (home at 24):
+    # 17 + 50 + 50, one parameter each at 0.02/s.
+    assert step(adam_params_per_s=0.02) == pytest.approx(117.0)
     # With prefetching S1 loads 1 B while S0 computes (1 s at 1 B/s), S0 2 B during S1's 2 s backward.
     assert evaluate(prof, bounds, Machine((1.0,), (100,)), 1, recompute=False).step_s == pytest.approx(21.0)

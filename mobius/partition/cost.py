@@ -24,15 +24,18 @@ What the runtime showed, calibrated (issue 15): a stage's input (and in backward
 gradient, and with recomputation its input again) is copied to the device *on the compute
 stream*, so a micro-batch occupies the device for ``a/B_dst`` on top of its compute, plus a fixed
 ``o`` per micro-batch (the runtime's own work); each stage's gradients then leave the device
-(``g_j/B_j``) and AdamW updates them on the host (``g_j / (e · R_adam)`` for ``e`` bytes per
+(at its link's rate, the offloads of one root complex queueing for its bandwidth in
+backward order) and AdamW updates them on the host (``g_j / (e · R_adam)`` for ``e`` bytes per
 element), one optimizer thread per worker.  ``h``, ``o`` and ``R_adam`` are measured with the
 profile (:class:`~mobius.partition.profile.HostCosts`).
 
 Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
 fixed partition: the MIP's optimum for that partition equals this recurrence.  Objective: the step
-time, the latest of every stage's ``t^b_{j,M} + T^b_j + g_j/B_j + adam_j`` (without
-``--optimizer-lag``) and of each worker's optimizer thread's total work.  Not modelled here (the
-simulator's job): contention beyond the expected sharing, the optimizer thread's order.
+time, the latest of every stage's update ``u_j = max(t^b_{j,M} + T^b_j + g_j/B_j, u_{j+N}) + adam_j``
+(one optimizer thread per worker updates its stages in backward order, each once its gradients are
+home; with ``--optimizer-lag``: the latest of the gradients' arrival and of each worker's optimizer
+thread's total work).  Not modelled here (the
+simulator's job): contention beyond the expected sharing.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class Machine:
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
     first_wave_peers: tuple[tuple[int, ...], ...] = ()  # per slot: the slots under its root complex
     rc_bandwidth: tuple[float, ...] = ()  # per slot: its root complex's host bandwidth, bytes/s
+    # Per slot: bytes/s of an activation gradient leaving the device in backward, beside the
+    # gradient offloads (empty: ``bandwidth``).
+    d2h_backward: tuple[float, ...] = ()
 
     def first_load_s(self, j: int, sizes: list[float]) -> float:
         """When slot ``j``'s first stage (``sizes[j]`` bytes; ``sizes`` of the first stage of every
@@ -73,6 +79,22 @@ class Machine:
     @property
     def n(self) -> int:
         return len(self.bandwidth)
+
+    def backward_d2h_bps(self, slot: int) -> float:
+        return self.d2h_backward[slot] if self.d2h_backward else self.bandwidth[slot]
+
+    def link_bps(self, slot: int) -> float:
+        return self.link[slot] if self.link else self.bandwidth[slot]
+
+    def rc_bps(self, slot: int) -> float:
+        return self.rc_bandwidth[slot] if self.rc_bandwidth else self.bandwidth[slot]
+
+    def previous_on_root_complex(self, j: int, stages: int) -> int | None:
+        """The stage whose gradient offload comes just before stage ``j``'s under its root complex:
+        the nearest later stage (backward runs from the last stage) on a slot of the same root
+        complex.  Without root-complex data (a hand-made machine), only ``j``'s own slot's."""
+        peers = self.first_wave_peers[j % self.n] if self.first_wave_peers else (j % self.n,)
+        return next((q for q in range(j + 1, stages) if q % self.n in peers), None)
 
 
 @dataclass
@@ -205,16 +227,31 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             if m:
                 t = max(t, tb[j][m - 1] + c.bwd_s)
             if j < s_count - 1:
-                t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + xfer(j + 1, j, c.out_bytes))
+                t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + c.out_bytes / machine.backward_d2h_bps((j + 1) % n)
+                        + handoff)
             tb[j][m] = t
     elt = element_bytes(profile.dtype)
     adam = [adam_s(c, machine, elt) for c in st]
+    # Gradients on the host: each stage's leave once its backward is done, through its link; the
+    # offloads of the GPUs under one root complex queue for its bandwidth in backward order.
+    home = [0.0] * s_count
+    for j in range(s_count - 1, -1, -1):
+        c = st[j]
+        home[j] = tb[j][-1] + c.bwd_s + c.grad_bytes / machine.link_bps(j % n)
+        q = machine.previous_on_root_complex(j, s_count)
+        if q is not None:
+            home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % n))
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
-        ends = [tb[j][-1] + c.bwd_s + c.grad_bytes / bw[j] for j, c in enumerate(st)]
-    else:
-        ends = [tb[j][-1] + c.bwd_s + c.grad_bytes / bw[j] + adam[j] for j, c in enumerate(st)]
-    per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
-    return StepEstimate(max(ends + per_thread), True, compute_only, pf, pb)
+        per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
+        return StepEstimate(max(home + per_thread), True, compute_only, pf, pb)
+    # Each worker's optimizer thread updates its stages one at a time, in the order their
+    # gradients come home (backward order): stage j's update waits for its gradients and for the
+    # update of the worker's stage before it (j + N).
+    updated = [0.0] * s_count
+    for j in range(s_count - 1, -1, -1):
+        queued = updated[j + n] if j + n < s_count else 0.0
+        updated[j] = max(home[j], queued) + adam[j]
+    return StepEstimate(max(updated), True, compute_only, pf, pb)
 
 
 def element_bytes(dtype: str) -> int:
@@ -235,8 +272,24 @@ def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine,
     return tuple(min(1.0, b / max(step_s, 1e-12)) for b in busy)
 
 
+def offload_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, recompute: bool,
+                 step_s: float) -> tuple[float, ...]:
+    """Per slot: how many gradient offloads its root complex carries, on average, while backward
+    runs (its stages' gradient bytes over its bandwidth, over the backward's share of a ``step_s``
+    step).  An activation gradient leaving the device shares the root complex with them."""
+    n = machine.n
+    st = stage_costs(profile, bounds, recompute)
+    backward_s = step_s * sum(c.bwd_s for c in st) / max(sum(c.fwd_s + c.bwd_s for c in st), 1e-12)
+    per_slot = [0.0] * n
+    for j, c in enumerate(st):
+        per_slot[j % n] += c.grad_bytes / machine.rc_bps(j % n)
+    peers = machine.first_wave_peers or tuple((k,) for k in range(n))
+    return tuple(min(len(peers[k]), sum(per_slot[i] for i in peers[k]) / max(backward_s, 1e-12)) for k in range(n))
+
+
 def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,
-                optimizer_lag: int = 0, duty: tuple[float, ...] | None = None) -> Machine:
+                optimizer_lag: int = 0, duty: tuple[float, ...] | None = None,
+                offload: tuple[float, ...] | None = None) -> Machine:
     """Per-slot bandwidth and memory of a mapped topology.
 
     A GPU's expected bandwidth is its share of its root complex among the GPUs that copy at about
@@ -245,7 +298,8 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
     counts by the fraction of the step its link is busy (``duty``, :func:`link_duty`; default 1:
     always): two neighbours that copy a fifth of the time each do not halve each other's bandwidth.
     (--emulate measured it: counted whole, the contention of sequential mapping was predicted at
-    2-10x what the runtime showed.)
+    2-10x what the runtime showed.)  In backward, an activation gradient leaving the device shares
+    its root complex with the gradient offloads in flight (``offload``, :func:`offload_duty`).
     """
     n = topo.n
     bws, mems = [], []
@@ -262,4 +316,5 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
                    optimizer_lag,
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
-                   rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)))
+                   rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),
+                   d2h_backward=tuple(bws[k] / (1 + offload[k]) for k in range(n)) if offload else ())

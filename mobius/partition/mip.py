@@ -200,15 +200,33 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             if m:
                 prob += tb[j][m] >= tb[j][m - 1] + Bd[j]
             if j + 1 < K:
-                prob += tb[j][m] >= tb[j + 1][m] + Bd[j + 1] + act[j] * (1.0 / Bw[j + 1]) + handoff * u[j + 1]
+                prob += tb[j][m] >= (tb[j + 1][m] + Bd[j + 1] + act[j] * (GB / machine.backward_d2h_bps((j + 1) % n))
+                                     + handoff * u[j + 1])
 
-    # The step ends when every stage's gradients are home and (without a lag) updated, and when
-    # each worker's optimizer thread has done its stages' updates.
+    # The step ends when every stage's gradients are home and updated (cost.evaluate): a worker's
+    # optimizer thread updates its stages in backward order, each once its gradients are home.
+    # With the lag, the updates leave the step; each worker's optimizer thread must still keep up.
     step = V("step", 0)
+    # Gradients home (cost.evaluate): through the stage's link, queued behind the offload before
+    # it under the same root complex.
+    home = [V(f"home_{j}", 0) for j in range(K)]
     for j in range(K):
-        prob += step >= tb[j][M - 1] + Bd[j] + grad[j] * (1.0 / Bw[j]) + (0 if machine.optimizer_lag else adam[j])
-    for k in range(n):
-        prob += step >= pulp.lpSum(adam[j] for j in range(k, K, n))
+        prob += home[j] >= tb[j][M - 1] + Bd[j] + grad[j] * (GB / machine.link_bps(j % n))
+        q = machine.previous_on_root_complex(j, K)
+        if q is not None:
+            prob += home[j] >= home[q] + grad[j] * (GB / machine.rc_bps(j % n))
+    if machine.optimizer_lag:
+        for j in range(K):
+            prob += step >= home[j]
+        for k in range(n):
+            prob += step >= pulp.lpSum(adam[j] for j in range(k, K, n))
+    else:
+        upd = [V(f"upd_{j}", 0) for j in range(K)]
+        for j in range(K):
+            prob += upd[j] >= home[j] + adam[j]
+            if j + n < K:
+                prob += upd[j] >= upd[j + n] + adam[j]
+            prob += step >= upd[j]
     prob += step
     start = _integer_start(warm_start, runs, K) if warm_start and len(warm_start) <= K else {}
     solver = _WarmStartHiGHS(start, msg=False, timeLimit=time_limit_s, gapRel=gap)

@@ -1,14 +1,17 @@
 """A discrete-event simulator of tasks on GPUs sharing PCIe root complexes.
 
-Resources, per GPU: a compute stream (tasks start strictly in issue order, like a CUDA stream), a
-host->device and a device->host copy engine, and a CPU worker thread (gradient offload handling,
-AdamW).  A copy engine runs one transfer at a time and picks, among the issued transfers whose
-dependencies are done, the one with the best priority (the runtime's transfer queue).
+Resources, per GPU: a compute stream (tasks start strictly in issue order, like a CUDA stream),
+copy streams (a transfer names its stream: the runtime's parameter prefetch, activation and
+gradient streams, and the copies it issues on the compute stream), and a CPU worker thread
+(AdamW).  A copy stream runs one transfer at a time and picks, among the issued transfers whose
+dependencies are done, the one with the best priority (the runtime's transfer queue); transfers on
+different streams of one GPU run at the same time.
 
-Bandwidth is a fluid model.  A transfer is capped by its GPU's link; the transfers of one root
-complex in one direction share its host bandwidth, max-min fair (PCIe has no priorities between
-devices; a GPU's own queue picks its next transfer by priority).  Rates are recomputed whenever a
-transfer starts or ends.
+Bandwidth is a fluid model.  The transfers of one GPU in one direction share its link equally; the
+transfers of one root complex in one direction share its host bandwidth max-min fair, each capped
+by its share of its link (PCIe has no priorities between devices).  Where links are as fast as
+their root complex (every preset) this is the sharing ``--emulate`` gives the runtime
+(:mod:`mobius.runtime.emulation`).  Rates are recomputed whenever a transfer starts or ends.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Task:
     work: float  # seconds (compute, cpu) or bytes (h2d, d2h)
     deps: tuple[int, ...]
     priority: int = 0
+    stream: str = ""  # transfers: the copy stream it is issued on
     start: float = -1.0
     end: float = -1.0
     remaining: float = 0.0
@@ -112,24 +116,28 @@ class Simulator:
         self.link = link
         self.tasks: list[Task] = []
 
-    def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0) -> int:
+    def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0, stream: str = "") -> int:
         deps = tuple(d for d in deps if d is not None)
-        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority)
+        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority, stream)
         self.tasks.append(t)
         return t.id
 
     # ---- bandwidth -------------------------------------------------------------------------
     def _assign_rates(self, active: list[Task]) -> None:
+        per_gpu: dict[tuple[int, str], int] = defaultdict(int)
         groups: dict[tuple[int, str], list[Task]] = defaultdict(list)
         for t in active:
+            per_gpu[(t.gpu, t.kind)] += 1
             groups[(self.link.rc_of[t.gpu], t.kind)].append(t)
+
+        def cap(f: Task) -> float:
+            return self.link.gpu_bw[f.gpu] / per_gpu[(f.gpu, f.kind)]
+
         for (rc, _), flows in groups.items():
-            # Max-min fair water-filling with per-flow caps (the GPU links).
-            caps = sorted(flows, key=lambda f: self.link.gpu_bw[f.gpu])
-            left, n = self.link.rc_bw[rc], len(caps)
-            for k, f in enumerate(caps):
-                share = left / (n - k)
-                f.rate = min(self.link.gpu_bw[f.gpu], share)
+            # Max-min fair water-filling; a flow is capped by its share of its GPU's link.
+            left, n = self.link.rc_bw[rc], len(flows)
+            for k, f in enumerate(sorted(flows, key=cap)):
+                f.rate = min(cap(f), left / (n - k))
                 left -= f.rate
 
     # ---- run ---------------------------------------------------------------------------------
@@ -137,11 +145,11 @@ class Simulator:
         tasks = self.tasks
         done = [False] * len(tasks)
         started = [False] * len(tasks)
-        queues: dict[tuple[str, int], list[int]] = defaultdict(list)  # issue order per resource
+        queues: dict[tuple[str, int, str], list[int]] = defaultdict(list)  # issue order per resource
         for t in tasks:
             t.remaining = t.work
             queues[_resource(t)].append(t.id)
-        busy: dict[tuple[str, int], int | None] = {k: None for k in queues}
+        busy: dict[tuple[str, int, str], int | None] = {k: None for k in queues}
         now = 0.0
         finished = 0
         by_gpu: dict = defaultdict(float)
@@ -204,9 +212,10 @@ class Simulator:
                          bytes_by_gpu=dict(by_gpu), bytes_by_rc=dict(by_rc))
 
 
-def _resource(t: Task) -> tuple[str, int]:
-    """The queue a task waits in: its GPU's stream or copy engine (a delay holds nothing)."""
-    return (t.kind, t.gpu if t.kind != DELAY else -1 - t.id)
+def _resource(t: Task) -> tuple[str, int, str]:
+    """The queue a task waits in: its GPU's compute stream, copy stream or CPU thread (a delay
+    holds nothing)."""
+    return (t.kind, t.gpu if t.kind != DELAY else -1 - t.id, t.stream)
 
 
 def link_for(topo) -> Link:

@@ -48,9 +48,10 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                     recompute: bool = True, adam_params_per_s: float | None = None,
                     memory_bytes: list[int] | None = None, optimizer_lag: int = 0,
                     prefetch: bool = True) -> SimOutcome:
-    """One step of the Mobius pipeline as the runtime issues it.  A stage's input (in backward its
-    output gradient, and with recomputation its input again) is copied to the device on the compute
-    stream, so it occupies the device (at the GPU's link rate) before the compute; an activation
+    """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
+    backward its output gradient, and with recomputation its input again) is copied to the device
+    on the compute stream, so it occupies the device before the compute and shares the link with a
+    prefetch in flight; activations and gradients leave on copy streams of their own; an activation
     reaches the next worker ``profile.host.handoff_s`` after it reached the host.  AdamW runs at
     ``adam_params_per_s`` (default: the profile's host rate).  With ``optimizer_lag`` the CPU
     updates of a step run on while the next step computes: the step ends when its device work and
@@ -68,38 +69,42 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     host = profile.host
     adam_params_per_s = adam_params_per_s or host.adam_params_per_s
     link = link_for(topo)
-    up = [link.gpu_bw[gpu[j]] for j in range(S)]  # a copy on the compute stream: at the GPU link's rate
     sim = Simulator(link)
     F = [[None] * M for _ in range(S)]
     B = [[None] * M for _ in range(S)]
     load_f: dict[int, list[int]] = {}
     load_b: dict[int, list[int]] = {}
+    last_compute: dict[int, int | None] = {g: None for g in set(gpu)}  # the compute stream's order
 
     def load(j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
         size = st[j].param_bytes
         first = max(0.0, min(size, prefetch_bytes)) if prefetch else 0.0
-        a = sim.add(f"{tag} load S{j} (prefetch)", H2D, gpu[j], first, (early_dep,), prio)
-        b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio)
+        a = sim.add(f"{tag} load S{j} (prefetch)", H2D, gpu[j], first, (early_dep,), prio, "params")
+        b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio, "params")
         return [a, b]
+
+    def compute(name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
+        """The copies the runtime issues on the compute stream (stage inputs), then the compute."""
+        g = gpu[j]
+        work += upload_bytes / link.gpu_bw[g]
+        last_compute[g] = sim.add(name, COMPUTE, g, work + host.micro_batch_s, deps)
+        return last_compute[g]
 
     # Forward.
     act_in: dict[tuple[int, int], int] = {}
     for j in range(S):
         if j < n:
-            load_f[j] = [sim.add(f"F load S{j}", H2D, gpu[j], st[j].param_bytes, (), j)]
+            load_f[j] = [sim.add(f"F load S{j}", H2D, gpu[j], st[j].param_bytes, (), j, "params")]
         else:
             room = mem[gpu[j]] - st[j - n].mem_fwd
             load_f[j] = load(j, room, load_f[j - n][-1], F[j - n][M - 1], j, "F")
         for m in range(M):
             deps = list(load_f[j])
-            if m:
-                deps.append(F[j][m - 1])
             if j:
                 deps.append(act_in[(j, m)])
-            work = st[j].fwd_s + st[j].in_bytes / up[j] + host.micro_batch_s
-            F[j][m] = sim.add(f"F{j}.{m}", COMPUTE, gpu[j], work, deps)
+            F[j][m] = compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
             if j + 1 < S:
-                out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1)
+                out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1, "activations")
                 act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, gpu[j + 1], host.handoff_s, (out,))
 
     # Backward.
@@ -114,20 +119,15 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             load_b[j] = load(j, room, early, B[j + n][M - 1], prio, "B")
         for m in range(M):
             deps = list(load_b[j])
-            if m:
-                deps.append(B[j][m - 1])
-            if j == S - 1 and m == 0:
-                deps.append(F[S - 1][M - 1])
             if j + 1 < S:
                 deps.append(grad_in[(j, m)])
-            work = (st[j].bwd_s + st[j].out_bytes / up[j] + (st[j].in_bytes / up[j] if recompute else 0.0)
-                    + host.micro_batch_s)
-            B[j][m] = sim.add(f"B{j}.{m}", COMPUTE, gpu[j], work, deps)
+            upload = st[j].out_bytes + (st[j].in_bytes if recompute else 0.0)
+            B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps)
             if j > 0:
-                out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1)
+                out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1,
+                              "activations")
                 grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, gpu[j - 1], host.handoff_s, (out,))
-        # Gradient offload yields to activations, which are on the critical path.
-        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), 3 * S + prio)
+        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio, "gradients")
         sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
     r = sim.run()
     if not optimizer_lag:
@@ -154,7 +154,8 @@ def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool =
         if need > topo.gpus[j].memory_gb * 1e9:
             return SimOutcome("gpipe", math.inf, oom=True,
                               reason=f"stage {j} needs {need / 1e9:.1f} GB > {topo.gpus[j].memory_gb:g} GB")
-    sim = Simulator(link_for(topo))
+    link = link_for(topo)
+    sim = Simulator(link)
     F = [[None] * M for _ in range(n)]
     B = [[None] * M for _ in range(n)]
     for j in range(n):
