@@ -164,7 +164,6 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
         return found, {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in found.items()}
 
-
     # How busy each GPU's link is, and how many gradient offloads each root complex carries in
     # backward (in the best baseline's step), decide how much GPUs under one root complex slow each
     # other down; then the partitions are chosen on that machine.

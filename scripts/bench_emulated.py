@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--json", default="bench_emulated.json")
     args = p.parse_args()
     results: dict[str, dict] = {}
+    measured: dict[str, list[float]] = {}  # by options: a row that repeats another's run reuses it
     with tempfile.TemporaryDirectory(prefix="mobius-bench-") as tmp:
         for table in args.only or TABLES:
             print(f"\n{table}")
@@ -115,7 +116,9 @@ def main() -> None:
                 except InputError as err:  # e.g. a partition with fewer stages than GPUs
                     print(f"{name:<28} not run: {err}", flush=True)
                     continue
-                steps = measure(options, args.steps, Path(tmp) / "metrics.jsonl")
+                if options not in measured:
+                    measured[options] = measure(options, args.steps, Path(tmp) / "metrics.jsonl")
+                steps = measured[options]
                 row.update(measured_s=statistics.median(steps[1:]), steps_s=steps, options=options)
                 row["error"] = row["predicted_s"] / row["measured_s"] - 1
                 results[name] = row

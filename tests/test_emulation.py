@@ -114,6 +114,25 @@ def two_blocks() -> Profile:
         **block, "out_bytes": 0})])
 
 
+def test_gradient_offloads_queue_for_their_root_complex():
+    """Two GPUs under one 1 B/s root complex (links 1 B/s), S0 on the first, S1 on the second, one
+    micro-batch, S0's backward free.  Both first loads share the root complex: 8.  S0 computes
+    8->9, its output is home at 10, S1 copies it and computes 10->12; backward: S1 12->14, its
+    output gradient home at 15, S0 copies it 15->16.  Gradients: S1's 14->18; S0's queue behind
+    them, 18->22 (on its own link from 16 they would be home at 20)."""
+    block = dict(kind="block", similarity_class=0, fwd_s=1.0, bwd_s=2.0, param_bytes=4, out_bytes=1,
+                 fwd_work_bytes=0, bwd_work_bytes=0)
+    prof = Profile("t", 1, 1, "fp32", "synthetic", [LayerProfile(name="l0", **{**block, "bwd_s": 0.0}),
+                                                     LayerProfile(name="l1", **{**block, "out_bytes": 0})])
+    machine = Machine((1.0, 1.0), (100, 100), link=(1.0, 1.0), first_wave_peers=((0, 1), (0, 1)),
+                      rc_bandwidth=(1.0, 1.0))
+    assert machine.previous_on_root_complex(0, 2) == 1 and machine.previous_on_root_complex(1, 2) is None
+    assert evaluate(prof, [(0, 1), (1, 2)], machine, 1, recompute=False).step_s == pytest.approx(22.0)
+    # Each GPU under a root complex of its own: loads 4, S0 4->5, S1 6->8, 8->10, S0 11->12; 16.
+    apart = Machine((1.0, 1.0), (100, 100), link=(1.0, 1.0), first_wave_peers=((0,), (1,)), rc_bandwidth=(1.0, 1.0))
+    assert evaluate(prof, [(0, 1), (1, 2)], apart, 1, recompute=False).step_s == pytest.approx(16.0)
+
+
 def test_cost_model_terms_by_hand():
     """One GPU, two one-layer stages (4 B each, 1 B boundary activation), one micro-batch, 1 B/s,
     recompute off, no prefetch, ``o`` per micro-batch.  Forward: S0 loads 4, computes 1 (+o);

@@ -2,7 +2,7 @@ import pytest
 
 from mobius.partition.profile import LayerProfile, Profile
 from mobius.sim import Link, Simulator, simulate_gpipe, simulate_mobius, simulate_zero3_offload
-from mobius.sim.engine import H2D
+from mobius.sim.engine import D2H, H2D
 from topology.model import GPU, RootComplex, Topology
 
 
@@ -86,6 +86,20 @@ def test_gpu_link_caps_a_transfer_below_its_root_complex_share():
     r = sim.run()
     assert r.tasks[a].end == pytest.approx(2.0)  # 4/s: its own link
     assert r.tasks[b].end == pytest.approx(2.0)  # 6/s: the rest of the root complex
+
+
+def test_copy_streams_of_one_gpu_run_together_and_share_its_link():
+    """The runtime's gradient offload and activation copies are on streams of their own: an
+    activation issued after a big offload starts at once (half the link each) instead of queueing
+    behind it; a second transfer on the same stream still waits its turn."""
+    sim = Simulator(Link(gpu_bw={0: 10.0}, rc_of={0: 0}, rc_bw={0: 10.0}))
+    grads = sim.add("gradients", D2H, 0, 30.0, stream="gradients")
+    act = sim.add("activation", D2H, 0, 5.0, stream="activations")
+    act2 = sim.add("activation 2", D2H, 0, 5.0, stream="activations")
+    r = sim.run()
+    assert r.tasks[act].start == 0.0 and r.tasks[act].end == pytest.approx(1.0)  # 5 at 5/s
+    assert r.tasks[act2].start == pytest.approx(1.0) and r.tasks[act2].end == pytest.approx(2.0)
+    assert r.tasks[grads].end == pytest.approx(4.0)  # 10 at 5/s by t=2, then 20 at 10/s: the link never idles
 
 
 def test_baselines_gpipe_oom_and_zero3_traffic():

@@ -31,11 +31,12 @@ profile (:class:`~mobius.partition.profile.HostCosts`).
 
 Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
 fixed partition: the MIP's optimum for that partition equals this recurrence.  Objective: the step
-time, the latest of every stage's update ``u_j = max(t^b_{j,M} + T^b_j + g_j/B_j, u_{j+N}) + adam_j``
-(one optimizer thread per worker updates its stages in backward order, each once its gradients are
-home; with ``--optimizer-lag``: the latest of the gradients' arrival and of each worker's optimizer
-thread's total work).  Not modelled here (the
-simulator's job): contention beyond the expected sharing.
+time, the latest of every stage's update ``u_j = max(home_j, u_{j+N}) + adam_j``, where
+``home_j = max(t^b_{j,M} + T^b_j + g_j/link_j, home_q + g_j/B_rc)`` and ``q`` is the stage offloading
+before ``j`` under its root complex (one optimizer thread per worker updates its stages in backward
+order, each once its gradients are home; with ``--optimizer-lag``: the latest ``home_j`` and each
+worker's optimizer thread's total work).  Not modelled here (the simulator's job): contention
+beyond these expected shares.
 """
 
 from __future__ import annotations

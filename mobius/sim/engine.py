@@ -2,8 +2,7 @@
 
 Resources, per GPU: a compute stream (tasks start strictly in issue order, like a CUDA stream),
 copy streams (a transfer names its stream: the runtime's parameter prefetch, activation and
-gradient streams, and the copies it issues on the compute stream), and a CPU worker thread
-(AdamW).  A copy stream runs one transfer at a time and picks, among the issued transfers whose
+gradient streams), and a CPU worker thread (AdamW).  A copy stream runs one transfer at a time and picks, among the issued transfers whose
 dependencies are done, the one with the best priority (the runtime's transfer queue); transfers on
 different streams of one GPU run at the same time.
 

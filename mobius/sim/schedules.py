@@ -50,8 +50,9 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                     prefetch: bool = True) -> SimOutcome:
     """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
     backward its output gradient, and with recomputation its input again) is copied to the device
-    on the compute stream, so it occupies the device before the compute and shares the link with a
-    prefetch in flight; activations and gradients leave on copy streams of their own; an activation
+    on the compute stream, so it occupies the device (at the GPU link's rate) before the compute;
+    parameters arrive on a copy stream of their own; activations and gradients leave on copy
+    streams of their own, sharing the link while both are in flight; an activation
     reaches the next worker ``profile.host.handoff_s`` after it reached the host.  AdamW runs at
     ``adam_params_per_s`` (default: the profile's host rate).  With ``optimizer_lag`` the CPU
     updates of a step run on while the next step computes: the step ends when its device work and
@@ -74,7 +75,6 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     B = [[None] * M for _ in range(S)]
     load_f: dict[int, list[int]] = {}
     load_b: dict[int, list[int]] = {}
-    last_compute: dict[int, int | None] = {g: None for g in set(gpu)}  # the compute stream's order
 
     def load(j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
         size = st[j].param_bytes
@@ -84,11 +84,9 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         return [a, b]
 
     def compute(name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
-        """The copies the runtime issues on the compute stream (stage inputs), then the compute."""
-        g = gpu[j]
-        work += upload_bytes / link.gpu_bw[g]
-        last_compute[g] = sim.add(name, COMPUTE, g, work + host.micro_batch_s, deps)
-        return last_compute[g]
+        """The copies the runtime issues on the compute stream (stage inputs, at the link's rate),
+        then the compute and the runtime's fixed per-micro-batch work."""
+        return sim.add(name, COMPUTE, gpu[j], work + upload_bytes / link.gpu_bw[gpu[j]] + host.micro_batch_s, deps)
 
     # Forward.
     act_in: dict[tuple[int, int], int] = {}
