@@ -152,8 +152,7 @@ def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool =
         if need > topo.gpus[j].memory_gb * 1e9:
             return SimOutcome("gpipe", math.inf, oom=True,
                               reason=f"stage {j} needs {need / 1e9:.1f} GB > {topo.gpus[j].memory_gb:g} GB")
-    link = link_for(topo)
-    sim = Simulator(link)
+    sim = Simulator(link_for(topo))
     F = [[None] * M for _ in range(n)]
     B = [[None] * M for _ in range(n)]
     for j in range(n):
