@@ -90,11 +90,16 @@ class Machine:
     def rc_bps(self, slot: int) -> float:
         return self.rc_bandwidth[slot] if self.rc_bandwidth else self.bandwidth[slot]
 
+    def root_complex_slots(self, slot: int) -> tuple[int, ...]:
+        """The slots under ``slot``'s root complex (itself included); without root-complex data (a
+        hand-made machine), only itself."""
+        return self.first_wave_peers[slot] if self.first_wave_peers else (slot,)
+
     def previous_on_root_complex(self, j: int, stages: int) -> int | None:
         """The stage whose gradient offload comes just before stage ``j``'s under its root complex:
         the nearest later stage (backward runs from the last stage) on a slot of the same root
-        complex.  Without root-complex data (a hand-made machine), only ``j``'s own slot's."""
-        peers = self.first_wave_peers[j % self.n] if self.first_wave_peers else (j % self.n,)
+        complex."""
+        peers = self.root_complex_slots(j % self.n)
         return next((q for q in range(j + 1, stages) if q % self.n in peers), None)
 
 
@@ -284,8 +289,9 @@ def offload_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machi
     per_slot = [0.0] * n
     for j, c in enumerate(st):
         per_slot[j % n] += c.grad_bytes / machine.rc_bps(j % n)
-    peers = machine.first_wave_peers or tuple((k,) for k in range(n))
-    return tuple(min(len(peers[k]), sum(per_slot[i] for i in peers[k]) / max(backward_s, 1e-12)) for k in range(n))
+    return tuple(min(len(machine.root_complex_slots(k)),
+                     sum(per_slot[i] for i in machine.root_complex_slots(k)) / max(backward_s, 1e-12))
+                 for k in range(n))
 
 
 def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,

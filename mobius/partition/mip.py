@@ -203,10 +203,6 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
                 prob += tb[j][m] >= (tb[j + 1][m] + Bd[j + 1] + act[j] * (GB / machine.backward_d2h_bps((j + 1) % n))
                                      + handoff * u[j + 1])
 
-    # The step ends when every stage's gradients are home and updated (cost.evaluate): a worker's
-    # optimizer thread updates its stages in backward order, each once its gradients are home.
-    # With the lag, the updates leave the step; each worker's optimizer thread must still keep up.
-    step = V("step", 0)
     # Gradients home (cost.evaluate): through the stage's link, queued behind the offload before
     # it under the same root complex.
     home = [V(f"home_{j}", 0) for j in range(K)]
@@ -215,6 +211,10 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         q = machine.previous_on_root_complex(j, K)
         if q is not None:
             prob += home[j] >= home[q] + grad[j] * (GB / machine.rc_bps(j % n))
+    # The step ends when every stage's gradients are home and updated: a worker's optimizer thread
+    # updates its stages in backward order, each once its gradients are home.  With the lag, the
+    # updates leave the step; each worker's optimizer thread must still keep up.
+    step = V("step", 0)
     if machine.optimizer_lag:
         for j in range(K):
             prob += step >= home[j]

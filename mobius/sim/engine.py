@@ -2,9 +2,9 @@
 
 Resources, per GPU: a compute stream (tasks start strictly in issue order, like a CUDA stream),
 copy streams (a transfer names its stream: the runtime's parameter prefetch, activation and
-gradient streams), and a CPU worker thread (AdamW).  A copy stream runs one transfer at a time and picks, among the issued transfers whose
-dependencies are done, the one with the best priority (the runtime's transfer queue); transfers on
-different streams of one GPU run at the same time.
+gradient streams), and a CPU worker thread (AdamW).  A copy stream runs one transfer at a time and
+picks, among the issued transfers whose dependencies are done, the one with the best priority (the
+runtime's transfer queue); transfers on different streams of one GPU run at the same time.
 
 Bandwidth is a fluid model.  The transfers of one GPU in one direction share its link equally; the
 transfers of one root complex in one direction share its host bandwidth max-min fair, each capped
