@@ -22,7 +22,7 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_model
 from mobius.partition.baselines import BASELINES, uniform_bounds
-from mobius.partition.cost import GB, check_layers_fit, evaluate, link_duty, machine_for, offload_duty
+from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for, settle
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
 from mobius.runtime.device import cuda_available, cuda_device_name
@@ -53,7 +53,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 4
+COST_MODEL_VERSION = 5
 
 
 def _hash(obj) -> str:
@@ -160,31 +160,37 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         except (OSError, ValueError, TypeError, KeyError):
             pass
 
+    def settled(bounds, mapping=assumed):
+        """The partition's machine and step with the contention of its own schedule."""
+        return settle(profile, bounds, topo, mapping, micro_batches, recompute, prefetch, profile.host, optimizer_lag)
+
     def candidates(machine):
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
-        return found, {name: evaluate(profile, b, machine, micro_batches, recompute).step_s for name, b in found.items()}
+        return found, {name: settled(b) for name, b in found.items()}
 
-    # How busy each GPU's link is, and how many gradient offloads each root complex carries in
-    # backward (in the best baseline's step), decide how much GPUs under one root complex slow each
-    # other down; then the partitions are chosen on that machine.
-    baselines, times = candidates(machine)
-    first = min(times, key=times.get)
-    duty = link_duty(profile, baselines[first], machine, micro_batches, recompute, times[first])
-    offload = offload_duty(profile, baselines[first], machine, recompute, times[first])
-    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, duty, offload)
-    baselines, times = candidates(machine)
+    # The baselines choose their stage counts on the contention of the best one's schedule; each
+    # is then timed under its own.
+    baselines, settled_of = candidates(machine)
+    first = min(baselines, key=lambda name: settled_of[name][1].step_s)
+    baselines, settled_of = candidates(settled_of[first][0])
+    times = {name: est.step_s for name, (_, est) in settled_of.items()}
     solver: dict = {}
     if stages is not None:
         if stages > profile.n:
             raise InputError(f"--stages {stages} exceeds the model's {profile.n} layers")
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
+        # The MIP sees the copy rates as constants, those of the best baseline's schedule; its answer
+        # is then timed under its own contention, and kept if it is faster.  (Solving again on the
+        # rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md.)
         best = min(baselines, key=times.get)
-        result = solve_partition(profile, machine, micro_batches, recompute, time_limit_s=time_limit_s,
-                                 warm_start=baselines[best])
+        bounds = baselines[best]
+        result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
+                                 warm_start=bounds)
         solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
                   "variables": result.n_variables, "constraints": result.n_constraints}
-        bounds = result.bounds if result.bounds and result.objective_s <= times[best] else baselines[best]
+        if result.bounds and settled(result.bounds)[1].step_s < times[best]:
+            bounds = result.bounds
     else:
         bounds = baselines[partitioner]
     if len(bounds) < topo.n:
@@ -195,8 +201,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
     # The mapping was searched for an assumed stage count; redo it for the real one.
     placed = place(topo, len(bounds))
-    machine = machine_for(topo, placed, prefetch, profile.host, optimizer_lag, duty, offload)
-    est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    _, est = settled(bounds, placed)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)

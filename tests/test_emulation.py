@@ -9,11 +9,14 @@ import time
 
 import pytest
 
-from mobius.partition.cost import Machine, evaluate
-from mobius.partition.profile import LayerProfile, Profile
+from mobius.mapping import cross_map, sequential_map
+from mobius.models import get_config
+from mobius.partition.cost import Machine, StepEstimate, copy_rates, evaluate, settle
+from mobius.partition.profile import LayerProfile, Profile, analytic_profile
 from mobius.runtime.device import CpuDevice
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec, create_counters
 from mobius.stages.ops import LOAD, RELEASE, WAIT, worker_ops
+from topology.presets import load_preset
 
 FACTOR = 40.0  # wall seconds per emulated second: 1 MB at 1 GB/s = 1 ms emulated = 40 ms wall
 MB = 10**6
@@ -153,3 +156,37 @@ def test_cost_model_terms_by_hand():
     assert step(adam_params_per_s=0.02) == pytest.approx(117.0)
     # With prefetching S1 loads 1 B while S0 computes (1 s at 1 B/s), S0 2 B during S1's 2 s backward.
     assert evaluate(prof, bounds, Machine((1.0,), (100,)), 1, recompute=False).step_s == pytest.approx(21.0)
+
+
+def test_copy_rates_count_the_copies_in_flight_beside_each_copy():
+    """Two GPUs under one root complex.  Slot 0 uploads 0->2 while its own prefetch runs 1->3 (half
+    its span) and slot 1 loads 0->2 (all of it): on its 1 B/s link it shares with 0.5 copies, under
+    the 2 B/s root complex with 1.5 more, so it gets 1/1.5 B/s.  The activations of both slots
+    leave together 0->1: a 2 B/s root complex carries both at their links' 1 B/s, a 1 B/s one
+    halves them.  Slot 1 has no upload: its link's rate."""
+    est = StepEstimate(1.0, True, [], [], [], copies=[
+        (0, "h2d", 0.0, 2.0, "upload"), (0, "h2d", 1.0, 3.0, "load"), (1, "h2d", 0.0, 2.0, "load"),
+        (0, "d2h", 0.0, 1.0, "activation"), (1, "d2h", 0.0, 1.0, "activation")])
+
+    def machine(rc_bps: float) -> Machine:
+        return Machine((1.0, 1.0), (100, 100), link=(1.0, 1.0), first_wave_peers=((0, 1), (0, 1)),
+                       rc_bandwidth=(rc_bps, rc_bps))
+
+    rates = copy_rates(machine(2.0), est)
+    assert rates["upload"] == pytest.approx((1 / 1.5, 1.0))
+    assert rates["d2h_forward"] == pytest.approx((1.0, 1.0))
+    assert copy_rates(machine(1.0), est)["d2h_forward"] == pytest.approx((0.5, 0.5))
+    assert rates["upload_backward"] == rates["d2h_backward"] == (1.0, 1.0)
+
+
+def test_settled_contention_makes_sequential_mapping_slower_than_cross():
+    """On the paper's 8x3090-4+4 (one 13.1 GB/s root complex per four GPUs) the copies of
+    neighbouring stages meet under one root complex only when they are mapped sequentially: their
+    own schedule says so, and the step gets slower (the runtime measured 13.5%, docs/benchmarks.md)."""
+    topo = load_preset("8x3090-4+4")
+    profile = analytic_profile("small", get_config("small"), 4, 128, 40.0, "fp32")
+    bounds = [(i, i + 1) for i in range(12)] + [(12, 14)]  # the bench's plan (scripts/bench_emulated.py)
+    cross_machine, cross = settle(profile, bounds, topo, cross_map(topo, 13), 4, True)
+    seq_machine, seq = settle(profile, bounds, topo, sequential_map(topo, 13), 4, True)
+    assert seq.step_s > 1.1 * cross.step_s
+    assert min(seq_machine.upload) < min(cross_machine.upload) < 13.1e9

@@ -47,7 +47,9 @@ def test_mip_equals_exhaustive_optimum(seed):
                           optimizer_lag=rng.randint(0, 1), link=tuple(b * 1.2 for b in bandwidth),
                           first_wave_peers=tuple(tuple(i for i in range(n_gpus) if rc_of[i] == rc_of[k])
                                                  for k in range(n_gpus)),
-                          rc_bandwidth=tuple(rng.uniform(8e9, 20e9) for _ in range(n_gpus)))
+                          rc_bandwidth=tuple(rng.uniform(8e9, 20e9) for _ in range(n_gpus)),
+                          **{f: tuple(b * rng.uniform(0.3, 1.0) for b in bandwidth)
+                             for f in ("upload", "upload_backward", "d2h_forward", "d2h_backward")})
     micro_batches = rng.choice([1, 2, 4])
     best, _ = exhaustive_optimum(profile, machine, micro_batches)
     result = solve_partition(profile, machine, micro_batches, time_limit_s=60, gap=GAP)

@@ -35,14 +35,22 @@ time, the latest of every stage's update ``u_j = max(home_j, u_{j+N}) + adam_j``
 ``home_j = max(t^b_{j,M} + T^b_j + g_j/link_j, home_q + g_j/B_rc)`` and ``q`` is the stage offloading
 before ``j`` under its root complex (one optimizer thread per worker updates its stages in backward
 order, each once its gradients are home; with ``--optimizer-lag``: the latest ``home_j`` and each
-worker's optimizer thread's total work).  Not modelled here (the simulator's job): contention
-beyond these expected shares.
+worker's optimizer thread's total work).
+
+Contention (issue 15, measured under --emulate): copies of one direction share their GPU's link
+and their root complex's bandwidth.  Stage loads use a share of the root complex among the
+neighbouring slots under it (``B_j``, by their links' busy fractions); the copies on the critical
+path — stage inputs, output gradients and recomputed inputs on the compute stream, activations and
+activation gradients leaving the device — use per-slot rates taken from the partition's *own*
+schedule (:func:`settle`: evaluate, count the copies in flight beside each of its copies, evaluate
+again with those rates).  In the MIP these rates are constants (those of the best partition known
+when it is built); its answer is then settled and compared like any other candidate.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mobius.errors import InputError
 from mobius.partition.profile import HostCosts, Profile
@@ -65,8 +73,12 @@ class Machine:
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
     first_wave_peers: tuple[tuple[int, ...], ...] = ()  # per slot: the slots under its root complex
     rc_bandwidth: tuple[float, ...] = ()  # per slot: its root complex's host bandwidth, bytes/s
-    # Per slot: bytes/s of an activation gradient leaving the device in backward, beside the
-    # gradient offloads (empty: ``bandwidth``).
+    # Per slot, bytes/s beside the other copies in flight (:func:`copy_rates`; empty: ``bandwidth``):
+    # the copies on the compute stream in forward (stage inputs) and in backward (output gradients,
+    # recomputed inputs); activations leaving the device in forward, activation gradients in backward.
+    upload: tuple[float, ...] = ()
+    upload_backward: tuple[float, ...] = ()
+    d2h_forward: tuple[float, ...] = ()
     d2h_backward: tuple[float, ...] = ()
 
     def first_load_s(self, j: int, sizes: list[float]) -> float:
@@ -80,6 +92,15 @@ class Machine:
     @property
     def n(self) -> int:
         return len(self.bandwidth)
+
+    def upload_bps(self, slot: int) -> float:
+        return self.upload[slot] if self.upload else self.bandwidth[slot]
+
+    def upload_backward_bps(self, slot: int) -> float:
+        return self.upload_backward[slot] if self.upload_backward else self.bandwidth[slot]
+
+    def forward_d2h_bps(self, slot: int) -> float:
+        return self.d2h_forward[slot] if self.d2h_forward else self.bandwidth[slot]
 
     def backward_d2h_bps(self, slot: int) -> float:
         return self.d2h_backward[slot] if self.d2h_backward else self.bandwidth[slot]
@@ -125,6 +146,9 @@ class StepEstimate:
     prefetch_fwd: list[float]  # bytes prefetched while the previous stage on the GPU computes
     prefetch_bwd: list[float]
     reason: str = ""
+    # The host<->device copies of the schedule: (slot, direction, start, end, kind), kind a key of
+    # :data:`STREAM_OF`.
+    copies: list[tuple[int, str, float, float, str]] = field(default_factory=list)
 
 
 def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[StageCost]:
@@ -134,9 +158,9 @@ def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[St
     n = machine.n
     out = []
     for j, c in enumerate(st):
-        bw = machine.bandwidth[j % n]
+        bw, bw_b = machine.upload_bps(j % n), machine.upload_backward_bps(j % n)
         up_f = c.in_bytes / bw
-        up_b = c.out_bytes / bw + (c.in_bytes / bw if recompute else 0.0)
+        up_b = (c.out_bytes + (c.in_bytes if recompute else 0)) / bw_b
         out.append(replace(c, fwd_s=c.fwd_s + up_f + machine.micro_batch_s,
                            bwd_s=c.bwd_s + up_b + machine.micro_batch_s))
     return out
@@ -195,7 +219,9 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     def xfer(j_from: int, j_to: int, nbytes: int) -> float:
         """Until the receiver may start: the copy to the host and the hand-off (its copy to the
         device is on the receiver's compute stream, in ``on_device``)."""
-        return nbytes / bw[j_from] + handoff
+        return nbytes / machine.forward_d2h_bps(j_from % n) + handoff
+
+    copies: list[tuple[int, str, float, float, str]] = []
 
     tf = [[0.0] * m_count for _ in range(s_count)]
     pf = [0.0] * s_count
@@ -203,11 +229,15 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     for j, c in enumerate(st):
         if j < n:
             ready = machine.first_load_s(j, first)
+            copies.append((j, "h2d", 0.0, ready, "load"))
         else:
             prev = st[j - n]
             span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
             pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span)) if machine.prefetch else 0.0
             ready = tf[j - n][-1] + prev.fwd_s + (c.param_bytes - pf[j]) / bw[j]
+            # The prefetch starts with the previous stage's pass, the rest once it is released.
+            copies += [(j % n, "h2d", tf[j - n][0], tf[j - n][0] + pf[j] / bw[j], "load"),
+                       (j % n, "h2d", ready - (c.param_bytes - pf[j]) / bw[j], ready, "load")]
         for m in range(m_count):
             t = ready
             if m:
@@ -228,6 +258,8 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
             pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span)) if machine.prefetch else 0.0
             ready = tb[j + n][-1] + nxt.bwd_s + (c.param_bytes - pb[j]) / bw[j]
+            copies += [(j % n, "h2d", tb[j + n][0], tb[j + n][0] + pb[j] / bw[j], "load"),
+                       (j % n, "h2d", ready - (c.param_bytes - pb[j]) / bw[j], ready, "load")]
         for m in range(m_count):
             t = ready
             if m:
@@ -247,9 +279,25 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         q = machine.previous_on_root_complex(j, s_count)
         if q is not None:
             home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % n))
+    for j, c in enumerate(compute_only):
+        k = j % n
+        up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if recompute else 0)
+        for m in range(m_count):
+            if up_f:
+                copies.append((k, "h2d", tf[j][m], tf[j][m] + up_f / machine.upload_bps(k), "upload"))
+            if up_b:
+                copies.append((k, "h2d", tb[j][m], tb[j][m] + up_b / machine.upload_backward_bps(k),
+                               "upload backward"))
+            if j + 1 < s_count:
+                a = tf[j][m] + st[j].fwd_s
+                copies.append((k, "d2h", a, a + c.out_bytes / machine.forward_d2h_bps(k), "activation"))
+            if j and c.in_bytes:
+                a = tb[j][m] + st[j].bwd_s
+                copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k), "activation gradient"))
+        copies.append((k, "d2h", home[j] - c.grad_bytes / machine.link_bps(k), home[j], "gradients"))
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
-        return StepEstimate(max(home + per_thread), True, compute_only, pf, pb)
+        return StepEstimate(max(home + per_thread), True, compute_only, pf, pb, copies=copies)
     # Each worker's optimizer thread updates its stages one at a time, in the order their
     # gradients come home (backward order): stage j's update waits for its gradients and for the
     # update of the worker's stage before it (j + N).
@@ -257,7 +305,64 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     for j in range(s_count - 1, -1, -1):
         queued = updated[j + n] if j + n < s_count else 0.0
         updated[j] = max(home[j], queued) + adam[j]
-    return StepEstimate(max(updated), True, compute_only, pf, pb)
+    return StepEstimate(max(updated), True, compute_only, pf, pb, copies=copies)
+
+
+# The runtime's stream of each kind of copy: copies of one GPU on one stream run one after another,
+# they do not share its link (mobius.stages: compute, h2d-params, d2h-activations, d2h-gradients).
+STREAM_OF = {"upload": "compute", "upload backward": "compute", "load": "params", "activation": "activations",
+             "activation gradient": "activations", "gradients": "gradients"}
+
+
+def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ...]]:
+    """Per slot, bytes/s of its forward and backward compute-stream uploads, forward activations and
+    backward activation gradients beside the other copies of ``est``'s schedule: PCIe (and
+    --emulate) shares a link fairly among its copies of one direction, and a root complex among
+    the copies of all its GPUs.  A copy counts each other copy of its direction by the fraction of
+    its span they overlap (those on its own stream queue instead); a slot's rate is the mean over
+    its copies, by time."""
+    n = machine.n
+    link = machine.link or machine.bandwidth
+    spans = {"h2d": [], "d2h": []}
+    for slot, d, a, b, kind in est.copies:
+        if b > a:
+            spans[d].append((slot, a, b, STREAM_OF[kind]))
+    out = {}
+    for kind, d, name in (("upload", "h2d", "upload"), ("upload backward", "h2d", "upload_backward"),
+                          ("activation", "d2h", "d2h_forward"), ("activation gradient", "d2h", "d2h_backward")):
+        ideal, slowed = [0.0] * n, [0.0] * n
+        for slot, _, a, b, k in est.copies:
+            if k != kind or b <= a:
+                continue
+            peers = machine.root_complex_slots(slot)
+            own = rc = 0.0
+            for s2, a2, b2, stream in spans[d]:
+                if s2 in peers and not (s2 == slot and stream == STREAM_OF[kind]):
+                    share = max(0.0, min(b, b2) - max(a, a2)) / (b - a)
+                    rc += share
+                    if s2 == slot:
+                        own += share
+            ideal[slot] += b - a
+            slowed[slot] += (b - a) * max(1 + own, (1 + rc) * link[slot] / machine.rc_bps(slot), 1.0)
+        out[name] = tuple(link[k] * ideal[k] / slowed[k] if slowed[k] else link[k] for k in range(n))
+    return out
+
+
+def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro_batches: int, recompute: bool,
+           prefetch: bool = True, host: HostCosts | None = None, optimizer_lag: int = 0,
+           rounds: int = 2) -> tuple[Machine, StepEstimate]:
+    """The machine and step of ``bounds`` under the contention of their own schedule: the
+    schedule's copies decide the rates its copies get, ``rounds`` times."""
+    machine = machine_for(topo, mapping, prefetch, host, optimizer_lag)
+    est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    for _ in range(rounds):
+        if not est.feasible:
+            break
+        duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s)
+        rates = copy_rates(machine, est)
+        machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    return machine, est
 
 
 def element_bytes(dtype: str) -> int:
@@ -278,25 +383,9 @@ def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine,
     return tuple(min(1.0, b / max(step_s, 1e-12)) for b in busy)
 
 
-def offload_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, recompute: bool,
-                 step_s: float) -> tuple[float, ...]:
-    """Per slot: how many gradient offloads its root complex carries, on average, while backward
-    runs (its stages' gradient bytes over its bandwidth, over the backward's share of a ``step_s``
-    step).  An activation gradient leaving the device shares the root complex with them."""
-    n = machine.n
-    st = stage_costs(profile, bounds, recompute)
-    backward_s = step_s * sum(c.bwd_s for c in st) / max(sum(c.fwd_s + c.bwd_s for c in st), 1e-12)
-    per_slot = [0.0] * n
-    for j, c in enumerate(st):
-        per_slot[j % n] += c.grad_bytes / machine.rc_bps(j % n)
-    return tuple(min(len(machine.root_complex_slots(k)),
-                     sum(per_slot[i] for i in machine.root_complex_slots(k)) / max(backward_s, 1e-12))
-                 for k in range(n))
-
-
 def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,
                 optimizer_lag: int = 0, duty: tuple[float, ...] | None = None,
-                offload: tuple[float, ...] | None = None) -> Machine:
+                rates: dict[str, tuple[float, ...]] | None = None) -> Machine:
     """Per-slot bandwidth and memory of a mapped topology.
 
     A GPU's expected bandwidth is its share of its root complex among the GPUs that copy at about
@@ -305,8 +394,8 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
     counts by the fraction of the step its link is busy (``duty``, :func:`link_duty`; default 1:
     always): two neighbours that copy a fifth of the time each do not halve each other's bandwidth.
     (--emulate measured it: counted whole, the contention of sequential mapping was predicted at
-    2-10x what the runtime showed.)  In backward, an activation gradient leaving the device shares
-    its root complex with the gradient offloads in flight (``offload``, :func:`offload_duty`).
+    2-10x what the runtime showed.)  ``rates``: the per-slot rates of the critical-path copies
+    (:func:`copy_rates`), as :class:`Machine` field names.
     """
     n = topo.n
     bws, mems = [], []
@@ -324,4 +413,4 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
                    rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),
-                   d2h_backward=tuple(bws[k] / (1 + offload[k]) for k in range(n)) if offload else ())
+                   **(rates or {}))

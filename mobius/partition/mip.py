@@ -132,8 +132,11 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     # What occupies the device per micro-batch (cost.on_device): compute, the copies on the compute
     # stream, the fixed per-micro-batch cost; a hand-off between workers (cost.evaluate's xfer).
     o, handoff = machine.micro_batch_s, (machine.handoff_s if n > 1 else 0.0)
-    Fd = [F[j] + act_in(j) * (1.0 / Bw[j]) + o * u[j] for j in range(K)]
-    Bd = [Bk[j] + act[j] * (1.0 / Bw[j]) + (act_in(j) * (1.0 / Bw[j]) if recompute else 0) + o * u[j]
+    # GB/s of the compute stream's copies, in forward and in backward
+    Up = [machine.upload_bps(j % n) / GB for j in range(K)]
+    Ub = [machine.upload_backward_bps(j % n) / GB for j in range(K)]
+    Fd = [F[j] + act_in(j) * (1.0 / Up[j]) + o * u[j] for j in range(K)]
+    Bd = [Bk[j] + act[j] * (1.0 / Ub[j]) + (act_in(j) * (1.0 / Ub[j]) if recompute else 0) + o * u[j]
           for j in range(K)]
     grad = [pulp.lpSum(g[r] * cnt(r, j) for r in range(R)) for j in range(K)]  # GB
     adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
@@ -184,7 +187,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             if m:
                 prob += tf[j][m] >= tf[j][m - 1] + Fd[j]
             if j:
-                prob += tf[j][m] >= tf[j - 1][m] + Fd[j - 1] + act[j - 1] * (1.0 / Bw[j - 1]) + handoff * u[j]
+                prob += tf[j][m] >= (tf[j - 1][m] + Fd[j - 1] + act[j - 1] * (GB / machine.forward_d2h_bps((j - 1) % n))
+                                     + handoff * u[j])
     end_f = tf[K - 1][M - 1] + Fd[K - 1]
 
     # ---- backward: (11) after forward, then the mirror image ----
