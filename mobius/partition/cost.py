@@ -93,23 +93,27 @@ class Machine:
     def n(self) -> int:
         return len(self.bandwidth)
 
+    def _or_bandwidth(self, per_slot: tuple[float, ...], slot: int) -> float:
+        """A per-slot rate, or the slot's ``bandwidth`` where the machine has none (a hand-made one)."""
+        return per_slot[slot] if per_slot else self.bandwidth[slot]
+
     def upload_bps(self, slot: int) -> float:
-        return self.upload[slot] if self.upload else self.bandwidth[slot]
+        return self._or_bandwidth(self.upload, slot)
 
     def upload_backward_bps(self, slot: int) -> float:
-        return self.upload_backward[slot] if self.upload_backward else self.bandwidth[slot]
+        return self._or_bandwidth(self.upload_backward, slot)
 
     def forward_d2h_bps(self, slot: int) -> float:
-        return self.d2h_forward[slot] if self.d2h_forward else self.bandwidth[slot]
+        return self._or_bandwidth(self.d2h_forward, slot)
 
     def backward_d2h_bps(self, slot: int) -> float:
-        return self.d2h_backward[slot] if self.d2h_backward else self.bandwidth[slot]
+        return self._or_bandwidth(self.d2h_backward, slot)
 
     def link_bps(self, slot: int) -> float:
-        return self.link[slot] if self.link else self.bandwidth[slot]
+        return self._or_bandwidth(self.link, slot)
 
     def rc_bps(self, slot: int) -> float:
-        return self.rc_bandwidth[slot] if self.rc_bandwidth else self.bandwidth[slot]
+        return self._or_bandwidth(self.rc_bandwidth, slot)
 
     def root_complex_slots(self, slot: int) -> tuple[int, ...]:
         """The slots under ``slot``'s root complex (itself included); without root-complex data (a
