@@ -160,9 +160,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         except (OSError, ValueError, TypeError, KeyError):
             pass
 
-    def settled(bounds, mapping=assumed):
+    def settled(bounds, placement=assumed):
         """The partition's machine and step with the contention of its own schedule."""
-        return settle(profile, bounds, topo, mapping, micro_batches, recompute, prefetch, profile.host, optimizer_lag)
+        return settle(profile, bounds, topo, placement, micro_batches, recompute, prefetch, profile.host,
+                      optimizer_lag)
 
     def candidates(machine):
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
