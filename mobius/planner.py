@@ -190,7 +190,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                                  warm_start=bounds)
         solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
                   "variables": result.n_variables, "constraints": result.n_constraints}
-        if result.bounds and settled(result.bounds)[1].step_s < times[best]:
+        if result.bounds and result.bounds != bounds and settled(result.bounds)[1].step_s < times[best]:
             bounds = result.bounds
     else:
         bounds = baselines[partitioner]

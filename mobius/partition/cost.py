@@ -326,7 +326,7 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
     its span they overlap (those on its own stream queue instead); a slot's rate is the mean over
     its copies, by time."""
     n = machine.n
-    link = machine.link or machine.bandwidth
+    link = [machine.link_bps(k) for k in range(n)]
     spans = {"h2d": [], "d2h": []}
     for slot, d, a, b, kind in est.copies:
         if b > a:
