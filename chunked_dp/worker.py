@@ -33,7 +33,9 @@ def worker_main(payload: dict) -> dict:
     die_with_parent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = payload["spec"]["cuda"]
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+    # On GPUs the collectives of device chunks go through NCCL, those of offloaded chunks (host
+    # memory) through gloo: NCCL has no CPU tensors.
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         return _run(payload, rank, world, cuda)

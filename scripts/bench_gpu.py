@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -105,17 +106,16 @@ def run_mobius(args, cuda: bool, out_dir: str) -> dict:
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
+    from mobius.backend import resolve_topology
     from mobius.launcher import launch_chunked
-    from topology import cpu_topology, load_topology
 
     cfg = RunConfig(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
                     steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                     seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
                     progress=False)
-    topo = load_topology("auto") if cuda else cpu_topology(1, args.gpu_mem_gb)
-    if cuda:
-        topo.gpus = topo.gpus[:1]
-        topo.gpus[0].memory_gb = min(topo.gpus[0].memory_gb, args.gpu_mem_gb)
+    topo = resolve_topology(cfg)
+    if cuda and topo.n > 1:  # one GPU
+        topo.gpus, topo.extra = topo.gpus[:1], {}
     history = launch_chunked(cfg, get_config(args.model), topo)
     params = build_model(get_config(args.model), device="meta").num_parameters()
     return row("chunked_dp offload", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
@@ -248,7 +248,9 @@ def run_plain(args, cuda: bool, out_dir: str) -> dict:
     return row("plain pytorch (100% line)", pick, tokens, steady(times), model.num_parameters(), peak)
 
 
-SYSTEMS = [run_mobius, run_chunked, run_fsdp2, run_deepspeed, run_plain]
+# The 100% line first: a session with a GPU is short, and the baselines that offload are slow.
+SYSTEMS = [run_plain, run_mobius, run_chunked, run_fsdp2, run_deepspeed]
+SYSTEM_NAMES = [f.__name__.removeprefix("run_") for f in SYSTEMS]
 
 
 def main() -> None:
@@ -263,7 +265,14 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None, help="force the pipeline's stage count")
     p.add_argument("--precision", default=None)
     p.add_argument("--json", default="bench_gpu.json")
+    p.add_argument("--systems", default=",".join(SYSTEM_NAMES),
+                   help=f"comma-separated subset of {','.join(SYSTEM_NAMES)} (default: all)")
     args = p.parse_args()
+    wanted = args.systems.split(",")
+    if not set(wanted) <= set(SYSTEM_NAMES):
+        print(f"error: --systems: unknown {sorted(set(wanted) - set(SYSTEM_NAMES))}; pick from {SYSTEM_NAMES}",
+              file=sys.stderr)
+        raise SystemExit(2)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         print("error: no CUDA GPU: run with --smoke on CPU", file=sys.stderr)
@@ -280,7 +289,7 @@ def main() -> None:
     out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
     pinned = pinned_h2d_gbps(cuda)
     rows = []
-    for system in SYSTEMS:
+    for system in (SYSTEMS[SYSTEM_NAMES.index(name)] for name in wanted):
         try:
             r = system(args, cuda, out_dir)
         except SystemExit as e:
@@ -289,6 +298,10 @@ def main() -> None:
             traceback.print_exc()
             r = {"system": system.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
         rows.append(r)
+        print(f"bench: {json.dumps(r)}", flush=True)  # each row as it comes: a run cut short keeps them
+        gc.collect()
+        if cuda:  # what this process cached must not count against the next system's cap
+            torch.cuda.empty_cache()
     plain = next((r for r in rows if r.get("system", "").startswith("plain") and "step_s" in r), None)
     device = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
     print(f"\n{datetime.date.today()} {device}, cap {args.gpu_mem_gb:g} GB, {args.model}, {args.precision}, "

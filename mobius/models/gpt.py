@@ -225,13 +225,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 p[rows, tc] -= 1.0
                 p = p.div_(n).to(h.dtype)
                 grad_h[a:a + chunk] = p @ weight
-                part = p.t() @ hc
+                # Accumulated in place: a weight-sized temporary per chunk would be a second copy
+                # of the head's gradient on the device (206 MB for GPT-2 medium in fp32).
                 if grad_w is None:
-                    grad_w = part.float()
-                elif part.dtype == torch.float32:
-                    grad_w.add_(part)
+                    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+                if p.dtype == torch.float32:
+                    grad_w.addmm_(p.t(), hc)
                 else:
-                    grad_w.add_(part.float())
+                    grad_w.add_(p.t() @ hc)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.dtypes = (h.dtype, weight.dtype)
         return total / n

@@ -479,6 +479,14 @@ class _CudaHostStream(_InlineStream):
         event.synchronize()
 
 
+# What a GPU's memory holds beside the runtime's own tensors, and so is kept out of its budget (the
+# planner's and the runtime's): inside the caching allocator the cuBLAS workspaces (32 MiB per
+# stream on Hopper) and the allocator's rounding of blocks into segments; outside it the CUDA context
+# (300-500 MB on recent drivers).
+CUDA_ALLOCATOR_SLACK_BYTES = 128 * 2**20
+CUDA_RESERVE_BYTES = CUDA_ALLOCATOR_SLACK_BYTES + 384 * 2**20
+
+
 class CudaDevice(Device):
     kind = "cuda"
 
@@ -486,9 +494,11 @@ class CudaDevice(Device):
         super().__init__(torch.device(f"cuda:{index}"), check=False)
         torch.cuda.set_device(self.torch_device)
         if memory_cap_bytes is not None:
-            # The runtime accounts its budget itself; the allocator cap makes the device agree.
+            # The runtime accounts its budget itself; the allocator cap makes the device agree, with
+            # the slack of what the libraries allocate through it beside the runtime's tensors.
             total = torch.cuda.get_device_properties(self.torch_device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_bytes / total), self.torch_device)
+            cap = memory_cap_bytes + CUDA_ALLOCATOR_SLACK_BYTES
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.torch_device)
         self.compute = _CudaStream(self, "compute", torch.cuda.current_stream(self.torch_device))
         self._registered: list[torch.Tensor] = []
 
