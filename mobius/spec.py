@@ -45,18 +45,34 @@ def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
     return cfg.precision
 
 
-def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
-    """``--recompute auto``: keep activations on the device when every worker can hold all of its
-    stages' saved activations for all micro-batches beside its largest stage; else recompute."""
-    if cfg.recompute != "auto":
-        return cfg.recompute == "on"
-    plan = make(recompute=False)
-    for gpu in set(plan.order):
+def activations_overflow(plan: Plan, budgets: list[int]) -> tuple[int, int] | None:
+    """Without recomputation a worker holds the saved activations of all its stages for all
+    micro-batches until their backward, beside its largest stage: (worker, bytes needed) where
+    that exceeds the worker's budget, else None."""
+    for gpu in sorted(set(plan.order)):
         mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
         kept = sum(st.mem_bwd_bytes - st.param_bytes - st.grad_bytes for st in mine) * plan.micro_batches
-        if max(st.mem_bwd_bytes for st in mine) + kept > budgets[gpu]:
-            return True
-    return False
+        need = max(st.mem_bwd_bytes for st in mine) + kept
+        if need > budgets[gpu]:
+            return gpu, need
+    return None
+
+
+def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
+    """``--recompute auto``: keep activations on the device when every worker can hold all of its
+    stages' saved activations for all micro-batches beside its largest stage; else recompute.
+    ``--recompute off`` where they cannot fit is refused here, before any worker starts."""
+    if cfg.recompute == "on":
+        return True
+    plan = make(recompute=False)
+    overflow = activations_overflow(plan, budgets)
+    if overflow and cfg.recompute == "off":
+        gpu, need = overflow
+        raise InputError(f"--recompute off: worker {gpu} would hold {need / 2**20:.0f} MiB (its stages' saved "
+                         f"activations for all {plan.micro_batches} micro-batches beside its largest stage) in a "
+                         f"{budgets[gpu] / 2**20:.0f} MiB budget; use --recompute on or auto, fewer or smaller "
+                         f"micro-batches, or more memory")
+    return overflow is not None
 
 
 def budgets_of(topo: Topology) -> tuple[int, ...]:
