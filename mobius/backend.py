@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from mobius.config import RunConfig
 from mobius.errors import InputError
-from mobius.runtime.device import CUDA_RESERVE_BYTES
 from topology import Topology, TopologyError, load_topology
-from topology.model import GB
 
 
 def resolve_topology(cfg: RunConfig) -> Topology:
@@ -17,12 +15,6 @@ def resolve_topology(cfg: RunConfig) -> Topology:
     if cfg.gpu_mem_gb is not None:
         for g in topo.gpus:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
-    if not topo.virtual:
-        # GPUs, this machine's or planned for: the plan and the runtime budget only what the CUDA
-        # context and libraries leave free (a rehearsal on CPU workers budgets as the GPUs would).
-        topo.extra["cuda_reserve_gb"] = CUDA_RESERVE_BYTES / GB
-        for g in topo.gpus:
-            g.memory_gb = max(0.0, g.memory_gb - CUDA_RESERVE_BYTES / GB)
     return topo
 
 

@@ -17,7 +17,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.runtime.inputs import model_config_for
-from mobius.spec import resolve_precision, run_plan
+from mobius.spec import reserve_cuda_memory, resolve_precision, run_plan
 
 
 def build_parser() -> OneLineParser:
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     topo = resolve_topology(cfg)
     # The topology's own devices: its GPUs (planned as the run on that machine would be), or
     # this machine's CPU workers.  Precision and recompute are decided as mobius.train decides.
+    if not topo.virtual:  # as the run on those GPUs budgets them
+        reserve_cuda_memory(topo)
     precision = resolve_precision(cfg, not topo.virtual)
     plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
                     use_cache=not args.no_cache, with_baselines=args.baselines)

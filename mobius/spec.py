@@ -16,7 +16,7 @@ from mobius.errors import InputError
 from mobius.models import GPTConfig
 from mobius.partition.cost import stage_costs
 from mobius.planner import get_profile, make_plan
-from mobius.runtime.device import cuda_available
+from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.inputs import check_model_input, make_batches
 from mobius.runtime.spec import Plan, RunSpec
@@ -36,7 +36,20 @@ def resolve_devices(topo: Topology, emulate: bool = False) -> bool:
     unless they ``emulate`` the topology's GPUs)."""
     cuda = not emulate and not topo.virtual and cuda_available()
     topo.virtual = not cuda
+    if cuda:
+        reserve_cuda_memory(topo)
     return cuda
+
+
+def reserve_cuda_memory(topo: Topology) -> None:
+    """On GPUs the plan and the runtime budget only what the CUDA context and libraries leave
+    free (:data:`CUDA_RESERVE_BYTES`); once per topology, recorded in its ``extra``.  CPU workers
+    rehearsing GPUs budget the whole ``--gpu-mem-gb``: the runtime enforces it there itself."""
+    if "cuda_reserve_gb" in topo.extra:
+        return
+    topo.extra["cuda_reserve_gb"] = CUDA_RESERVE_BYTES / GB
+    for g in topo.gpus:
+        g.memory_gb = max(0.0, g.memory_gb - CUDA_RESERVE_BYTES / GB)
 
 
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:

@@ -121,3 +121,17 @@ def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch
     fresh = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     costliest = max(range(fresh.n), key=lambda i: stale.layers[i].fwd_s + stale.layers[i].bwd_s)
     assert fresh.layers[costliest].fwd_s < stale.layers[costliest].fwd_s / 10
+
+
+def test_gpus_are_budgeted_without_the_cuda_reserve_once():
+    """What the CUDA context and libraries take is kept out of every GPU's budget, once however
+    often the topology is resolved (mobius.plan and mobius.train on GPUs both reserve)."""
+    from mobius.runtime.device import CUDA_RESERVE_BYTES
+    from mobius.spec import reserve_cuda_memory
+    from topology.presets import load_preset
+
+    topo = load_preset("8x3090-4+4")
+    card = [g.memory_gb for g in topo.gpus]
+    reserve_cuda_memory(topo)
+    reserve_cuda_memory(topo)
+    assert [g.memory_gb for g in topo.gpus] == pytest.approx([c - CUDA_RESERVE_BYTES / 1e9 for c in card])
