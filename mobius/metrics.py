@@ -56,6 +56,7 @@ class Trace:
         self.enabled = enabled
         self.pid = pid
         self.events: list[dict] = []
+        self._pending: list[tuple] = []  # device spans, resolved by collect()
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
@@ -68,6 +69,22 @@ class Trace:
             event["args"] = args
         with self._lock:
             self.events.append(event)
+
+    def device_span(self, name: str, lane: str, begin, end, time_of, **args) -> None:
+        """A span of device work between two events of the device layer, timed when the trace is
+        collected (``time_of``: the device's clock on the host's), not when it was issued: on
+        CUDA the host issues a copy in microseconds and the copy lasts milliseconds."""
+        if self.enabled:
+            with self._lock:
+                self._pending.append((name, lane, begin, end, time_of, args))
+
+    def collect(self) -> list[dict]:
+        """Every event, the device spans resolved (this waits for their work to finish)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for name, lane, begin, end, time_of, args in pending:
+            self.span(name, lane, time_of(begin), time_of(end), **args)
+        return self.events
 
     def set_origin(self, t0: float) -> None:
         self._t0 = t0

@@ -84,7 +84,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
     stop = StopRequest().install()
     history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop)
     if cfg.trace:
-        write_trace(cfg.trace, trainer.trace.events)
+        write_trace(cfg.trace, trainer.trace.collect())
     for _, out, merged in cfg.exports():
         staging = start_export(out)
         write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)

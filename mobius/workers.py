@@ -55,6 +55,6 @@ def share_cpu_cores(world: int) -> None:
 def gather_trace(trace: Trace, path: str | None, rank: int, world: int) -> None:
     """Rank 0 writes every worker's events into one Chrome trace (pid = worker)."""
     events = [None] * world if rank == 0 else None
-    dist.gather_object(trace.events, events, dst=0)
+    dist.gather_object(trace.collect(), events, dst=0)
     if rank == 0 and path:
         write_trace(path, [e for evs in events for e in evs])

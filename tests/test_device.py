@@ -5,11 +5,13 @@ ordering is tested: the checker must catch a wait removed from the runtime, and 
 streams are slowed at random must still equal the reference."""
 
 import os
+import time
 
 import pytest
 import torch
 
-from mobius.runtime.device import CpuDevice, Stream, StreamOrderError
+from mobius.metrics import Trace
+from mobius.runtime.device import CpuDevice, Event, Stream, StreamOrderError
 
 
 @pytest.fixture()
@@ -64,6 +66,27 @@ def test_a_failed_copy_is_raised_where_it_is_waited_for(device):
     s.copy(torch.empty(3), torch.empty(4))  # shapes differ: fails on the stream's thread
     with pytest.raises(RuntimeError, match="stream 'h2d' failed"):
         s.record().synchronize()
+
+
+def test_device_spans_are_timed_when_the_stream_reaches_them_not_when_issued(device):
+    """A copy stream held behind an event no stream has reached yet: the host issues the copy at
+    once, the trace's span starts when the stream gets to it (as a CUDA copy issued with
+    ``non_blocking`` starts when its stream gets to it)."""
+    h2d, held = device.new_stream("h2d", "h2d"), device.new_stream("held", "h2d")
+    gate = Event(held, 1, {})  # not reached: whatever waits for it waits
+    h2d.wait(gate)
+    src, dst = torch.ones(1 << 16), torch.empty(1 << 16)
+    trace = Trace(enabled=True)
+    trace.set_origin(0.0)
+    begin = h2d.record()
+    h2d.copy(dst, src)
+    trace.device_span("load", "prefetch", begin, h2d.record(), device.time_of, bytes=src.numel() * 4)
+    issued = time.perf_counter()
+    time.sleep(0.05)
+    gate._done.set()
+    (span,) = trace.collect()
+    assert span["ts"] / 1e6 >= issued + 0.05 and span["dur"] >= 0 and span["args"]["bytes"] == 1 << 18
+    assert torch.equal(dst, src)
 
 
 # ---- the runtime under the checker ---------------------------------------------------------------------

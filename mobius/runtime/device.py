@@ -151,6 +151,7 @@ class Event:
     def __init__(self, stream: "Stream", seq: int, vector: dict[int, int]):
         self.stream_id, self.stream_name, self.seq, self.vector = stream.clock.own, stream.name, seq, vector
         self._done = threading.Event()
+        self.at_s: float | None = None  # host clock when a CPU stream reached it (Device.time_of)
         self._cuda = None
         self._stream = None  # a CPU side stream, whose failure the event reports
 
@@ -271,6 +272,12 @@ class Device:
         """A host thread seen as a stream: it orders itself after an event by waiting for it."""
         raise NotImplementedError
 
+    def time_of(self, event: Event) -> float:
+        """When ``event``'s stream reached it, on the host clock (``time.perf_counter``); blocks
+        until it has.  Traces time device work by this, not by when the host issued it."""
+        event.synchronize()
+        return event.at_s
+
     def close(self) -> None:
         pass
 
@@ -306,6 +313,7 @@ class _InlineStream(Stream):
 
     def record(self) -> Event:
         event = self._new_event()
+        event.at_s = time.perf_counter()
         event._done.set()
         return event
 
@@ -335,6 +343,7 @@ class _ThreadStream(Stream):
             if job is None and event is None:
                 return
             if event is not None:
+                event.at_s = time.perf_counter()
                 event._done.set()
                 continue
             if self._jitter_s:
@@ -451,7 +460,7 @@ class _CudaStream(Stream):
 
     def record(self) -> Event:
         event = self._new_event()
-        event._cuda = torch.cuda.Event()
+        event._cuda = torch.cuda.Event(enable_timing=True)
         event._cuda.record(self.cuda)
         return event
 
@@ -501,6 +510,12 @@ class CudaDevice(Device):
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.torch_device)
         self.compute = _CudaStream(self, "compute", torch.cuda.current_stream(self.torch_device))
         self._registered: list[torch.Tensor] = []
+        # The device's clock against the host's: an event recorded on an idle device, taken to
+        # happen when the host sees it complete (microseconds off; a step lasts milliseconds).
+        torch.cuda.synchronize(self.torch_device)
+        self._anchor = self.compute.record()
+        self._anchor._cuda.synchronize()
+        self._anchor_s = time.perf_counter()
 
     def new_stream(self, name: str, direction: str) -> Stream:
         return _CudaStream(self, name, torch.cuda.Stream(self.torch_device), direction)
@@ -514,6 +529,12 @@ class CudaDevice(Device):
 
     def host_stream(self, name: str) -> Stream:
         return _CudaHostStream(self, name)
+
+    def time_of(self, event: Event) -> float:
+        if event._cuda is None:  # a host thread's event
+            return super().time_of(event)
+        event._cuda.synchronize()
+        return self._anchor_s + self._anchor._cuda.elapsed_time(event._cuda) / 1e3
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)

@@ -26,7 +26,6 @@ running stage (:mod:`~mobius.stages.working_memory`), the gradient offload and C
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ from mobius.metrics import Trace
 from mobius.models import Head
 from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, lr_at
-from mobius.runtime.device import Device
+from mobius.runtime.device import Device, Event
 from mobius.runtime.spec import Plan
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
@@ -61,7 +60,7 @@ class _StepState:
     handles: dict[int, DeviceStage] = field(default_factory=dict)
     layers: nn.ModuleList | None = None  # the resident stage being computed
     stage_pass: ExitStack = field(default_factory=ExitStack)  # its working-memory reservation
-    t0: float = 0.0
+    begin: Event | None = None  # the compute stream's event at the pass's start, when tracing
     grads: torch.Tensor | None = None  # its flat gradient buffer (backward)
     grad_phase: int = 0
     inbox: dict = field(default_factory=dict)  # (stage, mb) -> received host tensor
@@ -126,7 +125,7 @@ class StageRunner:
         st.stage_pass.enter_context(self.working.stage_pass(s, op.backward))
         if op.backward:
             st.grads, st.grad_phase = self.optimizer.gradients_for(s, st.layers)
-        st.t0 = time.perf_counter()
+        st.begin = self.device.compute.record() if self.trace.enabled else None
 
     def _op_recv(self, op: Op, st: _StepState) -> None:
         s, m = op.stage, op.mb
@@ -233,8 +232,9 @@ class StageRunner:
         """The stage's pass is done: its outputs go on, its working memory is on record."""
         self.links.flush()
         st.stage_pass.close()
-        self.trace.span(f"{'B' if op.backward else 'F'}{op.stage}", "compute", st.t0, time.perf_counter(),
-                        stage=op.stage)
+        end = self.device.compute.record() if self.trace.enabled else None
+        self.trace.device_span(f"{'B' if op.backward else 'F'}{op.stage}", "compute", st.begin, end,
+                               self.device.time_of, stage=op.stage)
 
     def _op_offload(self, op: Op, st: _StepState) -> None:
         self.optimizer.offload(op.stage, st.layers, st.grads, st.grad_phase, st.step, st.lr)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 
 import torch
 from torch import nn
@@ -126,10 +125,10 @@ class Prefetcher:
     def _load(self, handle: DeviceStage) -> None:
         host = self.store.stages[handle.index]
         layers = self._device_layers(handle.index)
-        start = time.perf_counter()
         numel = sum(t.numel() for t in handle.sources)
         weights = self.device.empty(numel, self.store.compute_dtype, self.stream, name=f"weights of stage {handle.index}")
         self.stream.wait(handle.after)
+        begin = self.stream.record() if self.trace.enabled else None
         at = 0
         for source in handle.sources:
             step = max(1, COPY_CHUNK_BYTES // source.element_size())
@@ -144,4 +143,5 @@ class Prefetcher:
             p.data = view(weights, slot)
         handle.weights, handle.layers = weights, layers
         handle.event = self.stream.record()
-        self.trace.span(f"load stage {handle.index}", "prefetch", start, time.perf_counter(), bytes=handle.nbytes)
+        self.trace.device_span(f"load stage {handle.index}", "prefetch", begin, handle.event, self.device.time_of,
+                               bytes=handle.nbytes)
