@@ -225,8 +225,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 p[rows, tc] -= 1.0
                 p = p.div_(n).to(h.dtype)
                 grad_h[a:a + chunk] = p @ weight
-                # Accumulated in place: a weight-sized temporary per chunk would be a second copy
-                # of the head's gradient on the device (206 MB for GPT-2 medium in fp32).
+                # Accumulated in place: an fp32 temporary per chunk would be a second copy of the
+                # head's gradient on the device (206 MB for GPT-2 medium); in bf16 the product
+                # needs one, at half that size, to be added in fp32.
                 if grad_w is None:
                     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
                 if p.dtype == torch.float32:
