@@ -46,8 +46,7 @@ def worker_main(payload: dict) -> dict:
 def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     cfg = RunConfig.from_dict(payload["cfg"])
     device = open_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
-    if not cuda:
-        share_cpu_cores(world)
+    share_cpu_cores(world)  # CPU workers compute on them; GPU workers step offloaded chunks there
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
     trace.set_origin(payload.get("t_origin", time.perf_counter()))
     model_config = model_config_for(cfg)

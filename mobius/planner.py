@@ -70,8 +70,9 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         return analytic_profile(model_name, config, micro_batch, seq_len, min(g.tflops for g in topo.gpus), precision)
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
+    # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
     key = _hash([config.to_dict(), micro_batch, seq_len, precision, device,
-                 cuda_device_name(), torch.__version__, workers])
+                 cuda_device_name(), torch.__version__, workers, topo.n])
     path = CACHE_DIR / "profiles" / f"{key}.json"
     if path.is_file():
         try:
@@ -80,7 +81,8 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
                 return cached
         except (OSError, ValueError, TypeError, KeyError):
             pass  # a damaged cache entry is re-measured
-    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers)
+    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
+                              host_workers=topo.n)
     _save_quietly(path, profile.to_dict())
     return profile
 

@@ -48,7 +48,8 @@ def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
 
 
 def share_cpu_cores(world: int) -> None:
-    """CPU workers standing in for GPUs split the machine's cores between them."""
+    """The workers of one machine split its cores between them (CPU workers compute there, GPU
+    workers step their optimizer there)."""
     torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
 

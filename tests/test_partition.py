@@ -84,6 +84,24 @@ def test_layer_similarity_profiles_mobius_3b_with_three_layers(tmp_path):
     assert Profile.load(tmp_path / "p.json") == prof
 
 
+def test_the_host_optimizer_rate_is_measured_with_each_workers_share_of_the_cores(monkeypatch):
+    """Whatever computes the layers, AdamW runs on the host: its rate is measured, with the
+    threads of one of ``host_workers`` workers (on GPUs, one process per GPU)."""
+    import mobius.partition.profile as profile
+
+    threads = []
+    real = profile.measure_adam_rate
+
+    def spy(workers, **kw):
+        threads.append(workers)
+        return real(workers, numel=2**16, repeats=1)
+
+    monkeypatch.setattr(profile, "measure_adam_rate", spy)
+    prof = measure_profile("tiny", get_config("tiny"), micro_batch=1, seq_len=8, repeats=1, workers=1, host_workers=4)
+    assert threads == [4] and prof.host.adam_params_per_s > 0
+    assert prof.host.adam_params_per_s != profile.ANALYTIC_ADAM_PARAMS_PER_S
+
+
 def test_layer_too_big_for_the_gpu_names_layer_bytes_and_budget():
     prof = analytic_profile("mobius-51b", get_config("mobius-51b"), 1, 512, 40.0)
     with pytest.raises(InputError, match=r"layer layers\.0 \(embedding\) needs .* GB .* budget is 1.00 GB"):

@@ -43,8 +43,8 @@ ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
 @dataclass
 class HostCosts:
     """What the runtime costs beyond the layers, on the machine that runs (cost model, MIP and
-    simulator use them).  :func:`measure_profile` measures the AdamW rate on CPU workers; the
-    hand-off and per-micro-batch costs are not measured yet (0)."""
+    simulator use them).  :func:`measure_profile` measures the host's AdamW rate; the hand-off and
+    per-micro-batch costs are not measured yet (0)."""
 
     handoff_s: float = 0.0  # an activation from one worker to another, beyond its two copies
     micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
@@ -210,21 +210,25 @@ def worker_conditions(device: torch.device, workers: int, busy_work=None):
         torch.set_num_threads(threads_before)
 
 
-def measure_adam_rate(device: torch.device, workers: int, numel: int = 2**21, repeats: int = 5) -> float:
-    """Parameters per second of one worker's fused AdamW step, under the workers' conditions."""
+def measure_adam_rate(workers: int, numel: int = 2**21, repeats: int = 5) -> float:
+    """Parameters per second of one worker's fused AdamW step on the host, with its share of the
+    cores when ``workers`` workers (CPU workers, or one process per GPU) share them."""
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     opt.step()
-    with worker_conditions(device, workers):
-        return numel / _time(opt.step, torch.device("cpu"), repeats)
+    cpu = torch.device("cpu")
+    with worker_conditions(cpu, workers):
+        return numel / _time(opt.step, cpu, repeats)
 
 
 def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
                     precision: str = "fp32", device: str | torch.device = "cpu", repeats: int = 5,
-                    workers: int = 1) -> Profile:
+                    workers: int = 1, host_workers: int | None = None) -> Profile:
     """Run each distinct layer forward and backward (after a warm-up) and record its costs; on CPU
-    as one of ``workers`` workers (:func:`worker_conditions`)."""
+    as one of ``workers`` workers (:func:`worker_conditions`).  The optimizer runs on the host
+    whatever computes the layers: its rate is measured with one of ``host_workers`` (default
+    ``workers``; on GPUs, one process per GPU) shares of the host's cores."""
     device = torch.device(device)
     dtype = DTYPES[precision]
     t_start = time.perf_counter()
@@ -240,7 +244,7 @@ def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_le
                                            similarity_class=len(measured), workers=workers)
         p = measured[sig]
         layers.append(LayerProfile(**{**asdict(p), "name": f"layers.{i}", "kind": kind}))
-    host = HostCosts(adam_params_per_s=measure_adam_rate(device, workers)) if device.type == "cpu" else HostCosts()
+    host = HostCosts(adam_params_per_s=measure_adam_rate(host_workers or workers))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"measured-{device.type}", layers=layers, distinct_measured=len(measured),
                    profile_seconds=time.perf_counter() - t_start, extra={"workers": workers}, host=host)

@@ -614,7 +614,7 @@ def time_per_call(fn: Callable[[], object], device: torch.device, repeats: int) 
 
 
 def cpu_threads_per_worker(workers: int) -> int:
-    """CPU workers standing in for GPUs split the machine's cores between them."""
+    """The cores of one of ``workers`` workers sharing this machine's."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
