@@ -1,4 +1,4 @@
-"""The CUDA path against the reference trainer on the same GPU (fp32). Skipped without CUDA.
+"""The CUDA path against the reference trainer on the same GPU. Skipped without CUDA.
 
 The CPU device layer is where the copy/compute ordering is tested on every machine
 (tests/test_device.py, tests/test_pipeline.py); these cases run the same runtime on real CUDA
@@ -45,7 +45,7 @@ def without_key_bias(name: str, w: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def assert_equal_to_reference(cfg: RunConfig, history, weights, tol: float) -> None:
-    """Per-step losses within ``tol`` (relative) and, where ``tol`` is fp32's, the final weights."""
+    """Per-step losses within ``tol`` (relative) and, in fp32, the final weights within ``tol``."""
     ref_losses, ref_weights = reference(cfg)
     losses = [m.loss for m in history]
     for k, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
