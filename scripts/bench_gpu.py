@@ -65,6 +65,16 @@ def prefetch_stats(trace_path: str) -> tuple[float, float]:
     return gbps, exposed / max(1e-9, sum(e["dur"] for e in loads))
 
 
+def busy_s_per_step(trace_path: str, steps: int) -> dict[str, float]:
+    """Seconds per step each lane of the trace was busy (device-timed on the device's lanes), the
+    mean over all ``steps``: what a step is made of, e.g. compute against the host's AdamW."""
+    events = json.load(open(trace_path))["traceEvents"]
+    busy: dict[str, float] = {}
+    for e in events:
+        busy[e["tid"]] = busy.get(e["tid"], 0.0) + e["dur"] / 1e6 / steps
+    return busy
+
+
 def pinned_h2d_gbps(cuda: bool) -> float:
     if cuda:
         from topology.bandwidth import _copy_gbps
@@ -102,7 +112,8 @@ def run_mobius(args, cuda: bool, out_dir: str) -> dict:
     gbps, exposed = prefetch_stats(trace)
     params = build_model(get_config(args.model), device="meta").num_parameters()
     return row("mobius pipeline", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
-               max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed)
+               max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed,
+               busy_s_per_step=busy_s_per_step(trace, len(history)))
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
@@ -317,6 +328,10 @@ def main() -> None:
         exposed = f"{r['prefetch_not_overlapped']:.0%}" if "prefetch_not_overlapped" in r else "-"
         print(f"{r['system']:<28} {r['model']:<11} {r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.3f} {share:>8} "
               f"{r['peak_gpu_gb']:>8.2f} {gbps:>14} {exposed:>15}")
+    for r in rows:
+        if "busy_s_per_step" in r:
+            lanes = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(r["busy_s_per_step"].items()))
+            print(f"{r['system']}: seconds busy per step, by lane (mean of the run's steps): {lanes}")
     with open(args.json, "w") as f:
         json.dump({"date": str(datetime.date.today()), "device": device, "pinned_h2d_gbps": pinned,
                    "args": vars(args), "rows": rows}, f, indent=1)

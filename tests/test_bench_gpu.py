@@ -16,5 +16,7 @@ def test_bench_gpu_smoke_runs_every_system_on_cpu(tmp_path):
         assert rows[system]["tokens_per_s"] > 0 and rows[system]["model_tflops"] > 0, system
     mobius = rows["mobius pipeline"]
     assert mobius["prefetch_h2d_gbps"] > 0 and 0 <= mobius["prefetch_not_overlapped"] <= 1
+    busy = mobius["busy_s_per_step"]
+    assert busy["compute"] > 0 and busy["optimizer"] > 0 and busy["prefetch"] > 0
     assert "skipped" in rows["deepspeed zero-3 offload"] or rows["deepspeed zero-3 offload"]["tokens_per_s"] > 0
     assert "% plain" in r.stdout
