@@ -49,9 +49,8 @@ def steady(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
-def prefetch_stats(trace_path: str) -> tuple[float, float]:
+def prefetch_stats(events: list[dict]) -> tuple[float, float]:
     """(achieved GB/s of stage loads, fraction of load time not overlapped by compute) from a trace."""
-    events = json.load(open(trace_path))["traceEvents"]
     loads = [e for e in events if e["tid"] == "prefetch"]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "compute"]
     if not loads:
@@ -65,10 +64,9 @@ def prefetch_stats(trace_path: str) -> tuple[float, float]:
     return gbps, exposed / max(1e-9, sum(e["dur"] for e in loads))
 
 
-def busy_s_per_step(trace_path: str, steps: int) -> dict[str, float]:
+def busy_s_per_step(events: list[dict], steps: int) -> dict[str, float]:
     """Seconds per step each lane of the trace was busy (device-timed on the device's lanes), the
     mean over all ``steps``: what a step is made of, e.g. compute against the host's AdamW."""
-    events = json.load(open(trace_path))["traceEvents"]
     busy: dict[str, float] = {}
     for e in events:
         busy[e["tid"]] = busy.get(e["tid"], 0.0) + e["dur"] / 1e6 / steps
@@ -109,11 +107,12 @@ def run_mobius(args, cuda: bool, out_dir: str) -> dict:
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
     history = launch_pipeline(cfg, get_config(args.model), topo)
-    gbps, exposed = prefetch_stats(trace)
+    events = json.load(open(trace))["traceEvents"]
+    gbps, exposed = prefetch_stats(events)
     params = build_model(get_config(args.model), device="meta").num_parameters()
     return row("mobius pipeline", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
                max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed,
-               busy_s_per_step=busy_s_per_step(trace, len(history)))
+               busy_s_per_step=busy_s_per_step(events, len(history)))
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
@@ -260,8 +259,7 @@ def run_plain(args, cuda: bool, out_dir: str) -> dict:
 
 
 # The 100% line first: a session with a GPU is short, and the baselines that offload are slow.
-SYSTEMS = [run_plain, run_mobius, run_chunked, run_fsdp2, run_deepspeed]
-SYSTEM_NAMES = [f.__name__.removeprefix("run_") for f in SYSTEMS]
+SYSTEMS = {f.__name__.removeprefix("run_"): f for f in (run_plain, run_mobius, run_chunked, run_fsdp2, run_deepspeed)}
 
 
 def main() -> None:
@@ -276,12 +274,12 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None, help="force the pipeline's stage count")
     p.add_argument("--precision", default=None)
     p.add_argument("--json", default="bench_gpu.json")
-    p.add_argument("--systems", default=",".join(SYSTEM_NAMES),
-                   help=f"comma-separated subset of {','.join(SYSTEM_NAMES)} (default: all)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
     args = p.parse_args()
     wanted = args.systems.split(",")
-    if not set(wanted) <= set(SYSTEM_NAMES):
-        print(f"error: --systems: unknown {sorted(set(wanted) - set(SYSTEM_NAMES))}; pick from {SYSTEM_NAMES}",
+    if not set(wanted) <= set(SYSTEMS):
+        print(f"error: --systems: unknown {sorted(set(wanted) - set(SYSTEMS))}; pick from {list(SYSTEMS)}",
               file=sys.stderr)
         raise SystemExit(2)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -300,7 +298,7 @@ def main() -> None:
     out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
     pinned = pinned_h2d_gbps(cuda)
     rows = []
-    for system in (SYSTEMS[SYSTEM_NAMES.index(name)] for name in wanted):
+    for system in (SYSTEMS[name] for name in wanted):
         try:
             r = system(args, cuda, out_dir)
         except SystemExit as e:
