@@ -5,7 +5,8 @@ partitioner); measured profiles are cached by (model, micro-batch, sequence, dty
 workers), so a second run with the same settings neither profiles nor solves again.  A cached
 measured profile is re-validated, not trusted forever: its costliest layer is timed again, and a
 miss by more than :data:`REVALIDATE_TOLERANCE` (the machine got busier or quieter, or changed)
-measures the whole profile again.
+measures the whole profile again.  A measured profile carries what the runtime itself costs on
+this machine (:func:`runtime_costs`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for, settle
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
-from mobius.runtime.device import cuda_available, cuda_device_name
+from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
+from mobius.stages.calibrate import CALIBRATION_VERSION, measure_handoff, measure_runtime_overheads
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
@@ -53,7 +55,9 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 5
+COST_MODEL_VERSION = 6
+# Part of every measured profile's key: a profile without the runtime's costs is measured again.
+PROFILE_VERSION = 2
 
 
 def _hash(obj) -> str:
@@ -71,7 +75,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    key = _hash([config.to_dict(), micro_batch, seq_len, precision, device,
+    key = _hash([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device,
                  cuda_device_name(), torch.__version__, workers, topo.n])
     path = CACHE_DIR / "profiles" / f"{key}.json"
     if path.is_file():
@@ -83,8 +87,30 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
             pass  # a damaged cache entry is re-measured
     profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
                               host_workers=topo.n)
+    profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
     _save_quietly(path, profile.to_dict())
     return profile
+
+
+def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:
+    """What the runtime itself costs on this machine (:mod:`mobius.stages.calibrate`), as
+    :class:`~mobius.partition.profile.HostCosts` fields: the hand-off of this model's boundary
+    activation from one worker to another, and on CPU workers the runtime's work per micro-batch
+    and per stage switch (measured once per machine and threads per worker, then cached).  On GPUs
+    that work is the host's, issued while the device computes: it is not measured there, and not
+    charged."""
+    costs = {"handoff_s": measure_handoff(max(l.out_bytes for l in profile.layers))}
+    if device != "cpu":
+        return costs
+    machine = [CALIBRATION_VERSION, torch.__version__, os.cpu_count(), cpu_threads_per_worker(workers)]
+    path = CACHE_DIR / "runtime" / f"{_hash(machine)}.json"
+    try:
+        found = json.loads(path.read_text())
+        overheads = (float(found["micro_batch_s"]), float(found["stage_switch_s"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        overheads = measure_runtime_overheads(workers)
+        _save_quietly(path, dict(zip(("micro_batch_s", "stage_switch_s"), overheads)))
+    return {**costs, "micro_batch_s": overheads[0], "stage_switch_s": overheads[1]}
 
 
 def still_holds(profile: Profile, config: GPTConfig, precision: str, device: str, workers: int) -> bool:

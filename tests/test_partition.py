@@ -43,7 +43,8 @@ def test_mip_equals_exhaustive_optimum(seed):
     if seed % 2:  # what the runtime revealed (issue 15): the MIP must encode it as evaluate does
         rc_of = [rng.randint(0, 1) for _ in range(n_gpus)]
         machine = Machine(bandwidth, memory, prefetch=rng.random() < 0.7, handoff_s=rng.uniform(0, 0.01),
-                          micro_batch_s=rng.uniform(0, 0.01), adam_params_per_s=rng.uniform(2e9, 2e10),
+                          micro_batch_s=rng.uniform(0, 0.01), stage_switch_s=rng.uniform(0, 0.05),
+                          adam_params_per_s=rng.uniform(2e9, 2e10),
                           optimizer_lag=rng.randint(0, 1), link=tuple(b * 1.2 for b in bandwidth),
                           first_wave_peers=tuple(tuple(i for i in range(n_gpus) if rc_of[i] == rc_of[k])
                                                  for k in range(n_gpus)),
@@ -123,14 +124,24 @@ def test_plan_command_rejects_bad_input_with_one_line():
 
 def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch):
     """A cached measured profile whose costliest layer no longer times as recorded (the machine got
-    busier or quieter) is measured again."""
+    busier or quieter) is measured again.  The runtime's own costs go with every measured profile;
+    its per-micro-batch and per-switch work is measured once per machine (its measurement is
+    tested in tests/test_calibrate.py)."""
     from mobius import planner
     from topology import cpu_topology
 
+    calibrations = []
+
+    def calibrate(workers):
+        calibrations.append(workers)
+        return 1e-4, 2e-4
+
     monkeypatch.setattr(planner, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(planner, "measure_runtime_overheads", calibrate)
     config, topo = get_config("tiny"), cpu_topology(2)
     first = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     assert first.extra["workers"] == 2 and first.host.adam_params_per_s > 0
+    assert (first.host.micro_batch_s, first.host.stage_switch_s) == (1e-4, 2e-4) and first.host.handoff_s > 0
     (path,) = (tmp_path / "profiles").glob("*.json")
     stale = Profile.load(path)
     for layer in stale.layers:
@@ -139,6 +150,7 @@ def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch
     fresh = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     costliest = max(range(fresh.n), key=lambda i: stale.layers[i].fwd_s + stale.layers[i].bwd_s)
     assert fresh.layers[costliest].fwd_s < stale.layers[costliest].fwd_s / 10
+    assert calibrations == [2] and fresh.host.stage_switch_s == 2e-4  # the second time, from the cache
 
 
 def test_gpus_are_budgeted_without_the_cuda_reserve_once():

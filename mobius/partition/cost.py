@@ -23,11 +23,14 @@ mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its p
 What the runtime showed, calibrated (issue 15): a stage's input (and in backward its output
 gradient, and with recomputation its input again) is copied to the device *on the compute
 stream*, so a micro-batch occupies the device for ``a/B_dst`` on top of its compute, plus a fixed
-``o`` per micro-batch (the runtime's own work); each stage's gradients then leave the device
+``o`` per micro-batch in each pass (the runtime's own work; backward with recomputation is two
+passes), and a stage's pass starts no earlier than ``w`` after the slot's previous pass ended (the
+switch: release, wait, working memory, gradient buffer; it overlaps the rest of the load); each stage's gradients then leave the device
 (at its link's rate, the offloads of one root complex queueing for its bandwidth in
 backward order) and AdamW updates them on the host (``g_j / (e · R_adam)`` for ``e`` bytes per
 element), one optimizer thread per worker.  ``h``, ``o`` and ``R_adam`` are measured with the
-profile (:class:`~mobius.partition.profile.HostCosts`).
+profile (:class:`~mobius.partition.profile.HostCosts`; ``h``, ``o`` and ``w`` by running the runtime,
+:mod:`mobius.stages.calibrate`).
 
 Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
 fixed partition: the MIP's optimum for that partition equals this recurrence.  Objective: the step
@@ -66,7 +69,8 @@ class Machine:
     memory: tuple[int, ...]  # bytes per slot
     prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
     handoff_s: float = 0.0  # latency of an activation between two workers, beyond its copies
-    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
+    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage in each pass (the runtime's own work)
+    stage_switch_s: float = 0.0  # device time between two passes of one slot (the runtime's own work)
     adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
@@ -158,7 +162,7 @@ class StepEstimate:
 def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[StageCost]:
     """The stages' per-micro-batch times as the device is occupied: compute plus the copies the
     runtime issues on the compute stream (input; output gradient; input again to recompute) and
-    the fixed per-micro-batch cost."""
+    the fixed per-micro-batch cost of each pass (backward with recomputation: two)."""
     n = machine.n
     out = []
     for j, c in enumerate(st):
@@ -166,7 +170,7 @@ def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[St
         up_f = c.in_bytes / bw
         up_b = (c.out_bytes + (c.in_bytes if recompute else 0)) / bw_b
         out.append(replace(c, fwd_s=c.fwd_s + up_f + machine.micro_batch_s,
-                           bwd_s=c.bwd_s + up_b + machine.micro_batch_s))
+                           bwd_s=c.bwd_s + up_b + machine.micro_batch_s * (2 if recompute else 1)))
     return out
 
 
@@ -219,6 +223,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             return StepEstimate(float("inf"), False, st, [], [],
                                 reason=f"stage {j} needs {max(c.mem_fwd, c.mem_bwd) / GB:.2f} GB > {mem[j] / GB:.2f} GB")
     handoff = machine.handoff_s if n > 1 else 0.0
+    switch = machine.stage_switch_s
 
     def xfer(j_from: int, j_to: int, nbytes: int) -> float:
         """Until the receiver may start: the copy to the host and the hand-off (its copy to the
@@ -234,14 +239,17 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         if j < n:
             ready = machine.first_load_s(j, first)
             copies.append((j, "h2d", 0.0, ready, "load"))
+            ready = max(ready, switch)
         else:
             prev = st[j - n]
             span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
             pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span)) if machine.prefetch else 0.0
-            ready = tf[j - n][-1] + prev.fwd_s + (c.param_bytes - pf[j]) / bw[j]
+            released = tf[j - n][-1] + prev.fwd_s
+            ready = released + (c.param_bytes - pf[j]) / bw[j]
             # The prefetch starts with the previous stage's pass, the rest once it is released.
             copies += [(j % n, "h2d", tf[j - n][0], tf[j - n][0] + pf[j] / bw[j], "load"),
-                       (j % n, "h2d", ready - (c.param_bytes - pf[j]) / bw[j], ready, "load")]
+                       (j % n, "h2d", released, ready, "load")]
+            ready = max(ready, released + switch)
         for m in range(m_count):
             t = ready
             if m:
@@ -255,15 +263,17 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     pb = [0.0] * s_count
     for j in range(s_count - 1, -1, -1):
         c = st[j]
-        if j >= s_count - n:
-            ready = end_f  # still resident from the forward pass
+        if j >= s_count - n:  # still resident from the forward pass
+            ready = max(end_f, tf[j][-1] + c.fwd_s + switch)
         else:
             nxt = st[j + n]
             span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
             pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span)) if machine.prefetch else 0.0
-            ready = tb[j + n][-1] + nxt.bwd_s + (c.param_bytes - pb[j]) / bw[j]
+            released = tb[j + n][-1] + nxt.bwd_s
+            ready = released + (c.param_bytes - pb[j]) / bw[j]
             copies += [(j % n, "h2d", tb[j + n][0], tb[j + n][0] + pb[j] / bw[j], "load"),
-                       (j % n, "h2d", ready - (c.param_bytes - pb[j]) / bw[j], ready, "load")]
+                       (j % n, "h2d", released, ready, "load")]
+            ready = max(ready, released + switch)
         for m in range(m_count):
             t = ready
             if m:
@@ -412,8 +422,8 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
         mems.append(int(topo.gpus[g].memory_gb * GB))
     rc_of = [topo.root_complex_of(mapping.order[k]) for k in range(n)]
     host = host or HostCosts()
-    return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.adam_params_per_s,
-                   optimizer_lag,
+    return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.stage_switch_s,
+                   host.adam_params_per_s, optimizer_lag,
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
                    rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),

@@ -130,13 +130,14 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         return act[j - 1] if j else 0
 
     # What occupies the device per micro-batch (cost.on_device): compute, the copies on the compute
-    # stream, the fixed per-micro-batch cost; a hand-off between workers (cost.evaluate's xfer).
-    o, handoff = machine.micro_batch_s, (machine.handoff_s if n > 1 else 0.0)
+    # stream, the fixed per-micro-batch cost of each pass; a hand-off between workers (cost.evaluate's xfer).
+    o, handoff, switch = machine.micro_batch_s, (machine.handoff_s if n > 1 else 0.0), machine.stage_switch_s
     # GB/s of the compute stream's copies, in forward and in backward
     Up = [machine.upload_bps(j % n) / GB for j in range(K)]
     Ub = [machine.upload_backward_bps(j % n) / GB for j in range(K)]
     Fd = [F[j] + act_in(j) * (1.0 / Up[j]) + o * u[j] for j in range(K)]
-    Bd = [Bk[j] + act[j] * (1.0 / Ub[j]) + (act_in(j) * (1.0 / Ub[j]) if recompute else 0) + o * u[j]
+    Bd = [Bk[j] + act[j] * (1.0 / Ub[j]) + (act_in(j) * (1.0 / Ub[j]) if recompute else 0)
+          + o * (2 if recompute else 1) * u[j]
           for j in range(K)]
     grad = [pulp.lpSum(g[r] * cnt(r, j) for r in range(R)) for j in range(K)]  # GB
     adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
@@ -169,9 +170,11 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         prob += Wf[j] <= G[j]
         prob += Wb[j] <= G[j]
 
-    # ---- forward: (9) load, (5)-(7) prefetch, (10) order, (8) dependencies ----
+    # ---- forward: (9) load, (5)-(7) prefetch, (10) order, (8) dependencies; a pass starts a
+    # switch after the slot's previous pass (cost.evaluate) ----
     for j in range(K):
-        if j < n:  # the first loads all start at once (cost.Machine.first_load_s)
+        if j < n:
+            prob += tf[j][0] >= switch * u[j]  # the first loads all start at once (cost.Machine.first_load_s)
             if machine.link:
                 prob += tf[j][0] >= S[j] * (GB / machine.link[j])
                 prob += tf[j][0] >= pulp.lpSum(S[k] for k in machine.first_wave_peers[j] if k < K) * (
@@ -180,6 +183,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
                 prob += tf[j][0] >= S[j] * (1.0 / Bw[j])
         else:
             prob += tf[j][0] >= tf[j - n][M - 1] + Fd[j - n] + (S[j] - pf[j]) * (1.0 / Bw[j])
+            prob += tf[j][0] >= tf[j - n][M - 1] + Fd[j - n] + switch * u[j]
             prob += pf[j] <= S[j]
             prob += pf[j] <= G[j] - Wf[j - n]
             prob += pf[j] <= Bw[j] * (Fd[j - n] + tf[j - n][M - 1] - tf[j - n][0])
@@ -194,9 +198,11 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     # ---- backward: (11) after forward, then the mirror image ----
     for j in range(K - 1, -1, -1):
         prob += tb[j][0] >= end_f
+        prob += tb[j][0] >= tf[j][M - 1] + Fd[j] + switch * u[j]  # its own forward pass before
         if j + n < K:
             prob += lb[j] >= S[j] - total_p * (1 - u[j + n])
             prob += tb[j][0] >= tb[j + n][M - 1] + Bd[j + n] + (lb[j] - pb[j]) * (1.0 / Bw[j])
+            prob += tb[j][0] >= tb[j + n][M - 1] + Bd[j + n] + switch * u[j + n]
             prob += pb[j] <= lb[j]
             prob += pb[j] <= G[j] - Wb[j + n]
             prob += pb[j] <= Bw[j] * (Bd[j + n] + tb[j + n][M - 1] - tb[j + n][0])

@@ -43,11 +43,13 @@ ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
 @dataclass
 class HostCosts:
     """What the runtime costs beyond the layers, on the machine that runs (cost model, MIP and
-    simulator use them).  :func:`measure_profile` measures the host's AdamW rate; the hand-off and
-    per-micro-batch costs are not measured yet (0)."""
+    simulator use them).  :func:`measure_profile` measures the host's AdamW rate; the planner adds
+    what only running the runtime shows (:mod:`mobius.stages.calibrate`).  An analytic profile
+    (a machine we are not on) keeps the zeros."""
 
     handoff_s: float = 0.0  # an activation from one worker to another, beyond its two copies
-    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage (the runtime's own work)
+    micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage in each pass (the runtime's own work)
+    stage_switch_s: float = 0.0  # device time between two passes of one device (the runtime's own work)
     adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S  # one worker's optimizer thread
 
 

@@ -83,10 +83,15 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio, "params")
         return [a, b]
 
-    def compute(name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
+    def compute(name: str, j: int, upload_bytes: float, work: float, deps: list, passes: int = 1) -> int:
         """The copies the runtime issues on the compute stream (stage inputs, at the link's rate),
-        then the compute and the runtime's fixed per-micro-batch work."""
-        return sim.add(name, COMPUTE, gpu[j], work + upload_bytes / link.gpu_bw[gpu[j]] + host.micro_batch_s, deps)
+        then the compute and the runtime's fixed per-micro-batch work of each pass."""
+        return sim.add(name, COMPUTE, gpu[j], work + upload_bytes / link.gpu_bw[gpu[j]] + passes * host.micro_batch_s,
+                       deps)
+
+    def switch(name: str, j: int, after) -> int:
+        """The runtime's work between two passes of one device, after the previous one (if any)."""
+        return sim.add(name, COMPUTE, gpu[j], host.stage_switch_s, (after,) if after is not None else ())
 
     # Forward.
     act_in: dict[tuple[int, int], int] = {}
@@ -96,8 +101,9 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         else:
             room = mem[gpu[j]] - st[j - n].mem_fwd
             load_f[j] = load(j, room, load_f[j - n][-1], F[j - n][M - 1], j, "F")
+        begin = switch(f"F switch S{j}", j, F[j - n][M - 1] if j >= n else None)
         for m in range(M):
-            deps = list(load_f[j])
+            deps = [*load_f[j], begin]
             if j:
                 deps.append(act_in[(j, m)])
             F[j][m] = compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
@@ -115,12 +121,13 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             room = mem[gpu[j]] - st[j + n].mem_bwd
             early = load_b[j + n][-1] if load_b[j + n] else F[j + n][M - 1]
             load_b[j] = load(j, room, early, B[j + n][M - 1], prio, "B")
+        begin = switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else F[j][M - 1])
         for m in range(M):
-            deps = list(load_b[j])
+            deps = [*load_b[j], begin]
             if j + 1 < S:
                 deps.append(grad_in[(j, m)])
             upload = st[j].out_bytes + (st[j].in_bytes if recompute else 0.0)
-            B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps)
+            B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps, passes=2 if recompute else 1)
             if j > 0:
                 out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1,
                               "activations")
