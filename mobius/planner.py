@@ -28,7 +28,7 @@ from mobius.partition.mip import solve_partition
 from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
-from mobius.stages.calibrate import CALIBRATION_VERSION, measure_handoff, measure_runtime_overheads
+from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import Topology
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
@@ -57,7 +57,7 @@ REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
 COST_MODEL_VERSION = 6
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _hash(obj) -> str:
@@ -94,23 +94,25 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
 
 def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:
     """What the runtime itself costs on this machine (:mod:`mobius.stages.calibrate`), as
-    :class:`~mobius.partition.profile.HostCosts` fields: the hand-off of this model's boundary
-    activation from one worker to another, and on CPU workers the runtime's work per micro-batch
-    and per stage switch (measured once per machine and threads per worker, then cached).  On GPUs
-    that work is the host's, issued while the device computes: it is not measured there, and not
-    charged."""
-    costs = {"handoff_s": measure_handoff(max(l.out_bytes for l in profile.layers))}
+    :class:`~mobius.partition.profile.HostCosts` fields.  The hand-off of this model's boundary
+    activation from one worker to another: on CPU workers the calibrated hand-off plus what gloo
+    takes longer for this activation than for the calibration's; on GPUs (whose workers hand off
+    through the host alike) gloo's time.  On CPU workers also the runtime's work per micro-batch and
+    per stage switch.  The calibration is made once per machine and threads per worker, then cached.
+    On GPUs that work is the host's, issued while the device computes: it is not measured there,
+    and not charged."""
+    gloo = measure_handoff(max(l.out_bytes for l in profile.layers))
     if device != "cpu":
-        return costs
-    machine = [CALIBRATION_VERSION, torch.__version__, os.cpu_count(), cpu_threads_per_worker(workers)]
-    path = CACHE_DIR / "runtime" / f"{_hash(machine)}.json"
+        return {"handoff_s": gloo}
+    threads = cpu_threads_per_worker(workers)
+    path = CACHE_DIR / "runtime" / f"{_hash([CALIBRATION_VERSION, torch.__version__, os.cpu_count(), threads])}.json"
     try:
         found = json.loads(path.read_text())
-        overheads = (float(found["micro_batch_s"]), float(found["stage_switch_s"]))
+        costs = {k: float(found[k]) for k in ("micro_batch_s", "stage_switch_s", "handoff_s")}
     except (OSError, ValueError, TypeError, KeyError):
-        overheads = measure_runtime_overheads(workers)
-        _save_quietly(path, dict(zip(("micro_batch_s", "stage_switch_s"), overheads)))
-    return {**costs, "micro_batch_s": overheads[0], "stage_switch_s": overheads[1]}
+        costs = measure_runtime_costs(workers)
+        _save_quietly(path, costs)
+    return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
 
 
 def still_holds(profile: Profile, config: GPTConfig, precision: str, device: str, workers: int) -> bool:

@@ -8,7 +8,9 @@ Each row is one configuration, three step times in emulated milliseconds:
   of its steps after the first (warm-up).
 
 The ``rehearsal`` table is the plain CPU rehearsal (``--topology auto``, no emulation): the CPU's
-own measured profile predicts the CPU workers' ``step_time_s``.
+own measured profile predicts the CPU workers' ``step_time_s``; each row also prints what the
+model predicts without the runtime's own costs (:mod:`mobius.stages.calibrate`), which the many
+small stages row is made to show.
 
 Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
 ``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
@@ -26,13 +28,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from mobius.backend import resolve_topology
 from mobius.config import parse_train_args
 from mobius.errors import InputError
 from mobius.models import get_config
-from mobius.planner import get_profile
+from mobius.partition.cost import settle
+from mobius.planner import MAPPINGS, get_profile
 from mobius.sim.schedules import simulate_mobius
 from mobius.spec import prepare_pipeline
 
@@ -43,9 +47,11 @@ LARGE_BLOCKS = "--topology topo2+2 --model gpt2 --gpu-mem-gb 0.8 --micro-batch-s
 PARTITIONERS = ("mip", "min", "max", "balanced")
 
 REHEARSAL = "--topology auto"  # the default run (model small, 2 CPU workers), at least 8 steps
+# Layers that cost little, in many stages and micro-batches: the runtime's own work is much of the step.
+MANY_SMALL_STAGES = "--topology auto --model tiny8 --stages 10 --micro-batches 8 --micro-batch-size 2 --seq-len 64"
 
 TABLES: dict[str, list[tuple[str, str]]] = {
-    "rehearsal": [("CPU rehearsal (default run)", REHEARSAL)],
+    "rehearsal": [("CPU rehearsal (default run)", REHEARSAL), ("CPU rehearsal, small stages", MANY_SMALL_STAGES)],
     "prefetch": [("topo2+2 prefetch on", PAIR), ("topo2+2 prefetch off", f"{PAIR} --no-prefetch"),
                  ("8x3090-4+4 prefetch on", BOX), ("8x3090-4+4 prefetch off", f"{BOX} --no-prefetch")],
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
@@ -82,8 +88,12 @@ def predict(options: str, steps: int) -> dict:
                           plan.precision, "analytic" if cfg.emulate else "measure")
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optimizer_lag, prefetch=plan.prefetch).step_s
+    # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
+    layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
+    _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
+                    plan.recompute, plan.prefetch, layers_only, cfg.optimizer_lag)
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
-            "factor": spec.emulation["factor"] if spec.emulation else 1}
+            "predicted_without_runtime_costs_s": est.step_s, "factor": spec.emulation["factor"] if spec.emulation else 1}
 
 
 def measure(options: str, steps: int, metrics: Path) -> list[float]:
@@ -125,6 +135,10 @@ def main() -> None:
                 print(f"{name:<28} {row['stages']:>6} {row['factor']:>6g} {row['predicted_s'] * 1e3:>12.2f} "
                       f"{row['simulated_s'] * 1e3:>12.2f} {row['measured_s'] * 1e3:>11.2f} {row['error']:>+9.1%}",
                       flush=True)
+                if rehearsal(options):
+                    print(f"{'':<28} predicted without the runtime's own costs: "
+                          f"{row['predicted_without_runtime_costs_s'] * 1e3:.2f} ms "
+                          f"({row['predicted_without_runtime_costs_s'] / row['measured_s'] - 1:+.1%})", flush=True)
     gains = []
     for _, fast, slow in GAINS:
         if fast in results and slow in results:

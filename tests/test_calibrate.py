@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import pytest
 
+from mobius.models import get_config
+from mobius.partition.profile import analytic_profile
 from mobius.stages import calibrate
 
 
-def test_the_fit_separates_per_micro_batch_and_per_switch_work_from_the_layers(monkeypatch):
-    """Step times made of a fixed part, the layers' work per micro-batch, ``o`` per micro-batch per
-    stage in each of two passes and ``w`` per stage in each pass: the fit returns ``o`` and ``w``
-    whatever the layers cost."""
-    o, w = 3e-4, 9e-4
+def test_the_fit_finds_the_costs_the_runs_were_made_of():
+    """Step times the cost model gives with known ``o``, ``w`` and ``h`` on the calibration
+    configurations: the fit finds costs with which the model gives them again."""
+    profile = analytic_profile(calibrate.MODEL, get_config(calibrate.MODEL), calibrate.MICRO_BATCH,
+                               calibrate.SEQ_LEN, 0.001, "fp32")
+    configs = calibrate.calibration_configs()
+    made_of = (1.2e-3, 0.8e-3, 0.5e-3)
+    measured = calibrate.predicted_times(profile, made_of, configs)
+    assert measured != calibrate.predicted_times(profile, (0.0, 0.0, 0.0), configs)
+    fitted = calibrate.predicted_times(profile, calibrate.fit_runtime_costs(profile, measured), configs)
+    for c in configs:
+        assert fitted[c] == pytest.approx(measured[c], rel=0.02)
 
-    def step_s(stages: int, micro_batches: int) -> float:
-        return 0.05 + 2 * stages * w + micro_batches * (0.012 + 2 * stages * o)
 
-    monkeypatch.setattr(calibrate, "_step_s", step_s)
-    assert calibrate.measure_runtime_overheads(workers=2) == pytest.approx((o, w))
-
-
-def test_the_calibration_runs_the_real_runtime_one_stage_per_layer():
-    """The hand-made plan of the calibration model runs on the runtime, one layer per stage."""
-    assert 0 < calibrate._step_s(10, 2) < 10
+def test_the_calibration_runs_two_worker_processes_on_the_real_runtime():
+    """Every configuration runs, one stage per worker and one stage per layer, over gloo."""
+    times = calibrate.time_calibration_runs(threads=1, steps=2)
+    assert set(times) == set(calibrate.calibration_configs())
+    assert all(0 < t < 10 for t in times.values())
+    # More micro-batches take longer, whatever the stages.
+    for stages in {s for s, _ in times}:
+        assert times[(stages, calibrate.MANY)] > times[(stages, calibrate.FEW)]
 
 
 def test_the_handoff_is_a_gloo_round_trip_and_grows_with_the_message():

@@ -1,98 +1,196 @@
 """What the pipeline runtime itself costs on this machine, measured by running it (issue 15): the
-cost model's per-micro-batch and per-stage-switch overheads and the hand-off of an activation
-between two workers.  The layer profile cannot see them: they are the runtime's own work (stream
-hand-overs, events, memory accounting, Python), not the layers'.
+cost model's per-micro-batch work ``o``, per-stage-switch work ``w`` and hand-off ``h`` of an
+activation between two workers.  The layer profile cannot see them: they are the runtime's own work
+(stream and sender threads, gloo, events, memory accounting, Python), not the layers'.
 
-* :func:`measure_runtime_overheads` runs the real :class:`~mobius.stages.schedule.StageRunner` of one
-  CPU worker on a tiny model, its layers as one stage and as one stage each, for few and for many
-  micro-batches.  Per extra micro-batch, each extra stage costs the runtime's work of one
-  micro-batch in each pass (``o``); at a fixed count of micro-batches, the rest of what each extra
-  stage costs is its switch (``w``: waiting for it, its working memory, its gradient buffer, its
-  release).  The layers' own time cancels out of both differences.
-* :func:`measure_handoff` sends an activation from one gloo endpoint to another and back: the host
-  leg between two workers' processes (our GPUs have no peer-to-peer path), beyond the copies to and
-  from the devices the cost model charges by bandwidth.
+* :func:`time_calibration_runs` starts two CPU workers as processes over gloo, as a rehearsal
+  does, and times the real runtime on a tiny model in few and in many stages, for few and for many
+  micro-batches: the runtime's own work is most of those steps.
+* :func:`fit_runtime_costs` finds the ``o``, ``w`` and ``h`` with which the cost model
+  (:func:`~mobius.partition.cost.settle`, on the calibration model's measured profile) predicts
+  those four step times best.  (Measured with one worker alone, ``o`` came out 4x smaller than a
+  two-worker run shows: the messages between workers' processes are most of it.)
+* :func:`measure_handoff` times gloo alone, for the part of a hand-off that grows with the message.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import socket
 import statistics
+import tempfile
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from mobius.config import RunConfig
+from mobius.mapping import cross_map
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.partition.baselines import uniform_bounds
-from mobius.partition.cost import stage_costs
-from mobius.partition.profile import analytic_profile
+from mobius.partition.cost import settle, stage_costs
+from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
-from mobius.stages.transport import LocalGroup
+from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
+from topology import cpu_topology
 
-CALIBRATION_VERSION = 1  # part of the cached results' key: a changed measurement is made again
+CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again
 # The calibration model: ten layers (embedding, eight blocks, head) that cost little, so the
-# runtime's own work is a large part of each step.
+# runtime's own work is much of each step.
 MODEL, SEQ_LEN, MICRO_BATCH = "tiny8", 16, 1
+WORKERS = 2  # a hand-off needs two
 FEW, MANY = 2, 12  # micro-batches per step
-STEPS = 5  # per configuration; the first warms up, the fastest of the rest counts (noise only adds)
-ROUNDS = 3  # the median of this many estimates
+STEPS = 6  # per configuration; the first warms up, the fastest of the rest counts (noise only adds)
 HANDOFF_REPEATS = 15
+FIT_STEPS = 6  # Gauss-Newton steps at most
+SEARCH_ROUNDS = 8
+
+
+def calibration_configs() -> list[tuple[int, int]]:
+    """(stages, micro-batches) of the calibration runs: one stage per worker and one per layer."""
+    layers = analytic_profile(MODEL, get_config(MODEL), MICRO_BATCH, SEQ_LEN, 1.0, "fp32").n
+    return [(s, m) for s in (WORKERS, layers) for m in (FEW, MANY)]
 
 
 def _plan(stages: int, micro_batches: int) -> Plan:
     profile = analytic_profile(MODEL, get_config(MODEL), MICRO_BATCH, SEQ_LEN, 1.0, "fp32")
-    bounds = uniform_bounds(profile.n, stages)
-    costs = stage_costs(profile, bounds, recompute=False)
+    costs = stage_costs(profile, uniform_bounds(profile.n, stages), recompute=False)
     return Plan(model=MODEL, topology="calibration", micro_batch_size=MICRO_BATCH, micro_batches=micro_batches,
-                seq_len=SEQ_LEN, precision="fp32", recompute=False, partitioner="calibration", bounds=bounds,
-                order=[0], contention=0.0, predicted_step_s=0.0,
-                stages=[StagePlan(j, (c.start, c.end), 0, c.param_bytes, 0.0, 0.0, 0.0, 0.0, c.mem_fwd, c.mem_bwd,
-                                  c.grad_bytes) for j, c in enumerate(costs)])
+                seq_len=SEQ_LEN, precision="fp32", recompute=False, partitioner="calibration",
+                bounds=[(c.start, c.end) for c in costs], order=list(range(WORKERS)), contention=0.0,
+                predicted_step_s=0.0,
+                stages=[StagePlan(j, (c.start, c.end), j % WORKERS, c.param_bytes, 0.0, 0.0, 0.0, 0.0, c.mem_fwd,
+                                  c.mem_bwd, c.grad_bytes) for j, c in enumerate(costs)])
 
 
-def _step_s(stages: int, micro_batches: int) -> float:
-    """The fastest step of one CPU worker running the calibration model in ``stages`` stages."""
-    cfg = RunConfig(model=MODEL, topology="cpu", cpu_workers=1, steps=STEPS, seq_len=SEQ_LEN,
-                    micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off", precision="fp32",
-                    progress=False)
-    spec = RunSpec("pipeline", False, "fp32", (2**31,), plan=_plan(stages, micro_batches).to_dict())
-    parts = build_worker(cfg, spec, LocalGroup(1).endpoint(0), CpuDevice(check=False), Trace(enabled=False))
-    times = []
+def _worker(rank: int, port: int, threads: int, steps: int, out: str) -> None:
+    """One calibration worker process: every configuration, the slowest worker's time per step."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
+                            timeout=datetime.timedelta(seconds=120))
     try:
-        for k in range(STEPS):
-            t0 = time.perf_counter()
-            parts.runner.step(k)
-            times.append(time.perf_counter() - t0)
+        fastest = {}
+        for stages, micro_batches in calibration_configs():
+            cfg = RunConfig(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
+                            micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
+                            precision="fp32", progress=False)
+            spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches).to_dict())
+            parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False))
+            times = []
+            try:
+                for k in range(steps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    parts.runner.step(k)
+                    took = torch.tensor([time.perf_counter() - t0])
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                    times.append(took.item())
+            finally:
+                parts.close()
+            fastest[f"{stages},{micro_batches}"] = min(times[1:])
+        if rank == 0:
+            Path(out).write_text(json.dumps(fastest))
     finally:
-        parts.close()
-    return min(times[1:])
+        dist.destroy_process_group()
 
 
-def measure_runtime_overheads(workers: int) -> tuple[float, float]:
-    """(``o``, ``w``): seconds of the runtime's own work per micro-batch per stage in each pass, and
-    per stage switch in each pass, on one of ``workers`` CPU workers' share of the cores."""
-    layers = analytic_profile(MODEL, get_config(MODEL), MICRO_BATCH, SEQ_LEN, 1.0, "fp32").n
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads_per_worker(workers))
-    estimates = []
-    try:
-        for _ in range(ROUNDS):
-            t = {(s, m): _step_s(s, m) for s in (1, layers) for m in (FEW, MANY)}
-            per_mb = {s: (t[(s, MANY)] - t[(s, FEW)]) / (MANY - FEW) for s in (1, layers)}
-            fixed = {s: t[(s, FEW)] - FEW * per_mb[s] for s in (1, layers)}
-            passes = 2 * (layers - 1)  # forward and backward of each extra stage
-            estimates.append(((per_mb[layers] - per_mb[1]) / passes, (fixed[layers] - fixed[1]) / passes))
-    finally:
-        torch.set_num_threads(threads)
-    # A cost is never negative; a negative estimate is noise around a cost too small to see.
-    return (max(0.0, statistics.median(o for o, _ in estimates)),
-            max(0.0, statistics.median(w for _, w in estimates)))
+def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, int], float]:
+    """The fastest step of each calibration configuration, two worker processes over gloo with
+    ``threads`` threads each (a rehearsal's workers' share of the cores)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="mobius-calibration-") as tmp:
+        out = str(Path(tmp) / "times.json")
+        mp.start_processes(_worker, args=(port, threads, steps, out), nprocs=WORKERS, start_method="spawn")
+        found = json.loads(Path(out).read_text())
+    return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
+
+
+def predicted_times(profile: Profile, costs: tuple[float, float, float],
+                    configs: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """The cost model's step time of each calibration configuration with ``(o, w, h)``."""
+    o, w, h = costs
+    host = replace(profile.host, micro_batch_s=o, stage_switch_s=w, handoff_s=h)
+    topo = cpu_topology(WORKERS)
+    out = {}
+    for stages, micro_batches in configs:
+        _, est = settle(profile, uniform_bounds(profile.n, stages), topo, cross_map(topo, stages), micro_batches,
+                        False, True, host)
+        out[(stages, micro_batches)] = est.step_s
+    return out
+
+
+def fit_runtime_costs(profile: Profile, measured: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """``(o, w, h)`` >= 0 minimising the squared relative misses of the cost model on the
+    calibration runs.  The model is piecewise linear in them: Gauss-Newton steps, each a least
+    squares on the model's slopes around the current point, over the subsets of costs left free
+    (a cost held at zero is one too small to see)."""
+    configs = list(measured)
+    target = torch.tensor([measured[c] for c in configs], dtype=torch.float64)
+    costs = torch.full((3,), 1e-4, dtype=torch.float64)
+
+    def times(x: torch.Tensor) -> torch.Tensor:
+        got = predicted_times(profile, tuple(x.tolist()), configs)
+        return torch.tensor([got[c] for c in configs], dtype=torch.float64)
+
+    def miss(x: torch.Tensor) -> float:
+        return float(((times(x) / target - 1) ** 2).sum())
+
+    for _ in range(FIT_STEPS):
+        base = times(costs)
+        slopes = torch.stack([(times(costs + delta) - base) / delta[i]
+                              for i, delta in enumerate(torch.eye(3, dtype=torch.float64) * costs.clamp(min=1e-4) * 0.1)],
+                             dim=1)
+        # Relative misses, linear in the costs around here: (base + slopes (x - costs)) / target - 1.
+        a = slopes / target[:, None]
+        b = 1 - (base - slopes @ costs) / target
+        candidates = []
+        for free in range(1, 8):
+            keep = [i for i in range(3) if free >> i & 1]
+            x = torch.zeros(3, dtype=torch.float64)
+            x[keep] = torch.linalg.lstsq(a[:, keep], b[:, None]).solution[:, 0]
+            if (x >= 0).all():
+                candidates.append(x)
+        step = min(candidates, key=miss, default=costs)
+        if miss(step) >= miss(costs) * (1 - 1e-3):
+            break
+        costs = step
+    # Where the critical path changes the slopes do not hold: a coordinate search finishes it.
+    best, best_miss, factor = costs.tolist(), miss(costs), [2.0, 2.0, 2.0]
+    for _ in range(SEARCH_ROUNDS):
+        for i in range(3):
+            for trial_value in (best[i] * factor[i], best[i] / factor[i], 0.0, 1e-4):
+                trial = list(best)
+                trial[i] = trial_value
+                m = miss(torch.tensor(trial, dtype=torch.float64))
+                if m < best_miss:
+                    best, best_miss = trial, m
+                    break
+            else:
+                factor[i] = factor[i] ** 0.5
+    return tuple(best)
+
+
+def calibration_bytes() -> int:
+    """The calibration model's boundary activation (fp32)."""
+    return MICRO_BATCH * SEQ_LEN * get_config(MODEL).hidden * 4
+
+
+def measure_runtime_costs(workers: int) -> dict[str, float]:
+    """``micro_batch_s``, ``stage_switch_s`` and ``handoff_s`` (of :func:`calibration_bytes`) of CPU
+    workers with the threads of one of ``workers`` sharing this machine's cores."""
+    profile = measure_profile(MODEL, get_config(MODEL), MICRO_BATCH, SEQ_LEN, "fp32", workers=workers)
+    o, w, h = fit_runtime_costs(profile, time_calibration_runs(cpu_threads_per_worker(workers)))
+    return {"micro_batch_s": o, "stage_switch_s": w, "handoff_s": h}
 
 
 def measure_handoff(nbytes: int) -> float:
