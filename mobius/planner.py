@@ -55,7 +55,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 6
+COST_MODEL_VERSION = 7
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
 PROFILE_VERSION = 3
 
@@ -202,9 +202,12 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     # The baselines choose their stage counts on the contention of the best one's schedule; each
     # is then timed under its own.
     baselines, settled_of = candidates(machine)
-    first = min(baselines, key=lambda name: settled_of[name][1].step_s)
+    # Only a partition that gives every worker a stage can run (max-stage may give fewer).
+    runnable = [name for name in baselines if len(baselines[name]) >= topo.n]
+    first = min(runnable, key=lambda name: settled_of[name][1].step_s)
     baselines, settled_of = candidates(settled_of[first][0])
     times = {name: est.step_s for name, (_, est) in settled_of.items()}
+    runnable = [name for name in baselines if len(baselines[name]) >= topo.n]
     solver: dict = {}
     if stages is not None:
         if stages > profile.n:
@@ -214,7 +217,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         # The MIP sees the copy rates as constants, those of the best baseline's schedule; its answer
         # is then timed under its own contention, and kept if it is faster.  (Solving again on the
         # rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md.)
-        best = min(baselines, key=times.get)
+        best = min(runnable, key=times.get)
         bounds = baselines[best]
         result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
                                  warm_start=bounds)

@@ -6,7 +6,7 @@ import pytest
 
 from mobius.errors import InputError
 from mobius.models import get_config
-from mobius.partition.baselines import BASELINES, balanced_bounds
+from mobius.partition.baselines import BASELINES, balanced_bounds, uniform_bounds
 from mobius.partition.cost import Machine, check_layers_fit, evaluate
 from mobius.partition.exhaustive import exhaustive_optimum
 from mobius.partition.mip import solve_partition
@@ -165,3 +165,23 @@ def test_gpus_are_budgeted_without_the_cuda_reserve_once():
     reserve_cuda_memory(topo)
     reserve_cuda_memory(topo)
     assert [g.memory_gb for g in topo.gpus] == pytest.approx([c - CUDA_RESERVE_BYTES / 1e9 for c in card])
+
+
+def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_path, monkeypatch):
+    """With hand-offs that cost more than the layers (a tiny model on CPU workers), one stage would
+    be the fastest partition; a pipeline of two workers still gets two stages or more."""
+    from dataclasses import replace
+
+    from mobius import planner
+    from topology import cpu_topology
+
+    monkeypatch.setattr(planner, "CACHE_DIR", tmp_path)
+    config, topo = get_config("tiny"), cpu_topology(2)
+    profile = analytic_profile("tiny", config, 2, 16, 0.05, "fp32")
+    profile.host = replace(profile.host, handoff_s=10.0, micro_batch_s=1.0)
+    one = Machine((5e9,), (10**9,), handoff_s=10.0, micro_batch_s=1.0)
+    assert evaluate(profile, [(0, profile.n)], one, 2).step_s < evaluate(profile, uniform_bounds(profile.n, 2), one, 2).step_s
+    plan = planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile)
+    assert len(plan.bounds) >= 2 and plan.partitioner == "mip"
+    machine = Machine((5e9, 5e9), (10**9, 10**9), handoff_s=10.0, micro_batch_s=1.0)
+    assert len(exhaustive_optimum(profile, machine, 2)[1]) == 2

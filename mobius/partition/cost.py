@@ -41,12 +41,12 @@ order, each once its gradients are home; with ``--optimizer-lag``: the latest ``
 worker's optimizer thread's total work).
 
 Contention (issue 15, measured under --emulate): copies of one direction share their GPU's link
-and their root complex's bandwidth.  Stage loads use a share of the root complex among the
-neighbouring slots under it (``B_j``, by their links' busy fractions); the copies on the critical
-path — stage inputs, output gradients and recomputed inputs on the compute stream, activations and
-activation gradients leaving the device — use per-slot rates taken from the partition's *own*
-schedule (:func:`settle`: evaluate, count the copies in flight beside each of its copies, evaluate
-again with those rates).  In the MIP these rates are constants (those of the best partition known
+and their root complex's bandwidth.  Stage loads use a share of the root complex among all the
+GPUs under it (``B_j``, by their links' busy fractions: every slot loads in the same phase); the
+copies on the critical path — stage inputs, output gradients and recomputed inputs on the compute
+stream, activations and activation gradients leaving the device — use per-slot rates taken from
+the partition's *own* schedule (:func:`settle`: evaluate, count the copies in flight beside each
+of its copies, evaluate again with those rates).  In the MIP these rates are constants (those of the best partition known
 when it is built); its answer is then settled and compared like any other candidate.
 """
 
@@ -402,22 +402,25 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
                 rates: dict[str, tuple[float, ...]] | None = None) -> Machine:
     """Per-slot bandwidth and memory of a mapped topology.
 
-    A GPU's expected bandwidth is its share of its root complex among the GPUs that copy at about
-    the same time: itself and the GPUs of the neighbouring slots (the stages just before and after
-    it) when they hang off the same root complex — exactly what cross mapping avoids.  A neighbour
-    counts by the fraction of the step its link is busy (``duty``, :func:`link_duty`; default 1:
-    always): two neighbours that copy a fifth of the time each do not halve each other's bandwidth.
-    (--emulate measured it: counted whole, the contention of sequential mapping was predicted at
-    2-10x what the runtime showed.)  ``rates``: the per-slot rates of the critical-path copies
-    (:func:`copy_rates`), as :class:`Machine` field names.
+    A GPU's expected bandwidth for its stage loads is its share of its root complex among the other
+    GPUs under it, each counted by the fraction of the step its link is busy (``duty``,
+    :func:`link_duty`; default 1: always): two GPUs that copy a fifth of the time each do not halve
+    each other's bandwidth.  Every GPU under the root complex counts, not only those of the
+    neighbouring slots: every slot loads its next stage while it computes, all in the same phase of
+    the step, and a load outlasts several hops of the pipeline (--emulate measured it: a load met
+    the slot two away as often as the neighbour).  So mapping does not spare the loads; cross
+    mapping spares the copies on the critical path between neighbouring stages, whose rates
+    (``rates``, :func:`copy_rates`, as :class:`Machine` field names) come from the schedule.
+    (Counting only the neighbours, the model predicted cross over sequential mapping at +17.1% on
+    8x3090-4+4 and +8.3% on topo2+2, where the runtime measured +13.3% and +2.9%.)
     """
     n = topo.n
     bws, mems = [], []
     for k in range(n):
         g = mapping.order[k]
         rc = topo.root_complex_of(g)
-        concurrent = 1 + sum(duty[slot] if duty else 1.0 for slot in {(k - 1) % n, (k + 1) % n} - {k}
-                             if topo.root_complex_of(mapping.order[slot]) == rc)
+        concurrent = 1 + sum(duty[slot] if duty else 1.0 for slot in range(n)
+                             if slot != k and topo.root_complex_of(mapping.order[slot]) == rc)
         bws.append(topo.host_bandwidth_share(g, concurrent) * GB)
         mems.append(int(topo.gpus[g].memory_gb * GB))
     rc_of = [topo.root_complex_of(mapping.order[k]) for k in range(n)]

@@ -25,6 +25,8 @@ def exhaustive_optimum(profile: Profile, machine: Machine, micro_batches: int,
                 bounds.append((lo, gap + 1))
                 lo = gap + 1
         bounds.append((lo, n))
+        if len(bounds) < min(machine.n, n):  # every worker holds a stage
+            continue
         est = evaluate(profile, bounds, machine, micro_batches, recompute)
         if est.step_s < best_t:
             best_t, best = est.step_s, bounds

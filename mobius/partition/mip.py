@@ -159,7 +159,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
                 prob += y[r + 1][j] <= length[r + 1] * fin[r][j]  # contiguity: runs in order
             prob += cnt(r, j) <= length[r] * z[r][j]
             prob += w[j] >= fw[r] * z[r][j]
-    prob += u[0] == 1
+    for j in range(min(n, K)):  # every worker holds a stage (its process has nothing else to do)
+        prob += u[j] == 1
     for j in range(K):
         total_j = pulp.lpSum(cnt(r, j) for r in range(R))
         prob += total_j >= u[j]
