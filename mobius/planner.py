@@ -199,15 +199,16 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
         return found, {name: settled(b) for name, b in found.items()}
 
+    def runnable(found):
+        """The baselines that give every worker a stage (max-stage may give fewer)."""
+        return [name for name in found if len(found[name]) >= topo.n]
+
     # The baselines choose their stage counts on the contention of the best one's schedule; each
     # is then timed under its own.
     baselines, settled_of = candidates(machine)
-    # Only a partition that gives every worker a stage can run (max-stage may give fewer).
-    runnable = [name for name in baselines if len(baselines[name]) >= topo.n]
-    first = min(runnable, key=lambda name: settled_of[name][1].step_s)
+    first = min(runnable(baselines), key=lambda name: settled_of[name][1].step_s)
     baselines, settled_of = candidates(settled_of[first][0])
     times = {name: est.step_s for name, (_, est) in settled_of.items()}
-    runnable = [name for name in baselines if len(baselines[name]) >= topo.n]
     solver: dict = {}
     if stages is not None:
         if stages > profile.n:
@@ -217,7 +218,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         # The MIP sees the copy rates as constants, those of the best baseline's schedule; its answer
         # is then timed under its own contention, and kept if it is faster.  (Solving again on the
         # rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md.)
-        best = min(runnable, key=times.get)
+        best = min(runnable(baselines), key=times.get)
         bounds = baselines[best]
         result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
                                  warm_start=bounds)

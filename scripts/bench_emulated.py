@@ -93,7 +93,8 @@ def predict(options: str, steps: int) -> dict:
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
                     plan.recompute, plan.prefetch, layers_only, cfg.optimizer_lag)
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
-            "predicted_without_runtime_costs_s": est.step_s, "factor": spec.emulation["factor"] if spec.emulation else 1}
+            "predicted_without_runtime_costs_s": est.step_s,
+            "factor": spec.emulation["factor"] if spec.emulation else 1}
 
 
 def measure(options: str, steps: int, metrics: Path) -> list[float]:

@@ -25,11 +25,12 @@ gradient, and with recomputation its input again) is copied to the device *on th
 stream*, so a micro-batch occupies the device for ``a/B_dst`` on top of its compute, plus a fixed
 ``o`` per micro-batch in each pass (the runtime's own work; backward with recomputation is two
 passes), and a stage's pass starts no earlier than ``w`` after the slot's previous pass ended (the
-switch: release, wait, working memory, gradient buffer; it overlaps the rest of the load); each stage's gradients then leave the device
-(at its link's rate, the offloads of one root complex queueing for its bandwidth in
-backward order) and AdamW updates them on the host (``g_j / (e · R_adam)`` for ``e`` bytes per
-element), one optimizer thread per worker.  ``h``, ``o`` and ``R_adam`` are measured with the
-profile (:class:`~mobius.partition.profile.HostCosts`; ``h``, ``o`` and ``w`` by running the runtime,
+switch: release, wait, working memory, gradient buffer; it overlaps the rest of the load); each
+stage's gradients then leave the device (at its link's rate, the offloads of one root complex
+queueing for its bandwidth in backward order) and AdamW updates them on the host
+(``g_j / (e · R_adam)`` for ``e`` bytes per element), one optimizer thread per worker.  ``h``,
+``o``, ``w`` and ``R_adam`` are measured with the profile
+(:class:`~mobius.partition.profile.HostCosts`; ``h``, ``o`` and ``w`` by running the runtime,
 :mod:`mobius.stages.calibrate`).
 
 Every bound is non-decreasing in earlier start times, so the earliest schedule is optimal for a
@@ -46,8 +47,9 @@ GPUs under it (``B_j``, by their links' busy fractions: every slot loads in the 
 copies on the critical path — stage inputs, output gradients and recomputed inputs on the compute
 stream, activations and activation gradients leaving the device — use per-slot rates taken from
 the partition's *own* schedule (:func:`settle`: evaluate, count the copies in flight beside each
-of its copies, evaluate again with those rates).  In the MIP these rates are constants (those of the best partition known
-when it is built); its answer is then settled and compared like any other candidate.
+of its copies, evaluate again with those rates).  In the MIP these rates are constants (those of
+the best partition known when it is built); its answer is then settled and compared like any
+other candidate.
 """
 
 from __future__ import annotations

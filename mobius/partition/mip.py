@@ -174,8 +174,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     # ---- forward: (9) load, (5)-(7) prefetch, (10) order, (8) dependencies; a pass starts a
     # switch after the slot's previous pass (cost.evaluate) ----
     for j in range(K):
-        if j < n:
-            prob += tf[j][0] >= switch * u[j]  # the first loads all start at once (cost.Machine.first_load_s)
+        if j < n:  # the first loads all start at once (cost.Machine.first_load_s)
+            prob += tf[j][0] >= switch * u[j]
             if machine.link:
                 prob += tf[j][0] >= S[j] * (GB / machine.link[j])
                 prob += tf[j][0] >= pulp.lpSum(S[k] for k in machine.first_wave_peers[j] if k < K) * (

@@ -147,9 +147,8 @@ def fit_runtime_costs(profile: Profile, measured: dict[tuple[int, int], float]) 
 
     for _ in range(FIT_STEPS):
         base = times(costs)
-        slopes = torch.stack([(times(costs + delta) - base) / delta[i]
-                              for i, delta in enumerate(torch.eye(3, dtype=torch.float64) * costs.clamp(min=1e-4) * 0.1)],
-                             dim=1)
+        deltas = torch.eye(3, dtype=torch.float64) * costs.clamp(min=1e-4) * 0.1
+        slopes = torch.stack([(times(costs + d) - base) / d[i] for i, d in enumerate(deltas)], dim=1)
         # Relative misses, linear in the costs around here: (base + slopes (x - costs)) / target - 1.
         a = slopes / target[:, None]
         b = 1 - (base - slopes @ costs) / target
