@@ -21,7 +21,7 @@ import torch
 
 from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
-from mobius.models import GPTConfig, build_model
+from mobius.models import GPTConfig, build_model, layer_count
 from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for, settle
 from mobius.partition.mip import solve_partition
@@ -169,14 +169,18 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
               mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0) -> Plan:
     check_host_memory(model_name, config, topo, precision)
-    profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
-    # Every worker must own at least one stage, and a stage is at least one layer.
+    # Every worker must own at least one stage, and a stage is at least one layer (checked before
+    # any profiling: bad input is refused at once).
+    layers = profile.n if profile else layer_count(config)
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
-    if profile.n < topo.n:
-        raise InputError(f"model {model_name} has {profile.n} layers, fewer than {workers}: every worker needs a "
+    if layers < topo.n:
+        raise InputError(f"model {model_name} has {layers} layers, fewer than {workers}: every worker needs a "
                          "stage (use fewer --cpu-workers or a larger model)")
     if stages is not None and stages < topo.n:
         raise InputError(f"--stages {stages} is fewer than {workers}: every worker needs a stage")
+    if stages is not None and stages > layers:
+        raise InputError(f"--stages {stages} exceeds the model's {layers} layers")
+    profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
     place = MAPPINGS[mapping]
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
@@ -211,8 +215,6 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     times = {name: est.step_s for name, (_, est) in settled_of.items()}
     solver: dict = {}
     if stages is not None:
-        if stages > profile.n:
-            raise InputError(f"--stages {stages} exceeds the model's {profile.n} layers")
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
         # The MIP sees the copy rates as constants, those of the best baseline's schedule; its answer
