@@ -72,7 +72,8 @@ def _plan(stages: int, micro_batches: int) -> Plan:
 
 
 def _worker(rank: int, port: int, threads: int, steps: int, out: str) -> None:
-    """One calibration worker process: every configuration, the slowest worker's time per step."""
+    """One calibration worker process: every configuration in turn; a step takes as long as the
+    slower worker, and rank 0 writes each configuration's fastest step to ``out``."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
                             timeout=datetime.timedelta(seconds=120))
@@ -133,7 +134,8 @@ def fit_runtime_costs(profile: Profile, measured: dict[tuple[int, int], float]) 
     """``(o, w, h)`` >= 0 minimising the squared relative misses of the cost model on the
     calibration runs.  The model is piecewise linear in them: Gauss-Newton steps, each a least
     squares on the model's slopes around the current point, over the subsets of costs left free
-    (a cost held at zero is one too small to see)."""
+    (a cost held at zero is one too small to see); then a coordinate search on a log scale, for
+    where a step crosses a change of the critical path."""
     configs = list(measured)
     target = torch.tensor([measured[c] for c in configs], dtype=torch.float64)
     costs = torch.full((3,), 1e-4, dtype=torch.float64)
