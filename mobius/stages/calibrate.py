@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from mobius.config import RunConfig
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
-from mobius.models import get_config
+from mobius.models import get_config, layer_count
 from mobius.partition.baselines import uniform_bounds
 from mobius.partition.cost import settle, stage_costs
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
@@ -56,8 +56,7 @@ SEARCH_ROUNDS = 8
 
 def calibration_configs() -> list[tuple[int, int]]:
     """(stages, micro-batches) of the calibration runs: one stage per worker and one per layer."""
-    layers = analytic_profile(MODEL, get_config(MODEL), MICRO_BATCH, SEQ_LEN, 1.0, "fp32").n
-    return [(s, m) for s in (WORKERS, layers) for m in (FEW, MANY)]
+    return [(s, m) for s in (WORKERS, layer_count(get_config(MODEL))) for m in (FEW, MANY)]
 
 
 def _plan(stages: int, micro_batches: int) -> Plan:
