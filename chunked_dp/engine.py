@@ -18,8 +18,9 @@ Tensor states per chunk (PatrickStar): FREE (not in a block), COMPUTE (its layer
 HOLD (gathered, evictable), HOLD_AFTER_BWD (some of its layers have run backward) and
 READY_FOR_REDUCE (all of them have).
 
-One step consumes M micro-batches split evenly across workers; each loss is divided by M, so the
-summed gradient is the reference trainer's.  Layers are recomputed in backward (activation
+One step consumes M micro-batches split evenly across workers; each micro-batch's loss is its
+share of the step's token mean (:mod:`mobius.models.layout`), so the summed gradient is the
+reference trainer's.  Layers are recomputed in backward (activation
 checkpointing per layer): an autograd graph kept from forward would hold views of rCache blocks
 that other chunks have since overwritten.
 """
@@ -38,7 +39,7 @@ from chunked_dp.cache import RCachePolicy
 from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
-from mobius.models import GPTConfig, Head, LayerList, build_layer, build_model
+from mobius.models import GPTConfig, LayerList, build_layer, build_model
 from mobius.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 from mobius.runtime.device import Device
 
@@ -276,7 +277,7 @@ class ChunkedEngine:
         layers = self.model.layers
         loss_sum = 0.0
         for mb in mine:
-            tokens, targets = mb.tokens.to(self.device), mb.targets.to(self.device)
+            tokens, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
             inputs = []
             x = tokens
             # Forward without autograd: a graph would hold views of rCache blocks that get reused.
@@ -286,7 +287,7 @@ class ChunkedEngine:
                         self._access(k)
                     self._prefetch(i + 1)
                     inputs.append(x)
-                    x = layer(x, targets) if isinstance(layer, Head) else layer(x)
+                    x = layer(x, layout)
                     for k in self.layer_chunks[i]:
                         self._unpin(k, after_backward=False)
             loss_sum += x.item()
@@ -300,9 +301,9 @@ class ChunkedEngine:
                 self._prefetch(i - 1)
                 x_in = inputs.pop().detach()
                 x_in.requires_grad_(x_in.is_floating_point())
-                y = layer(x_in, targets) if isinstance(layer, Head) else layer(x_in)
+                y = layer(x_in, layout)
                 if grad is None:
-                    (y * (1.0 / M)).backward()  # as the reference scales each micro-batch
+                    y.backward()  # the loss is already this micro-batch's share of the step's mean
                 else:
                     y.backward(grad)
                 grad = x_in.grad
@@ -327,9 +328,38 @@ class ChunkedEngine:
         dist.all_reduce(stats)
         tokens = M * micro[0].tokens.numel()
         block_bytes = self.n_block * self.chunks[0].size * torch.empty((), dtype=self.dtype).element_size()
-        return StepMetrics(step=step, loss=stats[0].item() / M, lr=lr, tokens=tokens,
+        return StepMetrics(step=step, loss=stats[0].item(), lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=block_bytes)
+
+    def evaluate(self, held_out) -> float:
+        """Loss on held-out examples: each worker runs its share of every pass's micro-batches
+        forward (no autograd), gathering chunks as in training; the sum over workers."""
+        total, layers = 0.0, self.model.layers
+        for k in range(held_out.passes):
+            micro = held_out.pass_batches(k)
+            M = len(micro)
+            self.cache.new_step()
+            for mb in micro[self.rank * M // self.world: (self.rank + 1) * M // self.world]:
+                x, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
+                with torch.no_grad():
+                    for i, layer in enumerate(layers):
+                        for c in self.layer_chunks[i]:
+                            self._access(c)
+                        self._prefetch(i + 1)
+                        x = layer(x, layout)
+                        for c in self.layer_chunks[i]:
+                            self._unpin(c, after_backward=False)
+                total += x.item()
+        for work, _ in self.inflight.values():
+            work.wait()
+        self.inflight.clear()
+        for c in list(self.cache.resident):
+            self._release_views(c)
+        self.cache.drop_all()
+        stats = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(stats)
+        return stats.item()
 
     def _gather_full(self, k: int, value) -> dict[str, torch.Tensor]:
         """All-gather an fp32 per-piece quantity of chunk ``k`` into full tensors by name."""

@@ -15,7 +15,7 @@ from mobius.metrics import Trace
 from mobius.optim import DynamicLossScaler
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
-from mobius.runtime.inputs import make_batches, model_config_for
+from mobius.runtime.inputs import make_batches, make_eval_batches, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.workers import (
@@ -77,8 +77,10 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
         dist.barrier()
 
     header = payload["header"] + (f", resuming at step {start}" if start else "")
+    held_out = make_eval_batches(cfg, model_config)
+    evaluate = (lambda done: engine.evaluate(held_out)) if held_out is not None else None
     history = run_steps(cfg, lambda step: engine.step(step, batches), header, start_step=start, save_fn=save,
-                        stop=stop, agree=agree, main=rank == 0)
+                        stop=stop, agree=agree, main=rank == 0, eval_fn=evaluate)
     gather_trace(trace, cfg.trace, rank, world)
     weights = engine.state_dict() if payload.get("return_weights") else None
     return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, "weights": weights,

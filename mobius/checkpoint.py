@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
+from mobius.config_sources import stored_config
 from mobius.errors import InputError
 from mobius.models import build_model
 from mobius.runtime.device import rng_states, set_rng_states
@@ -44,9 +45,10 @@ KIND = "checkpoint"
 # Settings that change the numbers of the rest of a run: a resume that changes one is refused
 # unless the user says so (--resume-with-changes).
 RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision",
-                "optimizer_lag")
+                "optimizer_lag", "data_format", "packing", "train_on_prompt", "chat_template", "truncate", "eval_split")
 # Settings added after checkpoints of this format were first written, with the value they had.
-SETTING_DEFAULTS = {"optimizer_lag": 0}
+SETTING_DEFAULTS = {"optimizer_lag": 0, "data_format": None, "packing": "auto", "train_on_prompt": False,
+                    "chat_template": None, "truncate": True, "eval_split": 0.0}
 # With --optimizer-lag 1 the weights the next step computes with (one update behind the master
 # weights stored by name) are stored as LAGGED + name.
 LAGGED = "lagged/"
@@ -196,7 +198,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
 
 def _setting(cfg, key: str):
     value = getattr(cfg, key)
-    if key == "data" and value is not None:
+    if key in ("data", "chat_template") and value is not None:
         return str(Path(value).resolve())  # the same file however the path was spelled
     return value
 
@@ -233,9 +235,16 @@ def open_for_resume(cfg, model_config) -> Checkpoint:
     return ckpt
 
 
+def run_config(directory: str) -> dict:
+    """The resolved configuration of the run a checkpoint continues (empty for older checkpoints)."""
+    return dict(load_checkpoint(directory, verify=False).manifest.get("config") or {})
+
+
 def run_meta(cfg, model_config: dict, step: int, scaler) -> dict:
+    """The manifest's account of the run: its settings (checked on resume) and its whole resolved
+    configuration (``--resume DIR`` alone continues with it)."""
     return {"step": step, "model": cfg.model, "model_config": model_config, "backend": cfg.backend,
-            **{k: _setting(cfg, k) for k in RUN_SETTINGS},
+            **{k: _setting(cfg, k) for k in RUN_SETTINGS}, "config": stored_config(cfg.to_dict()),
             "loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps,
             "skipped_steps": scaler.skipped_steps}
 

@@ -4,7 +4,9 @@ tokenizer and data records, checkpoint manifests): a wrong type or range is one
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from mobius.errors import InputError
@@ -47,3 +49,22 @@ class Fields:
         if minimum is not None and value < minimum:
             raise InputError(f"{self.source}: {key!r} must be at least {minimum:g}, got {value!r}")
         return float(value) if kind == "number" else value
+
+
+def parse_json(text: str | bytes, source: str) -> Any:
+    """JSON from a user's file or line; malformed or absurdly nested input is one line naming ``source``."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{source}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise InputError(f"{source}: JSON nested too deeply") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A small JSON object file of a model directory (tokenizer_config.json, generation_config.json)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read it ({err.strerror})") from None
+    return Fields(parse_json(raw, str(path)), str(path)).obj

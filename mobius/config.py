@@ -4,15 +4,21 @@ before anything expensive happens."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from mobius.config_sources import layered_argv
+from mobius.data.records import FORMATS
 from mobius.errors import InputError
 from mobius.models.lora import LORA_MODULES
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
+# Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
+# at the rates common practice uses (full: 1e-5 to 5e-5; LoRA adapters: 1e-4 to 3e-4).
+DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -26,7 +32,16 @@ class RunConfig:
     backend: str = "auto"
     model: str = "small"
     data: str | None = None
+    data_format: str | None = None  # None: detected from the records' fields
+    packing: str = "auto"  # auto (on for examples, text windows for a corpus) | on | off
+    train_on_prompt: bool = False  # examples: loss on every token, not only on the answers
+    chat_template: str | None = None  # a Jinja file for a model without a chat template of its own
+    truncate: bool = True  # an example longer than --seq-len is cut (False: refused)
+    eval_data: str | None = None  # held-out records
+    eval_split: float = 0.0  # or this fraction of --data's records, drawn by the seed
+    eval_every: int = 0  # evaluate every N steps (and at the end); 0: at the end only
     steps: int = 40
+    epochs: float | None = None  # instead of --steps: passes over the training sequences
     micro_batch_size: int = 4
     micro_batches: int = 4
     seq_len: int = 128
@@ -34,6 +49,7 @@ class RunConfig:
     seed: int = 0
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     metrics: str | None = None
+    tensorboard: str | None = None  # a TensorBoard log directory (a new event file in it)
     trace: str | None = None
     save: str | None = None
     save_every: int = 0
@@ -75,6 +91,15 @@ class RunConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless it is None or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in (action.help or "") or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2."""
 
@@ -99,10 +124,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=d.lora_targets,
                    help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
                         "fc (MLP in; gate and up), fc_out (MLP out)")
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--gpu-mem-gb", type=float, default=None,
@@ -112,7 +137,7 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=("auto", "on", "off"), default=d.recompute,
                    help="recompute stage activations in backward (auto: the plan's memory decides)")
     p.add_argument("--partitioner", choices=("mip", "min", "max", "uniform", "balanced"),
-                   default=d.partitioner)
+                   default=d.partitioner, help="how the model is cut into stages")
     p.add_argument("--stages", type=int, default=None,
                    help="force this many stages (uniform split) instead of the partitioner's choice")
     p.add_argument("--mapping", choices=("cross", "sequential"), default=d.mapping,
@@ -126,7 +151,13 @@ def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m mobius.train",
         description="Fine-tune a language model with the Mobius pipeline (or the reference trainer).",
+        formatter_class=DefaultsHelp,
     )
+    p.add_argument("--config", default=None,
+                   help="a YAML file of settings (keys: these options, e.g. lr, micro-batch-size); options given "
+                        "here override it")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration, every default included, as YAML, and exit")
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d.backend,
                    help="auto: chunked on NVLink topologies, else pipeline; single: plain PyTorch reference")
@@ -134,11 +165,35 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="rehearse --topology's GPUs on CPU workers: emulated PCIe links and root complexes, "
                         "compute as long as on the GPUs, all time dilated by one factor (pipeline backend)")
     p.add_argument("--data", default=None,
-                   help="a text file or a directory of text files (default: this Python's stdlib sources)")
-    p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps of the run")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--seed", type=int, default=d.seed)
+                   help="records (.jsonl, .json, .parquet, a datasets.save_to_disk directory) or text files, or a "
+                        "directory of them (default: this Python's stdlib sources)")
+    p.add_argument("--data-format", choices=FORMATS, default=None,
+                   help="the records' shape (default: detected from their fields)")
+    p.add_argument("--packing", choices=("auto", "on", "off"), default=d.packing,
+                   help="on: examples packed into --seq-len sequences, each attending only to itself; off: one "
+                        "example per sequence, padded; auto: on for examples, random windows of a text corpus")
+    p.add_argument("--train-on-prompt", action="store_true",
+                   help="loss on every token of an example, not only on its answers")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, for a model without one of its own")
+    p.add_argument("--no-truncate", dest="truncate", action="store_false",
+                   help="refuse an example longer than --seq-len instead of cutting it")
+    p.add_argument("--eval-data", default=None, help="held-out records: loss and perplexity, forward only")
+    p.add_argument("--eval-split", type=float, default=d.eval_split,
+                   help="hold out this fraction of --data's records (drawn by --seed) for evaluation")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate every N steps, and at the end (0: at the end only)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"total optimizer steps of the run (default: {d.steps}, or as many as --epochs take)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="instead of --steps: train this many passes over the training sequences")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: {DEFAULT_LR['preset']:g} for a preset, {DEFAULT_LR['full']:g} "
+                        f"to fine-tune a Hugging Face model, {DEFAULT_LR['lora']:g} with --lora-rank)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and of the data order")
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
+    p.add_argument("--tensorboard", default=None,
+                   help="write loss, eval loss, learning rate, tokens/s and step time as TensorBoard events here")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) to this JSON file")
     p.add_argument("--save", default=None, help="checkpoint directory (written every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end or on a stop)")
@@ -202,7 +257,9 @@ def validate(cfg: RunConfig) -> None:
     """Checks that need no model or data; paths are checked by the run's pre-flight
     (:func:`mobius.train.check_outputs`), everything loaded where it is loaded."""
     validate_shared(cfg)
-    _positive(cfg, ("steps", "chunk_size", "rcache_blocks", "stop_after"))
+    _positive(cfg, ("steps", "epochs", "chunk_size", "rcache_blocks", "stop_after"))
+    if cfg.epochs is not None and not math.isfinite(cfg.epochs):
+        raise InputError(f"--epochs must be a positive finite number, got {cfg.epochs}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise InputError(f"--lr must be a positive finite number, got {cfg.lr}")
     if not 0 <= cfg.seed < 2**63:
@@ -222,10 +279,41 @@ def validate(cfg: RunConfig) -> None:
         raise InputError("--resume-with-changes needs --resume DIR")
     if cfg.data is not None and not Path(cfg.data).exists():
         raise InputError(f"--data {cfg.data}: no such file or directory")
+    if cfg.eval_data is not None and not Path(cfg.eval_data).exists():
+        raise InputError(f"--eval-data {cfg.eval_data}: no such file or directory")
+    if not (math.isfinite(cfg.eval_split) and 0 <= cfg.eval_split < 1):
+        raise InputError(f"--eval-split must be at least 0 and below 1, got {cfg.eval_split}")
+    if cfg.eval_split and (cfg.eval_data or not cfg.data):
+        raise InputError("--eval-split holds out part of --data: give --data, and not --eval-data beside it")
+    if cfg.eval_every < 0:
+        raise InputError(f"--eval-every must be zero or positive, got {cfg.eval_every}")
+    if cfg.eval_every and not (cfg.eval_data or cfg.eval_split):
+        raise InputError("--eval-every needs --eval-data PATH or --eval-split FRACTION")
+    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        raise InputError(f"--chat-template {cfg.chat_template}: no such file")
 
 
-def parse_train_args(argv: list[str] | None = None) -> RunConfig:
-    args = build_train_parser().parse_args(argv)
+def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) -> RunConfig:
+    """The run's configuration: the resumed checkpoint's (``checkpoint_settings(DIR)``, given by the
+    command, which reads checkpoints), then ``--config``'s, then the command line's settings
+    (:mod:`mobius.config_sources`), defaults resolved, checked."""
+    parser = build_train_parser()
+    args = parser.parse_args(layered_argv(parser, list(sys.argv[1:] if argv is None else argv),
+                                          checkpoint_settings))
+    if args.steps is not None and args.epochs is not None:
+        raise InputError("give --steps or --epochs, not both")
+    if args.steps is None:
+        args.steps = RunConfig.steps
+    if args.lr is None:
+        kind = "lora" if args.lora_rank else "full" if Path(args.model).is_dir() else "preset"
+        args.lr = DEFAULT_LR[kind]
     cfg = RunConfig.from_dict(vars(args))
     validate(cfg)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        raise SystemExit(0)
     return cfg

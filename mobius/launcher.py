@@ -47,7 +47,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
-    payload["exports"] = [(str(start_export(out)), merged) for _, out, merged in wanted]
+    payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
     with tempfile.TemporaryDirectory(prefix="mobius-links-") as links:  # ours: made here, removed here
         if spec.emulation:
             counters = str(Path(links) / "counters")

@@ -25,6 +25,8 @@ class StepMetrics:
     loss_scale: float = 1.0  # fp16 dynamic loss scale after this step
     skipped_steps: int = 0  # fp16 steps skipped for overflow so far
     emulated_step_s: float | None = None  # --emulate: the step time on the emulated GPUs (wall / dilation)
+    eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
+    eval_perplexity: float | None = None
 
 
 class MetricsWriter:
@@ -44,6 +46,39 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file:
             self._file.close()
+
+
+class TensorBoardLog:
+    """``--tensorboard DIR``: the step's scalars as TensorBoard events (torch's ``SummaryWriter``).
+    It adds a new event file beside whatever the directory holds and never replaces one."""
+
+    def __init__(self, directory: str | os.PathLike | None):
+        self.writer = None
+        if directory:
+            from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' package
+
+            with writing("--tensorboard", directory):
+                self.writer = SummaryWriter(str(directory))
+
+    def write(self, m: StepMetrics) -> None:
+        if self.writer is None:
+            return
+        done = m.step + 1
+        scalars = {"train/loss": m.loss, "train/lr": m.lr, "perf/step_time_s": m.step_time_s,
+                   "perf/tokens_per_s": m.tokens / max(m.step_time_s, 1e-9),
+                   "perf/peak_device_mib": m.peak_device_bytes / 2**20}
+        if m.emulated_step_s is not None:
+            scalars["perf/emulated_step_s"] = m.emulated_step_s
+        if m.eval_loss is not None:
+            scalars.update({"eval/loss": m.eval_loss, "eval/perplexity": m.eval_perplexity})
+        with writing("--tensorboard", self.writer.log_dir):
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, done)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 class Trace:

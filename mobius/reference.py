@@ -1,7 +1,8 @@
 """The single-device reference trainer (``--backend single``): plain PyTorch.
 
 It defines "correct" for every other backend: same data order, same micro-batching (gradients
-accumulated over ``--micro-batches`` micro-batches, each loss divided by their number), same AdamW
+accumulated over ``--micro-batches`` micro-batches, each loss its share of the step's mean over
+trained tokens, :mod:`mobius.models.layout`), same AdamW
 and schedule (:mod:`mobius.optim`).
 
 ``--optimizer-lag 1`` defines the lagged update every backend reproduces: AdamW steps a master copy
@@ -54,6 +55,16 @@ class ReferenceTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
+    def evaluate(self, held_out) -> float:
+        """Loss on held-out examples (:class:`~mobius.data.packing.EvalBatches`): forward only,
+        no dropout, summed over the passes (each micro-batch already divided by all their tokens)."""
+        total = 0.0
+        with torch.no_grad(), self._autocast():
+            for k in range(held_out.passes):
+                for mb in held_out.pass_batches(k):
+                    total += self.model(mb.tokens.to(self.device), mb.layout.to(self.device)).item()
+        return total
+
     def step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
         micro = self.batches.step(step)
@@ -63,11 +74,11 @@ class ReferenceTrainer:
         total = 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
-            tokens, targets = mb.tokens.to(self.device), mb.targets.to(self.device)
+            tokens, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
             with self._autocast(), dropout_micro_batch(self.cfg.seed, step, m):
-                loss = self.model(tokens, targets)
+                loss = self.model(tokens, layout)  # this micro-batch's share of the step's token mean
             t_bwd = time.perf_counter()
-            (loss * (self.scaler.scale / len(micro))).backward()
+            (loss * self.scaler.scale).backward()
             total += loss.item()
             self.trace.span(f"fwd mb{m}", "compute", t_fwd, t_bwd, step=step)
             self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
@@ -92,6 +103,6 @@ class ReferenceTrainer:
             p.grad = None
         tokens = len(micro) * micro[0].tokens.numel()
         peak = peak_memory(self.device)
-        return StepMetrics(step=step, loss=total / len(micro), lr=lr, tokens=tokens,
+        return StepMetrics(step=step, loss=total, lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)

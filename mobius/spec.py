@@ -18,7 +18,7 @@ from mobius.partition.cost import stage_costs
 from mobius.planner import get_profile, make_plan
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.inputs import check_model_input, make_batches
+from mobius.runtime.inputs import check_model_input
 from mobius.runtime.spec import Plan, RunSpec
 from topology import Topology, cpu_topology
 
@@ -109,7 +109,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
 
 
 def _check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
-    make_batches(cfg, model_config)  # data present and non-empty, before any worker starts
+    """The checkpoint to resume, before any worker starts (the data: :func:`mobius.train.run`)."""
     if cfg.resume:
         ck.open_for_resume(cfg, model_config)
 

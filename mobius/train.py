@@ -13,6 +13,8 @@ if __name__ == "__main__":
 
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
+import math
+
 import torch
 
 from mobius import checkpoint as ck
@@ -28,7 +30,7 @@ from mobius.models.hf import check_export_target, start_export
 from mobius.planner import check_host_memory_available
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
-from mobius.runtime.inputs import check_model_input, make_batches
+from mobius.runtime.inputs import check_model_input, make_batches, make_eval_batches
 from mobius.runtime.loop import run_steps
 from mobius.spec import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
@@ -38,8 +40,10 @@ from mobius.stages.worker import worker_main
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """Before the first step: every path the run writes is free or provably ours, and none of
     them is an input or another output."""
-    ownership.check_paths({"--data": cfg.data, "--model": model_config.checkpoint, "--resume": cfg.resume},
+    ownership.check_paths({"--data": cfg.data, "--eval-data": cfg.eval_data, "--chat-template": cfg.chat_template,
+                           "--model": model_config.checkpoint, "--resume": cfg.resume},
                           {"--metrics": (cfg.metrics, "file"), "--trace": (cfg.trace, "file"),
+                           "--tensorboard": (cfg.tensorboard, "dir"),
                            "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir"),
                            "--export-merged": (cfg.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.metrics, is_metrics_file)
@@ -49,10 +53,10 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
         check_export_target(model_config, out, option)
 
 
-def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
+def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out) -> list[StepMetrics]:
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     resolve_precision(cfg, device.type == "cuda")
-    trainer = ReferenceTrainer(cfg, model_config, make_batches(cfg, model_config), device)
+    trainer = ReferenceTrainer(cfg, model_config, batches, device)
     start = 0
     if cfg.resume:
         ckpt = ck.open_for_resume(cfg, model_config)
@@ -82,11 +86,12 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}"
               + (f", resuming at step {start}" if start else ""))
     stop = StopRequest().install()
-    history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop)
+    evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
+    history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
     if cfg.trace:
         write_trace(cfg.trace, trainer.trace.collect())
     for _, out, merged in cfg.exports():
-        staging = start_export(out)
+        staging = start_export(out, cfg.chat_template)
         write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
         finish_export(model_config, staging, out, merged)
         print(f"exported to {out}", flush=True)
@@ -96,10 +101,18 @@ def train_single(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics]:
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
     check_outputs(cfg, model_config)
+    # The data, read and checked before any worker starts (each worker reads it again itself).
+    batches, held_out = make_batches(cfg, model_config), make_eval_batches(cfg, model_config)
+    if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
+        cfg.steps = max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9))
+    print(f"data: {batches.describe()}; {cfg.steps} steps ({batches.epochs(cfg.steps):.2f} epochs) at peak lr "
+          f"{cfg.lr:g}", flush=True)
+    if held_out is not None:
+        print(f"held out: {held_out.describe()}", flush=True)
     check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag)
     backend, topo = resolve_backend(cfg)
     if backend == "single":
-        return train_single(cfg, model_config)
+        return train_single(cfg, model_config, batches, held_out)
     if backend == "chunked":
         return launch_chunked(cfg, model_config, topo)
     return launch_pipeline(cfg, model_config, topo)
@@ -107,11 +120,11 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_train_args(argv)
+    cfg = parse_train_args(argv, checkpoint_settings=ck.run_config)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if cfg.exports() or cfg.backend == "chunked":
-            raise InputError("under torchrun only the pipeline backend runs, without --export; "
+        if cfg.exports() or cfg.backend == "chunked" or cfg.epochs is not None:
+            raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
                              "start python -m mobius.train directly for the others")
         worker_main({"cfg": cfg.to_dict(), "spec": None, "header": "mobius: pipeline worker (torchrun)"},
                     decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg))[0].to_dict())

@@ -158,8 +158,8 @@ def test_bad_data(tmp_path, capsys):
     (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "short.txt").write_text("abc")
-    for name, message in [("empty.txt", "empty"), ("number.jsonl", "line 2: 'text' must be a string, got int"),
-                          ("notext.jsonl", "line 1 is not a JSON object with a 'text' field"),
+    for name, message in [("empty.txt", "empty"), ("number.jsonl", "record 2: 'text' must be a string, got int"),
+                          ("notext.jsonl", "record 1: a record with fields ['body'] is of no known shape"),
                           ("short.txt", "fewer than --seq-len 32 + 2")]:
         assert message in one_line_exit_2(train_main, SINGLE + ["--data", str(tmp_path / name)], capsys)
 

@@ -22,7 +22,7 @@ def test_text_file_and_directory(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_text("more text")
     assert load_corpus(tmp_path / "a.txt").size == 120
-    assert load_corpus(tmp_path).size == 129
+    assert load_corpus(tmp_path).size == 120 + 2 + 9  # documents joined by a blank line
     assert ByteTokenizer().decode(load_corpus(tmp_path / "a.txt")[:5]) == "hello"
 
 

@@ -9,15 +9,15 @@ import threading
 
 import pytest
 import torch
+from conftest import save_hf_model
 
 from mobius.backend import resolve_topology
 from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CpuDevice
-from mobius.runtime.inputs import model_config_for
+from mobius.runtime.inputs import make_batches, model_config_for
 from mobius.spec import prepare_pipeline
 from mobius.stages.transport import LocalGroup
 from mobius.stages.worker import build_worker
@@ -31,9 +31,8 @@ def tied_gpt2(tmp_path_factory) -> str:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("gpt2")
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=4,
-                                                         n_head=4)).save_pretrained(path)
-    return str(path)
+    return save_hf_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32,
+                                                                              n_layer=4, n_head=4)), path)
 
 
 def config(workers: int, stages: int, steps: int, model: str = "tiny8", **kw) -> RunConfig:
@@ -68,11 +67,7 @@ def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]
         t.join()
     if errors:
         raise errors[0]
-    losses = []
-    for k in range(cfg.steps):
-        total = sum(results[r][0][k][0] for r in results)
-        count = sum(results[r][0][k][1] for r in results)
-        losses.append(total / count)
+    losses = [sum(results[r][0][k] for r in results) for k in range(cfg.steps)]  # the last stage's worker has it
     weights = {n: w for r in results for n, w in results[r][1].items()}
     assert len(plan.bounds) == cfg.stages
     return losses, weights
@@ -80,8 +75,7 @@ def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]
 
 def reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     ref_cfg = RunConfig(**{**cfg.to_dict(), "backend": "single"})
-    t = ReferenceTrainer(ref_cfg, model_config_for(cfg), BatchSource(load_corpus(None), SEQ, MBS, M, cfg.seed),
-                         torch.device("cpu"))
+    t = ReferenceTrainer(ref_cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
     losses = [t.step(k).loss for k in range(cfg.steps)]
     return losses, {n: p.detach().clone() for n, p in t.master.items()}
 

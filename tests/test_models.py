@@ -98,8 +98,30 @@ def test_chunked_cross_entropy_equals_the_full_logits_one(chunk):
     t = torch.randint(0, 50, (37,), generator=g)
     full = F.cross_entropy(h @ w.t(), t)
     gh, gw = torch.autograd.grad(full, (h, w))
-    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk, True)
+    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk, True, 37)
     ch, cw = torch.autograd.grad(chunked, (h, w))
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)
+
+
+def test_head_loss_is_the_trained_tokens_sum_over_the_steps_count():
+    """IGNORE targets carry no loss and no gradient; the sum is divided by the step's trained tokens."""
+    import torch.nn.functional as F
+
+    from mobius.models import IGNORE, TokenLayout, get_config
+    from mobius.models.gpt import Head
+
+    head = Head(get_config("tiny"))
+    x = torch.randn(2, 9, head.config.hidden, requires_grad=True)
+    targets = torch.randint(0, head.config.vocab_size, (2, 9))
+    targets[0, :4] = IGNORE
+    targets[1, 7:] = IGNORE
+    loss = head(x, TokenLayout(targets=targets, loss_tokens=40))
+    logits = head.logits(x).reshape(-1, head.config.vocab_size)
+    expect = F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE, reduction="sum") / 40
+    torch.testing.assert_close(loss, expect, rtol=1e-6, atol=0)
+    (g,) = torch.autograd.grad(loss, x)
+    (ge,) = torch.autograd.grad(expect, x)
+    torch.testing.assert_close(g, ge, rtol=1e-5, atol=1e-8)
+    assert g[0, :4].abs().max() == 0

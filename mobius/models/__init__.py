@@ -10,11 +10,13 @@ from mobius.models.gpt import (
     build_layer,
     build_model,
     dtype_bytes,
+    run_layers,
     tied_parameter_names,
 )
+from mobius.models.layout import IGNORE, TokenLayout
 from mobius.models.presets import PRESETS, get_config
 
 __all__ = [
-    "Block", "Embedding", "GPTConfig", "GPTLayer", "Head", "LayerList", "PRESETS", "build_layer",
-    "build_model", "dtype_bytes", "get_config", "layer_count", "tied_parameter_names",
+    "Block", "Embedding", "GPTConfig", "GPTLayer", "Head", "IGNORE", "LayerList", "PRESETS", "TokenLayout",
+    "build_layer", "build_model", "dtype_bytes", "get_config", "layer_count", "run_layers", "tied_parameter_names",
 ]

@@ -20,7 +20,15 @@ import torch
 
 from mobius import ownership
 from mobius.models.config import GPTConfig
-from mobius.models.hf import EXPORT_KIND, _layer_map, export_errors, finalize_export, write_shard
+from mobius.models.hf import (
+    EXPORT_KIND,
+    TOKENIZER_FILES,
+    _layer_map,
+    copy_model_files,
+    export_errors,
+    finalize_export,
+    write_shard,
+)
 from mobius.models.lora import parts
 
 # Where each family's decoder sits inside its ``*ForCausalLM`` module tree (PEFT names modules by it).
@@ -112,6 +120,7 @@ def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) 
             raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
         save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
         (staging / "adapter_config.json").write_text(json.dumps(adapter_config(config), indent=2))
+        copy_model_files(config, staging, TOKENIZER_FILES)
         ownership.swap_into_place(staging, out_dir, EXPORT_KIND)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
+from mobius.models.layout import IGNORE, TokenLayout, as_layout
 from mobius.models.lora import add_lora, freeze
 
 
@@ -70,11 +71,12 @@ class Embedding(GPTLayer):
         if config.positions == "learned":
             self.wpe = nn.Embedding(config.context + config.position_offset, config.hidden)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         x = self.wte(tokens)
         if self.config.positions == "learned":
-            positions = torch.arange(tokens.shape[1], device=tokens.device) + self.config.position_offset
-            x = x + self.wpe(positions)
+            positions = layout.positions if layout is not None and layout.positions is not None \
+                else torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.wpe(positions + self.config.position_offset)
         return x
 
     def forward_flops(self, batch: int, seq: int) -> int:
@@ -92,14 +94,17 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.flag("norm_bias"))
 
 
-def rotary_tables(config: GPTConfig, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of rotary positions (the Llama convention: the two halves of each head rotate)."""
+def rotary_tables(config: GPTConfig, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of rotary ``positions`` (the Llama convention: the two halves of each head rotate):
+    (T, head_dim) for a (T,) range, (B, 1, T, head_dim) for per-row (B, T) positions."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, *config.rope_scaling[1:])
-    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.dim() == 3:
+        emb = emb[:, None]  # broadcast over heads
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -139,7 +144,7 @@ class Block(GPTLayer):
         self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
         self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         c = self.config
         b, t, h = x.shape
         heads, kv, d = c.heads, c.n_kv_heads, c.head_dim
@@ -147,14 +152,19 @@ class Block(GPTLayer):
         q = q.view(b, t, heads, d).transpose(1, 2)
         k = k.view(b, t, kv, d).transpose(1, 2)
         v = v.view(b, t, kv, d).transpose(1, 2)
+        packed = layout is not None and layout.packed
         if c.positions == "rope":
-            cos, sin = rotary_tables(c, t, x.device, q.dtype)
+            positions = layout.positions if packed else torch.arange(t, device=x.device)
+            cos, sin = rotary_tables(c, positions, q.dtype)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if kv != heads:
             k = k.repeat_interleave(heads // kv, dim=1)
             v = v.repeat_interleave(heads // kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if packed:  # examples packed in a row see only themselves
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.attention_mask())
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
         return x + self.fc_out(self._activation(self.fc(self.ln2(x))))
 
@@ -202,53 +212,52 @@ def ce_chunk_tokens(vocab_size: int) -> int:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``h @ weight.T`` against ``targets``, over chunks of tokens: only
-    one chunk's logits exist at a time.  The loss is the last operation of the model, so when
-    gradients will be wanted (``with_grads``) forward also computes them, chunk by chunk, in fp32
-    (one logits matmul per chunk, as plain autograd would do, not two), and backward only scales
-    them by the incoming gradient (the loss scale, in fp16) before casting."""
+    """Summed cross-entropy of ``h @ weight.T`` against ``targets``, divided by ``divisor``, over
+    chunks of tokens: only one chunk's logits exist at a time.  The loss is the last operation of
+    the model, so when gradients will be wanted (``with_grads``) forward also computes them, chunk
+    by chunk, in fp32 (one logits matmul per chunk, as plain autograd would do, not two), and
+    backward only scales them by the incoming gradient (the loss scale, in fp16) before casting."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                with_grads: bool) -> torch.Tensor:
+                with_grads: bool, divisor: int) -> torch.Tensor:
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if with_grads else None
-        grad_w = None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grads else None
         for a in range(0, n, chunk):
             hc, tc = h[a:a + chunk], targets[a:a + chunk]
             logp = torch.log_softmax((hc @ weight.t()).float(), dim=-1)
             rows = torch.arange(hc.shape[0], device=h.device)
             total -= logp[rows, tc].sum()
-            if with_grads:  # d loss / d logits = (softmax - one-hot) / n, reusing logp's memory
+            if with_grads:  # d loss / d logits = (softmax - one-hot) / divisor, reusing logp's memory
                 p = logp.exp_()
                 p[rows, tc] -= 1.0
-                p = p.div_(n).to(h.dtype)
+                p = p.div_(divisor).to(h.dtype)
                 grad_h[a:a + chunk] = p @ weight
                 # Accumulated in place: an fp32 temporary per chunk would be a second copy of the
                 # head's gradient on the device (206 MB for GPT-2 medium); in bf16 the product
                 # needs one, at half that size, to be added in fp32.
-                if grad_w is None:
-                    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
                 if p.dtype == torch.float32:
                     grad_w.addmm_(p.t(), hc)
                 else:
                     grad_w.add_(p.t() @ hc)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.dtypes = (h.dtype, weight.dtype)
-        return total / n
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         grad = grad.float()
         # Scaled in place (these buffers are this call's own), then cast to the inputs' dtypes.
-        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None
+        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None, None
 
 
 class Head(GPTLayer):
-    """Final LayerNorm, LM head and the mean cross-entropy over the micro-batch's tokens, computed
-    in token chunks (:class:`ChunkedCrossEntropy`) without ever holding the full logits."""
+    """Final norm, LM head and the cross-entropy of the micro-batch's trained tokens, summed and
+    divided by the step's trained tokens (:mod:`mobius.models.layout`), computed in token chunks
+    (:class:`ChunkedCrossEntropy`) without ever holding the full logits."""
 
     kind = "head"
 
@@ -257,8 +266,15 @@ class Head(GPTLayer):
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.ln_f(x)
+    def forward(self, x: torch.Tensor, layout: TokenLayout | torch.Tensor) -> torch.Tensor:
+        """``layout``: the micro-batch's :class:`TokenLayout`, or its targets alone (every token trained)."""
+        layout = as_layout(layout)
+        h = self.ln_f(x).reshape(-1, x.shape[-1])
+        targets = layout.targets.reshape(-1)
+        if not layout.every_target_trained:  # prompts and padding: only the trained rows reach the head
+            trained = targets != IGNORE
+            h, targets = h[trained], targets[trained]
+        divisor = layout.loss_tokens or max(1, targets.numel())
         weight = self.lm_head.weight
         chunk = ce_chunk_tokens(self.config.vocab_size)
         with_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
@@ -267,9 +283,8 @@ class Head(GPTLayer):
             # The loss runs its matmuls itself: hand it the autocast dtype.
             dtype = torch.get_autocast_dtype(kind)
             with torch.autocast(kind, enabled=False):
-                return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(dtype), weight.to(dtype),
-                                                 targets.reshape(-1), chunk, with_grads)
-        return ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk, with_grads)
+                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, with_grads, divisor)
+        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, with_grads, divisor)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -339,20 +354,25 @@ class LayerList(nn.Module):
         if config.tie_embeddings:
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        for layer in self.layers[:-1]:
-            x = layer(x)
-        return self.layers[-1](x, targets)
+    def forward(self, tokens: torch.Tensor, layout: TokenLayout | torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss; ``layout``: its :class:`TokenLayout`, or its targets alone."""
+        return run_layers(self.layers, tokens, as_layout(layout))
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         x = tokens
         for layer in self.layers[:-1]:
-            x = layer(x)
+            x = layer(x, layout)
         return self.layers[-1].logits(x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+
+def run_layers(layers, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Run consecutive layers of the list (a stage, or the whole model) on one micro-batch."""
+    for layer in layers:
+        x = layer(x, layout)
+    return x
 
 
 def build_model(config: GPTConfig, seed: int = 0, device: str | torch.device = "cpu") -> LayerList:

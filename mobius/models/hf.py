@@ -33,8 +33,12 @@ from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 
 SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2")
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+# What a model directory holds besides its weights that an export must carry: the config, the
+# generation settings, every tokenizer file and the chat template.
+TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+COPIED_FILES = ("config.json", *TOKENIZER_FILES)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -369,15 +373,26 @@ def _complete_export(config: GPTConfig, staging: Path) -> None:
                     total += math.prod(sl.get_shape()) * _DTYPES[sl.get_dtype()].itemsize
         (staging / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    for f in COPIED_FILES:
+    copy_model_files(config, staging, COPIED_FILES)
+
+
+def copy_model_files(config: GPTConfig, staging: Path, names: tuple[str, ...]) -> None:
+    """The model directory's ``names`` into the export, unless the run wrote its own (a
+    ``--chat-template`` the model was tuned with)."""
+    for f in names:
         src = Path(config.checkpoint, f)
-        if src.is_file():
+        if src.is_file() and not (staging / f).exists():
             shutil.copy2(src, staging / f)
 
 
-def start_export(out_dir: str) -> Path:
+def start_export(out_dir: str, chat_template: str | None = None) -> Path:
+    """The export's staging directory; with ``chat_template`` (``--chat-template``), the template
+    the model was tuned with goes into it as ``chat_template.jinja``."""
     with export_errors(out_dir):
-        return ownership.fresh_dir(staging_dir(out_dir), EXPORT_KIND)
+        staging = ownership.fresh_dir(staging_dir(out_dir), EXPORT_KIND)
+        if chat_template:
+            shutil.copyfile(chat_template, staging / "chat_template.jinja")
+        return staging
 
 
 def export_errors(out_dir: str | os.PathLike):

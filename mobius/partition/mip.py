@@ -21,6 +21,9 @@ what it depends on).  Units: seconds and GB, so coefficients stay within a few o
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -44,6 +47,21 @@ class _WarmStartHiGHS(pulp.HiGHS):
             value = [self.start[v.name] for v in lp.variables() if v.name in self.start]
             lp.solverModel.setSolution(len(index), np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
         super().callSolver(lp)
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS (1.16) prints its banner from C++ when pulp creates a solver, whatever ``msg`` says:
+    our stdout (``mobius.plan --json``, the run's header) must carry only what we print."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _integer_start(bounds: list[tuple[int, int]], runs: list[tuple[int, int]], K: int) -> dict[str, float]:
@@ -242,7 +260,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     start = _integer_start(warm_start, runs, K) if warm_start and len(warm_start) <= K else {}
     solver = _WarmStartHiGHS(start, msg=False, timeLimit=time_limit_s, gapRel=gap)
     t0 = time.perf_counter()
-    prob.solve(solver)
+    with _native_stdout_silenced():
+        prob.solve(solver)
     solve_s = time.perf_counter() - t0
     # pulp reports a time-limited solve with an incumbent as "Optimal"; ask HiGHS itself.
     highs = prob.solverModel

@@ -4,9 +4,16 @@ Every process of a run (the command, each worker) reads them through here."""
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import numpy as np
 
 from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus, tokenizer_for
+from mobius.data import BatchSource, ExampleBatches, load_corpus, pack, read_examples, tokenizer_for
+from mobius.data.corpus import corpus_of
+from mobius.data.examples import renderer_for
+from mobius.data.packing import EvalBatches
+from mobius.data.records import Record
 from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
@@ -36,10 +43,65 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
     return model_config
 
 
-def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource:
+def _records(cfg: RunConfig) -> tuple[list[Record], list[Record], str]:
+    """The run's training and held-out records (``--eval-data``, or ``--eval-split`` of ``--data``
+    by a seeded draw) and their format."""
+    records, fmt = read_examples(cfg.data, cfg.data_format)
+    if cfg.eval_data:
+        held_out, eval_fmt = read_examples(cfg.eval_data, cfg.data_format, option="--eval-data")
+        if eval_fmt != fmt:
+            raise InputError(f"--eval-data {cfg.eval_data} holds {eval_fmt} records, --data {cfg.data} {fmt} records")
+        return records, held_out, fmt
+    if not cfg.eval_split:
+        return records, [], fmt
+    n_eval = math.ceil(cfg.eval_split * len(records))
+    if n_eval >= len(records):
+        raise InputError(f"--eval-split {cfg.eval_split} of {len(records)} records leaves none to train on")
+    order = np.random.default_rng([cfg.seed, 0xe7a1]).permutation(len(records))
+    held = set(order[:n_eval].tolist())
+    return ([r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], fmt)
+
+
+def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | ExampleBatches:
+    """The run's batches: random windows of a text corpus, or packed (or padded) examples."""
     tokenizer = tokenizer_for(cfg.model)
-    corpus = load_corpus(cfg.data, tokenizer=tokenizer)
-    if model_config.vocab_size < tokenizer.vocab_size and int(corpus.max()) >= model_config.vocab_size:
+    if cfg.data is None:
+        corpus = load_corpus(None, tokenizer=tokenizer)
+        _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
+        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    records, _, fmt = _records(cfg)
+    if fmt == "text" and cfg.packing == "auto":  # a corpus: random windows, as in pre-training
+        corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data)
+        _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
+        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    packed, packing, describe = _packed(cfg, model_config, records, fmt, tokenizer)
+    return ExampleBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, packing, describe)
+
+
+def make_eval_batches(cfg: RunConfig, model_config: GPTConfig) -> EvalBatches | None:
+    """The held-out examples (``--eval-data`` or ``--eval-split``), or None."""
+    if not (cfg.eval_data or cfg.eval_split):
+        return None
+    _, held_out, fmt = _records(cfg)
+    packed, packing, describe = _packed(cfg, model_config, held_out, fmt, tokenizer_for(cfg.model))
+    return EvalBatches(packed, cfg.micro_batch_size, cfg.micro_batches, packing, describe)
+
+
+def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt: str, tokenizer):
+    """Examples rendered with the model's template and packed (or padded) into sequences."""
+    packing = cfg.packing != "off"
+    renderer = renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
+    packed = pack([renderer.render(r) for r in records], cfg.seq_len, packing, cfg.seed, cfg.truncate)
+    _check_vocabulary(cfg, model_config, int(packed.tokens.max()), tokenizer.name)
+    trained = int((packed.targets >= 0).sum())
+    describe = (f"{packed.examples:,} {fmt} examples ({trained:,} trained tokens) "
+                f"{'packed into' if packing else 'padded to'} {packed.tokens.shape[0]:,} sequences"
+                + (f", {packed.truncated} truncated to --seq-len" if packed.truncated else "")
+                + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}")
+    return packed, packing, describe
+
+
+def _check_vocabulary(cfg: RunConfig, model_config: GPTConfig, largest: int, tokenizer: str) -> None:
+    if largest >= model_config.vocab_size:
         raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size}, but the data has token "
-                         f"id {int(corpus.max())} ({type(tokenizer).__name__})")
-    return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+                         f"id {largest} ({tokenizer})")

@@ -13,21 +13,25 @@ from tqdm import tqdm
 
 from mobius.config import RunConfig
 from mobius.errors import RunError
-from mobius.metrics import MetricsWriter, StepMetrics
+from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog
 from mobius.signals import StopRequest
 
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
-              agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True) -> list[StepMetrics]:
+              agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True,
+              eval_fn: Callable[[int], float] | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.steps`` with a progress bar, the metrics file,
-    checkpoints (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
+    evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
+    (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
 
     ``agree`` makes every pipeline worker take the same stop/save decision; only ``main`` prints.
+    Every worker evaluates at the same steps: the decision depends on the step alone.
     """
     if main:
         print(header, flush=True)
     writer = MetricsWriter(cfg.metrics if main else None, append=start_step > 0)
+    board = TensorBoardLog(cfg.tensorboard if main else None)
     history: list[StepMetrics] = []
     t0 = time.perf_counter()
     bar = tqdm(range(start_step, cfg.steps), disable=not (cfg.progress and main), unit="step", dynamic_ncols=True,
@@ -39,10 +43,18 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             if not math.isfinite(m.loss) and cfg.precision != "fp16":
                 where = f"; the last checkpoint in {cfg.save} is kept" if cfg.save else ""
                 raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.precision}){where}")
+            done = step + 1
+            if eval_fn is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+                m.eval_loss = eval_fn(done)
+                m.eval_perplexity = math.exp(min(m.eval_loss, 700.0))
+                if main:
+                    bar.write(f"eval after step {done}: loss {m.eval_loss:.4f}, perplexity {m.eval_perplexity:.2f}")
             history.append(m)
             writer.write(m)
-            bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}")
-            done = step + 1
+            board.write(m)
+            evaluated = [h.eval_loss for h in history if h.eval_loss is not None]
+            bar.set_postfix(loss=f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
+                            tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}")
             want_stop = (stop is not None and stop.check()) or (
                 cfg.stop_after is not None and done - start_step >= cfg.stop_after)
             want_save = bool(cfg.save) and (want_stop or done == cfg.steps
@@ -57,6 +69,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     finally:
         bar.close()
         writer.close()
+        board.close()
     if main and history:
         wall = time.perf_counter() - t0
         tokens = sum(m.tokens for m in history)

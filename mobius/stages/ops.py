@@ -43,9 +43,10 @@ class Op:
 
 
 def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool,
-               prefetch: bool = True) -> list[Op]:
+               prefetch: bool = True, forward_only: bool = False) -> list[Op]:
     """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order.
-    Without ``prefetch`` a stage's load is issued only once the previous stage is released."""
+    Without ``prefetch`` a stage's load is issued only once the previous stage is released.
+    ``forward_only`` (evaluation): the forward pass without autograd, every stage released after it."""
     mine = list(stages_of_worker)
     last = n_stages - 1
     ops: list[Op] = [Op(LOAD, mine[0], priority=0)] if mine else []
@@ -65,9 +66,11 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
             if s < last:
                 ops.append(Op(SEND, s, m))
         ops.append(Op(END, s))
-        if k + 1 < len(mine):
+        if k + 1 < len(mine) or forward_only:
             ops.append(Op(RELEASE, s))
         load_next(k, mine, False, after_release=True)
+    if forward_only:
+        return ops
     reverse = mine[::-1]
     for k, s in enumerate(reverse):
         ops.append(Op(WAIT, s, backward=True))

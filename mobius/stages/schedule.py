@@ -26,6 +26,7 @@ running stage (:mod:`~mobius.stages.working_memory`), the gradient offload and C
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from mobius.data import BatchSource
 from mobius.metrics import Trace
-from mobius.models import Head
+from mobius.models import TokenLayout, run_layers
 from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.runtime.device import Device, Event
@@ -57,6 +58,7 @@ class _StepState:
     micro: list
     lr: float
     step: int
+    training: bool = True  # False: an evaluation pass (forward only, no dropout)
     handles: dict[int, DeviceStage] = field(default_factory=dict)
     layers: nn.ModuleList | None = None  # the resident stage being computed
     stage_pass: ExitStack = field(default_factory=ExitStack)  # its working-memory reservation
@@ -70,7 +72,6 @@ class _StepState:
     kept: dict = field(default_factory=dict)  # (stage, mb) -> (input, output, ledger, phase) on the device
     finished: dict = field(default_factory=dict)  # (stage, mb) -> (input with .grad, phase) after backward
     loss_sum: float = 0.0
-    loss_count: int = 0
 
 
 class StageRunner:
@@ -83,6 +84,8 @@ class StageRunner:
         self.M = plan.micro_batches
         self.ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute,
                               plan.prefetch)
+        self.eval_ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute,
+                                   plan.prefetch, forward_only=True)
         self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
         # Streams: compute, and this thread's host-side work (so the checker sees every hand-over);
@@ -95,24 +98,36 @@ class StageRunner:
                                        TiedEmbedding(store, plan, transport, traffic), transport,
                                        plan.host_costs.get("adam_params_per_s", float("inf")))
 
-    def _run_layers(self, layers: nn.ModuleList, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-        for layer in layers:
-            x = layer(x, targets) if isinstance(layer, Head) else layer(x)
-        return x
-
     # ---- one optimizer step --------------------------------------------------------------------
-    def step(self, step: int) -> tuple[float, int]:
+    def step(self, step: int) -> float:
         """Run step ``step`` by executing this worker's operations (:func:`worker_ops`); returns
-        (sum of this worker's micro-batch losses, micro-batches counted)."""
+        the sum of the losses this worker computed (the last stage's worker: the step's loss)."""
         st = _StepState(self.batches.step(step), lr_at(step, self.total_steps, self.peak_lr), step)
         self.store.begin_step(step)
-        for op in self.ops:
+        self._execute(self.ops, st)
+        self.optimizer.finish_step(step, st.lr, self.host)
+        self._settle()
+        return st.loss_sum
+
+    def evaluate(self, micro: list, next_step: int) -> float:
+        """The forward pass of ``micro`` (evaluation batches) with the weights step ``next_step``
+        would compute with, no autograd and no dropout; returns this worker's loss sum."""
+        self.optimizer.drain()  # every update so far is in the weights
+        st = _StepState(micro, 0.0, next_step, training=False)
+        self.store.begin_step(next_step)
+        with torch.no_grad():
+            self._execute(self.eval_ops, st)
+        self._settle()
+        return st.loss_sum
+
+    def _execute(self, ops: list[Op], st: _StepState) -> None:
+        for op in ops:
             getattr(self, f"_op_{op.kind}")(op, st)
         self.working.idle()
-        self.optimizer.finish_step(step, st.lr, self.host)
+
+    def _settle(self) -> None:
         self.links.finish_sends()
         self.compute.wait(self.host.record())
-        return st.loss_sum, st.loss_count
 
     # ---- the operations ------------------------------------------------------------------------
     def _op_load(self, op: Op, st: _StepState) -> None:
@@ -134,8 +149,13 @@ class StageRunner:
         else:
             st.inbox[(s, m)] = self.links.recv(s - 1, (s - 1, m, False), self.hidden_shape, self.dtype)
 
-    def _targets(self, s: int, m: int, st: _StepState) -> torch.Tensor | None:
-        return st.micro[m].targets.to(self.device.torch_device) if s == self.n_stages - 1 else None
+    def _layout(self, s: int, m: int, st: _StepState) -> TokenLayout | None:
+        """What stage ``s`` needs of micro-batch ``m`` besides its input: the positions and mask of
+        packed examples (every stage), the targets (the last); read from the step's own data."""
+        layout = st.micro[m].layout
+        if s < self.n_stages - 1:
+            layout = TokenLayout(positions=layout.positions, segments=layout.segments) if layout.packed else None
+        return layout.to(self.device.torch_device) if layout is not None else None
 
     def _emulated_s(self, s: int, kind: str) -> float:
         """The planned time of one micro-batch of stage ``s`` (on emulated GPUs, the least it takes):
@@ -146,8 +166,9 @@ class StageRunner:
         return st.fwd_ms / 1e3
 
     def _dropout(self, m: int, st: _StepState):
-        """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation."""
-        return dropout_micro_batch(self.batches.seed, st.step, m)
+        """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation
+        (none in evaluation)."""
+        return dropout_micro_batch(self.batches.seed, st.step, m) if st.training else contextlib.nullcontext()
 
     def _op_compute(self, op: Op, st: _StepState) -> None:
         with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):
@@ -159,22 +180,23 @@ class StageRunner:
     def _forward(self, s: int, m: int, recompute: bool, st: _StepState) -> None:
         x_host = st.micro[m].tokens if s == 0 else st.inbox.pop((s, m))
         self.links.flush(keep=1)  # the previous micro-batch's output went on while this one computes
-        targets = self._targets(s, m, st)
-        x = self.links.to_device(x_host, "stage input", recycle=not recompute)
-        if recompute:
-            st.host_inputs[(s, m)] = x_host
+        layout = self._layout(s, m, st)
+        keep_input = recompute and st.training  # on the host, for the recomputation in backward
+        x = self.links.to_device(x_host, "stage input", recycle=not keep_input)
+        if recompute or not st.training:
+            if keep_input:
+                st.host_inputs[(s, m)] = x_host
             with torch.no_grad(), self._dropout(m, st):
-                out = self._run_layers(st.layers, x, targets)
+                out = run_layers(st.layers, x, layout)
             self.working.free(x)
         else:
             if x.is_floating_point():
                 x.requires_grad_(True)
             with self.working.saved_activations() as ledger, self._dropout(m, st):
-                out = self._run_layers(st.layers, x, targets)
+                out = run_layers(st.layers, x, layout)
             st.kept[(s, m)] = (x, out, ledger, self.working.memory.phase)
         if s == self.n_stages - 1:
-            st.loss_sum += out.item()
-            st.loss_count += 1
+            st.loss_sum += out.item()  # this micro-batch's share of the step's token mean
         else:
             st.outbox[(s, m)] = out
 
@@ -189,7 +211,7 @@ class StageRunner:
             x.requires_grad_(True)
         with self.working.saved_activations() as ledger, self.device.compute_span(self._emulated_s(s, "forward")), \
                 self._dropout(m, st):
-            out = self._run_layers(st.layers, x, self._targets(s, m, st))
+            out = run_layers(st.layers, x, self._layout(s, m, st))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host
 
@@ -198,7 +220,7 @@ class StageRunner:
             self.links.flush(keep=1)
         x, out, ledger, x_phase = st.kept.pop((s, m))
         if s == self.n_stages - 1:
-            (out * (self.scaler.scale / self.M)).backward()
+            (out * self.scaler.scale).backward()  # the loss is already its share of the step's mean
         else:
             g = self.links.to_device(st.inbox.pop((s, m)), "output gradient")
             if out.requires_grad:  # else nothing before it trains (e.g. a frozen embedding under LoRA)

@@ -27,7 +27,7 @@ from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
 from mobius.runtime.device import Device, open_device
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
-from mobius.runtime.inputs import make_batches, model_config_for
+from mobius.runtime.inputs import make_batches, make_eval_batches, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.stages.schedule import StageRunner
@@ -95,17 +95,17 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
         traffic.reset()
         memory.reset_peak()
         t0 = time.perf_counter()
-        loss_sum, count = runner.step(step)
-        stats = torch.tensor([loss_sum, count, traffic.h2d, traffic.d2h, traffic.peer], dtype=torch.float64)
+        loss = runner.step(step)
+        stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer], dtype=torch.float64)
         dist.all_reduce(stats)
         peak = torch.tensor([memory.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         tokens = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
         wall = time.perf_counter() - t0
-        return StepMetrics(step=step, loss=stats[0].item() / stats[1].item(),
+        return StepMetrics(step=step, loss=stats[0].item(),
                            lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=wall,
                            emulated_step_s=wall / emulation.factor if emulation else None,
-                           h2d_bytes=int(stats[2]), d2h_bytes=int(stats[3]), peer_bytes=int(stats[4]),
+                           h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]), peer_bytes=int(stats[3]),
                            peak_device_bytes=int(peak.item()), loss_scale=scaler.scale,
                            skipped_steps=scaler.skipped_steps)
 
@@ -118,10 +118,18 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
         runner.optimizer.drain()
         _save(cfg, store, scaler, model_config, done, rank)
 
+    held_out = make_eval_batches(cfg, model_config)
+
+    def evaluate(done: int) -> float:
+        local = sum(runner.evaluate(held_out.pass_batches(k), done) for k in range(held_out.passes))
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)  # the last stage's worker computed it
+        return total.item()
+
     header = payload["header"] + (f", resuming at step {start}" if start else "")
     try:
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
-                            main=rank == 0)
+                            main=rank == 0, eval_fn=evaluate if held_out is not None else None)
         runner.optimizer.drain()  # with a lag, the last step's update
         gather_trace(trace, cfg.trace, rank, world)
     finally:

@@ -1,0 +1,92 @@
+"""Where a run's settings come from, lowest first: the checkpoint of ``--resume`` (the resolved
+configuration of the run it continues), a ``--config`` YAML file, then the command line.
+
+Each source becomes command-line tokens placed before the user's own, so argparse checks every
+value (types, choices) the same way whatever its source, and the last word wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mobius.errors import InputError
+
+# Settings of one invocation, never inherited from a checkpoint's run.
+NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs")
+# Settings that name files: stored resolved, so a resume from another directory finds them.
+PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "trace", "save", "export",
+                 "export_merged", "topology", "model")
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def tokens_of(parser: argparse.ArgumentParser, settings: dict, source: str) -> list[str]:
+    """``settings`` (option names with ``_`` or ``-``) as command-line tokens for ``parser``."""
+    actions = _actions(parser)
+    out: list[str] = []
+    for key, value in settings.items():
+        dest = str(key).replace("-", "_")
+        action = actions.get(dest)
+        if action is None or dest in ("config", "print_config"):
+            raise InputError(f"{source}: unknown setting {key!r} (the settings are the options of "
+                             "python -m mobius.train, e.g. lr or micro-batch-size)")
+        if value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                raise InputError(f"{source}: {key!r} must be true or false, got {value!r}")
+            if value == (not action.default):  # the flag turns the default around
+                out.append(flag)
+            continue
+        if isinstance(value, (dict, list, bool)):
+            raise InputError(f"{source}: {key!r} must be a single value, got {value!r}")
+        out += [flag, str(value)]
+    return out
+
+
+def read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise InputError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as err:
+        raise InputError(f"--config {path}: not valid YAML ({str(err).splitlines()[0][:120]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InputError(f"--config {path}: must be a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def stored_config(settings: dict) -> dict:
+    """The resolved configuration a checkpoint keeps: paths made absolute, per-invocation settings out."""
+    out = {k: v for k, v in settings.items() if k not in NOT_INHERITED}
+    for key in PATH_SETTINGS:
+        value = out.get(key)
+        if isinstance(value, str) and Path(value).exists():
+            out[key] = str(Path(value).resolve())
+    return out
+
+
+def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_settings) -> list[str]:
+    """``argv`` behind the tokens of the checkpoint's configuration (``checkpoint_settings(DIR)``)
+    and of the ``--config`` file."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--resume")
+    known, _ = pre.parse_known_args(argv)
+    layers: list[str] = []
+    if known.resume and checkpoint_settings is not None:
+        inherited = {k: v for k, v in checkpoint_settings(known.resume).items() if k not in NOT_INHERITED}
+        layers += tokens_of(parser, {k: v for k, v in inherited.items() if k in _actions(parser)},
+                            f"--resume {known.resume}")
+    if known.config:
+        layers += tokens_of(parser, read_yaml(known.config), f"--config {known.config}")
+    return layers + argv

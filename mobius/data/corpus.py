@@ -1,0 +1,112 @@
+"""Text as one corpus cut into random windows (continued pre-training, and the default run on the
+standard library's sources), and the :class:`Batch` every backend consumes.
+
+Batches depend only on ``(seed, step)``: every backend, every worker and a resumed run draw the
+same sequences for the same step, with no loader state to carry around.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mobius.data.records import read_examples
+from mobius.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
+from mobius.errors import InputError
+from mobius.models.layout import TokenLayout
+
+Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
+
+# The default corpus is capped so start-up stays quick; it is still megabytes of real text.
+DEFAULT_CORPUS_BYTES = 16 * 2**20
+
+
+def stdlib_corpus_files() -> list[Path]:
+    """The running Python's standard-library ``.py`` files: real text on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def _stdlib_text(max_bytes: int) -> bytes:
+    chunks, total = [], 0
+    for f in stdlib_corpus_files():
+        raw = f.read_bytes()
+        chunks.append(raw)
+        total += len(raw)
+        if total >= max_bytes:
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
+                tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """Token ids of the documents of ``data`` (the standard library's sources when None), joined
+    by the tokenizer's EOS (blank lines for bytes): uint8 bytes by default, int32 ids otherwise."""
+    tokenizer = tokenizer or ByteTokenizer()
+    if data is None:
+        # Subword tokenizing is ~100x slower than taking bytes: a smaller default sample.
+        max_bytes = max_bytes or (DEFAULT_CORPUS_BYTES if isinstance(tokenizer, ByteTokenizer) else 2 * 2**20)
+        return corpus_of([_stdlib_text(max_bytes).decode("utf-8", errors="replace")], tokenizer, "the standard library")
+    records, fmt = read_examples(data)
+    if fmt != "text":
+        raise InputError(f"--data {data}: {fmt} records are examples, not a text corpus")
+    corpus = corpus_of([r.prompt for r in records], tokenizer, str(data))
+    return corpus[:max_bytes] if max_bytes is not None else corpus
+
+
+def corpus_of(texts: list[str], tokenizer: Tokenizer, source: str) -> np.ndarray:
+    """Documents as one token stream, joined by the tokenizer's EOS (blank lines for bytes)."""
+    if isinstance(tokenizer, ByteTokenizer) or tokenizer.eos_id is None:
+        corpus = tokenizer.encode("\n\n".join(texts))
+    else:
+        corpus = np.concatenate([np.append(tokenizer.encode(t), tokenizer.eos_id).astype(np.int32) for t in texts])
+    if corpus.size == 0:
+        raise InputError(f"--data {source}: no text found (empty)")
+    return corpus
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, T) int64
+    layout: TokenLayout  # targets (next tokens, IGNORE where untrained), positions and examples
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.layout.targets
+
+
+class BatchSource:
+    """Random windows of the corpus; step ``k``'s batch is a pure function of ``(seed, k)``."""
+
+    def __init__(self, corpus: np.ndarray, seq_len: int, micro_batch_size: int, micro_batches: int, seed: int):
+        if corpus.size < seq_len + 2:
+            raise InputError(f"the data has {corpus.size} tokens, fewer than --seq-len {seq_len} + 2")
+        self.corpus = torch.from_numpy(corpus.astype(np.int64))
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.micro_batches = micro_batches
+        self.seed = seed
+
+    def step(self, step: int) -> list[Batch]:
+        """The ``micro_batches`` micro-batches of optimizer step ``step``."""
+        rng = np.random.default_rng([self.seed, step])
+        n = self.micro_batch_size * self.micro_batches
+        starts = torch.from_numpy(rng.integers(0, self.corpus.numel() - self.seq_len - 1, size=n))
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        windows = self.corpus[idx]
+        b = self.micro_batch_size
+        return [Batch(windows[i : i + b, :-1].contiguous(),
+                      TokenLayout(targets=windows[i : i + b, 1:].contiguous(), loss_tokens=n * self.seq_len,
+                                  every_target_trained=True))
+                for i in range(0, n, b)]
+
+    def epochs(self, steps: int) -> float:
+        return steps * self.micro_batch_size * self.micro_batches * self.seq_len / self.corpus.numel()
+
+    def describe(self) -> str:
+        return f"{self.corpus.numel():,} tokens of text in random windows"

@@ -1,0 +1,150 @@
+"""Examples into fixed-length sequences, and the batches of each optimizer step.
+
+An example of ``L`` tokens is ``L - 1`` (input, target) pairs: the target of position ``i`` is
+token ``i + 1``, trained when that token is part of an answer.  The last token of an example
+never predicts the first of the next one.
+
+* ``packing`` on: examples (in a seeded order) fill ``--seq-len`` sequences end to end, the rest of
+  a sequence is padding; positions restart at 0 for each example and each sees only itself
+  (:class:`~mobius.models.layout.TokenLayout`).
+* ``packing`` off: one example per sequence, padded.  Padding comes after the example, so plain
+  causal attention is already exact.
+
+Padding and prompts have target :data:`~mobius.models.layout.IGNORE`.  Step ``k`` takes the next
+``M x B`` sequences of a seeded order that is reshuffled every epoch: a pure function of
+``(seed, k)``, like the text windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mobius.data.corpus import Batch
+from mobius.data.examples import Example
+from mobius.errors import InputError
+from mobius.models.layout import IGNORE, TokenLayout
+
+
+@dataclass
+class Packed:
+    tokens: np.ndarray  # (N, T)
+    targets: np.ndarray  # (N, T)
+    positions: np.ndarray  # (N, T)
+    segments: np.ndarray  # (N, T): example index within its sequence, -1 for padding
+    examples: int
+    truncated: int  # examples cut to fit --seq-len
+
+
+def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, truncate: bool = True,
+         pad_id: int = 0) -> Packed:
+    order = np.random.default_rng([seed, 0x9ac]).permutation(len(examples)) if packing else range(len(examples))
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = seq_len  # tokens in the current row (start with "full": the first example opens a row)
+    truncated = 0
+    for i in order:
+        ex = examples[i]
+        if ex.ids.size < 2:
+            continue  # nothing to predict
+        inputs = ex.ids[:-1]
+        targets = np.where(ex.trained[1:], ex.ids[1:], IGNORE)
+        if inputs.size > seq_len:
+            if not truncate:
+                raise InputError(f"example {i} has {ex.ids.size} tokens, more than --seq-len {seq_len} + 1 "
+                                 "(--no-truncate); raise --seq-len or drop --no-truncate to cut it")
+            inputs, targets = inputs[:seq_len], targets[:seq_len]
+            truncated += 1
+        if not packing or used + inputs.size > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append((inputs, targets))
+        used += inputs.size
+    if not rows:
+        raise InputError("the data has no example of at least 2 tokens")
+    n = len(rows)
+    out = Packed(np.full((n, seq_len), pad_id, dtype=np.int64), np.full((n, seq_len), IGNORE, dtype=np.int64),
+                 np.zeros((n, seq_len), dtype=np.int64), np.full((n, seq_len), -1, dtype=np.int64),
+                 sum(len(r) for r in rows), truncated)
+    for r, row in enumerate(rows):
+        at = 0
+        for e, (inputs, targets) in enumerate(row):
+            span = slice(at, at + inputs.size)
+            out.tokens[r, span], out.targets[r, span] = inputs, targets
+            out.positions[r, span], out.segments[r, span] = np.arange(inputs.size), e
+            at += inputs.size
+    return out
+
+
+class ExampleBatches:
+    """The batches of a run on examples (instruction, chat, prompt/completion, or documents)."""
+
+    def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, seed: int, packing: bool,
+                 describe: str):
+        self.packed = packed
+        self.tokens = torch.from_numpy(packed.tokens)
+        self.targets = torch.from_numpy(packed.targets)
+        self.positions = torch.from_numpy(packed.positions)
+        self.segments = torch.from_numpy(packed.segments)
+        self.seq_len = packed.tokens.shape[1]
+        self.micro_batch_size, self.micro_batches, self.seed = micro_batch_size, micro_batches, seed
+        self.packing = packing
+        self._describe = describe
+        self._epoch_order: tuple[int, np.ndarray | None] = (-1, None)
+
+    @property
+    def sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    def step_sequences(self, step: int) -> np.ndarray:
+        """Indices of the sequences step ``step`` trains on: the next M x B of an order reshuffled per epoch."""
+        per_step, n = self.micro_batch_size * self.micro_batches, self.sequences
+        first = step * per_step
+        return np.asarray([self._order(at // n)[at % n] for at in range(first, first + per_step)])
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._epoch_order[0] != epoch:
+            self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch, 0xe90c]).permutation(self.sequences))
+        return self._epoch_order[1]
+
+    def step(self, step: int) -> list[Batch]:
+        idx = torch.from_numpy(self.step_sequences(step))
+        return self._micro_batches(idx, int((self.targets[idx] != IGNORE).sum()))
+
+    def _micro_batches(self, idx: torch.Tensor, loss_tokens: int) -> list[Batch]:
+        """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding)."""
+        empty = idx < 0
+        rows_all = idx.clamp(min=0)
+        b = self.micro_batch_size
+        out = []
+        for a in range(0, idx.numel(), b):
+            rows, blank = rows_all[a:a + b], empty[a:a + b, None]
+            layout = TokenLayout(targets=self.targets[rows].masked_fill(blank, IGNORE), loss_tokens=max(1, loss_tokens))
+            if self.packing:
+                layout.positions, layout.segments = self.positions[rows], self.segments[rows]
+            out.append(Batch(self.tokens[rows], layout))
+        return out
+
+    def epochs(self, steps: int) -> float:
+        return steps * self.micro_batch_size * self.micro_batches / self.sequences
+
+    def describe(self) -> str:
+        return self._describe
+
+
+class EvalBatches(ExampleBatches):
+    """Held-out examples in order, in passes of M micro-batches of B sequences (the last pass filled
+    with empty sequences); each micro-batch's loss is its share of the mean over every held-out
+    trained token, so a worker's passes add up to the evaluation loss."""
+
+    def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, packing: bool, describe: str):
+        super().__init__(packed, micro_batch_size, micro_batches, 0, packing, describe)
+        self.trained = int((self.targets != IGNORE).sum())
+        per_pass = micro_batch_size * micro_batches
+        self.passes = -(-self.sequences // per_pass)
+        order = np.arange(self.passes * per_pass)
+        self._order_of_pass = np.where(order < self.sequences, order, -1).reshape(self.passes, per_pass)
+
+    def pass_batches(self, k: int) -> list[Batch]:
+        return self._micro_batches(torch.from_numpy(self._order_of_pass[k]), self.trained)

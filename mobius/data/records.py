@@ -1,0 +1,216 @@
+"""Reading the data a user names: files of records (``.jsonl``, ``.json``, ``.parquet``, a directory
+written by ``datasets.Dataset.save_to_disk``) or plain text, and the shape of each record.
+
+Shapes, detected from a record's fields (or forced with ``--data-format``):
+
+========== ============================================ ==========================
+format     fields                                       loss on
+========== ============================================ ==========================
+text       ``text``                                     every token
+alpaca     ``instruction``, optional ``input``,          ``output``
+           optional ``system``, ``output``
+chat       ``messages``: [{role, content}] (OpenAI)     assistant turns
+sharegpt   ``conversations``: [{from, value}]            ``gpt`` turns
+completion ``prompt``, ``completion`` (TRL; strings or  ``completion``
+           lists of messages)
+========== ============================================ ==========================
+
+Every record becomes a :class:`Record`: a list of chat messages, or a prompt and an answer of
+plain text.  Plain text files are documents (format ``text``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mobius.checks import parse_json
+from mobius.errors import InputError
+
+FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion")
+SHAPES = ("text; instruction[/input]/output (alpaca); messages (chat); conversations (ShareGPT); "
+          "prompt/completion")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATASETS_MARKERS = ("dataset_info.json", "dataset_dict.json")
+
+
+@dataclass
+class Record:
+    """One example: ``messages`` to render with a chat template, or ``prompt`` + ``answer`` text
+    (``answer`` None: a document, trained on every token)."""
+
+    messages: list[dict] | None = None
+    prompt: str = ""
+    answer: str | None = None
+
+
+def detect_format(fields: dict) -> str | None:
+    if "messages" in fields:
+        return "chat"
+    if "conversations" in fields:
+        return "sharegpt"
+    if "instruction" in fields and "output" in fields:
+        return "alpaca"
+    if "prompt" in fields and "completion" in fields:
+        return "completion"
+    if "text" in fields:
+        return "text"
+    return None
+
+
+def _str(value, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise InputError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value, where: str, key: str, role_key: str, content_key: str, roles: dict | None) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise InputError(f"{where}: {key!r} must be a non-empty list of messages")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or role_key not in msg or content_key not in msg:
+            raise InputError(f"{where}: {key}[{i}] must be an object with {role_key!r} and {content_key!r}")
+        role = _str(msg[role_key], where, f"{key}[{i}].{role_key}")
+        if roles is not None:
+            if role not in roles:
+                raise InputError(f"{where}: {key}[{i}].{role_key} {role!r} is none of {', '.join(roles)}")
+            role = roles[role]
+        out.append({"role": role, "content": _str(msg[content_key], where, f"{key}[{i}].{content_key}")})
+    return out
+
+
+def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
+    """The :class:`Record` of one raw record and its format (``fmt`` forces one)."""
+    if not isinstance(fields, dict):
+        raise InputError(f"{where}: a record must be a JSON object, got {type(fields).__name__}")
+    found = fmt or detect_format(fields)
+    if found is None:
+        raise InputError(f"{where}: a record with fields {sorted(fields)[:8]} is of no known shape; "
+                         f"accepted: {SHAPES}")
+    need = {"text": ("text",), "alpaca": ("instruction", "output"), "chat": ("messages",),
+            "sharegpt": ("conversations",), "completion": ("prompt", "completion")}[found]
+    missing = [k for k in need if k not in fields]
+    if missing:
+        raise InputError(f"{where}: --data-format {found} needs {', '.join(need)}; the record has {sorted(fields)[:8]}")
+    if found == "text":
+        return Record(answer=None, prompt=_str(fields["text"], where, "text")), found
+    if found == "alpaca":
+        user = _str(fields["instruction"], where, "instruction")
+        if fields.get("input"):
+            user += "\n\n" + _str(fields["input"], where, "input")
+        messages = [{"role": "user", "content": user},
+                    {"role": "assistant", "content": _str(fields["output"], where, "output")}]
+        if fields.get("system"):
+            messages.insert(0, {"role": "system", "content": _str(fields["system"], where, "system")})
+        return Record(messages=messages), found
+    if found == "chat":
+        return Record(messages=_messages(fields["messages"], where, "messages", "role", "content", None)), found
+    if found == "sharegpt":
+        return Record(messages=_messages(fields["conversations"], where, "conversations", "from", "value",
+                                         SHAREGPT_ROLES)), found
+    prompt, completion = fields["prompt"], fields["completion"]
+    if isinstance(prompt, list):  # TRL's conversational prompt-completion
+        return Record(messages=_messages(prompt, where, "prompt", "role", "content", None)
+                      + _messages(completion, where, "completion", "role", "content", None)), found
+    return Record(prompt=_str(prompt, where, "prompt"), answer=_str(completion, where, "completion")), found
+
+
+def _is_binary(raw: bytes) -> bool:
+    return b"\x00" in raw[:8192]
+
+
+def _read_bytes(f: Path, option: str) -> bytes:
+    if not f.is_file():
+        raise InputError(f"{option} {f}: not a regular file")
+    try:
+        return f.read_bytes()
+    except OSError as err:
+        raise InputError(f"{option} {f}: cannot read it ({err.strerror})") from None
+
+
+def _decode(raw: bytes, f: Path, option: str) -> str:
+    try:
+        return raw.decode("utf-8-sig")  # a byte-order mark is not part of the text
+    except UnicodeDecodeError as err:
+        raise InputError(f"{option} {f}: not UTF-8 text (byte {err.start})") from None
+
+
+def _raw_records(f: Path, option: str) -> list:
+    if f.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise InputError(f"{option} {f}: reading Parquet needs pyarrow: pip install 'mobius-train[data]'") from None
+        try:
+            return pq.read_table(str(f)).to_pylist()
+        except Exception as err:  # pyarrow raises its own types for a damaged file
+            raise InputError(f"{option} {f}: not a readable Parquet file ({str(err).splitlines()[0][:120]})") from None
+    text = _decode(_read_bytes(f, option), f, option)
+    if f.suffix == ".json":
+        data = parse_json(text, f"{option} {f}")
+        if not isinstance(data, list):
+            raise InputError(f"{option} {f}: a .json data file must hold a list of records")
+        return data
+    return [parse_json(line, f"{option} {f} line {n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _datasets_records(d: Path, option: str) -> list:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"{option} {d}: a datasets directory needs the 'datasets' package: "
+                         "pip install 'mobius-train[data]'") from None
+    try:
+        loaded = datasets.load_from_disk(str(d))
+    except Exception as err:  # datasets raises many types for a directory it cannot read
+        raise InputError(f"{option} {d}: not a readable datasets directory ({str(err).splitlines()[0][:120]})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise InputError(f"{option} {d}: a DatasetDict without a 'train' split (splits: {', '.join(loaded)})")
+        loaded = loaded["train"]
+    return loaded.to_list()
+
+
+def _files(path: Path, option: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(path).parts))
+    if path.exists():
+        raise InputError(f"{option} {path}: not a regular file or directory")
+    raise InputError(f"{option} {path}: no such file or directory")
+
+
+def read_examples(path: str | Path, fmt: str | None = None, option: str = "--data") -> tuple[list[Record], str]:
+    """Every record under ``path`` and their one format; plain text files are ``text`` documents."""
+    path = Path(path)
+    if path.is_dir() and any((path / m).is_file() for m in DATASETS_MARKERS):
+        sources = [(path, _datasets_records(path, option))]
+    else:
+        sources = []
+        for f in _files(path, option):
+            if f.suffix == ".arrow":
+                raise InputError(f"{option} {f}: an Arrow file; give the directory datasets.save_to_disk wrote")
+            if f.suffix in RECORD_SUFFIXES:
+                sources.append((f, _raw_records(f, option)))
+                continue
+            raw = _read_bytes(f, option)
+            if _is_binary(raw):
+                raise InputError(f"{option} {f}: a binary file, not text or records")
+            sources.append((f, [{"text": _decode(raw, f, option)}]))
+    records, formats = [], set()
+    for f, raw in sources:
+        for n, fields in enumerate(raw, 1):
+            record, found = to_record(fields, fmt, f"{option} {f} record {n}")
+            formats.add(found)
+            records.append(record)
+    if not records:
+        raise InputError(f"{option} {path}: no records or text found (empty)")
+    if len(formats) > 1:
+        raise InputError(f"{option} {path}: records of several formats ({', '.join(sorted(formats))}); "
+                         "give one format per run")
+    return records, formats.pop()

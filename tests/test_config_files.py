@@ -1,0 +1,79 @@
+"""Settings from a YAML file and from the checkpoint a run resumes, under the command line's."""
+
+import json
+
+import pytest
+
+from mobius.config import parse_train_args
+from mobius.train import main as train_main
+from test_bad_input import one_line_exit_2
+
+RUN = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "6",
+       "--backend", "single", "--no-progress", "--lr", "3e-3"]
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_config_file_equals_flags_and_the_command_line_wins(tmp_path):
+    (tmp_path / "run.yaml").write_text("model: tiny\nseq-len: 32\nmicro_batch_size: 2\nmicro-batches: 2\nsteps: 6\n"
+                                       "backend: single\nprogress: false\nlr: 3.0e-3\nseed: 5\n")
+    cfg = parse_train_args(["--config", str(tmp_path / "run.yaml"), "--seed", "0"])
+    assert (cfg.model, cfg.seq_len, cfg.micro_batch_size, cfg.lr, cfg.seed, cfg.progress) == \
+        ("tiny", 32, 2, 3e-3, 0, False)
+    train_main(["--config", str(tmp_path / "run.yaml"), "--seed", "0", "--metrics", str(tmp_path / "a.jsonl")])
+    train_main(RUN + ["--metrics", str(tmp_path / "b.jsonl")])
+    assert losses(tmp_path / "a.jsonl") == losses(tmp_path / "b.jsonl")  # bitwise
+
+
+def test_resume_alone_continues_the_run_exactly(tmp_path):
+    train_main(RUN + ["--metrics", str(tmp_path / "straight.jsonl")])
+    train_main(RUN + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
+    train_main(["--resume", str(tmp_path / "ck")])  # every setting, --save and --metrics too, from the checkpoint
+    assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")  # bitwise, 6 steps
+
+
+def test_resume_with_a_changed_setting_is_refused_unless_asked(tmp_path, capsys):
+    train_main(RUN + ["--stop-after", "2", "--save", str(tmp_path / "ck")])
+    message = one_line_exit_2(train_main, ["--resume", str(tmp_path / "ck"), "--lr", "1e-2"], capsys)
+    assert "--lr 0.003 -> 0.01" in message and "--resume-with-changes" in message
+
+
+def test_defaults_shown_and_printed(capsys):
+    with pytest.raises(SystemExit) as info:
+        train_main(["--print-config"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.001\n" in out and "packing: auto\n" in out and "steps: 40\n" in out
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    assert "(default: 4)" in capsys.readouterr().out  # --micro-batch-size
+
+
+def test_default_learning_rates_and_epochs(tmp_path):
+    assert parse_train_args(["--model", "tiny"]).lr == 1e-3
+    assert parse_train_args(["--model", "tiny", "--lr", "5e-4"]).lr == 5e-4
+    (tmp_path / "config.json").write_text("{}")  # any directory is a Hugging Face model for the default
+    assert parse_train_args(["--model", str(tmp_path)]).lr == 2e-5
+    assert parse_train_args(["--model", str(tmp_path), "--lora-rank", "8"]).lr == 2e-4
+    assert parse_train_args(["--epochs", "2"]).epochs == 2
+
+
+@pytest.mark.parametrize("content,message", [
+    ("lr: [1, 2]\n", "'lr' must be a single value"),
+    ("learning_rate: 1\n", "unknown setting 'learning_rate'"),
+    ("- lr\n", "must be a mapping of settings, got list"),
+    ("lr: 0.1\n  bad: : indent\n", "not valid YAML"),
+    ("micro-batches: many\n", "argument --micro-batches: invalid int value: 'many'"),
+    ("packing: sometimes\n", "argument --packing: invalid choice"),
+    ("train-on-prompt: 3\n", "'train-on-prompt' must be true or false"),
+])
+def test_bad_config_files_are_one_line(tmp_path, capsys, content, message):
+    (tmp_path / "bad.yaml").write_text(content)
+    assert message in one_line_exit_2(train_main, ["--config", str(tmp_path / "bad.yaml")], capsys)
+
+
+def test_steps_and_epochs_together_are_refused(capsys):
+    assert "give --steps or --epochs, not both" in one_line_exit_2(train_main, ["--steps", "3", "--epochs", "1"],
+                                                                    capsys)

@@ -1,0 +1,168 @@
+"""Every data format and file type a run reads, the answer masks the chat template draws, and every
+bad shape refused in one line."""
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mobius.data import read_examples  # noqa: E402
+from mobius.errors import InputError  # noqa: E402
+from mobius.models import IGNORE  # noqa: E402
+from test_bad_input import SINGLE, one_line_exit_2  # noqa: E402
+
+from mobius.train import main as train_main  # noqa: E402
+
+CHAT = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                     {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+                     {"role": "assistant", "content": "A2"}]}
+RECORDS = {
+    "text": {"text": "plain words"},
+    "alpaca": {"instruction": "Do it", "input": "with this", "output": "done"},
+    "chat": CHAT,
+    "sharegpt": {"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
+    "completion": {"prompt": "2+2=", "completion": "4"},
+}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("fmt", list(RECORDS))
+def test_each_shape_detected_from_its_fields(tmp_path, fmt):
+    records, found = read_examples(write_jsonl(tmp_path / "d.jsonl", [RECORDS[fmt]] * 2))
+    assert found == fmt and len(records) == 2
+    r = records[0]
+    if fmt == "text":
+        assert (r.prompt, r.answer, r.messages) == ("plain words", None, None)
+    elif fmt == "completion":
+        assert (r.prompt, r.answer) == ("2+2=", "4")
+    elif fmt == "alpaca":
+        assert r.messages == [{"role": "user", "content": "Do it\n\nwith this"}, {"role": "assistant", "content": "done"}]
+    elif fmt == "sharegpt":
+        assert r.messages == [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]
+    else:
+        assert r.messages == CHAT["messages"]
+
+
+def test_conversational_prompt_completion_and_forced_format(tmp_path):
+    rec = {"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]}
+    records, fmt = read_examples(write_jsonl(tmp_path / "c.jsonl", [rec]))
+    assert fmt == "completion" and [m["role"] for m in records[0].messages] == ["user", "assistant"]
+    both = {"text": "t", "messages": CHAT["messages"]}
+    assert read_examples(write_jsonl(tmp_path / "b.jsonl", [both]))[1] == "chat"
+    assert read_examples(tmp_path / "b.jsonl", "text")[1] == "text"
+
+
+def test_file_types_json_parquet_text_directory_and_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [RECORDS["alpaca"], {**RECORDS["alpaca"], "output": "again"}]
+    (tmp_path / "list.json").write_text(json.dumps(rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved_dict"))
+    for name in ("list.json", "rows.parquet", "saved", "saved_dict"):
+        records, fmt = read_examples(tmp_path / name)
+        assert fmt == "alpaca" and [r.messages[1]["content"] for r in records] == ["done", "again"], name
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.txt").write_text("first")
+    (docs / "sub" / "b.md").write_text("\ufeffsecond")  # a byte-order mark is not text
+    write_jsonl(docs / "c.jsonl", [RECORDS["text"]])
+    records, fmt = read_examples(docs)
+    assert fmt == "text" and [r.prompt for r in records] == ["first", "plain words", "second"]
+
+
+def test_answer_masks_follow_the_chat_template(tmp_path):
+    """Only the assistant turns (with their end-of-turn marker) and the final EOS are trained;
+    --train-on-prompt trains every token."""
+    transformers = pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+
+    from mobius.config import RunConfig
+    from mobius.runtime.inputs import make_batches, model_config_for
+
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    data = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    for on_prompt in (False, True):
+        cfg = RunConfig(model=str(model), data=str(data), seq_len=128, micro_batch_size=1, micro_batches=1,
+                        train_on_prompt=on_prompt)
+        mb = make_batches(cfg, model_config_for(cfg)).step(0)[0]
+        targets = mb.targets[0]
+        text = tok.decode(targets[targets != IGNORE])
+        if on_prompt:
+            full = tok.apply_chat_template(CHAT["messages"], tokenize=False)
+            assert text == full[len("<|im_start|>"):] + "<|endoftext|>"  # every next token
+        else:
+            assert text == "A1<|im_end|>\nA2<|im_end|>\n<|endoftext|>"
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"body": "x"}\n', "record 1: a record with fields ['body'] is of no known shape; accepted: text;"),
+    ('{"messages": [{"role": "user"}]}\n', "messages[0] must be an object with 'role' and 'content'"),
+    ('{"conversations": [{"from": "robot", "value": "x"}]}\n', "conversations[0].from 'robot' is none of"),
+    ('{"instruction": "x", "output": 3}\n', "'output' must be a string, got int"),
+    ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "records of several formats (completion, text)"),
+    ('[1, 2]\n', "a record must be a JSON object, got list"),
+    ('{"text": "a"\n', "line 1: not valid JSON"),
+    ("[" * 100_000 + "\n", "nested too deeply"),
+])
+def test_bad_records_are_one_line(tmp_path, capsys, content, message):
+    (tmp_path / "bad.jsonl").write_text(content)
+    assert message in one_line_exit_2(train_main, SINGLE + ["--data", str(tmp_path / "bad.jsonl")], capsys)
+
+
+def test_bad_files_and_pairings_are_one_line(tmp_path, capsys):
+    (tmp_path / "notlist.json").write_text('{"text": "x"}')
+    (tmp_path / "data.arrow").write_bytes(b"ARROW1\x00\x00")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 10)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    cases = [
+        (["--data", str(tmp_path / "notlist.json")], "a .json data file must hold a list of records"),
+        (["--data", str(tmp_path / "data.arrow")], "an Arrow file; give the directory datasets.save_to_disk wrote"),
+        (["--data", str(tmp_path / "blob.bin")], "a binary file, not text or records"),
+        (["--data", str(chat)], "chat and instruction data need a Hugging Face model with a tokenizer"),
+        (["--data", str(chat), "--data-format", "alpaca"], "--data-format alpaca needs instruction, output"),
+        (["--data", str(chat), "--eval-every", "2"], "--eval-every needs --eval-data PATH or --eval-split"),
+        (["--eval-split", "0.1"], "--eval-split holds out part of --data"),
+        (["--data", str(chat), "--eval-split", "1.5"], "--eval-split must be at least 0 and below 1"),
+        (["--data", str(chat), "--chat-template", str(tmp_path / "none.jinja")], "--chat-template"),
+    ]
+    for argv, message in cases:
+        assert message in one_line_exit_2(train_main, SINGLE + argv, capsys), argv
+
+
+def test_model_without_template_or_tokenizer_and_too_long_examples(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    run = ["--model", str(model), "--seq-len", "16", "--steps", "1", "--backend", "single", "--no-progress"]
+    capsys.readouterr()  # transformers' own output while saving the model
+    assert "--seq-len 16 + 1 (--no-truncate)" in one_line_exit_2(
+        train_main, run + ["--data", str(chat), "--no-truncate"], capsys)
+    (model / "chat_template.jinja").unlink()
+    assert "give one with --chat-template FILE" in one_line_exit_2(train_main, run + ["--data", str(chat)], capsys)
+    (model / "tokenizer.json").unlink()
+    assert "no tokenizer (tokenizer.json or tokenizer.model)" in one_line_exit_2(
+        train_main, run + ["--data", str(chat)], capsys)
+
+
+def test_truncation_is_counted(tmp_path):
+    from mobius.data.examples import Example
+    from mobius.data.packing import pack
+
+    import numpy as np
+
+    long = Example(np.arange(40), np.ones(40, dtype=bool))
+    short = Example(np.arange(5), np.ones(5, dtype=bool))
+    packed = pack([long, short, short], 16, True, seed=0)
+    assert packed.truncated == 1 and packed.examples == 3
+    with pytest.raises(InputError, match="example 0 has 40 tokens"):
+        pack([long], 16, True, seed=0, truncate=False)
