@@ -166,3 +166,30 @@ def test_truncation_is_counted(tmp_path):
     assert packed.truncated == 1 and packed.examples == 3
     with pytest.raises(InputError, match="example 0 has 40 tokens"):
         pack([long], 16, True, seed=0, truncate=False)
+
+
+def test_sentencepiece_only_directory_trains_through_transformers(tmp_path, capsys):
+    """A model directory with only SentencePiece's tokenizer.model: read by transformers, named in
+    the header, its EOS between documents."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    from mobius.data import tokenizer_for
+
+    text = ["hello world", "again hello", "the quick brown fox jumps over the lazy dog"] * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=40, model_type="bpe",
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tokenizer.model").write_bytes(model.getvalue())
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(str(tmp_path / "m"))
+    tok = tokenizer_for(str(tmp_path / "m"))
+    assert tok.eos_id == 2 and tok.decode(tok.encode("hello world")) == "hello world"
+    (tmp_path / "d.txt").write_text(" ".join(text))
+    capsys.readouterr()
+    train_main(["--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.txt"), "--backend", "single",
+                "--steps", "2", "--seq-len", "16", "--micro-batch-size", "2", "--no-progress"])
+    assert "; tokenizer tokenizer.model of m" in capsys.readouterr().out

@@ -134,6 +134,18 @@ def test_single_and_pipeline_threads_equal_transformers_on_each_example(chat_set
         assert close(got, want), (workers, recompute)
 
 
+def test_padding_without_packing_equals_transformers(chat_setup):
+    """--packing off: one example per padded sequence, plain causal attention, pads untrained."""
+    cfg = config(chat_setup, packing="off")
+    batches = make_batches(cfg, model_config_for(cfg))
+    assert batches.sequences == 24 and batches.step(0)[0].layout.segments is None
+    want = transformers_losses(cfg)
+    assert close(single_losses(cfg), want)
+    got, _ = run_in_threads(RunConfig.from_dict({**cfg.to_dict(), "backend": "pipeline", "cpu_workers": 2,
+                                                 "stages": 4, "recompute": "on"}))
+    assert close(got, want)
+
+
 def test_micro_batch_split_does_not_change_the_step(chat_setup):
     """1, 2 and 8 micro-batches of the same 8 sequences: the same token-mean loss and gradients."""
     runs = []

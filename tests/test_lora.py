@@ -113,7 +113,9 @@ def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
     main(["--model", path, "--topology", "cpu", "--cpu-workers", "2", "--steps", "3", "--micro-batches", "2",
           "--micro-batch-size", "2", "--seq-len", "16", "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8", "--no-progress",
           "--export", str(adapter), "--export-merged", str(merged), "--save", str(save)])
-    assert {f.name for f in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert {f.name for f in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                                   "tokenizer.json", "generation_config.json"}
+    assert {f.name for f in merged.iterdir()} >= {"config.json", "tokenizer.json", "generation_config.json"}
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
     merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()

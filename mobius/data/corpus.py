@@ -83,7 +83,8 @@ class Batch:
 class BatchSource:
     """Random windows of the corpus; step ``k``'s batch is a pure function of ``(seed, k)``."""
 
-    def __init__(self, corpus: np.ndarray, seq_len: int, micro_batch_size: int, micro_batches: int, seed: int):
+    def __init__(self, corpus: np.ndarray, seq_len: int, micro_batch_size: int, micro_batches: int, seed: int,
+                 tokenizer_name: str = "bytes"):
         if corpus.size < seq_len + 2:
             raise InputError(f"the data has {corpus.size} tokens, fewer than --seq-len {seq_len} + 2")
         self.corpus = torch.from_numpy(corpus.astype(np.int64))
@@ -91,6 +92,7 @@ class BatchSource:
         self.micro_batch_size = micro_batch_size
         self.micro_batches = micro_batches
         self.seed = seed
+        self.tokenizer_name = tokenizer_name
 
     def step(self, step: int) -> list[Batch]:
         """The ``micro_batches`` micro-batches of optimizer step ``step``."""
@@ -109,4 +111,4 @@ class BatchSource:
         return steps * self.micro_batch_size * self.micro_batches * self.seq_len / self.corpus.numel()
 
     def describe(self) -> str:
-        return f"{self.corpus.numel():,} tokens of text in random windows"
+        return f"{self.corpus.numel():,} tokens of text in random windows; tokenizer {self.tokenizer_name}"

@@ -68,12 +68,12 @@ def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | Examp
     if cfg.data is None:
         corpus = load_corpus(None, tokenizer=tokenizer)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
     records, _, fmt = _records(cfg)
     if fmt == "text" and cfg.packing == "auto":  # a corpus: random windows, as in pre-training
         corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
     packed, packing, describe = _packed(cfg, model_config, records, fmt, tokenizer)
     return ExampleBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, packing, describe)
 
