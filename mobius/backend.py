@@ -15,6 +15,8 @@ def resolve_topology(cfg: RunConfig) -> Topology:
     if cfg.gpu_mem_gb is not None:
         for g in topo.gpus:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
+    if cfg.host_adam_gbps is not None:
+        topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
     return topo
 
 

@@ -59,6 +59,7 @@ class RunConfig:
     export: str | None = None
     export_merged: str | None = None  # LoRA: a full Hugging Face model with the adapters merged
     gpu_mem_gb: float | None = None
+    host_adam_gbps: float | None = None  # the planned host's memory bandwidth for its AdamW (analytic profiles)
     cpu_workers: int = 2
     recompute: str = "auto"  # auto | on | off
     partitioner: str = "mip"
@@ -132,6 +133,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--gpu-mem-gb", type=float, default=None,
                    help="cap each device's memory (on CPU workers: the budget the runtime enforces)")
+    p.add_argument("--host-adam-gbps", type=float, default=None,
+                   help="memory bandwidth (GB/s) of the host the plan is for, which bounds its AdamW, when that "
+                        "host is not this one (default: the topology's host.memory_bandwidth_gbps, else an assumed "
+                        "1e9 parameters/s per GPU)")
     p.add_argument("--cpu-workers", type=int, default=d.cpu_workers,
                    help="virtual workers of the CPU topology when no GPU is found")
     p.add_argument("--recompute", choices=("auto", "on", "off"), default=d.recompute,
@@ -229,8 +234,10 @@ def _positive(cfg, names: tuple[str, ...]) -> None:
 def validate_shared(cfg: RunConfig) -> None:
     """The checks of the options ``mobius.train`` and ``mobius.plan`` share."""
     _positive(cfg, ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers", "stages"))
-    if cfg.gpu_mem_gb is not None and not (math.isfinite(cfg.gpu_mem_gb) and cfg.gpu_mem_gb > 0):
-        raise InputError(f"--gpu-mem-gb must be a positive finite number, got {cfg.gpu_mem_gb}")
+    for name in ("gpu_mem_gb", "host_adam_gbps"):
+        value = getattr(cfg, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InputError(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
     _validate_lora(cfg)
 
 

@@ -23,9 +23,27 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_model, layer_count
 from mobius.partition.baselines import BASELINES, uniform_bounds
-from mobius.partition.cost import GB, check_layers_fit, evaluate, machine_for, settle
+from mobius.partition.cost import (
+    GB,
+    check_layers_fit,
+    element_bytes,
+    evaluate,
+    host_traffic_bytes,
+    machine_for,
+    settle,
+    stage_costs,
+    step_bounds,
+)
 from mobius.partition.mip import solve_partition
-from mobius.partition.profile import DTYPES, Profile, analytic_profile, measure_profile, time_layer
+from mobius.partition.profile import (
+    DTYPES,
+    Profile,
+    analytic_efficiency,
+    analytic_profile,
+    host_adam_rate,
+    measure_profile,
+    time_layer,
+)
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
@@ -70,8 +88,11 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     when the topology is this machine (CPU workers or probed GPUs), else analytic."""
     if how == "auto":
         how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
-    if how == "analytic":
-        return analytic_profile(model_name, config, micro_batch, seq_len, min(g.tflops for g in topo.gpus), precision)
+    if how == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
+        gpu = min(topo.gpus, key=lambda g: g.tflops)
+        return analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
+                                analytic_efficiency(gpu.name)[0],
+                                host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
@@ -163,6 +184,31 @@ def check_host_memory_available(model_name: str, config: GPTConfig, precision: s
                          f"gradients), but this machine has {available / GB:.1f} GB available")
 
 
+# Plans whose predicted steps differ by less than this are equally fast: the one that moves the
+# fewest bytes over PCIe wins (a step bound by something no partition changes, e.g. the host's
+# AdamW, would otherwise be cut into as many stages as the solver happens to return).
+TIE_TOLERANCE = 0.01
+
+
+def _least_traffic_among_fastest(found: dict, steps: dict, profile: Profile, micro_batches: int, slots: int,
+                                 recompute: bool) -> tuple[list, str]:
+    """Lexicographic: the fastest step within :data:`TIE_TOLERANCE`, then the least host traffic."""
+    fastest = min(steps[name] for name in found)
+    traffic = {name: host_traffic_bytes(stage_costs(profile, b, recompute), micro_batches, slots, recompute)
+               for name, b in found.items()}
+    near = [name for name in found if steps[name] <= fastest * (1 + TIE_TOLERANCE)]
+    name = min(near, key=lambda n: (traffic[n], steps[n], n != "mip"))
+    return found[name], name
+
+
+def pcie_bps(topo: Topology) -> float:
+    """Host<->device bytes/s with every GPU copying: each root complex's bandwidth, capped by the
+    links under it."""
+    groups = topo.groups()
+    return sum(min(r.host_bandwidth_gbps, sum(topo.gpus[g].link_bandwidth_gbps for g in groups[r.id])) * GB
+               for r in topo.root_complexes if groups[r.id])
+
+
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
@@ -226,8 +272,12 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                                  warm_start=bounds)
         solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
                   "variables": result.n_variables, "constraints": result.n_constraints}
-        if result.bounds and result.bounds != bounds and settled(result.bounds)[1].step_s < times[best]:
-            bounds = result.bounds
+        found = {name: baselines[name] for name in runnable(baselines)}
+        if result.bounds:
+            found["mip"] = result.bounds
+        steps = {**times, "mip": settled(result.bounds)[1].step_s} if result.bounds else times
+        bounds, solver["chosen"] = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n,
+                                                                recompute)
     else:
         bounds = baselines[partitioner]
     if len(bounds) < topo.n:
@@ -243,12 +293,14 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
+    floor = step_bounds(stage_costs(profile, bounds, recompute), micro_batches, topo.n, recompute, pcie_bps(topo),
+                        profile.host.adam_params_per_s, element_bytes(profile.dtype))
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
                 order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,
                 stages=stage_plans, solver=solver, profile_source=profile.source,
                 baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
-                host_costs=asdict(profile.host))
+                host_costs=asdict(profile.host), lane_floor_s=floor)
     if use_cache:
         _save_quietly(cache, plan.to_dict())
     return plan

@@ -187,3 +187,43 @@ def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_pat
     assert len(plan.bounds) >= 2 and plan.partitioner == "mip"
     machine = Machine((5e9, 5e9), (10**9, 10**9), handoff_s=10.0, micro_batch_s=1.0)
     assert len(exhaustive_optimum(profile, machine, 2)[1]) == 2
+
+
+def test_host_traffic_and_the_first_principles_floor_by_hand():
+    """Two 1-layer stages on one slot: loads 2 x S (forward) + S (the first again for backward),
+    one boundary's activation and its gradient down and up for each micro-batch (plus the input
+    again when recomputing), the gradients down; each lane's floor is its work over its capacity."""
+    from mobius.partition.cost import StageCost, host_traffic_bytes, step_bounds
+
+    a, s, g = 100, 1000, 4000  # boundary activation, stage bytes, gradient bytes (fp32: 1000 params)
+    stages = [StageCost(0, 1, s, 1.0, 2.0, a, 0, 0, 0, g), StageCost(1, 2, s, 1.0, 2.0, 0, a, 0, 0, g)]
+    assert host_traffic_bytes(stages, 3, 1, recompute=False) == 3 * s + 3 * (2 * a + 2 * a) + 2 * g
+    assert host_traffic_bytes(stages, 3, 1, recompute=True) == 3 * s + 3 * (5 * a) + 2 * g
+    floor = step_bounds(stages, 3, 1, False, pcie_bps=100.0, adam_params_per_s=500.0, element_bytes=4)
+    assert floor == {"compute": 3 * (3.0 + 3.0), "PCIe": (3 * s + 12 * a + 2 * g) / 100.0, "host AdamW": 2000 / 500.0}
+
+
+def test_within_one_percent_the_plan_moving_fewest_bytes_wins():
+    from mobius.planner import _least_traffic_among_fastest
+
+    prof = analytic_profile("tiny", get_config("tiny"), 2, 32, 1.0, "fp32")
+    many, few = uniform_bounds(prof.n, 6), uniform_bounds(prof.n, 2)
+    found = {"mip": many, "max": few}
+    assert _least_traffic_among_fastest(found, {"mip": 1.000, "max": 1.009}, prof, 4, 2, True) == (few, "max")
+    assert _least_traffic_among_fastest(found, {"mip": 1.000, "max": 1.02}, prof, 4, 2, True) == (many, "mip")
+
+
+def test_presets_carry_tensor_core_peaks_and_the_host_bandwidth_sets_the_adam_rate(tmp_path):
+    from mobius.partition.profile import ADAM_BYTES_PER_PARAM, analytic_efficiency, host_adam_rate
+    from mobius.planner import get_profile
+    from topology import load_preset, load_topology_file
+
+    assert load_preset("4x4090").gpus[0].tflops == 165.2 and load_preset("8x3090-4+4").gpus[0].tflops == 80.0
+    box = load_preset("4x4090")
+    assert box.host_memory_bandwidth_gbps == 154.0
+    prof = get_profile("tiny", get_config("tiny"), box, 2, 32, "bf16", "analytic")
+    assert prof.host.adam_params_per_s == pytest.approx(154e9 / ADAM_BYTES_PER_PARAM / 4)
+    assert host_adam_rate(None, 4) == 1e9  # unknown bandwidth: the assumed rate
+    assert analytic_efficiency("NVIDIA H100 80GB HBM3") == pytest.approx((239.2 / 989.4, "measured on H100"))
+    box.save(tmp_path / "box.json")
+    assert load_topology_file(tmp_path / "box.json").host_memory_bandwidth_gbps == 154.0

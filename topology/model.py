@@ -54,6 +54,9 @@ class Topology:
     p2p: bool = False
     virtual: bool = False  # CPU workers standing in for GPUs
     extra: dict = field(default_factory=dict)
+    # The host's achievable memory bandwidth (GB/s, what ``a += b`` on every core reaches): it bounds
+    # the host AdamW every worker's optimizer runs.  None: not known (the planner assumes a rate).
+    host_memory_bandwidth_gbps: float | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -118,7 +121,8 @@ class Topology:
     def to_dict(self) -> dict:
         d = {
             "name": self.name,
-            "host": {"memory_gb": self.host_memory_gb},
+            "host": {"memory_gb": self.host_memory_gb, **({"memory_bandwidth_gbps": self.host_memory_bandwidth_gbps}
+                                                          if self.host_memory_bandwidth_gbps else {})},
             "root_complexes": [{"id": r.id, "host_bandwidth_gbps": r.host_bandwidth_gbps, **r.extra}
                                for r in self.root_complexes],
             "gpus": [{"index": g.index, "name": g.name, "memory_gb": g.memory_gb, "tflops": g.tflops,
@@ -177,6 +181,9 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
     host_mem = _get(host, "memory_gb", NUMBER, "host", source)
     if host_mem <= 0:
         raise TopologyError(f"{source}: key host.memory_gb must be positive, got {host_mem!r}")
+    host_bw = _get(host, "memory_bandwidth_gbps", NUMBER, "host", source, default=None)
+    if host_bw is not None and host_bw <= 0:
+        raise TopologyError(f"{source}: key host.memory_bandwidth_gbps must be positive, got {host_bw!r}")
     rcs = []
     for i, r in enumerate(_get(d, "root_complexes", list, "", source)):
         where = f"root_complexes[{i}]"
@@ -230,7 +237,8 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
     top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual")
     return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
                     nvlink=nvlink, p2p=p2p, virtual=virtual,
-                    extra={k: v for k, v in d.items() if k not in top_known})
+                    extra={k: v for k, v in d.items() if k not in top_known},
+                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw))
 
 
 def load_topology_file(path: str | os.PathLike) -> Topology:

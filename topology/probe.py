@@ -22,9 +22,11 @@ from topology.model import GB, GPU, RootComplex, Topology, cpu_topology
 
 # Achievable host<->device GB/s per PCIe lane by generation (about 80% of the signalling rate).
 PCIE_LANE_GBPS = {1: 0.2, 2: 0.4, 3: 0.8, 4: 1.6, 5: 3.2, 6: 6.4}
-# Dense fp16/bf16 tensor TFLOPS with fp32 accumulation, by name fragment (first match wins).
-KNOWN_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
-                ("4090", 82.6), ("3090 Ti", 40.0), ("3090", 35.6), ("A6000", 38.7), ("V100", 112.0),
+# Dense fp16/bf16 tensor TFLOPS with fp32 accumulation, by name fragment (first match wins), from
+# NVIDIA's datasheets and architecture whitepapers (GeForce cards accumulate fp32 at half their
+# fp16-accumulate rate; the 3090 Ti's is the GA102 rate at its 84 SMs and 1.86 GHz boost).
+KNOWN_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.1),
+                ("4090", 165.2), ("3090 Ti", 80.0), ("3090", 71.0), ("A6000", 154.8), ("V100", 125.0),
                 ("T4", 65.0), ("A10", 125.0)]
 DEFAULT_TFLOPS = 50.0
 

@@ -196,6 +196,28 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
     return out
 
 
+def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool) -> float:
+    """Bytes a step moves between host and devices: each stage loaded for forward and again for
+    backward (each slot's last stage stays), every boundary activation and its gradient down and
+    up again (with recomputation the stage inputs go up once more), the gradients down."""
+    k = len(stages)
+    loads = sum(c.param_bytes for c in stages) + sum(c.param_bytes for c in stages[:max(0, k - slots)])
+    activations = sum(2 * c.out_bytes for c in stages[:-1]) + sum(2 * c.in_bytes for c in stages[1:])
+    again = sum(c.in_bytes for c in stages[1:]) if recompute else 0
+    return loads + micro_batches * (activations + again) + sum(c.grad_bytes for c in stages)
+
+
+def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool, pcie_bps: float,
+                adam_params_per_s: float, element_bytes: int) -> dict[str, float]:
+    """First principles: no step is shorter than any of its lanes' total work with every device
+    of that lane busy: compute (spread over the GPUs), host<->device bytes (over the host's PCIe
+    bandwidth), host AdamW (every worker's optimizer thread at once).  Seconds per lane."""
+    compute = micro_batches * sum(c.fwd_s + c.bwd_s for c in stages) / slots
+    params = sum(c.grad_bytes for c in stages) / element_bytes
+    return {"compute": compute, "PCIe": host_traffic_bytes(stages, micro_batches, slots, recompute) / pcie_bps,
+            "host AdamW": params / (adam_params_per_s * slots)}
+
+
 def human_bytes(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 

@@ -33,11 +33,34 @@ from mobius.runtime.device import (
     time_per_call,
 )
 
-# Model FLOPs utilisation assumed by the analytic model for matrix-heavy layers.
-ANALYTIC_MFU = 0.5
-# Host AdamW rate the analytic model assumes for one worker's optimizer thread: a fused CPU AdamW
-# on a server socket does about 1e9 parameters/s (DeepSpeed reports ~1.5e9/s).
+# The fraction of a GPU's tensor-core peak (the topology's ``tflops``) the analytic model expects a
+# training step to reach.  Measured where we have measured: on an H100 (989.4 TFLOPS dense BF16)
+# plain PyTorch trained mobius-3b at 239.2 TFLOPS (docs/benchmarks.md).  Elsewhere an assumption.
+MEASURED_EFFICIENCY = {"H100": 239.2 / 989.4}
+ANALYTIC_MFU = 0.5  # assumed where nothing was measured
+# Host AdamW rate the analytic model assumes for one worker's optimizer thread when the host's
+# memory bandwidth is not known: a fused CPU AdamW on a server socket does about 1e9 parameters/s.
 ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
+# A fused fp32 AdamW reads the weight, gradient and both moments and writes back the weight and
+# the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
+# (scripts/bench_optimizer.py, docs/benchmarks.md).
+ADAM_BYTES_PER_PARAM = 28
+
+
+def analytic_efficiency(gpu_name: str) -> tuple[float, str]:
+    """(fraction of peak, where it comes from) for a GPU of this name."""
+    for fragment, efficiency in MEASURED_EFFICIENCY.items():
+        if fragment in gpu_name:
+            return efficiency, f"measured on {fragment}"
+    return ANALYTIC_MFU, "assumed"
+
+
+def host_adam_rate(memory_bandwidth_gbps: float | None, workers: int) -> float:
+    """One worker's host AdamW rate (parameters/s) when ``workers`` optimizer threads share the
+    host's memory bandwidth; the assumed rate where the bandwidth is not known."""
+    if not memory_bandwidth_gbps:
+        return ANALYTIC_ADAM_PARAMS_PER_S
+    return memory_bandwidth_gbps * 1e9 / ADAM_BYTES_PER_PARAM / max(1, workers)
 
 
 @dataclass
@@ -130,15 +153,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
-                     tflops: float, precision: str = "fp16") -> Profile:
-    """Times from FLOPs at ``ANALYTIC_MFU`` of ``tflops``; bytes from shapes (no weights allocated)."""
+                     tflops: float, precision: str = "fp16", efficiency: float = ANALYTIC_MFU,
+                     adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S) -> Profile:
+    """Times from FLOPs at ``efficiency`` of ``tflops``; bytes from shapes (no weights allocated);
+    the host AdamW at ``adam_params_per_s`` per worker."""
     dtype = DTYPES[precision]
     model = build_model(config, device="meta")
     layers, classes = [], {}
     for i, layer in enumerate(model.layers):
         sig = layer.signature()
         classes.setdefault(sig, len(classes))
-        fwd = layer.forward_flops(micro_batch, seq_len) / (tflops * 1e12 * ANALYTIC_MFU)
+        fwd = layer.forward_flops(micro_batch, seq_len) / (tflops * 1e12 * efficiency)
         out = 0 if layer.kind == "head" else layer.output_bytes(micro_batch, seq_len, dtype)
         # Backward: the input's gradient (as much work as forward) plus the weights' (as much
         # again); frozen weights (LoRA's base) need only the former, a frozen embedding neither.
@@ -150,7 +175,8 @@ def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_l
             fwd_work_bytes=2 * out if layer.kind != "head" else layer.working_bytes(micro_batch, seq_len, dtype),
             bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype), grad_bytes=trained_bytes(layer, dtype)))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
-                   source=f"analytic:{tflops:g}TFLOPS", layers=layers, distinct_measured=0)
+                   source=f"analytic:{tflops:g}TFLOPS@{efficiency:.3g}", layers=layers, distinct_measured=0,
+                   host=HostCosts(adam_params_per_s=adam_params_per_s))
 
 
 def trained_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:

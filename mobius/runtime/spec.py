@@ -43,12 +43,23 @@ class Plan:
     mapping: str = "cross"  # how slots were placed on GPUs: cross (Mobius §3.3) or sequential
     prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
     host_costs: dict = field(default_factory=dict)  # the HostCosts the prediction assumed
+    lane_floor_s: dict = field(default_factory=dict)  # first-principles floor of each lane's work, seconds
 
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
 
     def stages_of_gpu(self, gpu: int) -> list[int]:
         return [s for s in range(len(self.bounds)) if self.gpu_of_stage(s) == gpu]
+
+    def bound_summary(self) -> str:
+        """The first-principles floor beside the prediction, what bounds the step and what would help."""
+        lane, floor = max(self.lane_floor_s.items(), key=lambda kv: kv[1])
+        lanes = ", ".join(f"{k} {v:.3g} s" for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
+        helps = {"host AdamW": "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
+                 "PCIe": "more micro-batches per step amortise the stage loads",
+                 "compute": "the GPUs themselves are the limit"}[lane]
+        return (f"first-principles floor: {floor:.3g} s/step ({lanes}); predicted {self.predicted_step_s / floor:.2f}x "
+                f"the floor; bound by {lane} ({floor:.3g} of {self.predicted_step_s:.3g} s): {helps}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,6 +87,11 @@ class Plan:
                          f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
                          f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}")
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
+        if self.solver.get("chosen") and self.solver["chosen"] != "mip":
+            lines.append(f"chosen: the {self.solver['chosen']} partition, within 1% of the fastest and moving the "
+                         "fewest bytes between host and GPUs")
+        if self.lane_floor_s:
+            lines.append(self.bound_summary())
         if self.baselines:
             lines.append("baselines: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.baselines.items()))
         return "\n".join(lines)
