@@ -60,7 +60,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     stop = install_stop(payload)
     start = 0
     if cfg.resume:
-        ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # verified by the launcher
+        ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # each file checked as it is read
         engine.load(ckpt)
         ck.restore_rng(ckpt)
         start = ckpt.step

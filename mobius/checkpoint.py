@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,14 +69,6 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def staging_dir(directory: str | os.PathLike) -> Path:
     return ownership.sibling(directory, "partial")
 
@@ -99,7 +91,7 @@ def finish_save(directory: str | os.PathLike, staging: Path, meta: dict) -> None
     """Checksum every file, write the manifest (with its own digest), fsync, and swap the
     directory into place."""
     with save_errors(directory):
-        files = {f.name: sha256(f) for f in sorted(staging.iterdir()) if f.is_file() and f.name != ownership.MARKER}
+        files = {f.name: ownership.sha256_of(f) for f in sorted(staging.iterdir()) if f.is_file() and f.name != ownership.MARKER}
         manifest = {"format": FORMAT, **meta, "files": files}
         manifest["digest"] = manifest_digest(manifest)
         with open(staging / MANIFEST, "w") as f:
@@ -109,7 +101,7 @@ def finish_save(directory: str | os.PathLike, staging: Path, meta: dict) -> None
         for name in files:
             with open(staging / name, "rb") as f:
                 os.fsync(f.fileno())
-        ownership.swap_into_place(staging, directory, KIND)
+        ownership.swap_into_place(staging, directory, KIND, known_digests=files)
 
 
 def check_save_target(cfg) -> None:
@@ -124,8 +116,10 @@ def check_save_target(cfg) -> None:
     has_checkpoint = target.is_dir() and any(target.iterdir())
     if not has_checkpoint:
         return
-    ownership.check_removable(target, KIND, "--save")
-    if not cfg.resume or Path(cfg.resume).resolve() != target:
+    in_place = bool(cfg.resume) and Path(cfg.resume).resolve() == target
+    # Continuing in place, the resume checks every byte against the manifest before training.
+    ownership.check_removable(target, KIND, "--save", content=not in_place)
+    if not in_place:
         raise InputError(f"--save {cfg.save}: holds the checkpoint of another run; continue it with --resume "
                          f"{cfg.save} or save to a new directory")
 
@@ -135,6 +129,7 @@ class Checkpoint:
     directory: Path
     manifest: dict
     _index: dict[str, Path]
+    _verified: set = field(default_factory=set)  # files whose bytes matched the manifest when read
 
     @property
     def step(self) -> int:
@@ -148,12 +143,19 @@ class Checkpoint:
 
         if name not in self._index:
             raise CheckpointError(f"checkpoint {self.directory}: tensor {name!r} is missing")
-        with safe_open(str(self._index[name]), framework="pt") as h:
+        path = self._index[name]
+        if path not in self._verified:  # every process checks what it reads, when it reads it
+            if ownership.sha256_of(path) != self.manifest["files"][path.name]:
+                raise CheckpointError(f"checkpoint {self.directory}: {path} is corrupt (checksum mismatch)")
+            self._verified.add(path)
+        with safe_open(str(path), framework="pt") as h:
             return h.get_tensor(name)
 
 
 def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkpoint:
-    """Open and verify a checkpoint; any problem is a :class:`CheckpointError` naming the file."""
+    """Open and verify a checkpoint; any problem is a :class:`CheckpointError` naming the file.
+    ``verify``: every file's checksum now (the launcher, before any worker starts); otherwise each
+    file is checked when a tensor is first read from it (:meth:`Checkpoint.get`)."""
     d = Path(directory)
     if not (d / MANIFEST).is_file():
         old = ownership.sibling(d, "previous")
@@ -165,8 +167,9 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
             raise CheckpointError(f"--resume {directory}: no such checkpoint directory")
     try:
         manifest = json.loads((d / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is unreadable or truncated ({err})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is unreadable or truncated "
+                              f"({type(err).__name__})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is not a {FORMAT} manifest")
     if manifest.get("digest") != manifest_digest(manifest):
@@ -178,14 +181,22 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
         if key not in manifest:
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} lacks {key!r}")
     index: dict[str, Path] = {}
+    verified: set = set()
     from safetensors import safe_open
 
     for name, digest in manifest["files"].items():
+        # Confinement: a manifest names plain files of its own directory, never a path out of it.
+        if not isinstance(name, str) or not isinstance(digest, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"--resume {directory}: {d / MANIFEST} names {name!r}, not a file of the checkpoint")
         path = d / name
-        if not path.is_file():
+        if path.is_symlink() or not path.is_file():
+            if path.is_symlink():
+                raise CheckpointError(f"--resume {directory}: {path} is a symbolic link, not a file of the checkpoint")
             raise CheckpointError(f"--resume {directory}: {path} is missing")
-        if verify and sha256(path) != digest:
-            raise CheckpointError(f"--resume {directory}: {path} is corrupt (checksum mismatch)")
+        if verify:
+            if ownership.sha256_of(path) != digest:
+                raise CheckpointError(f"--resume {directory}: {path} is corrupt (checksum mismatch)")
+            verified.add(path)
         if name.endswith(".safetensors"):
             try:
                 with safe_open(str(path), framework="pt") as h:
@@ -193,7 +204,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
                         index[key] = path
             except Exception as err:  # safetensors raises its own error types
                 raise CheckpointError(f"--resume {directory}: {path} is not a safetensors file ({err})") from None
-    return Checkpoint(d, manifest, index)
+    return Checkpoint(d, manifest, index, verified)
 
 
 def _setting(cfg, key: str):

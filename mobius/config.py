@@ -280,6 +280,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.emulate and cfg.topology == "auto":
         raise InputError("--emulate rehearses the GPUs of --topology PRESET|FILE on CPU workers; "
                          "--topology auto is this machine")
+    if cfg.emulate and cfg.topology == "cpu":
+        raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs to emulate")
     if cfg.emulate and cfg.backend == "single":
         raise InputError("--emulate is built for --backend pipeline, not single")
     if cfg.resume_with_changes and not cfg.resume:
@@ -308,7 +310,7 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     (:mod:`mobius.config_sources`), defaults resolved, checked."""
     parser = build_train_parser()
     args = parser.parse_args(layered_argv(parser, list(sys.argv[1:] if argv is None else argv),
-                                          checkpoint_settings))
+                                          checkpoint_settings, BACKEND_OPTIONS))
     if args.steps is not None and args.epochs is not None:
         raise InputError("give --steps or --epochs, not both")
     if args.steps is None:
@@ -324,3 +326,21 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         raise SystemExit(0)
     return cfg
+
+
+# Options of one backend, with the value that means "not given".
+PIPELINE_OPTIONS = {"stages": None, "recompute": "auto", "partitioner": "mip", "mapping": "cross", "prefetch": True}
+CHUNKED_OPTIONS = {"chunk_size": None, "rcache_blocks": None, "offload": "auto", "chunk_prefetch": True}
+BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate")
+
+
+def validate_for_backend(cfg: RunConfig, backend: str) -> None:
+    """Options that the chosen backend would ignore are refused, naming the backend they need."""
+    flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
+    for owner, options in (("pipeline", PIPELINE_OPTIONS), ("chunked", CHUNKED_OPTIONS)):
+        if backend == owner:
+            continue
+        given = [flag.get(k, f"--{k.replace('_', '-')}") for k, unset in options.items() if getattr(cfg, k) != unset]
+        if given:
+            raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {owner}, "
+                             f"and this run uses --backend {backend}")

@@ -75,16 +75,21 @@ def stored_config(settings: dict) -> dict:
     return out
 
 
-def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_settings) -> list[str]:
+def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_settings,
+                 backend_options: tuple[str, ...] = ()) -> list[str]:
     """``argv`` behind the tokens of the checkpoint's configuration (``checkpoint_settings(DIR)``)
-    and of the ``--config`` file."""
+    and of the ``--config`` file.  A resume on another ``--backend`` inherits none of the
+    previous backend's own options (``backend_options``)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--resume")
+    pre.add_argument("--backend")
     known, _ = pre.parse_known_args(argv)
     layers: list[str] = []
     if known.resume and checkpoint_settings is not None:
         inherited = {k: v for k, v in checkpoint_settings(known.resume).items() if k not in NOT_INHERITED}
+        if known.backend and known.backend != inherited.get("backend"):
+            inherited = {k: v for k, v in inherited.items() if k not in backend_options}
         layers += tokens_of(parser, {k: v for k, v in inherited.items() if k in _actions(parser)},
                             f"--resume {known.resume}")
     if known.config:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from mobius.ownership import write_atomically, writing
+from mobius.ownership import record_file, sha256_of, write_atomically, writing
 
 
 @dataclass
@@ -30,17 +32,31 @@ class StepMetrics:
 
 
 class MetricsWriter:
-    """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing."""
+    """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing.
+    Each line is recorded as ours (:func:`mobius.ownership.record_file`) before it is written."""
 
     def __init__(self, path: str | os.PathLike | None, append: bool = False):
         self.path = path
+        self._file = None
+        if not path:
+            return
+        self._hash = hashlib.sha256()
         with writing("the metrics file", path):
-            self._file = open(path, "a" if append else "w") if path else None
+            if append and os.path.exists(path):  # continuing our own file (checked before the run)
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        self._hash.update(block)
+            self._file = open(path, "ab" if append else "wb")
+            record_file(path, self._hash.hexdigest())
 
     def write(self, m: StepMetrics) -> None:
         if self._file:
+            line = (json.dumps(asdict(m)) + "\n").encode()
+            before = self._hash.hexdigest()
+            self._hash.update(line)
             with writing("the metrics file", self.path):
-                self._file.write(json.dumps(asdict(m)) + "\n")
+                record_file(self.path, self._hash.hexdigest(), previous=before)
+                self._file.write(line)
                 self._file.flush()
 
     def close(self) -> None:
@@ -126,19 +142,10 @@ class Trace:
 
 
 def write_trace(path: str | os.PathLike, events: list[dict]) -> None:
+    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     with writing("the trace", path):
-        write_atomically(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        previous = sha256_of(Path(path)) if os.path.isfile(path) else None
+        record_file(path, hashlib.sha256(text.encode()).hexdigest(), previous)
+        write_atomically(path, text)
 
 
-def is_trace_file(head: bytes) -> bool:
-    """Does a file starting with ``head`` look like a trace :func:`write_trace` wrote?"""
-    return head.startswith(b'{"traceEvents"')
-
-
-def is_metrics_file(head: bytes) -> bool:
-    """Does a file starting with ``head`` look like a metrics file :class:`MetricsWriter` wrote?"""
-    try:
-        first = json.loads(head.split(b"\n", 1)[0])
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(first, dict) and {"step", "loss", "lr", "tokens"} <= set(first)

@@ -1,20 +1,26 @@
 """We only delete or replace what we provably wrote.
 
-Every directory Mobius creates (a checkpoint, an export, and the staging and previous-version
-siblings they are swapped through) carries :data:`MARKER`, a small JSON file saying what it is and
-which files we put there.  A directory without it belongs to the user: it is never removed or
-replaced, and the run refuses *before* training with one line naming it.  Staging siblings have
-hidden names no user would pick (``.NAME.mobius-partial``), and a directory of ours that holds a
-file we did not write (a note the user dropped into an export) is treated as the user's.
+Ownership is by content.  Every directory Mobius creates (a checkpoint, an export, and the staging
+and previous-version siblings they are swapped through) carries :data:`MARKER`, a small JSON file
+saying what it is and the SHA-256 of every file we put there.  A directory without it belongs to
+the user: it is never removed or replaced, and the run refuses *before* training with one line
+naming it.  A file whose bytes no longer match what we recorded (the user saved over an export),
+or one we did not write at all (a note dropped into it), makes the directory the user's.  Staging
+siblings have hidden names no user would pick (``.NAME.mobius-partial``).
+
+Output files (metrics, traces) are ours only when a hidden record beside them
+(``.NAME.mobius-owned.json``) holds the SHA-256 of their current bytes: a file that merely looks
+like one of ours is the user's.
 
 The same pre-flight refuses output paths that coincide with an input or with each other
-(``--metrics`` onto the data file, ``--export`` onto the model being read, ``--save X --export X``),
-and existing metrics or trace files that are not ones we wrote.
+(``--metrics`` onto the data file, ``--export`` onto the model being read, ``--save X --export X``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -36,19 +42,42 @@ def mark(directory: Path, kind: str) -> None:
     (directory / MARKER).write_text(json.dumps({"kind": kind, "files": None}))
 
 
-def seal(directory: Path) -> None:
-    """Record every file now in ``directory`` as ours (called once it is complete)."""
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def seal(directory: Path, known_digests: dict[str, str] | None = None) -> None:
+    """Record every file now in ``directory`` as ours, by content (called once it is complete);
+    ``known_digests``: SHA-256s just computed for the same bytes (a checkpoint's manifest)."""
     kind = owner_kind(directory)
-    files = sorted(f.name for f in directory.iterdir() if f.name != MARKER)
+    known = known_digests or {}
+    files = {f.name: known.get(f.name) or sha256_of(f) for f in sorted(directory.iterdir()) if f.name != MARKER}
     (directory / MARKER).write_text(json.dumps({"kind": kind, "files": files}))
 
 
 def _marker(directory: Path) -> dict | None:
     try:
         d = json.loads((directory / MARKER).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
-    return d if isinstance(d, dict) and isinstance(d.get("kind"), str) else None
+    if not (isinstance(d, dict) and isinstance(d.get("kind"), str)):
+        return None
+    files = d.get("files")
+    if files is not None and not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+        return None  # a marker of another shape (an older Mobius listed names only): not provably ours
+    return d
+
+
+def _unchanged(path: Path, digest: str) -> bool:
+    """``path`` is a regular file (not a link) whose bytes still hash to ``digest``."""
+    try:
+        return path.is_file() and not path.is_symlink() and sha256_of(path) == digest
+    except OSError:
+        return False
 
 
 def owner_kind(directory: str | os.PathLike) -> str | None:
@@ -57,17 +86,19 @@ def owner_kind(directory: str | os.PathLike) -> str | None:
     return d["kind"] if d else None
 
 
-def foreign_files(directory: str | os.PathLike) -> list[str]:
-    """Files in a directory of ours that we did not write (all of them when it is not ours)."""
+def foreign_files(directory: str | os.PathLike, content: bool = True) -> list[str]:
+    """Files in a directory of ours that we did not write or that changed since (all of them when
+    it is not ours); without ``content``, by name only (a checkpoint about to be resumed, whose
+    every byte the resume verifies against its manifest)."""
     directory = Path(directory)
     d = _marker(directory)
     present = sorted(f.name for f in directory.iterdir() if f.name != MARKER)
     if d is None:
         return present
     ours = d["files"]
-    if ours is None:  # unsealed: a staging directory we were still filling
-        return [f for f in present if not (directory / f).is_file()]
-    return [f for f in present if f not in ours]
+    if ours is None:  # unsealed: a hidden staging directory we were still filling
+        return [f for f in present if not (directory / f).is_file() or (directory / f).is_symlink()]
+    return [f for f in present if f not in ours or (content and not _unchanged(directory / f, ours[f]))]
 
 
 def is_removable(directory: str | os.PathLike, kind: str) -> bool:
@@ -76,8 +107,9 @@ def is_removable(directory: str | os.PathLike, kind: str) -> bool:
     return owner_kind(directory) == kind and not foreign_files(directory)
 
 
-def check_removable(directory: str | os.PathLike, kind: str, option: str) -> None:
-    """Pre-flight for a path we would replace: absent, empty, or provably ours."""
+def check_removable(directory: str | os.PathLike, kind: str, option: str, content: bool = True) -> None:
+    """Pre-flight for a path we would replace: absent, empty, or provably ours (``content``: see
+    :func:`foreign_files`)."""
     d = Path(directory)
     if not d.exists() and not d.is_symlink():
         return
@@ -88,10 +120,10 @@ def check_removable(directory: str | os.PathLike, kind: str, option: str) -> Non
     if owner_kind(d) != kind:
         raise InputError(f"{option}: {d} exists and was not written by Mobius (no {MARKER}); "
                          "refusing to replace it: move it away or choose another path")
-    extra = foreign_files(d)
+    extra = foreign_files(d, content)
     if extra:
-        raise InputError(f"{option}: {d} holds files Mobius did not write ({', '.join(extra[:3])}"
-                         f"{', ...' if len(extra) > 3 else ''}); refusing to replace it")
+        raise InputError(f"{option}: {d} holds files Mobius did not write or that changed since "
+                         f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); refusing to replace it")
 
 
 def remove(directory: str | os.PathLike, kind: str) -> None:
@@ -116,10 +148,11 @@ def fresh_dir(directory: str | os.PathLike, kind: str) -> Path:
     return d
 
 
-def swap_into_place(staging: Path, final: str | os.PathLike, kind: str) -> None:
+def swap_into_place(staging: Path, final: str | os.PathLike, kind: str,
+                    known_digests: dict[str, str] | None = None) -> None:
     """Rename the complete ``staging`` to ``final``; a previous ``final`` (ours) is parked beside
     it until the new one is in place, so a crash at any instant leaves one complete version."""
-    seal(staging)
+    seal(staging, known_digests)
     final = Path(final).resolve()
     previous = sibling(final, "previous")
     if final.exists():
@@ -129,7 +162,43 @@ def swap_into_place(staging: Path, final: str | os.PathLike, kind: str) -> None:
         else:
             final.rmdir()
     os.replace(staging, final)
-    remove(previous, kind)
+    if previous.exists():  # what ``final`` held a moment ago: proven ours before the run, parked by us
+        shutil.rmtree(previous)
+
+
+# ---- one run per output ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def output_locks(outputs: dict[str, str | None]):
+    """An exclusive lock on each output (``option -> path``) for as long as the run lasts: a second
+    run given the same ``--save``, ``--export``, metrics file, ... is refused in one line before it
+    trains.  The lock is a hidden sibling we create (``.NAME.mobius-lock``), locked with ``flock``:
+    the kernel releases it when the process dies, however it dies."""
+    held: list[tuple[int, Path]] = []
+    try:
+        for option, path in outputs.items():
+            if not path or not Path(path).resolve().parent.is_dir():
+                continue  # the pre-flight says what is wrong with it
+            lock = sibling(path, "lock")
+            if any(lock == mine for _, mine in held):
+                continue  # two options naming one path: the pre-flight refuses the overlap
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise InputError(f"{option} {path}: cannot create its lock {lock}: {err.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise InputError(f"{option} {path}: another run is writing it (it holds {lock}); "
+                                 "refusing to start a second one") from None
+            held.append((fd, lock))
+        yield
+    finally:
+        for fd, lock in reversed(held):
+            with contextlib.suppress(OSError):
+                os.unlink(lock)  # while still held: a run waiting for it finds it gone and makes its own
+            os.close(fd)
 
 
 # ---- inputs and outputs must not coincide ------------------------------------------------------
@@ -161,9 +230,39 @@ def check_paths(inputs: dict[str, str | None], outputs: dict[str, tuple[str | No
                 raise InputError(f"{names[a]} {pa} and {names[b]} {pb} overlap: give each output its own path")
 
 
-def check_output_file(option: str, path: str | None, looks_ours) -> None:
-    """An output file must be creatable, and an existing one must be one we wrote
-    (``looks_ours(first_bytes) -> bool``), since it will be replaced or appended to."""
+def record_of(path: str | os.PathLike) -> Path:
+    """The hidden record beside an output file that says it is ours."""
+    p = Path(path).resolve()
+    return p.with_name(f".{p.name}.mobius-owned.json")
+
+
+def record_file(path: str | os.PathLike, digest: str, previous: str | None = None) -> None:
+    """Declare the file at ``path`` ours with the bytes of ``digest``.  Written *before* the file
+    changes, with the digest of its bytes until then (``previous``), so a crash between the two
+    writes leaves a file that is still provably ours."""
+    digests = [digest] + ([previous] if previous and previous != digest else [])
+    write_atomically(record_of(path), json.dumps({"kind": "output-file", "sha256": digests}))
+
+
+def is_our_file(path: str | os.PathLike) -> bool:
+    """The file's current bytes are ones we recorded when we wrote it."""
+    try:
+        d = json.loads(record_of(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    digests = d.get("sha256") if isinstance(d, dict) else None
+    if not (isinstance(digests, list) and all(isinstance(x, str) for x in digests)):
+        return False
+    try:
+        p = Path(path)
+        return p.is_file() and not p.is_symlink() and sha256_of(p) in digests
+    except OSError:
+        return False
+
+
+def check_output_file(option: str, path: str | None) -> None:
+    """An output file must be creatable, and an existing one must be one we wrote, byte for byte
+    (:func:`is_our_file`), since it will be replaced or appended to."""
     if path is None:
         return
     p = Path(path)
@@ -174,14 +273,9 @@ def check_output_file(option: str, path: str | None, looks_ours) -> None:
         raise InputError(f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise InputError(f"{option} {path}: not writable")
-    if p.exists():
-        try:
-            with open(p, "rb") as f:
-                head = f.read(4096)
-        except OSError as err:
-            raise InputError(f"{option} {path}: cannot read it to check it is ours: {err.strerror}") from None
-        if head and not looks_ours(head):
-            raise InputError(f"{option} {path}: exists and is not a file Mobius wrote; refusing to overwrite it")
+    if (p.exists() or p.is_symlink()) and not is_our_file(p):
+        raise InputError(f"{option} {path}: exists and is not a file Mobius wrote (or it changed since); "
+                         "refusing to overwrite it")
 
 
 def check_output_dir_parent(option: str, path: str) -> None:

@@ -33,10 +33,18 @@ class StopRequest:
         self.requested = False
 
     def install(self) -> "StopRequest":
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked since the launcher spawned us
         return self
+
+    def __enter__(self) -> "StopRequest":
+        """For a run inside a longer-lived process (the single backend in the command's process,
+        a test): the handlers are the run's only while it lasts."""
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:

@@ -20,10 +20,10 @@ import torch
 from mobius import checkpoint as ck
 from mobius import ownership
 from mobius.backend import resolve_backend, resolve_topology
-from mobius.config import RunConfig, parse_train_args
+from mobius.config import RunConfig, parse_train_args, validate_for_backend
 from mobius.errors import InputError, exits_cleanly
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
-from mobius.metrics import StepMetrics, is_metrics_file, is_trace_file, write_trace
+from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
@@ -46,8 +46,8 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                            "--tensorboard": (cfg.tensorboard, "dir"),
                            "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir"),
                            "--export-merged": (cfg.export_merged, "dir")})
-    ownership.check_output_file("--metrics", cfg.metrics, is_metrics_file)
-    ownership.check_output_file("--trace", cfg.trace, is_trace_file)
+    ownership.check_output_file("--metrics", cfg.metrics)
+    ownership.check_output_file("--trace", cfg.trace)
     ck.check_save_target(cfg)
     for option, out, _ in cfg.exports():
         check_export_target(model_config, out, option)
@@ -85,9 +85,9 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out) -> 
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}"
               + (f", resuming at step {start}" if start else ""))
-    stop = StopRequest().install()
     evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
-    history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
+    with StopRequest() as stop:
+        history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
     if cfg.trace:
         write_trace(cfg.trace, trainer.trace.collect())
     for _, out, merged in cfg.exports():
@@ -100,6 +100,13 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out) -> 
 
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
+    outputs = {"--save": cfg.save, "--export": cfg.export, "--export-merged": cfg.export_merged,
+               "--metrics": cfg.metrics, "--trace": cfg.trace, "--tensorboard": cfg.tensorboard}
+    with ownership.output_locks(outputs):  # checked and written by this run alone
+        return _run_locked(cfg, model_config)
+
+
+def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
     # The data, read and checked before any worker starts (each worker reads it again itself).
     batches, held_out = make_batches(cfg, model_config), make_eval_batches(cfg, model_config)
@@ -111,6 +118,7 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
         print(f"held out: {held_out.describe()}", flush=True)
     check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag)
     backend, topo = resolve_backend(cfg)
+    validate_for_backend(cfg, backend)
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out)
     if backend == "chunked":

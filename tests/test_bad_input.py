@@ -77,6 +77,14 @@ TRAIN_OPTIONS = [
     (["--backend", "chunked", "--topology", "cpu", "--optimizer-lag", "1"],
      "--optimizer-lag is built for --backend pipeline"),
     (["--emulate"], "--topology auto is this machine"),
+    (["--emulate", "--topology", "cpu"], "--emulate rehearses a GPU topology (a preset or file); --topology cpu has"),
+    (["--backend", "single", "--stages", "3", "--no-prefetch"],
+     "--stages, --no-prefetch apply to --backend pipeline, and this run uses --backend single"),
+    (["--backend", "pipeline", "--topology", "cpu", "--chunk-size", "1000"],
+     "--chunk-size applies to --backend chunked, and this run uses --backend pipeline"),
+    (["--backend", "chunked", "--topology", "cpu", "--mapping", "sequential"],
+     "--mapping applies to --backend pipeline, and this run uses --backend chunked"),
+    (["--lora-rank", "100000"], "--lora-rank 100000 exceeds the 64 of tiny's smallest 'qkv' projection"),
     (["--emulate", "--topology", "topo2+2", "--backend", "single"], "--emulate is built for --backend pipeline"),
     (["--emulate", "--topology", "dgx-a100", "--backend", "chunked"], "--emulate is built for --backend pipeline"),
     (["--mapping", "diagonal"], "invalid choice: 'diagonal'"),
@@ -295,8 +303,8 @@ def test_outputs_never_replace_the_users_files(hf, tmp_path, capsys):
         (hf_run + ["--save", str(tmp_path / "x"), "--export", str(tmp_path / "x")], "overlap"),
         (SINGLE + ["--save", str(tmp_path / "x"), "--metrics", str(tmp_path / "x" / "m.jsonl")], "overlap"),
         (SINGLE + ["--metrics", str(tmp_path / "x.json"), "--trace", str(tmp_path / "x.json")], "overlap"),
-        (SINGLE + ["--metrics", str(notes)], "is not a file Mobius wrote; refusing to overwrite it"),
-        (SINGLE + ["--trace", str(notes)], "is not a file Mobius wrote; refusing to overwrite it"),
+        (SINGLE + ["--metrics", str(notes)], "is not a file Mobius wrote"),
+        (SINGLE + ["--trace", str(notes)], "is not a file Mobius wrote"),
         (SINGLE + ["--metrics", str(tmp_path)], "is a directory"),
         (SINGLE + ["--save", str(notes)], "exists and is not a directory"),
         (SINGLE + ["--save", str(tmp_path / "foreign")], "was not written by Mobius"),
@@ -315,6 +323,34 @@ def test_outputs_never_replace_the_users_files(hf, tmp_path, capsys):
     assert all(after[k] == v for k, v in before.items())
     # Our own outputs are replaced when asked: a second export over ours, metrics over ours.
     train_main(hf_run + ["--export", str(tmp_path / "tuned2"), "--metrics", str(tmp_path / "m.jsonl")])
+
+
+def test_ownership_is_by_content(hf, tmp_path, capsys):
+    """Files that only look like ours, and ours once the user changed them, are the user's."""
+    model = _copy(hf, "gpt2", tmp_path / "m")
+    hf_run = ["--model", str(model), "--seq-len", "16", "--steps", "1", "--backend", "single", "--no-progress"]
+    other_trace = tmp_path / "profile.json"  # another tool's Chrome trace
+    other_trace.write_text('{"traceEvents": [{"name": "kernel", "ph": "X", "ts": 0, "dur": 5}]}')
+    their_log = tmp_path / "log.jsonl"  # a log of theirs with our keys
+    their_log.write_text('{"step": 0, "loss": 2.5, "lr": 0.1, "tokens": 64}\n')
+    train_main(hf_run + ["--export", str(tmp_path / "tuned"), "--metrics", str(tmp_path / "ours.jsonl"),
+                         "--trace", str(tmp_path / "ours.json")])
+    capsys.readouterr()
+    (tmp_path / "tuned" / "config.json").write_text('{"saved": "by the user over our export"}')
+    with open(tmp_path / "ours.jsonl", "a") as f:
+        f.write('{"note": "the user added a line"}\n')
+    before = snapshot(tmp_path)
+    cases = [
+        (SINGLE + ["--trace", str(other_trace)], "is not a file Mobius wrote"),
+        (SINGLE + ["--metrics", str(their_log)], "is not a file Mobius wrote"),
+        (hf_run + ["--export", str(tmp_path / "tuned")], "holds files Mobius did not write or that changed since "
+                                                          "(config.json)"),
+        (SINGLE + ["--metrics", str(tmp_path / "ours.jsonl")], "is not a file Mobius wrote (or it changed since)"),
+    ]
+    for argv, message in cases:
+        assert message in one_line_exit_2(train_main, argv, capsys), argv
+    assert snapshot(tmp_path) == before
+    train_main(SINGLE + ["--trace", str(tmp_path / "ours.json")])  # ours, unchanged: replaced when asked
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
@@ -382,3 +418,26 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_checkpoint(saved, monke
     assert info.value.code == 1 and len(err) == 1
     assert "No space left on device" in err[0] and "previous checkpoint is intact" in err[0]
     assert snapshot(saved) == before and ck.load_checkpoint(saved).step == 2
+
+
+def test_confinement_of_manifest_names_and_model_files(hf, saved, tmp_path, capsys):
+    """A manifest may name only files of its checkpoint (even with its digest recomputed); an export
+    copies only regular files inside the model directory, checked before training."""
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    for name in ("../id_rsa", str(secret)):
+        m = json.loads((saved / ck.MANIFEST).read_text())
+        m["files"][name] = hashlib.sha256(secret.read_bytes()).hexdigest()
+        m["digest"] = ck.manifest_digest(m)
+        (saved / ck.MANIFEST).write_text(json.dumps(m))
+        message = one_line_exit_2(train_main, SINGLE + ["--resume", str(saved)], capsys)
+        assert f"names {name!r}, not a file of the checkpoint" in message
+        del m["files"][name]
+        m["digest"] = ck.manifest_digest(m)
+        (saved / ck.MANIFEST).write_text(json.dumps(m))
+    model = _copy(hf, "gpt2", tmp_path / "m")
+    (model / "merges.txt").symlink_to(secret)
+    run = ["--model", str(model), "--seq-len", "16", "--steps", "1", "--backend", "single", "--no-progress"]
+    message = one_line_exit_2(train_main, run + ["--export", str(tmp_path / "out")], capsys)
+    assert "merges.txt is not a regular file inside the model directory" in message
+    assert not (tmp_path / "out").exists()

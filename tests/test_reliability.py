@@ -62,7 +62,7 @@ def test_lagged_checkpoints_move_between_backends(tmp_path):
     main(TINY + pipe + lag + ["--stop-after", "2", "--save", str(d)])
     assert any(n.startswith(ck.LAGGED) for n in ck.load_checkpoint(d).names())
     main(TINY + lag + ["--backend", "single", "--resume", str(d), "--stop-after", "2", "--save", str(d)])
-    main(TINY + pipe + lag + ["--resume", str(d), "--save", str(d)])
+    main(TINY + pipe + lag + ["--backend", "pipeline", "--resume", str(d), "--save", str(d)])
     main(TINY + ["--backend", "single", "--optimizer-lag", "1", "--steps", "6", "--save", str(tmp_path / "s"),
                  "--metrics", str(tmp_path / "s.jsonl")])
     assert losses(tmp_path / "p.jsonl") == pytest.approx(losses(tmp_path / "s.jsonl"), rel=1e-5)
@@ -95,6 +95,18 @@ def test_one_changed_byte_is_refused_naming_the_file(saved, capsys):
         ck.load_checkpoint(saved)
     code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved)], capsys)
     assert code == 2 and len(err) == 1 and "weights.safetensors is corrupt" in err[0]
+
+
+def test_a_worker_checks_each_file_as_it_reads_it(saved):
+    """Bytes changed after the launcher's check never train: a worker's reader verifies a file
+    before its first tensor is read."""
+    ckpt = ck.load_checkpoint(saved, verify=False)
+    f = saved / "weights.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="weights.safetensors is corrupt"):
+        ckpt.get(next(n for n in ckpt.names() if not n.startswith(("exp_avg", "step/", "rng/"))))
 
 
 def test_truncated_manifest_is_refused(saved):
@@ -161,9 +173,18 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert m.skipped_steps == 1 and not all(torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
 
 
+def _die_with_the_test() -> None:
+    """In the child before it runs: the kernel SIGKILLs it when the test process dies, however that
+    dies (its workers die with it in turn), so an interrupted suite leaves nothing training."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _spawn(args, tmp_path, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "mobius.train"] + args, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kwargs)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            preexec_fn=_die_with_the_test, **kwargs)
 
 
 def _tagged(tag: str) -> list[str]:
@@ -188,21 +209,21 @@ def _wait_for_step(metrics: Path, step: int, timeout: float = 60) -> None:
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
-    p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "100000",
+    p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000",
                        "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
     _wait_for_step(tmp_path / "m.jsonl", 2)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err[-2000:]
     step = ck.load_checkpoint(tmp_path / "ck").step
-    assert f"stopped after step {step} of 100000: checkpoint saved to ck" in out
+    assert f"stopped after step {step} of 1000: checkpoint saved to ck" in out
     assert step == sum(1 for _ in open(tmp_path / "m.jsonl"))
 
 
 def test_second_signal_exits_at_once(tmp_path):
     # `small` steps take about a second, so the second signal lands while the first is being honoured.
-    p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000000", "--save", "ck",
-                "--save-every", "1000000", "--metrics", "m.jsonl"], tmp_path)
+    p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000", "--save", "ck",
+                "--save-every", "1000", "--metrics", "m.jsonl"], tmp_path)
     _wait_for_step(tmp_path / "m.jsonl", 1)
     p.send_signal(signal.SIGINT)
     time.sleep(0.5)  # a second Ctrl-C, not one the kernel merges with the first
@@ -224,7 +245,7 @@ def test_killed_worker_leaves_no_orphans(tmp_path):
     assert _tagged(tag) == []
 
 
-PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "100000"]
+PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000"]
 
 
 def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
@@ -252,3 +273,43 @@ def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     assert p.returncode == 130 and err.strip().splitlines() == ["interrupted (SIGINT) before training started"], err
     time.sleep(1)
     assert _tagged(tag) == []
+
+
+def test_a_second_run_on_the_same_outputs_is_refused_before_it_trains(tmp_path):
+    """While a run writes --save (and --metrics), another run given them is refused in one line;
+    the first carries on and saves."""
+    a = _spawn(TINY + ["--backend", "single", "--steps", "1000", "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
+    try:
+        _wait_for_step(tmp_path / "m.jsonl", 1)
+        b = subprocess.run([sys.executable, "-m", "mobius.train"] + TINY +
+                           ["--backend", "single", "--steps", "3", "--save", "ck", "--metrics", "other.jsonl"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert b.returncode == 2 and b.stderr.strip().splitlines() == [
+            f"error: --save ck: another run is writing it (it holds {tmp_path / '.ck.mobius-lock'}); "
+            "refusing to start a second one"], b.stderr
+        assert not (tmp_path / "other.jsonl").exists()
+        a.send_signal(signal.SIGTERM)
+        out, err = a.communicate(timeout=60)
+        assert a.returncode == 0, err[-2000:]
+        assert ck.load_checkpoint(tmp_path / "ck").step == sum(1 for _ in open(tmp_path / "m.jsonl"))
+        assert not (tmp_path / ".ck.mobius-lock").exists()  # released and removed with the run
+    finally:
+        a.kill()
+
+
+def test_output_locks_in_one_process(tmp_path):
+    from mobius.errors import InputError
+
+    with ownership.output_locks({"--export": str(tmp_path / "out"), "--export-merged": str(tmp_path / "out")}):
+        with pytest.raises(InputError, match="--export .* another run is writing it"):
+            with ownership.output_locks({"--export": str(tmp_path / "out")}):
+                pass
+    with ownership.output_locks({"--export": str(tmp_path / "out")}):  # released
+        pass
+
+
+
+def test_a_run_in_the_callers_process_gives_its_signal_handlers_back(tmp_path):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    main(TINY + ["--backend", "single", "--steps", "1"])
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -379,10 +379,25 @@ def _complete_export(config: GPTConfig, staging: Path) -> None:
 def copy_model_files(config: GPTConfig, staging: Path, names: tuple[str, ...]) -> None:
     """The model directory's ``names`` into the export, unless the run wrote its own (a
     ``--chat-template`` the model was tuned with)."""
+    for f in _model_files(config, names):
+        if not (staging / f).exists():
+            shutil.copy2(Path(config.checkpoint, f), staging / f)
+
+
+def _model_files(config: GPTConfig, names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` the model directory holds; each must be a regular file inside it
+    (confinement: a link out of it, to a key say, is refused, naming it)."""
+    model_dir = Path(config.checkpoint).resolve()
+    found = []
     for f in names:
         src = Path(config.checkpoint, f)
-        if src.is_file() and not (staging / f).exists():
-            shutil.copy2(src, staging / f)
+        if not (src.exists() or src.is_symlink()):
+            continue
+        if not src.is_file() or model_dir not in src.resolve().parents:
+            raise InputError(f"--model {config.checkpoint}: {f} is not a regular file inside the model directory "
+                             f"(it leads to {src.resolve()}); refusing to copy it into an export")
+        found.append(f)
+    return found
 
 
 def start_export(out_dir: str, chat_template: str | None = None) -> Path:
@@ -408,3 +423,4 @@ def check_export_target(config: GPTConfig, out_dir: str, option: str = "--export
     ownership.check_output_dir_parent(option, out_dir)
     for path in (Path(out_dir), staging_dir(out_dir), ownership.sibling(out_dir, "previous")):
         ownership.check_removable(path, EXPORT_KIND, option)
+    _model_files(config, COPIED_FILES)  # what the export will copy, checked before training

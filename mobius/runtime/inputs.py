@@ -17,6 +17,7 @@ from mobius.data.records import Record
 from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
+from mobius.models.lora import LORA_MODULES, parts
 
 
 def model_config_for(cfg: RunConfig) -> GPTConfig:
@@ -24,12 +25,20 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     config = get_config(cfg.model)
     if not cfg.lora_rank:
         return config
+    targets = set(cfg.lora_targets.split(","))  # a set: the order they were named in changes nothing
     return dataclasses.replace(config, lora_rank=cfg.lora_rank, lora_alpha=float(cfg.lora_alpha or cfg.lora_rank),
-                               lora_targets=cfg.lora_targets, lora_dropout=cfg.lora_dropout)
+                               lora_targets=",".join(t for t in LORA_MODULES if t in targets),
+                               lora_dropout=cfg.lora_dropout)
 
 
 def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
+    if cfg.lora_rank:
+        for module in model_config.lora_targets.split(","):
+            width = min(parts(model_config, module) + [model_config.hidden])
+            if cfg.lora_rank > width:
+                raise InputError(f"--lora-rank {cfg.lora_rank} exceeds the {width} of {cfg.model}'s smallest "
+                                 f"'{module}' projection: a rank above it adds nothing but cost")
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
     if model_config.hf_arch and not model_config.checkpoint:

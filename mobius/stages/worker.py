@@ -218,7 +218,7 @@ def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, mode
 
 def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config) -> int:
     """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
-    ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # the launcher verified it before starting us
+    ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # each file checked as it is read
     aliases = tied_parameter_names(model_config)
     for s, host in store.stages.items():
         ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
