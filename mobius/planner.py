@@ -21,7 +21,7 @@ import torch
 
 from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
-from mobius.models import GPTConfig, build_model, layer_count
+from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
 from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import (
     GB,
@@ -61,10 +61,21 @@ MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
 
 
 def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0) -> int:
-    """What the workers' stage stores hold on the host for this model (all stages together)."""
-    params = list(build_model(config, device="meta").parameters())
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    """What the workers' stage stores hold on the host for this model (all stages together).
+    Counted from the three distinct layers (every block has the same parameters), so a config of
+    absurd depth is refused at once instead of being built."""
+    last = layer_count(config) - 1
+    tied = tied_parameter_names(config)
+    layers = {0: 1, 1: config.n_layer, last: 1}
+    trained = frozen = 0
+    for index, times in layers.items():
+        for name, p in build_layer(config, index, seed=0, device="meta").named_parameters():
+            if f"layers.{index}.{name}" in tied:
+                continue  # the head's copy of the token table is the embedding's
+            if p.requires_grad:
+                trained += times * p.numel()
+            else:
+                frozen += times * p.numel()
     per_trained = HOST_BYTES_PER_PARAM[precision]
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
         per_trained += COMPUTE_BYTES[precision] * (2 if precision == "fp32" else 1)

@@ -225,6 +225,8 @@ HF_CASES = [
     ("gpt2", _config(n_layer="2"), "'n_layer' must be an integer, got '2'"),
     ("gpt2", _config(n_layer=[2]), "'n_layer' must be an integer, got [2]"),
     ("gpt2", _config(n_layer=0), "'n_layer' must be at least 1, got 0"),
+    ("gpt2", _config(n_layer=10**7), "config.json n_layer = 10000000 is beyond any model that can be built (at most 16,384)"),
+    ("llama", _config(vocab_size=10**12), "config.json vocab_size = 1000000000000 is beyond any model"),
     ("gpt2", _config(n_head=0), "'n_head' must be at least 1"),
     ("gpt2", _config(n_head=5), "hidden size 32 is not divisible by 5 attention heads"),
     ("gpt2", _config(n_embd=-32), "'n_embd' must be at least 1"),

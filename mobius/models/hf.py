@@ -33,6 +33,10 @@ from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 
 SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2")
+# No size in a config exceeds these: the largest models have about 10^2 layers, 10^5 widths and
+# 10^6 positions; a typo of 10^7 must be refused at once, not built layer by layer.
+MAX_LAYERS = 2**14
+MAX_SIZE = 2**24
 # What a model directory holds besides its weights that an export must carry: the config, the
 # generation settings, every tokenizer file and the chat template.
 TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -66,7 +70,12 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
         raise InputError(f"--model {path}: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
 
     def size(key: str, default=REQUIRED):
-        return c.get(key, "int", default, minimum=1)
+        value = c.get(key, "int", default, minimum=1)
+        most = MAX_LAYERS if key in ("n_layer", "num_hidden_layers") else MAX_SIZE
+        if value is not None and value > most:  # checked before anything is built from it
+            raise InputError(f"--model {path}: config.json {key} = {value} is beyond any model that can be built "
+                             f"(at most {most:,})")
+        return value
 
     def unsupported(what: str):
         raise InputError(f"--model {path}: {what} is not supported")
