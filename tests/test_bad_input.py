@@ -443,3 +443,12 @@ def test_confinement_of_manifest_names_and_model_files(hf, saved, tmp_path, caps
     message = one_line_exit_2(train_main, run + ["--export", str(tmp_path / "out")], capsys)
     assert "merges.txt is not a regular file inside the model directory" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_deeply_nested_json_is_one_line(hf, tmp_path, capsys):
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    assert "JSON nested too deeply" in one_line_exit_2(train_main, SINGLE + ["--topology", str(tmp_path / "deep.json")],
+                                                       capsys)
+    model = _copy(hf, "gpt2", tmp_path / "m")
+    (model / "config.json").write_text("[" * 100_000)
+    assert "config.json: JSON nested too deeply" in one_line_exit_2(train_main, SINGLE + ["--model", str(model)], capsys)

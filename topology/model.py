@@ -252,6 +252,8 @@ def load_topology_file(path: str | os.PathLike) -> Topology:
         d = json.loads(text)
     except json.JSONDecodeError as err:
         raise TopologyError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    except RecursionError:
+        raise TopologyError(f"{path}: not a topology file (JSON nested too deeply)") from None
     return topology_from_dict(d, str(path))
 
 

@@ -59,6 +59,8 @@ def _read_config(path: str) -> Fields:
         raise InputError(f"{source}: is not UTF-8 text") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    except RecursionError:
+        raise InputError(f"{source}: JSON nested too deeply") from None
 
 
 def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
