@@ -15,7 +15,7 @@ from mobius.metrics import Trace
 from mobius.optim import DynamicLossScaler
 from mobius.reference import DTYPES
 from mobius.runtime.device import open_device
-from mobius.runtime.inputs import make_batches, make_eval_batches, model_config_for
+from mobius.runtime.inputs import make_data, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.workers import (
@@ -55,7 +55,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],
                            setup["device_chunks"], DTYPES[spec.precision], cfg.seed, cfg.lr, cfg.steps, trace,
                            prefetch=cfg.chunk_prefetch)
-    batches = make_batches(cfg, model_config)
+    batches, held_out = make_data(cfg, model_config)
     device.start_steps()
     stop = install_stop(payload)
     start = 0
@@ -77,7 +77,6 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
         dist.barrier()
 
     header = payload["header"] + (f", resuming at step {start}" if start else "")
-    held_out = make_eval_batches(cfg, model_config)
     evaluate = (lambda done: engine.evaluate(held_out)) if held_out is not None else None
     history = run_steps(cfg, lambda step: engine.step(step, batches), header, start_step=start, save_fn=save,
                         stop=stop, agree=agree, main=rank == 0, eval_fn=evaluate)

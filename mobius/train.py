@@ -30,7 +30,7 @@ from mobius.models.hf import check_export_target, start_export
 from mobius.planner import check_host_memory_available
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
-from mobius.runtime.inputs import check_model_input, make_batches, make_eval_batches
+from mobius.runtime.inputs import check_model_input, make_data
 from mobius.runtime.loop import run_steps
 from mobius.spec import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
@@ -109,7 +109,7 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
     # The data, read and checked before any worker starts (each worker reads it again itself).
-    batches, held_out = make_batches(cfg, model_config), make_eval_batches(cfg, model_config)
+    batches, held_out = make_data(cfg, model_config)
     if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
         cfg.steps = max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9))
     print(f"data: {batches.describe()}; {cfg.steps} steps ({batches.epochs(cfg.steps):.2f} epochs) at peak lr "

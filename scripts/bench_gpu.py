@@ -258,7 +258,7 @@ def run_plain(args, cuda: bool, out_dir: str) -> dict:
     return row("plain pytorch (100% line)", pick, tokens, steady(times), model.num_parameters(), peak)
 
 
-# The 100% line first: a session with a GPU is short, and the baselines that offload are slow.
+# The 100% line first: time on a GPU is short, and the baselines that offload are slow.
 SYSTEMS = {f.__name__.removeprefix("run_"): f for f in (run_plain, run_mobius, run_chunked, run_fsdp2, run_deepspeed)}
 
 

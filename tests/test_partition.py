@@ -40,7 +40,7 @@ def test_mip_equals_exhaustive_optimum(seed):
     memory = tuple(int(rng.uniform(2.6, 8.0) * 1e9) for _ in range(n_gpus))
     bandwidth = tuple(rng.uniform(5e9, 15e9) for _ in range(n_gpus))
     machine = Machine(bandwidth, memory)
-    if seed % 2:  # what the runtime revealed (issue 15): the MIP must encode it as evaluate does
+    if seed % 2:  # what the runtime revealed: the MIP must encode it as evaluate does
         rc_of = [rng.randint(0, 1) for _ in range(n_gpus)]
         machine = Machine(bandwidth, memory, prefetch=rng.random() < 0.7, handoff_s=rng.uniform(0, 0.01),
                           micro_batch_s=rng.uniform(0, 0.01), stage_switch_s=rng.uniform(0, 0.05),

@@ -1,4 +1,4 @@
-"""Checkpoints, resume, signals, dead workers, numerics and bad input (issue 8)."""
+"""Checkpoints, resume, signals, dead workers, numerics and bad input."""
 
 import json
 import os

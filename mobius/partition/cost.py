@@ -20,7 +20,7 @@ mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its p
   activation reached host memory (``a/B_src``; no peer-to-peer) and the other worker got it
   (``h``, the hand-off latency); (10) one micro-batch at a time; (11) backward after forward.
 
-What the runtime showed, calibrated (issue 15): a stage's input (and in backward its output
+What the runtime showed, calibrated: a stage's input (and in backward its output
 gradient, and with recomputation its input again) is copied to the device *on the compute
 stream*, so a micro-batch occupies the device for ``a/B_dst`` on top of its compute, plus a fixed
 ``o`` per micro-batch in each pass (the runtime's own work; backward with recomputation is two
@@ -41,7 +41,7 @@ before ``j`` under its root complex (one optimizer thread per worker updates its
 order, each once its gradients are home; with ``--optimizer-lag``: the latest ``home_j`` and each
 worker's optimizer thread's total work).
 
-Contention (issue 15, measured under --emulate): copies of one direction share their GPU's link
+Contention (measured under --emulate): copies of one direction share their GPU's link
 and their root complex's bandwidth.  Stage loads use a share of the root complex among all the
 GPUs under it (``B_j``, by their links' busy fractions: every slot loads in the same phase); the
 copies on the critical path — stage inputs, output gradients and recomputed inputs on the compute

@@ -71,35 +71,46 @@ def _records(cfg: RunConfig) -> tuple[list[Record], list[Record], str]:
     return ([r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], fmt)
 
 
-def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | ExampleBatches:
-    """The run's batches: random windows of a text corpus, or packed (or padded) examples."""
+def make_data(cfg: RunConfig, model_config: GPTConfig) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
+    """The run's training batches (random windows of a text corpus, or packed or padded examples)
+    and its held-out examples (``--eval-data`` or ``--eval-split``, else None), from one reading
+    of the data and one tokenizer and template."""
     tokenizer = tokenizer_for(cfg.model)
     if cfg.data is None:
         corpus = load_corpus(None, tokenizer=tokenizer)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
-    records, _, fmt = _records(cfg)
+        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name), None
+    records, held_out, fmt = _records(cfg)
+    renderer = None
     if fmt == "text" and cfg.packing == "auto":  # a corpus: random windows, as in pre-training
         corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
-    packed, packing, describe = _packed(cfg, model_config, records, fmt, tokenizer)
-    return ExampleBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, packing, describe)
+        train = BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
+    else:
+        renderer = renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
+        packed, describe = _packed(cfg, model_config, records, fmt, tokenizer, renderer)
+        train = ExampleBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, cfg.packing != "off",
+                               describe)
+    if not (cfg.eval_data or cfg.eval_split):
+        return train, None
+    renderer = renderer or renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
+    packed, describe = _packed(cfg, model_config, held_out, fmt, tokenizer, renderer)
+    return train, EvalBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.packing != "off", describe)
+
+
+def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | ExampleBatches:
+    """The run's training batches (:func:`make_data`)."""
+    return make_data(cfg, model_config)[0]
 
 
 def make_eval_batches(cfg: RunConfig, model_config: GPTConfig) -> EvalBatches | None:
-    """The held-out examples (``--eval-data`` or ``--eval-split``), or None."""
-    if not (cfg.eval_data or cfg.eval_split):
-        return None
-    _, held_out, fmt = _records(cfg)
-    packed, packing, describe = _packed(cfg, model_config, held_out, fmt, tokenizer_for(cfg.model))
-    return EvalBatches(packed, cfg.micro_batch_size, cfg.micro_batches, packing, describe)
+    """The run's held-out examples, or None (:func:`make_data`)."""
+    return make_data(cfg, model_config)[1]
 
 
-def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt: str, tokenizer):
+def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt: str, tokenizer, renderer):
     """Examples rendered with the model's template and packed (or padded) into sequences."""
     packing = cfg.packing != "off"
-    renderer = renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
     packed = pack([renderer.render(r) for r in records], cfg.seq_len, packing, cfg.seed, cfg.truncate)
     _check_vocabulary(cfg, model_config, int(packed.tokens.max()), tokenizer.name)
     trained = int((packed.targets >= 0).sum())
@@ -107,7 +118,7 @@ def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt:
                 f"{'packed into' if packing else 'padded to'} {packed.tokens.shape[0]:,} sequences"
                 + (f", {packed.truncated} truncated to --seq-len" if packed.truncated else "")
                 + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}")
-    return packed, packing, describe
+    return packed, describe
 
 
 def _check_vocabulary(cfg: RunConfig, model_config: GPTConfig, largest: int, tokenizer: str) -> None:

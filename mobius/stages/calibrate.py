@@ -1,4 +1,4 @@
-"""What the pipeline runtime itself costs on this machine, measured by running it (issue 15): the
+"""What the pipeline runtime itself costs on this machine, measured by running it: the
 cost model's per-micro-batch work ``o``, per-stage-switch work ``w`` and hand-off ``h`` of an
 activation between two workers.  The layer profile cannot see them: they are the runtime's own work
 (stream and sender threads, gloo, events, memory accounting, Python), not the layers'.

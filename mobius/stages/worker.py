@@ -27,7 +27,8 @@ from mobius.optim import DynamicLossScaler, lr_at
 from mobius.reference import DTYPES
 from mobius.runtime.device import Device, open_device
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
-from mobius.runtime.inputs import make_batches, make_eval_batches, model_config_for
+from mobius.data.packing import EvalBatches
+from mobius.runtime.inputs import make_data, model_config_for
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.stages.schedule import StageRunner
@@ -118,7 +119,7 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
         runner.optimizer.drain()
         _save(cfg, store, scaler, model_config, done, rank)
 
-    held_out = make_eval_batches(cfg, model_config)
+    held_out = parts.held_out  # None when the run does not evaluate
 
     def evaluate(done: int) -> float:
         local = sum(runner.evaluate(held_out.pass_batches(k), done) for k in range(held_out.passes))
@@ -156,6 +157,7 @@ class WorkerParts:
     prefetcher: Prefetcher
     runner: StageRunner
     device: Device
+    held_out: EvalBatches | None  # the run's held-out examples, if it evaluates
 
     def close(self) -> None:
         self.prefetcher.close()
@@ -175,9 +177,10 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
                            DTYPES[spec.precision], device, cfg.optimizer_lag)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
-    runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, make_batches(cfg, model_config), device,
+    batches, held_out = make_data(cfg, model_config)
+    runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
                          cfg.steps, cfg.lr, scaler, transport)
-    return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device)
+    return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 
 def _inject_fault(rank: int, step: int) -> None:
