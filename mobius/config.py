@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mobius.config_sources import layered_argv
 from mobius.data.records import FORMATS
-from mobius.errors import InputError
+from mobius.errors import InputError, shown
 from mobius.models.lora import LORA_MODULES
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
@@ -105,7 +105,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2."""
 
     def error(self, message: str):  # type: ignore[override]
-        print(f"error: {message} (see --help)", file=sys.stderr)
+        print(f"error: {shown(message)} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
 

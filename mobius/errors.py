@@ -11,6 +11,12 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
+def shown(text: object) -> str:
+    """``text`` (a path, a message) with control characters escaped, so that a file name holding a
+    newline cannot split a one-line message or forge a second ``error:`` line."""
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(text))
+
+
 class InputError(Exception):
     """A problem with what the user gave us (arguments, files, memory budgets)."""
 
@@ -29,10 +35,10 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
         try:
             return main(*args, **kwargs)
         except InputError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {shown(err)}", file=sys.stderr)
             raise SystemExit(2)
         except RunError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {shown(err)}", file=sys.stderr)
             raise SystemExit(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
+from mobius.errors import shown
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
@@ -101,7 +102,7 @@ def run_workers(n: int, entry, payload: dict) -> dict:
         if signals.aborted:
             print(f"interrupted ({signal.Signals(signals.aborted).name}) before training started", file=sys.stderr)
             raise SystemExit(128 + signals.aborted) from None
-        print(f"error: {describe_failure(err)}", file=sys.stderr)
+        print(f"error: {shown(describe_failure(err))}", file=sys.stderr)
         raise SystemExit(1)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)  # made by mkdtemp above: ours

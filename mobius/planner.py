@@ -11,14 +11,12 @@ this machine (:func:`runtime_costs`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 
+from mobius.cache import Cache, key_of
 from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
@@ -37,6 +35,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import (
     DTYPES,
+    MAX_TIME_S,
     Profile,
     analytic_efficiency,
     analytic_profile,
@@ -49,7 +48,9 @@ from mobius.runtime.spec import Plan, StagePlan
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import Topology
 
-CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
+PROFILES = Cache("profiles", "profile")
+RUNTIME_COSTS = Cache("runtime", "runtime calibration")
+PLANS = Cache("plans", "plan")
 # Host bytes per trained parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient,
 # plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
 # parameter (LoRA's base weights) is held once, in the compute dtype.
@@ -89,10 +90,6 @@ COST_MODEL_VERSION = 7
 PROFILE_VERSION = 3
 
 
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
                 precision: str, how: str = "auto") -> Profile:
     """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
@@ -107,20 +104,15 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    key = _hash([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device,
-                 cuda_device_name(), torch.__version__, workers, topo.n])
-    path = CACHE_DIR / "profiles" / f"{key}.json"
-    if path.is_file():
-        try:
-            cached = Profile.load(path)
-            if still_holds(cached, config, precision, device, workers):
-                return cached
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # a damaged cache entry is re-measured
+    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device,
+                  cuda_device_name(), torch.__version__, workers, topo.n])
+    cached = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
+    if cached is not None and still_holds(cached, config, precision, device, workers):
+        return cached
     profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
                               host_workers=topo.n)
     profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
-    _save_quietly(path, profile.to_dict())
+    PROFILES.put(key, profile.to_dict())
     return profile
 
 
@@ -137,13 +129,11 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
     if device != "cpu":
         return {"handoff_s": gloo}
     threads = cpu_threads_per_worker(workers)
-    path = CACHE_DIR / "runtime" / f"{_hash([CALIBRATION_VERSION, torch.__version__, os.cpu_count(), threads])}.json"
-    try:
-        found = json.loads(path.read_text())
-        costs = {k: float(found[k]) for k in ("micro_batch_s", "stage_switch_s", "handoff_s")}
-    except (OSError, ValueError, TypeError, KeyError):
+    key = key_of([CALIBRATION_VERSION, torch.__version__, os.cpu_count(), threads])
+    costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
+    if costs is None:
         costs = measure_runtime_costs(workers)
-        _save_quietly(path, costs)
+        RUNTIME_COSTS.put(key, costs)
     return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
 
 
@@ -156,14 +146,13 @@ def still_holds(profile: Profile, config: GPTConfig, precision: str, device: str
     return abs(fwd_bwd / max(layer.fwd_s + layer.bwd_s, 1e-12) - 1) <= REVALIDATE_TOLERANCE
 
 
-def _save_quietly(path: Path, data: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the cache is an optimisation only
+def _runtime_costs_of(found: dict) -> dict[str, float]:
+    """A cached calibration: each cost a finite number of seconds, at least zero."""
+    costs = {k: found[k] for k in ("micro_batch_s", "stage_switch_s", "handoff_s")}
+    for k, v in costs.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TIME_S:
+            raise ValueError(f"{k} is {v!r}, not a time")
+    return {k: float(v) for k, v in costs.items()}
 
 
 def check_host_memory(model_name: str, config: GPTConfig, topo: Topology, precision: str) -> None:
@@ -242,14 +231,11 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
-    key = _hash([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                 stages, with_baselines, mapping, prefetch, optimizer_lag])
-    cache = CACHE_DIR / "plans" / f"{key}.json"
-    if use_cache and cache.is_file():
-        try:
-            return Plan.from_dict(json.loads(cache.read_text()))
-        except (OSError, ValueError, TypeError, KeyError):
-            pass
+    key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
+                  stages, with_baselines, mapping, prefetch, optimizer_lag])
+    cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
+    if cached is not None:
+        return cached
 
     def settled(bounds, placement=assumed):
         """The partition's machine and step with the contention of its own schedule."""
@@ -313,5 +299,5 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                 baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
                 host_costs=asdict(profile.host), lane_floor_s=floor)
     if use_cache:
-        _save_quietly(cache, plan.to_dict())
+        PLANS.put(key, plan.to_dict())
     return plan

@@ -136,17 +136,17 @@ def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch
         calibrations.append(workers)
         return {"micro_batch_s": 1e-4, "stage_switch_s": 2e-4, "handoff_s": 3e-4}
 
-    monkeypatch.setattr(planner, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
     monkeypatch.setattr(planner, "measure_runtime_costs", calibrate)
     config, topo = get_config("tiny"), cpu_topology(2)
     first = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     assert first.extra["workers"] == 2 and first.host.adam_params_per_s > 0
     assert (first.host.micro_batch_s, first.host.stage_switch_s) == (1e-4, 2e-4) and first.host.handoff_s >= 3e-4
     (path,) = (tmp_path / "profiles").glob("*.json")
-    stale = Profile.load(path)
+    stale = Profile.from_dict(first.to_dict())
     for layer in stale.layers:
         layer.fwd_s, layer.bwd_s = layer.fwd_s * 100, layer.bwd_s * 100
-    stale.save(path)
+    planner.PROFILES.put(path.stem, stale.to_dict())  # a valid entry the machine no longer matches
     fresh = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     costliest = max(range(fresh.n), key=lambda i: stale.layers[i].fwd_s + stale.layers[i].bwd_s)
     assert fresh.layers[costliest].fwd_s < stale.layers[costliest].fwd_s / 10
@@ -175,7 +175,7 @@ def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_pat
     from mobius import planner
     from topology import cpu_topology
 
-    monkeypatch.setattr(planner, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
     config, topo = get_config("tiny"), cpu_topology(2)
     profile = analytic_profile("tiny", config, 2, 16, 0.05, "fp32")
     profile.host = replace(profile.host, handoff_s=10.0, micro_batch_s=1.0)
@@ -227,3 +227,58 @@ def test_presets_carry_tensor_core_peaks_and_the_host_bandwidth_sets_the_adam_ra
     assert analytic_efficiency("NVIDIA H100 80GB HBM3") == pytest.approx((239.2 / 989.4, "measured on H100"))
     box.save(tmp_path / "box.json")
     assert load_topology_file(tmp_path / "box.json").host_memory_bandwidth_gbps == 154.0
+
+
+def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """Whatever an entry of the plan or calibration cache holds (an edited plan that puts a layer in
+    two stages with its digest recomputed, bytes changed under the digest, JSON nested a million deep,
+    a NaN cost), it is never used: one line names it, it is set aside, and it is made again."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from mobius import planner
+    from mobius.cache import _digest
+    from topology import cpu_topology
+
+    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
+    config, topo = get_config("tiny"), cpu_topology(2)
+    profile = analytic_profile("tiny", config, 2, 16, 0.05, "fp32")
+    plan = planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile)
+    (entry,) = (tmp_path / "plans").glob("*.json")
+    payload = json.loads(entry.read_text())["payload"]
+    assert payload["bounds"] == [list(b) for b in plan.bounds] and len(plan.bounds) >= 2
+    overlapping = dict(payload, bounds=[[0, plan.bounds[0][1] + 1]] + [list(b) for b in plan.bounds[1:]])
+    tampered = {"do not cover layers": json.dumps({"sha256": _digest(overlapping), "payload": overlapping}),
+                "does not match its digest": entry.read_text().replace('"recompute": true', '"recompute": false'),
+                "nested too deeply": "[" * 10**6 + "]" * 10**6}
+    for reason, text in tampered.items():
+        entry.write_text(text)
+        capsys.readouterr()
+        again = planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile)
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert (again.bounds, again.predicted_step_s) == (plan.bounds, plan.predicted_step_s)
+        assert line.startswith(f"note: cached plan {entry} is not usable (") and reason in line and line.endswith(
+            f"; set aside as {entry}.bad, rebuilding it"), line
+        assert Path(f"{entry}.bad").read_text() == text
+        assert json.loads(entry.read_text())["payload"]["bounds"] == payload["bounds"]  # made again
+
+    monkeypatch.setattr(planner, "measure_runtime_costs", lambda workers: {"micro_batch_s": 1e-4,
+                                                                           "stage_switch_s": 2e-4, "handoff_s": 3e-4})
+    key = planner.key_of([planner.CALIBRATION_VERSION, torch.__version__, os.cpu_count(),
+                          planner.cpu_threads_per_worker(2)])
+    planner.RUNTIME_COSTS.put(key, {"micro_batch_s": float("nan"), "stage_switch_s": 1e300, "handoff_s": -1})
+    costs = planner.runtime_costs(profile, "cpu", 2)
+    assert costs["micro_batch_s"] == 1e-4
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("note: cached runtime calibration ") and "(micro_batch_s is nan, not a time)" in line
+
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("the user's")
+    monkeypatch.setattr("mobius.cache.CACHE_DIR", not_a_directory)
+    assert planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile).bounds == plan.bounds
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"note: cannot write the plans cache under {not_a_directory} (Not a directory); going on without it"]
+    assert not_a_directory.read_text() == "the user's"

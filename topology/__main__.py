@@ -34,9 +34,14 @@ def render(topo: Topology) -> str:
     return "\n".join(lines)
 
 
+def _one_line(message: object) -> str:
+    """Control characters escaped: a path holding a newline cannot split the message."""
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(message))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
-        print(f"error: {message} (see --help)", file=sys.stderr)
+        print(f"error: {_one_line(message)} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.write:
             topo.save(args.write)
     except TopologyError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2)
     print(json.dumps(topo.to_dict(), indent=2) if args.json else render(topo))
 

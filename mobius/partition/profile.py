@@ -134,6 +134,25 @@ class Profile:
         d["host"] = HostCosts(**d.get("host", {}))
         return cls(**d)
 
+    def checked(self, layers: int) -> "Profile":
+        """This profile, if it can describe a model of ``layers`` layers: times finite and positive,
+        sizes whole and not negative; else a ``ValueError`` saying what is wrong."""
+        if self.n != layers:
+            raise ValueError(f"it has {self.n} layers, the model {layers}")
+        for layer in self.layers:
+            for key in ("fwd_s", "bwd_s"):
+                if not _number(getattr(layer, key), positive=True, most=MAX_TIME_S):
+                    raise ValueError(f"{layer.name}: {key} is {getattr(layer, key)!r}, not a positive time")
+            for key in ("param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes"):
+                value = getattr(layer, key)
+                if not (value is None and key == "grad_bytes") and not (_number(value) and value == int(value)):
+                    raise ValueError(f"{layer.name}: {key} is {value!r}, not a byte count")
+        for key, value in asdict(self.host).items():
+            rate = key == "adam_params_per_s"
+            if not _number(value, positive=rate, most=MAX_AMOUNT if rate else MAX_TIME_S):
+                raise ValueError(f"host cost {key} is {value!r}")
+        return self
+
     def save(self, path: str | os.PathLike) -> None:
         tmp = Path(str(path) + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
@@ -142,6 +161,16 @@ class Profile:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# Beyond these a cached number is not a measurement (and would overflow the solver's coefficients).
+MAX_TIME_S, MAX_AMOUNT = 1e6, 2.0**50  # seconds; bytes or parameters per second
+
+
+def _number(value, positive: bool = False, most: float = MAX_AMOUNT) -> bool:
+    """A number in [0, most] (above zero when ``positive``); not a bool."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most
+    return ok and (value > 0 or not positive)
 
 
 def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:

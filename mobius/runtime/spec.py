@@ -71,6 +71,23 @@ class Plan:
         d["bounds"] = [tuple(b) for b in d["bounds"]]
         return cls(**d)
 
+    def checked(self, layers: int, workers: int) -> "Plan":
+        """This plan, if it runs a model of ``layers`` layers on ``workers`` workers: its stages
+        cover each layer exactly once, in order, each stage on a worker that exists and every
+        worker given a stage; else a ``ValueError`` saying what is wrong."""
+        ends = [0] + [end for _, end in self.bounds]
+        whole = all(type(x) is int for b in self.bounds for x in b)
+        if not whole or [start for start, _ in self.bounds] != ends[:-1] or ends[-1] != layers or any(
+                end <= start for start, end in self.bounds):
+            raise ValueError(f"its stages {self.bounds} do not cover layers 0-{layers - 1} once each, in order")
+        if [tuple(s.layers) for s in self.stages] != list(self.bounds):
+            raise ValueError("its stage table does not match its stages")
+        if sorted(self.order) != list(range(workers)):
+            raise ValueError(f"its mapping {self.order} does not give each of {workers} workers a place")
+        if not (isinstance(self.predicted_step_s, (int, float)) and 0 < self.predicted_step_s < float("inf")):
+            raise ValueError(f"its predicted step {self.predicted_step_s!r} is not a positive time")
+        return self
+
     def render(self) -> str:
         lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
                  f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",

@@ -1,0 +1,116 @@
+"""The on-disk cache under ``~/.cache/mobius`` (or ``$MOBIUS_CACHE``): measured profiles, the
+runtime's calibrated costs and plans, one JSON file per entry.
+
+An entry is trusted only when its bytes parse, the SHA-256 it carries matches its payload and the
+caller's check accepts the payload (a plan covers each layer once, costs are finite and positive):
+an edited or damaged entry is named in one line, set aside as ``NAME.bad`` and rebuilt, never
+trained on.  Entries are written atomically under an exclusive lock.  The cache only saves time:
+a cache directory that cannot be read or written is said once, and the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from mobius.checks import parse_json
+from mobius.errors import InputError, shown
+
+T = TypeVar("T")
+
+CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
+MAX_ENTRY_BYTES = 64 * 2**20  # a plan or profile of 2^14 layers is a few MB
+
+
+class BadEntry(ValueError):
+    """A cache entry's payload does not describe what it is cached for."""
+
+
+def key_of(obj: Any) -> str:
+    """The file name of what ``obj`` (JSON-able) describes."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+class Cache:
+    """The entries of one kind: ``kind`` names their directory, ``what`` one entry in messages."""
+
+    def __init__(self, kind: str, what: str):
+        self.kind, self.what = kind, what
+
+    @property
+    def directory(self) -> Path:
+        return CACHE_DIR / self.kind  # read at each use: tests point CACHE_DIR elsewhere
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def get(self, key: str, accept: Callable[[Any], T]) -> T | None:
+        """The entry's payload as ``accept`` makes it, or None when there is none or it is bad
+        (then it is set aside).  ``accept`` raises :class:`BadEntry` (or ``ValueError``,
+        ``TypeError``, ``KeyError``) for a payload it cannot use."""
+        path = self.path(key)
+        try:
+            if not path.is_file():
+                return None
+            if path.stat().st_size > MAX_ENTRY_BYTES:
+                raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes")
+            entry = parse_json(path.read_bytes(), shown(path))
+            if not isinstance(entry, dict) or set(entry) != {"sha256", "payload"}:
+                raise BadEntry("not an entry written by mobius")
+            if entry["sha256"] != _digest(entry["payload"]):
+                raise BadEntry("its content does not match its digest (edited or damaged)")
+            return accept(entry["payload"])
+        except PermissionError as err:
+            _say_once(f"cannot read the {self.kind} cache ({err.strerror}: {shown(path)}); going on without it")
+            return None
+        except OSError as err:
+            _say_once(f"cannot read the {self.kind} cache ({err.strerror}); going on without it")
+            return None
+        except (InputError, BadEntry, ValueError, TypeError, KeyError, AttributeError) as err:
+            self._set_aside(path, str(err) or type(err).__name__)
+            return None
+
+    def put(self, key: str, payload: Any) -> None:
+        """Write the entry atomically (a unique temporary file renamed over it) under the entry's lock."""
+        path = self.path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.directory / f".{key}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
+                try:
+                    tmp.write_text(json.dumps({"sha256": _digest(payload), "payload": payload}))
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as err:
+            _say_once(f"cannot write the {self.kind} cache under {shown(CACHE_DIR)} ({err.strerror}); "
+                      "going on without it")
+
+    def _set_aside(self, path: Path, reason: str) -> None:
+        aside = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, aside)
+            where = f"set aside as {shown(aside)}"
+        except OSError:
+            where = "left in place"
+        print(f"note: cached {self.what} {shown(path)} is not usable ({reason}); {where}, rebuilding it",
+              file=sys.stderr, flush=True)
