@@ -73,7 +73,8 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
             ck.write_tensors(staging, "weights.safetensors", weights)
             ck.write_tensors(staging, "optimizer.safetensors", optim)
             ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
-            ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, DynamicLossScaler(False)))
+            ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, DynamicLossScaler(False),
+                                                         payload.get("inputs")))
         dist.barrier()
 
     header = payload["header"] + (f", resuming at step {start}" if start else "")

@@ -246,15 +246,61 @@ def open_for_resume(cfg, model_config) -> Checkpoint:
     return ckpt
 
 
+def _tree_digest(path: Path, pattern: str = "*") -> str:
+    """SHA-256 over the names and contents of ``path`` (a file, or the files under a directory
+    matching ``pattern``, hidden ones aside)."""
+    if path.is_file():
+        return ownership.sha256_of(path)
+    files = sorted(f for f in path.rglob(pattern) if f.is_file() and not any(
+        part.startswith(".") for part in f.relative_to(path).parts))
+    listing = [(str(f.relative_to(path)), ownership.sha256_of(f)) for f in files]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def input_digests(cfg, model_config) -> dict[str, str]:
+    """SHA-256s of what the run trains from, recorded in its checkpoints: the data, the chat
+    template, and the base weights of a Hugging Face model (LoRA trains on them; a full fine-tune
+    starts from them).  Computed once, by the launching process, and only for a run that saves
+    or resumes."""
+    if not (cfg.save or cfg.resume):
+        return {}
+    found = {}
+    if cfg.data:
+        found["data"] = _tree_digest(Path(cfg.data))
+    if cfg.chat_template:
+        found["chat template"] = _tree_digest(Path(cfg.chat_template))
+    if model_config.checkpoint:
+        found["base weights"] = _tree_digest(Path(model_config.checkpoint), "*.safetensors")
+    return found
+
+
+def check_inputs(cfg, digests: dict[str, str]) -> None:
+    """A resume trains from the inputs its checkpoint was trained from, unless the user says
+    otherwise (``--resume-with-changes``, which says what changed)."""
+    ckpt = load_checkpoint(cfg.resume, verify=False)
+    recorded = ckpt.manifest.get("inputs")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    changed = [what for what, digest in digests.items() if what in recorded and recorded[what] != digest]
+    if not changed:
+        return
+    what = " and ".join(changed)
+    if not getattr(cfg, "resume_with_changes", False):
+        raise CheckpointError(f"--resume {ckpt.directory}: the {what} changed since the checkpoint was written "
+                              "(SHA-256 differs); pass --resume-with-changes to train on them as they are now")
+    print(f"note: resuming with changed {what} (--resume-with-changes)", flush=True)
+
+
 def run_config(directory: str) -> dict:
     """The resolved configuration of the run a checkpoint continues (empty for older checkpoints)."""
     return dict(load_checkpoint(directory, verify=False).manifest.get("config") or {})
 
 
-def run_meta(cfg, model_config: dict, step: int, scaler) -> dict:
-    """The manifest's account of the run: its settings (checked on resume) and its whole resolved
-    configuration (``--resume DIR`` alone continues with it)."""
+def run_meta(cfg, model_config: dict, step: int, scaler, inputs: dict[str, str] | None = None) -> dict:
+    """The manifest's account of the run: its settings (checked on resume), the digests of its
+    inputs (:func:`input_digests`) and its whole resolved configuration (``--resume DIR`` alone
+    continues with it)."""
     return {"step": step, "model": cfg.model, "model_config": model_config, "backend": cfg.backend,
+            "inputs": inputs or {},
             **{k: _setting(cfg, k) for k in RUN_SETTINGS}, "config": stored_config(cfg.to_dict()),
             "loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps,
             "skipped_steps": scaler.skipped_steps}

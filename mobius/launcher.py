@@ -36,7 +36,9 @@ from mobius.stages import worker as pipeline_worker
 from topology import Topology
 
 
-def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
+def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
+                    inputs: dict[str, str] | None = None):
+    """``inputs``: the digests the run's checkpoints record (:func:`mobius.checkpoint.input_digests`)."""
     spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(model_config, device="meta").num_parameters()
     emulating = f", {EmulationSpec.from_dict(spec.emulation).header()}" if spec.emulation else ""
@@ -45,7 +47,8 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {_seconds(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
-    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
+    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
+               "inputs": inputs}
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
     payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
@@ -108,7 +111,8 @@ def run_workers(n: int, entry, payload: dict) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # made by mkdtemp above: ours
 
 
-def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False):
+def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
+                   inputs: dict[str, str] | None = None):
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher."""
     spec = prepare_chunked(cfg, topo)
     setup = spec.chunked
@@ -118,7 +122,8 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup['chunk_size']} elements, "
               f"rCache {setup['n_block']} blocks, {on_device} of {setup['n_chunks']} chunks on the device, "
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {spec.precision}")
-    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights}
+    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
+               "inputs": inputs}
     results = run_workers(topo.n, chunked_worker.worker_main, payload)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history

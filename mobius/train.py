@@ -53,7 +53,8 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
         check_export_target(model_config, out, option)
 
 
-def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out) -> list[StepMetrics]:
+def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
+                 inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     resolve_precision(cfg, device.type == "cuda")
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
@@ -79,7 +80,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out) -> 
             ck.write_tensors(staging, "lagged-weights.safetensors",
                              {ck.LAGGED + n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
-        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler))
+        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
 
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
@@ -108,6 +109,9 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
+    inputs = ck.input_digests(cfg, model_config)
+    if cfg.resume:
+        ck.check_inputs(cfg, inputs)
     # The data, read and checked before any worker starts (each worker reads it again itself).
     batches, held_out = make_data(cfg, model_config)
     if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
@@ -120,10 +124,10 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     backend, topo = resolve_backend(cfg)
     validate_for_backend(cfg, backend)
     if backend == "single":
-        return train_single(cfg, model_config, batches, held_out)
+        return train_single(cfg, model_config, batches, held_out, inputs)
     if backend == "chunked":
-        return launch_chunked(cfg, model_config, topo)
-    return launch_pipeline(cfg, model_config, topo)
+        return launch_chunked(cfg, model_config, topo, inputs=inputs)
+    return launch_pipeline(cfg, model_config, topo, inputs=inputs)
 
 
 @exits_cleanly

@@ -141,6 +141,35 @@ def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before if k.endswith("q_proj.weight"))
 
 
+def test_a_resume_notices_changed_base_weights_and_data(hf_dirs, tmp_path, capsys):
+    """The checkpoint records the SHA-256 of the base weights and of the data: a resume on other
+    bytes under the same paths is refused in one line, or goes on under --resume-with-changes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_bad_input import one_line_exit_2
+
+    model, data, saved = tmp_path / "model", tmp_path / "data.txt", tmp_path / "ck"
+    shutil.copytree(hf_dirs["gpt2"], model)
+    data.write_text("the user's text. " * 300)
+    args = ["--model", str(model), "--data", str(data), "--backend", "single", "--steps", "4", "--micro-batches", "2",
+            "--micro-batch-size", "2", "--seq-len", "16", "--lora-rank", "4", "--no-progress"]
+    main(args + ["--stop-after", "2", "--save", str(saved)])
+    weights = load_file(str(model / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1
+    save_file(weights, str(model / "model.safetensors"))
+    capsys.readouterr()
+    assert one_line_exit_2(main, args + ["--resume", str(saved)], capsys) == (
+        f"error: --resume {saved}: the base weights changed since the checkpoint was written (SHA-256 differs); "
+        "pass --resume-with-changes to train on them as they are now")
+    data.write_text("other text. " * 300)
+    assert "the data and base weights changed" in one_line_exit_2(main, args + ["--resume", str(saved)], capsys)
+    main(args + ["--resume", str(saved), "--save", str(saved), "--resume-with-changes"])
+    assert "note: resuming with changed data and base weights (--resume-with-changes)" in capsys.readouterr().out
+    assert ck.load_checkpoint(saved).step == 4
+
+
 def test_lora_checkpoint_resumes_exactly(hf_dirs, tmp_path):
     path, a, b = hf_dirs["gpt2"], tmp_path / "a", tmp_path / "b"
     args = ["--model", path, "--backend", "single", "--steps", "6", "--micro-batches", "2", "--micro-batch-size", "2",

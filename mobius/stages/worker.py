@@ -117,7 +117,7 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
 
     def save(done: int) -> None:
         runner.optimizer.drain()
-        _save(cfg, store, scaler, model_config, done, rank)
+        _save(cfg, store, scaler, model_config, done, rank, payload.get("inputs"))
 
     held_out = parts.held_out  # None when the run does not evaluate
 
@@ -198,7 +198,8 @@ def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]
     return {n: p for n, p in host.trained() if n not in aliases}
 
 
-def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int) -> None:
+def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int,
+          inputs: dict | None) -> None:
     """Every worker writes its stages' shards; rank 0 checksums them and swaps the checkpoint in."""
     staging = ck.staging_dir(cfg.save)
     if rank == 0:
@@ -215,7 +216,7 @@ def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, mode
         ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
     dist.barrier()
     if rank == 0:
-        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, scaler))
+        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, scaler, inputs))
     dist.barrier()
 
 
