@@ -30,7 +30,7 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def worker_main(payload: dict) -> dict:
-    die_with_parent()
+    die_with_parent(payload)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = payload["spec"]["cuda"]
     # On GPUs the collectives of device chunks go through NCCL, those of offloaded chunks (host

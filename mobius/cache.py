@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
 MAX_ENTRY_BYTES = 64 * 2**20  # a plan or profile of 2^14 layers is a few MB
+ENTRY_FORMAT = 1  # part of every key: entries of another layout are simply not found
 
 
 class BadEntry(ValueError):
@@ -33,7 +34,7 @@ class BadEntry(ValueError):
 
 def key_of(obj: Any) -> str:
     """The file name of what ``obj`` (JSON-able) describes."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return hashlib.sha256(json.dumps([ENTRY_FORMAT, obj], sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def _digest(payload: Any) -> str:

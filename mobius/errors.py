@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -25,13 +26,26 @@ class RunError(Exception):
     """The run cannot go on (a non-finite loss, a failed worker): one line, exit status 1."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception, like Ctrl-C's: ``finally`` blocks and context managers then clean
+    up (temporary directories, calibration workers) whatever phase the command is in."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a command's ``main`` so an :class:`InputError` prints one line and exits 2."""
+    """Wrap a command's ``main`` so an :class:`InputError` prints one line and exits 2, and a
+    SIGINT or SIGTERM (outside training, which handles its own) one line and exits 128 + signal."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        ours = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_importing)
+        previous = signal.signal(signal.SIGTERM, _terminate) if ours else None
         try:
             return main(*args, **kwargs)
         except InputError as err:
@@ -40,19 +54,24 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
         except RunError as err:
             print(f"error: {shown(err)}", file=sys.stderr)
             raise SystemExit(1)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            raise SystemExit(130)
+        except KeyboardInterrupt as err:
+            signum = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
+            print(f"interrupted ({signum.name})", file=sys.stderr)
+            raise SystemExit(128 + signum)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
 
 def _interrupted_while_importing(signum, frame) -> None:
-    print("interrupted", file=sys.stderr, flush=True)
+    print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
     os._exit(128 + signum)
 
 
 def quiet_interrupts_while_importing() -> None:
     """A command module calls this first: Ctrl-C while torch is still importing (seconds) is one
-    line and exit 130, like Ctrl-C later, not a traceback.  ``exits_cleanly`` takes over."""
+    line and exit 130, like Ctrl-C later, not a traceback (SIGTERM: 143).  ``exits_cleanly`` takes over."""
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+    signal.signal(signal.SIGTERM, _interrupted_while_importing)

@@ -18,6 +18,7 @@ import uuid
 
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -53,6 +54,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     wanted = cfg.exports()
     payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
     with tempfile.TemporaryDirectory(prefix="mobius-links-") as links:  # ours: made here, removed here
+        payload["scratch"] = [links]
         if spec.emulation:
             counters = str(Path(links) / "counters")
             create_counters(counters, topo.n)
@@ -91,11 +93,14 @@ def run_workers(n: int, entry, payload: dict) -> dict:
     # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
     # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT/SIGTERM: ours
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     run_dir = tempfile.mkdtemp(prefix="mobius-run-")
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT/SIGTERM: ours
+                          logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
+    payload["launcher_pid"] = os.getpid()
+    payload["scratch"] = payload.get("scratch", []) + [run_dir]  # the workers remove them if we are killed
     signals = LauncherSignals(run_dir)
     payload["stop_file"], payload["started_file"] = str(signals.stop.stop_file), str(signals.started_file)
     try:

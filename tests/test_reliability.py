@@ -248,17 +248,48 @@ def test_killed_worker_leaves_no_orphans(tmp_path):
 PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000"]
 
 
+def _scratch(tmp_path: Path, tag: str) -> dict[str, str]:
+    """The environment of a run whose temporary directories all go under ``tmp_path/tmp`` (torch's
+    own compile cache elsewhere) and whose processes carry ``tag``."""
+    (tmp_path / "tmp").mkdir()
+    return {"MOBIUS_TEST_TAG": tag, "TMPDIR": str(tmp_path / "tmp"),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+
+def _gone(tag: str, scratch: Path, within: float = 10) -> bool:
+    """No process carrying ``tag`` and nothing left in the run's temporary directory ``scratch``."""
+    t0 = time.monotonic()
+    while (_tagged(tag) or any(scratch.iterdir())) and time.monotonic() - t0 < within:
+        time.sleep(0.2)
+    return not _tagged(tag) and not any(scratch.iterdir())
+
+
 def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
-    tag = uuid.uuid4().hex
-    p = _spawn(PIPELINE + ["--metrics", "m.jsonl"], tmp_path, env={"MOBIUS_TEST_TAG": tag})
+    """Killed while training: the workers remove the launcher's temporary directories and die."""
+    tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
+    p = _spawn(PIPELINE + ["--metrics", "m.jsonl"], tmp_path, env=_scratch(tmp_path, tag))
     _wait_for_step(tmp_path / "m.jsonl", 1)
-    assert len(_tagged(tag)) >= 3  # the launcher and two workers
+    assert len(_tagged(tag)) >= 3 and any(scratch.iterdir())  # the launcher and two workers; its run directories
     p.kill()
     p.communicate()
+    assert _gone(tag, scratch)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
+    """The first plan on a machine calibrates the runtime with two worker processes.  SIGTERM then
+    is one line and exit 143; SIGKILL of the launcher leaves no worker and no temporary directory."""
+    tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
+    p = _spawn(PIPELINE, tmp_path, env={**_scratch(tmp_path, tag), "MOBIUS_CACHE": str(tmp_path / "cache")})
     t0 = time.monotonic()
-    while _tagged(tag) and time.monotonic() - t0 < 10:
-        time.sleep(0.2)
-    assert _tagged(tag) == []
+    while not (list(scratch.glob("mobius-calibration-*")) and len(_tagged(tag)) >= 3) and time.monotonic() - t0 < 120:
+        time.sleep(0.1)
+    assert list(scratch.glob("mobius-calibration-*")), "calibration did not start"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL if sig == signal.SIGKILL else (
+        p.returncode == 143 and err.strip().splitlines() == ["interrupted (SIGTERM)"]), err
+    assert _gone(tag, scratch)
 
 
 def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import socket
 import statistics
 import tempfile
@@ -40,6 +42,7 @@ from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
 from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
+from mobius.workers import die_with_parent
 from topology import cpu_topology
 
 CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again
@@ -70,9 +73,13 @@ def _plan(stages: int, micro_batches: int) -> Plan:
                                   c.mem_bwd, c.grad_bytes) for j, c in enumerate(costs)])
 
 
-def _worker(rank: int, port: int, threads: int, steps: int, out: str) -> None:
+def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: dict) -> None:
     """One calibration worker process: every configuration in turn; a step takes as long as the
-    slower worker, and rank 0 writes each configuration's fastest step to ``out``."""
+    slower worker, and rank 0 writes each configuration's fastest step to ``out``.  Signals are
+    the launcher's to handle: it ends us, and we end with it (``parent``)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(parent)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
                             timeout=datetime.timedelta(seconds=120))
@@ -110,7 +117,16 @@ def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, i
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="mobius-calibration-") as tmp:
         out = str(Path(tmp) / "times.json")
-        mp.start_processes(_worker, args=(port, threads, steps, out), nprocs=WORKERS, start_method="spawn")
+        parent = {"launcher_pid": os.getpid(), "scratch": [tmp]}
+        context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
+                                     start_method="spawn", join=False)
+        try:
+            while not context.join():
+                pass
+        finally:  # interrupted: the workers go now, not when they finish (multiprocessing would wait)
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
         found = json.loads(Path(out).read_text())
     return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
 

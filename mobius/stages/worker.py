@@ -50,7 +50,7 @@ COLLECTIVE_TIMEOUT_S = 60
 def worker_main(payload: dict, decide=None) -> dict:
     """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights.
     Under torchrun the payload has no spec: rank 0 makes it with ``decide()`` and shares it."""
-    die_with_parent()
+    die_with_parent(payload)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
