@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from mobius.checks import parse_json
+from mobius.checks import read_json
 from mobius.errors import InputError, shown
 
 T = TypeVar("T")
@@ -39,6 +39,16 @@ def key_of(obj: Any) -> str:
 
 def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _read_entry(path: Path) -> Any:
+    """The entry's JSON; unreadable for want of permission is the cache's problem, not the entry's."""
+    if not os.access(path, os.R_OK):
+        raise PermissionError(13, "Permission denied", str(path))
+    try:
+        return read_json(path, "the entry", MAX_ENTRY_BYTES)
+    except InputError as err:
+        raise BadEntry(str(err).removeprefix("the entry: ")) from None
 
 
 _said: set[str] = set()
@@ -71,9 +81,7 @@ class Cache:
         try:
             if not path.is_file():
                 return None
-            if path.stat().st_size > MAX_ENTRY_BYTES:
-                raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes")
-            entry = parse_json(path.read_bytes(), shown(path))
+            entry = _read_entry(path)
             if not isinstance(entry, dict) or set(entry) != {"sha256", "payload"}:
                 raise BadEntry("not an entry written by mobius")
             if entry["sha256"] != _digest(entry["payload"]):

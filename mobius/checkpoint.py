@@ -25,6 +25,7 @@ Only directories that carry our marker are ever removed or replaced.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,8 +35,9 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
+from mobius.checks import read_json
 from mobius.config_sources import stored_config
-from mobius.errors import InputError
+from mobius.errors import InputError, RunError
 from mobius.models import build_model
 from mobius.runtime.device import rng_states, set_rng_states
 
@@ -58,10 +60,17 @@ class CheckpointError(InputError):
     """A checkpoint that cannot be used: the message names the file and the problem."""
 
 
-def save_errors(directory: str | os.PathLike):
+@contextlib.contextmanager
+def save_errors(directory: str | os.PathLike, staging: Path):
     """A failed write is one line; the previous checkpoint is untouched because nothing is swapped
-    in until the new one is complete."""
-    return ownership.writing("the checkpoint", directory, "the previous checkpoint is intact (--resume it)")
+    in until the new one is complete, and the half-written ``staging`` directory (ours) goes."""
+    try:
+        with ownership.writing("the checkpoint", directory, "the previous checkpoint is intact (--resume it)"):
+            yield
+    except RunError:
+        with contextlib.suppress(OSError, InputError):
+            ownership.remove(staging, KIND)
+        raise
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -75,7 +84,7 @@ def staging_dir(directory: str | os.PathLike) -> Path:
 
 def begin_save(directory: str | os.PathLike) -> Path:
     """A fresh staging directory (the leftovers of a save that crashed are ours and go)."""
-    with save_errors(directory):
+    with save_errors(directory, staging_dir(directory)):
         return ownership.fresh_dir(staging_dir(directory), KIND)
 
 
@@ -83,14 +92,14 @@ def write_tensors(staging: Path, filename: str, tensors: dict[str, torch.Tensor]
     from safetensors.torch import save_file
 
     if tensors:
-        with save_errors(staging):
+        with save_errors(staging, staging):
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / filename))
 
 
 def finish_save(directory: str | os.PathLike, staging: Path, meta: dict) -> None:
     """Checksum every file, write the manifest (with its own digest), fsync, and swap the
     directory into place."""
-    with save_errors(directory):
+    with save_errors(directory, staging):
         files = {f.name: ownership.sha256_of(f) for f in sorted(staging.iterdir()) if f.is_file() and f.name != ownership.MARKER}
         manifest = {"format": FORMAT, **meta, "files": files}
         manifest["digest"] = manifest_digest(manifest)
@@ -166,10 +175,9 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
         else:
             raise CheckpointError(f"--resume {directory}: no such checkpoint directory")
     try:
-        manifest = json.loads((d / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is unreadable or truncated "
-                              f"({type(err).__name__})") from None
+        manifest = read_json(d / MANIFEST)
+    except InputError as err:
+        raise CheckpointError(f"--resume {directory}: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST} is not a {FORMAT} manifest")
     if manifest.get("digest") != manifest_digest(manifest):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from mobius.errors import InputError
+from mobius.errors import InputError, shown
 
 REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false", "str": "a string",
@@ -53,18 +55,40 @@ class Fields:
 
 def parse_json(text: str | bytes, source: str) -> Any:
     """JSON from a user's file or line; malformed or absurdly nested input is one line naming ``source``."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")  # JSON is UTF-8 (RFC 8259); a byte-order mark is not content
+        except UnicodeDecodeError as err:
+            raise InputError(f"{source}: is not UTF-8 text (byte {err.start})") from None
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except json.JSONDecodeError as err:
         raise InputError(f"{source}: not valid JSON ({err})") from None
     except RecursionError:
         raise InputError(f"{source}: JSON nested too deeply") from None
 
 
+MAX_JSON_BYTES = 256 * 2**20  # the largest JSON file we read (a tokenizer.json is a few MB)
+
+
+def read_json(path: str | os.PathLike, source: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The one reader of every JSON file, the user's or ours (configs, manifests, markers, cache
+    entries): a regular file (a FIFO or a device is never opened for a blocking read), at most
+    ``max_bytes``, valid and not absurdly nested, else one :class:`InputError` naming ``source``."""
+    source = source or shown(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise InputError(f"{source}: not a regular file")
+            raw = f.read(max_bytes + 1)
+    except OSError as err:
+        raise InputError(f"{source}: cannot read it ({err.strerror})") from None
+    if len(raw) > max_bytes:
+        raise InputError(f"{source}: larger than {max_bytes} bytes")
+    return parse_json(raw, source)
+
+
 def read_json_object(path: Path) -> dict:
     """A small JSON object file of a model directory (tokenizer_config.json, generation_config.json)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read it ({err.strerror})") from None
-    return Fields(parse_json(raw, str(path)), str(path)).obj
+    return Fields(read_json(path), shown(path)).obj

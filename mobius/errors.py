@@ -43,9 +43,13 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args, **kwargs):
         if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if sys.excepthook is _failed_while_importing:
+            sys.excepthook = sys.__excepthook__  # from here on, what is not ours to report is a bug: a traceback
         ours = threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_importing)
         previous = signal.signal(signal.SIGTERM, _terminate) if ours else None
+        if ours:  # a write past ``ulimit -f`` is then an OSError (EFBIG) we report, not a killed process
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         try:
             return main(*args, **kwargs)
         except InputError as err:
@@ -53,6 +57,10 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
             raise SystemExit(2)
         except RunError as err:
             print(f"error: {shown(err)}", file=sys.stderr)
+            raise SystemExit(1)
+        except MemoryError:  # a limit (ulimit -v, a cgroup) below what the pre-flight could see
+            print("error: out of host memory (MemoryError): free memory, raise the limit or use a smaller "
+                  "model, data or batch", file=sys.stderr)
             raise SystemExit(1)
         except KeyboardInterrupt as err:
             signum = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
@@ -70,8 +78,16 @@ def _interrupted_while_importing(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+def _failed_while_importing(kind, value, tb) -> None:
+    """The environment refused what importing torch needs (``ulimit -f 0``: no temporary file can
+    be written; a missing library): one line, exit status 1."""
+    print(f"error: cannot start: {shown(value)} ({kind.__name__} while importing)", file=sys.stderr)
+
+
 def quiet_interrupts_while_importing() -> None:
     """A command module calls this first: Ctrl-C while torch is still importing (seconds) is one
-    line and exit 130, like Ctrl-C later, not a traceback (SIGTERM: 143).  ``exits_cleanly`` takes over."""
+    line and exit 130, like Ctrl-C later, not a traceback (SIGTERM: 143); so is an import the
+    environment makes fail.  ``exits_cleanly`` takes over."""
     signal.signal(signal.SIGINT, _interrupted_while_importing)
     signal.signal(signal.SIGTERM, _interrupted_while_importing)
+    sys.excepthook = _failed_while_importing

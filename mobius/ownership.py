@@ -26,6 +26,7 @@ import os
 import shutil
 from pathlib import Path
 
+from mobius.checks import read_json
 from mobius.errors import InputError, RunError
 
 MARKER = ".mobius-owned.json"
@@ -61,8 +62,8 @@ def seal(directory: Path, known_digests: dict[str, str] | None = None) -> None:
 
 def _marker(directory: Path) -> dict | None:
     try:
-        d = json.loads((directory / MARKER).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        d = read_json(directory / MARKER)
+    except InputError:
         return None
     if not (isinstance(d, dict) and isinstance(d.get("kind"), str)):
         return None
@@ -247,8 +248,8 @@ def record_file(path: str | os.PathLike, digest: str, previous: str | None = Non
 def is_our_file(path: str | os.PathLike) -> bool:
     """The file's current bytes are ones we recorded when we wrote it."""
     try:
-        d = json.loads(record_of(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        d = read_json(record_of(path))
+    except InputError:
         return False
     digests = d.get("sha256") if isinstance(d, dict) else None
     if not (isinstance(digests, list) and all(isinstance(x, str) for x in digests)):

@@ -173,15 +173,18 @@ def available_host_memory() -> int | None:
     return None
 
 
-def check_host_memory_available(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int = 0) -> None:
-    """Pre-flight on the machine itself: master weights, AdamW state and gradients must fit in RAM."""
+def check_host_memory_available(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int = 0,
+                                data_bytes: int = 0) -> None:
+    """Pre-flight on the machine itself: master weights, AdamW state, gradients and the data every
+    process holds (``data_bytes``, all of them together) must fit in RAM."""
     available = available_host_memory()
     if available is None:
         return
-    need = host_bytes_needed(config, precision, optimizer_lag)
+    need = host_bytes_needed(config, precision, optimizer_lag) + data_bytes
     if need > available:
         raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
-                         f"gradients), but this machine has {available / GB:.1f} GB available")
+                         f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but this "
+                         f"machine has {available / GB:.1f} GB available")
 
 
 # Plans whose predicted steps differ by less than this are equally fast: the one that moves the

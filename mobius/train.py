@@ -14,6 +14,7 @@ if __name__ == "__main__":
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
 import math
+import resource
 
 import torch
 
@@ -24,7 +25,7 @@ from mobius.config import RunConfig, parse_train_args, validate_for_backend
 from mobius.errors import InputError, exits_cleanly
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
 from mobius.metrics import StepMetrics, write_trace
-from mobius.models import GPTConfig
+from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
 from mobius.planner import check_host_memory_available
@@ -48,9 +49,30 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                            "--export-merged": (cfg.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.metrics)
     ownership.check_output_file("--trace", cfg.trace)
+    check_file_size_limit(cfg, model_config)
     ck.check_save_target(cfg)
     for option, out, _ in cfg.exports():
         check_export_target(model_config, out, option)
+
+
+# What the runtime writes beside the run's outputs (the elastic agent's result and error files).
+RUNTIME_FILE_BYTES = 2**20
+
+
+def check_file_size_limit(cfg: RunConfig, model_config: GPTConfig) -> None:
+    """``ulimit -f``: a run whose files cannot fit under the limit is refused before it trains
+    (a checkpoint's optimizer file holds 8 bytes per trained parameter; an export up to 4 per
+    parameter), not after, with a half-written checkpoint."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    need = RUNTIME_FILE_BYTES
+    if cfg.save or cfg.exports():
+        params = build_model(model_config, device="meta").parameters()
+        need = max(need, sum((8 if p.requires_grad else 4) * p.numel() for p in params))
+    if limit < need:
+        raise InputError(f"the file-size limit (ulimit -f) is {limit} bytes, but this run writes files of up to "
+                         f"{need / 2**20:.1f} MiB; raise the limit (ulimit -f unlimited)")
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
@@ -120,9 +142,12 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
           f"{cfg.lr:g}", flush=True)
     if held_out is not None:
         print(f"held out: {held_out.describe()}", flush=True)
-    check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag)
     backend, topo = resolve_backend(cfg)
     validate_for_backend(cfg, backend)
+    # This process holds the data, and so does each worker it starts.
+    holders = 1 + (topo.n if backend != "single" else 0)
+    data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
+    check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag, data_bytes)
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out, inputs)
     if backend == "chunked":

@@ -166,9 +166,19 @@ def test_bad_data(tmp_path, capsys):
     (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "short.txt").write_text("abc")
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a lone \\ud800 here"}\n')
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "fine"}\n{"text": 5}\n')
+    os.mkfifo(tmp_path / "fifo")
+    newline = tmp_path / "two\nerror: forged.txt"
+    newline.write_text("")
     for name, message in [("empty.txt", "empty"), ("number.jsonl", "record 2: 'text' must be a string, got int"),
                           ("notext.jsonl", "record 1: a record with fields ['body'] is of no known shape"),
-                          ("short.txt", "fewer than --seq-len 32 + 2")]:
+                          ("short.txt", "fewer than --seq-len 32 + 2"),
+                          ("surrogate.jsonl", "record 1: 'text' holds '\\ud800', a lone surrogate, which is not"),
+                          ("bom.jsonl", "record 2: 'text' must be a string"),  # the BOM is not part of record 1
+                          ("fifo", "fifo: not a regular file or directory"),
+                          ("/dev/zero", "--data /dev/zero: not a regular file or directory"),
+                          (newline.name, "two\\nerror: forged.txt: no text found (empty)")]:
         assert message in one_line_exit_2(train_main, SINGLE + ["--data", str(tmp_path / name)], capsys)
 
 
@@ -443,6 +453,31 @@ def test_confinement_of_manifest_names_and_model_files(hf, saved, tmp_path, caps
     message = one_line_exit_2(train_main, run + ["--export", str(tmp_path / "out")], capsys)
     assert "merges.txt is not a regular file inside the model directory" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_limits_of_the_environment_are_one_line(tmp_path, monkeypatch, capsys):
+    """A file-size limit below what the run writes is refused before training; memory running out
+    below what the pre-flight could see is one line and exit 1; an output under /proc is refused."""
+    import resource
+
+    from mobius import train
+
+    monkeypatch.setattr(train.resource, "getrlimit", lambda kind: (4096, resource.RLIM_INFINITY))
+    message = one_line_exit_2(train_main, SINGLE + ["--save", str(tmp_path / "ck")], capsys)
+    assert message.startswith("error: the file-size limit (ulimit -f) is 4096 bytes, but this run writes files of up")
+    assert not (tmp_path / "ck").exists()
+    monkeypatch.undo()
+    assert "cannot create its lock /proc/.x.mobius-lock" in one_line_exit_2(train_main, SINGLE + ["--save", "/proc/x"],
+                                                                             capsys)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(train, "make_data", no_memory)
+    with pytest.raises(SystemExit) as info:
+        train_main(SINGLE)
+    assert info.value.code == 1 and capsys.readouterr().err.strip().splitlines() == [
+        "error: out of host memory (MemoryError): free memory, raise the limit or use a smaller model, data or batch"]
 
 
 def test_deeply_nested_json_is_one_line(hf, tmp_path, capsys):

@@ -46,7 +46,7 @@ def _stdlib_text(max_bytes: int) -> bytes:
 def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
                 tokenizer: Tokenizer | None = None) -> np.ndarray:
     """Token ids of the documents of ``data`` (the standard library's sources when None), joined
-    by the tokenizer's EOS (blank lines for bytes): uint8 bytes by default, int32 ids otherwise."""
+    by the tokenizer's EOS (blank lines for bytes), in the smallest integer type that holds them."""
     tokenizer = tokenizer or ByteTokenizer()
     if data is None:
         # Subword tokenizing is ~100x slower than taking bytes: a smaller default sample.
@@ -59,15 +59,23 @@ def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
     return corpus[:max_bytes] if max_bytes is not None else corpus
 
 
+def smallest_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` in the smallest unsigned type that holds them (bytes: 1 byte a token; a 50k or 65k
+    vocabulary: 2; larger: 4): every worker holds the corpus, an eighth of it as int64."""
+    top = int(ids.max()) if ids.size else 0
+    dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
+    return ids.astype(dtype, copy=False)
+
+
 def corpus_of(texts: list[str], tokenizer: Tokenizer, source: str) -> np.ndarray:
     """Documents as one token stream, joined by the tokenizer's EOS (blank lines for bytes)."""
     if isinstance(tokenizer, ByteTokenizer) or tokenizer.eos_id is None:
         corpus = tokenizer.encode("\n\n".join(texts))
     else:
-        corpus = np.concatenate([np.append(tokenizer.encode(t), tokenizer.eos_id).astype(np.int32) for t in texts])
+        corpus = np.concatenate([np.append(tokenizer.encode(t), tokenizer.eos_id) for t in texts])
     if corpus.size == 0:
         raise InputError(f"--data {source}: no text found (empty)")
-    return corpus
+    return smallest_ids(corpus)
 
 
 @dataclass
@@ -87,7 +95,7 @@ class BatchSource:
                  tokenizer_name: str = "bytes"):
         if corpus.size < seq_len + 2:
             raise InputError(f"the data has {corpus.size} tokens, fewer than --seq-len {seq_len} + 2")
-        self.corpus = torch.from_numpy(corpus.astype(np.int64))
+        self.corpus = corpus  # its smallest type; a step's windows become int64
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.micro_batches = micro_batches
@@ -98,17 +106,21 @@ class BatchSource:
         """The ``micro_batches`` micro-batches of optimizer step ``step``."""
         rng = np.random.default_rng([self.seed, step])
         n = self.micro_batch_size * self.micro_batches
-        starts = torch.from_numpy(rng.integers(0, self.corpus.numel() - self.seq_len - 1, size=n))
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        windows = self.corpus[idx]
+        starts = rng.integers(0, self.corpus.size - self.seq_len - 1, size=n)
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        windows = torch.from_numpy(self.corpus[idx].astype(np.int64))
         b = self.micro_batch_size
         return [Batch(windows[i : i + b, :-1].contiguous(),
                       TokenLayout(targets=windows[i : i + b, 1:].contiguous(), loss_tokens=n * self.seq_len,
                                   every_target_trained=True))
                 for i in range(0, n, b)]
 
+    def host_bytes(self) -> int:
+        """What this source holds in memory (each process that trains holds its own)."""
+        return self.corpus.nbytes
+
     def epochs(self, steps: int) -> float:
-        return steps * self.micro_batch_size * self.micro_batches * self.seq_len / self.corpus.numel()
+        return steps * self.micro_batch_size * self.micro_batches * self.seq_len / self.corpus.size
 
     def describe(self) -> str:
-        return f"{self.corpus.numel():,} tokens of text in random windows; tokenizer {self.tokenizer_name}"
+        return f"{self.corpus.size:,} tokens of text in random windows; tokenizer {self.tokenizer_name}"

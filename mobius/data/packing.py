@@ -93,6 +93,10 @@ class ExampleBatches:
         self._describe = describe
         self._epoch_order: tuple[int, np.ndarray | None] = (-1, None)
 
+    def host_bytes(self) -> int:
+        """What this source holds in memory (each process that trains holds its own)."""
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.targets, self.positions, self.segments))
+
     @property
     def sequences(self) -> int:
         return self.tokens.shape[0]

@@ -63,6 +63,11 @@ def detect_format(fields: dict) -> str | None:
 def _str(value, where: str, key: str) -> str:
     if not isinstance(value, str):
         raise InputError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON can spell one (\\ud800); no text holds one
+        raise InputError(f"{where}: {key!r} holds {ascii(value[err.start])}, a lone surrogate, which is not "
+                         "Unicode text") from None
     return value
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
-from mobius.checks import REQUIRED, Fields
+from mobius.checks import REQUIRED, Fields, read_json
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 
@@ -51,16 +51,7 @@ def is_hf_dir(path: str) -> bool:
 
 def _read_config(path: str) -> Fields:
     source = f"--model {path}: config.json"
-    try:
-        return Fields(json.loads(Path(path, "config.json").read_bytes().decode("utf-8")), source)
-    except OSError as err:
-        raise InputError(f"{source}: cannot read it: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{source}: is not UTF-8 text") from None
-    except json.JSONDecodeError as err:
-        raise InputError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}") from None
-    except RecursionError:
-        raise InputError(f"{source}: JSON nested too deeply") from None
+    return Fields(read_json(Path(path, "config.json"), source), source)
 
 
 def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
