@@ -67,6 +67,7 @@ class RunConfig:
     mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
     prefetch: bool = True  # load the next stage while the current one computes
     emulate: bool = False  # CPU workers stand for the topology's GPUs with emulated links and dilated time
+    dilation: float | None = None  # --emulate: wall seconds per emulated second (None: chosen for the run)
     lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_dropout: float = 0.0
@@ -169,6 +170,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="store_true",
                    help="rehearse --topology's GPUs on CPU workers: emulated PCIe links and root complexes, "
                         "compute as long as on the GPUs, all time dilated by one factor (pipeline backend)")
+    p.add_argument("--dilation", type=float, default=None, metavar="F",
+                   help="--emulate: wall seconds per emulated second, fixed (the same F for every variant of a "
+                        "comparison); default: chosen from this machine's CPU work for the model")
     p.add_argument("--data", default=None,
                    help="records (.jsonl, .json, .parquet, a datasets.save_to_disk directory) or text files, or a "
                         "directory of them (default: this Python's stdlib sources)")
@@ -284,6 +288,10 @@ def validate(cfg: RunConfig) -> None:
         raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs to emulate")
     if cfg.emulate and cfg.backend == "single":
         raise InputError("--emulate is built for --backend pipeline, not single")
+    if cfg.dilation is not None and not cfg.emulate:
+        raise InputError("--dilation F needs --emulate")
+    if cfg.dilation is not None and not (math.isfinite(cfg.dilation) and cfg.dilation >= 1):
+        raise InputError(f"--dilation must be a finite number of at least 1, got {cfg.dilation}")
     if cfg.resume_with_changes and not cfg.resume:
         raise InputError("--resume-with-changes needs --resume DIR")
     if cfg.data is not None and not Path(cfg.data).exists():
@@ -331,7 +339,7 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
 # Options of one backend, with the value that means "not given".
 PIPELINE_OPTIONS = {"stages": None, "recompute": "auto", "partitioner": "mip", "mapping": "cross", "prefetch": True}
 CHUNKED_OPTIONS = {"chunk_size": None, "rcache_blocks": None, "offload": "auto", "chunk_prefetch": True}
-BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate")
+BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate", "dilation")
 
 
 def validate_for_backend(cfg: RunConfig, backend: str) -> None:

@@ -42,7 +42,8 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     """``inputs``: the digests the run's checkpoints record (:func:`mobius.checkpoint.input_digests`)."""
     spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = f", {EmulationSpec.from_dict(spec.emulation).header()}" if spec.emulation else ""
+    emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(plan.predicted_step_s, cfg.steps)}"
+                 if spec.emulation else "")
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "

@@ -10,8 +10,10 @@ if __name__ == "__main__":
 
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
+import contextlib
 import json
 import math
+import sys
 
 from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
@@ -49,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     if not topo.virtual:  # as the run on those GPUs budgets them
         reserve_cuda_memory(topo)
     precision = resolve_precision(cfg, not topo.virtual)
-    plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
-                    use_cache=not args.no_cache, with_baselines=args.baselines)
+    # With --json, stdout is the JSON alone: what planning says on the way goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
+                        use_cache=not args.no_cache, with_baselines=args.baselines)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.render())
 
 

@@ -2,17 +2,22 @@
 
 Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile, topology, batch settings,
 partitioner); measured profiles are cached by (model, micro-batch, sequence, dtype, device,
-workers), so a second run with the same settings neither profiles nor solves again.  A cached
-measured profile is re-validated, not trusted forever: its costliest layer is timed again, and a
-miss by more than :data:`REVALIDATE_TOLERANCE` (the machine got busier or quieter, or changed)
-measures the whole profile again.  A measured profile carries what the runtime itself costs on
-this machine (:func:`runtime_costs`).
+workers) and by what they depend on besides (:func:`measured_on`: this machine's processor, cores
+and memory, the device, torch, and our own code), so a second run with the same settings neither
+profiles nor solves again, and the same command on the same machine plans the same.  A profile is
+measured again when one of those changed, never because one timing was noisy (a busy moment would
+otherwise become the plan); the run says so when it measures.  A measured profile carries what the
+runtime itself costs on this machine (:func:`runtime_costs`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import platform
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
@@ -34,14 +39,12 @@ from mobius.partition.cost import (
 )
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import (
-    DTYPES,
     MAX_TIME_S,
     Profile,
     analytic_efficiency,
     analytic_profile,
     host_adam_rate,
     measure_profile,
-    time_layer,
 )
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
@@ -83,7 +86,6 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
     return trained * per_trained + frozen * COMPUTE_BYTES[precision]
 
 
-REVALIDATE_TOLERANCE = 0.3
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
 COST_MODEL_VERSION = 7
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
@@ -104,11 +106,13 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device,
-                  cuda_device_name(), torch.__version__, workers, topo.n])
+    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
+                  measured_on()])
     cached = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
-    if cached is not None and still_holds(cached, config, precision, device, workers):
+    if cached is not None:
         return cached
+    print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
+          "this machine and code; cached)", flush=True)
     profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
                               host_workers=topo.n)
     profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
@@ -129,7 +133,7 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
     if device != "cpu":
         return {"handoff_s": gloo}
     threads = cpu_threads_per_worker(workers)
-    key = key_of([CALIBRATION_VERSION, torch.__version__, os.cpu_count(), threads])
+    key = key_of([CALIBRATION_VERSION, threads, measured_on()])
     costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
     if costs is None:
         costs = measure_runtime_costs(workers)
@@ -137,13 +141,26 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
     return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
 
 
-def still_holds(profile: Profile, config: GPTConfig, precision: str, device: str, workers: int) -> bool:
-    """Time the profile's costliest layer again; the profile holds if it is within the tolerance."""
-    layer = max(profile.layers, key=lambda l: l.fwd_s + l.bwd_s)
-    index = int(layer.name.split(".")[1])
-    fwd, fwd_bwd = time_layer(config, index, profile.micro_batch, profile.seq_len, DTYPES[precision],
-                              torch.device(device), repeats=3, workers=workers)
-    return abs(fwd_bwd / max(layer.fwd_s + layer.bwd_s, 1e-12) - 1) <= REVALIDATE_TOLERANCE
+@functools.cache
+def measured_on() -> dict:
+    """What a measurement depends on besides its settings: this machine (processor, cores, memory,
+    GPU), torch, and our code that builds and times the layers and runs the steps."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    root = Path(__file__).parent
+    code = hashlib.sha256()
+    for f in sorted([*root.glob("models/*.py"), *root.glob("stages/*.py"), *root.glob("swap/*.py"),
+                     root / "partition" / "profile.py", root / "runtime" / "device.py"]):
+        code.update(f.name.encode() + f.read_bytes())
+    try:
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError, AttributeError):
+        memory_gb = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory_gb, "gpu": cuda_device_name(),
+            "torch": torch.__version__, "code": code.hexdigest()[:16]}
 
 
 def _runtime_costs_of(found: dict) -> dict[str, float]:

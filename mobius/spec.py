@@ -125,30 +125,59 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict(), emulation=emulation), plan
 
 
-# Each worker's real compute, with every worker computing at once on this machine's cores, must fit
-# this many times into its emulated compute time: the margin for noise and the runtime's own work.
+# The CPU work must fit this many times into the emulated time it stands for: the margin for noise
+# and for the runtime's own work.
 EMULATION_MARGIN = 2.0
+# An emulated run expected to take longer than this (wall seconds) is refused unless --dilation is given.
+MAX_EMULATED_WALL_S = 3600.0
 
 
 def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan) -> EmulationSpec:
-    """The emulated links of ``topo``'s GPUs and the dilation: the smallest round factor by which each
-    worker's measured CPU compute fits (with :data:`EMULATION_MARGIN`) into its GPU's compute time."""
+    """The emulated links of ``topo``'s GPUs and the dilation ``F`` (wall seconds per emulated
+    second), one for every variant of a comparison:
+
+    * the model's: its layers' measured CPU time over their GPU time, with :data:`EMULATION_MARGIN`
+      and the workers' crowding of this machine's cores.  It depends on the model, the batch, the
+      GPUs and this machine, not on the partition, the mapping, prefetching or the optimizer lag,
+      so the variants of those are measured under one factor;
+    * raised, if need be, until each worker's CPU work of a step fits into the emulated step (else
+      the CPU, not the emulated GPU, would set the pace);
+    * ``--dilation F`` instead, refused below that floor.
+
+    A run expected to take more than :data:`MAX_EMULATED_WALL_S` of wall time is refused in one line
+    saying what to change."""
     cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
                       plan.precision, "measure")
-    # Per worker, all its stages together: a layer the GPU does in next to no time (an embedding
-    # lookup) may overrun its own span by a little; the worker's compute as a whole must fit.
-    real, emulated = [0.0] * topo.n, [0.0] * topo.n
-    for c, st in zip(stage_costs(cpu, plan.bounds, plan.recompute), plan.stages):
-        real[st.gpu] += c.fwd_s + c.bwd_s
-        emulated[st.gpu] += (st.fwd_ms + st.bwd_ms) / 1e3
-    slower = max(r / max(e, 1e-12) for r, e in zip(real, emulated))
+    cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
     crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
-    factor = _round_up(EMULATION_MARGIN * slower * crowding)
+    gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
+    model_factor = EMULATION_MARGIN * crowding * sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
+    work = [0.0] * topo.n  # each worker's CPU work of one step
+    for c, st in zip(cpu_stages, plan.stages):
+        passes = 3 if plan.recompute else 2
+        work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
+            + 2 * cpu.host.stage_switch_s
+    step_floor = EMULATION_MARGIN * crowding * max(work) / plan.predicted_step_s
+    if cfg.dilation is not None:
+        if cfg.dilation < step_floor:
+            raise InputError(f"--dilation {cfg.dilation:g} is below what this machine needs for the run "
+                             f"({step_floor:.3g}: a worker's CPU work of a step would outlast the emulated step); "
+                             f"give at least {_round_up(step_floor):g}")
+        factor, how = cfg.dilation, "given"
+    else:
+        factor = _round_up(max(model_factor, step_floor))
+        how = "chosen for the model" if model_factor >= step_floor else "raised for the busiest worker"
+        wall = factor * plan.predicted_step_s * cfg.steps
+        if wall > MAX_EMULATED_WALL_S:
+            raise InputError(f"--emulate: {cfg.steps} steps at 1/{factor:g} speed would take about {wall / 3600:.1f} h "
+                             f"of wall time ({_round_up(factor * plan.predicted_step_s):g} s a step: this machine's "
+                             f"CPU is {model_factor / EMULATION_MARGIN / crowding:.3g}x slower than the emulated "
+                             "GPUs on this model); run fewer --steps, a larger model or batch, or fix --dilation F")
     return EmulationSpec(topology=topo.name, factor=factor,
                          link_bps=tuple(g.link_bandwidth_gbps * 1e9 for g in topo.gpus),
                          root_complex=tuple(g.root_complex for g in topo.gpus),
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
-                         counters="")  # the launcher makes the file
+                         counters="", how=how)  # the launcher makes the counters file
 
 
 def _round_up(x: float) -> float:

@@ -12,6 +12,9 @@ own measured profile predicts the CPU workers' ``step_time_s``; each row also pr
 model predicts without the runtime's own costs (:mod:`mobius.stages.calibrate`), which the many
 small stages row is made to show.
 
+Every emulated row of a table runs at one dilation (``--dilation``, the largest any of its rows
+needs), so the variants it compares are measured under the same conditions.
+
 Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
 ``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
 small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
@@ -119,14 +122,22 @@ def main() -> None:
             print(f"\n{table}")
             print(f"{'configuration':<28} {'stages':>6} {'1/F':>6} {'predicted ms':>12} {'simulated ms':>12} "
                   f"{'measured ms':>11} {'pred/meas':>9}")
+            predicted = {}
             for name, options in TABLES[table]:
                 if args.match and not any(m in name for m in args.match):
                     continue
                 try:
-                    row = predict(options, args.steps)
+                    predicted[name] = predict(options, args.steps)
                 except InputError as err:  # e.g. a partition with fewer stages than GPUs
                     print(f"{name:<28} not run: {err}", flush=True)
+            # One dilation for the rows of a table: variants compared are measured under one factor.
+            factor = max((row["factor"] for row in predicted.values()), default=1)
+            for name, options in TABLES[table]:
+                if name not in predicted:
                     continue
+                row = predicted[name]
+                if not rehearsal(options):
+                    options, row["factor"] = f"{options} --dilation {factor:g}", factor
                 if options not in measured:
                     measured[options] = measure(options, args.steps, Path(tmp) / "metrics.jsonl")
                 steps = measured[options]

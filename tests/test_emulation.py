@@ -197,3 +197,33 @@ def test_settled_contention_makes_sequential_mapping_slower_than_cross():
     seq_machine, seq = settle(profile, bounds, topo, sequential_map(topo, 13), 4, True)
     assert seq.step_s > 1.1 * cross.step_s
     assert min(seq_machine.upload) < min(cross_machine.upload) < 13.1e9
+
+
+def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
+    """The factor is the model's (its CPU time over its GPU time on this machine): cross and
+    sequential mapping, with and without prefetching, emulate at one factor; --dilation fixes it,
+    below what a worker's CPU work of a step needs it is refused, and a run whose wall time would be
+    absurd is refused naming what to change."""
+    from mobius.backend import resolve_topology
+    from mobius.config import parse_train_args
+    from mobius.errors import InputError
+    from mobius.spec import prepare_pipeline
+
+    common = ["--model", "tiny8", "--topology", "topo2+2", "--emulate", "--steps", "4", "--micro-batches", "6"]
+
+    def spec_of(extra):
+        cfg = parse_train_args(common + extra)
+        return prepare_pipeline(cfg, resolve_topology(cfg))
+
+    factors = {}
+    for variant in (["--mapping", "cross"], ["--mapping", "sequential"], ["--no-prefetch"]):
+        spec, _ = spec_of(variant)
+        factors[" ".join(variant)] = spec.emulation["factor"]
+    assert len(set(factors.values())) == 1, factors
+    (factor,) = set(factors.values())
+    spec, _ = spec_of(["--dilation", str(factor * 10)])
+    assert spec.emulation["factor"] == factor * 10 and spec.emulation["how"] == "given"
+    with pytest.raises(InputError, match=r"--dilation 1 is below what this machine needs for the run"):
+        spec_of(["--dilation", "1"])
+    with pytest.raises(InputError, match=r"--emulate: 1000000 steps at 1/.* speed would take about .* h of wall time"):
+        spec_of(["--steps", "1000000"])

@@ -122,35 +122,41 @@ def test_plan_command_rejects_bad_input_with_one_line():
     assert plan["bounds"][0][0] == 0 and plan["bounds"][-1][1] == 52 and plan["predicted_step_s"] > 0
 
 
-def test_cached_profile_is_revalidated_not_trusted_forever(tmp_path, monkeypatch):
-    """A cached measured profile whose costliest layer no longer times as recorded (the machine got
-    busier or quieter) is measured again.  The runtime's own costs go with every measured profile;
-    its per-micro-batch and per-switch work is measured once per machine (its measurement is
-    tested in tests/test_calibrate.py)."""
+def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_path, monkeypatch, capsys):
+    """A measured profile is used again however the machine's load varies (a busy moment must not
+    become the plan), and measured again, saying so, when the machine or our code changed.  The
+    runtime's own costs go with every measured profile; its per-micro-batch and per-switch work is
+    measured once per machine (its measurement is tested in tests/test_calibrate.py)."""
     from mobius import planner
     from topology import cpu_topology
 
-    calibrations = []
+    calibrations, measured = [], []
 
     def calibrate(workers):
         calibrations.append(workers)
         return {"micro_batch_s": 1e-4, "stage_switch_s": 2e-4, "handoff_s": 3e-4}
 
+    real_measure = planner.measure_profile
+
+    def measure(*args, **kwargs):
+        measured.append(args[0])
+        return real_measure(*args, **kwargs)
+
     monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
     monkeypatch.setattr(planner, "measure_runtime_costs", calibrate)
+    monkeypatch.setattr(planner, "measure_profile", measure)
     config, topo = get_config("tiny"), cpu_topology(2)
     first = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
     assert first.extra["workers"] == 2 and first.host.adam_params_per_s > 0
     assert (first.host.micro_batch_s, first.host.stage_switch_s) == (1e-4, 2e-4) and first.host.handoff_s >= 3e-4
-    (path,) = (tmp_path / "profiles").glob("*.json")
-    stale = Profile.from_dict(first.to_dict())
-    for layer in stale.layers:
-        layer.fwd_s, layer.bwd_s = layer.fwd_s * 100, layer.bwd_s * 100
-    planner.PROFILES.put(path.stem, stale.to_dict())  # a valid entry the machine no longer matches
-    fresh = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
-    costliest = max(range(fresh.n), key=lambda i: stale.layers[i].fwd_s + stale.layers[i].bwd_s)
-    assert fresh.layers[costliest].fwd_s < stale.layers[costliest].fwd_s / 10
-    assert calibrations == [2] and fresh.host.stage_switch_s == 2e-4  # the second time, from the cache
+    assert "profiling: measuring tiny's layers on this machine's cpu" in capsys.readouterr().out
+    assert planner.get_profile("tiny", config, topo, 2, 32, "fp32") == first and measured == ["tiny"]
+    assert "profiling" not in capsys.readouterr().out
+    here = planner.measured_on()
+    monkeypatch.setattr(planner, "measured_on", lambda: {**here, "cpu": "another processor"})
+    planner.get_profile("tiny", config, topo, 2, 32, "fp32")
+    assert measured == ["tiny", "tiny"] and calibrations == [2, 2]
+    assert "profiling: measuring tiny's layers" in capsys.readouterr().out
 
 
 def test_gpus_are_budgeted_without_the_cuda_reserve_once():
@@ -234,10 +240,7 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
     two stages with its digest recomputed, bytes changed under the digest, JSON nested a million deep,
     a NaN cost), it is never used: one line names it, it is set aside, and it is made again."""
     import json
-    import os
     from pathlib import Path
-
-    import torch
 
     from mobius import planner
     from mobius.cache import _digest
@@ -267,9 +270,10 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
 
     monkeypatch.setattr(planner, "measure_runtime_costs", lambda workers: {"micro_batch_s": 1e-4,
                                                                            "stage_switch_s": 2e-4, "handoff_s": 3e-4})
-    key = planner.key_of([planner.CALIBRATION_VERSION, torch.__version__, os.cpu_count(),
-                          planner.cpu_threads_per_worker(2)])
-    planner.RUNTIME_COSTS.put(key, {"micro_batch_s": float("nan"), "stage_switch_s": 1e300, "handoff_s": -1})
+    planner.runtime_costs(profile, "cpu", 2)
+    (calibration,) = (tmp_path / "runtime").glob("*.json")
+    planner.RUNTIME_COSTS.put(calibration.stem, {"micro_batch_s": float("nan"), "stage_switch_s": 1e300,
+                                                 "handoff_s": -1})
     costs = planner.runtime_costs(profile, "cpu", 2)
     assert costs["micro_batch_s"] == 1e-4
     (line,) = capsys.readouterr().err.strip().splitlines()

@@ -41,6 +41,7 @@ class EmulationSpec:
     root_complex: tuple[int, ...]  # per worker: the root complex it hangs off
     rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
     counters: str  # the shared file of active-transfer counters (made by the launcher)
+    how: str = ""  # how the factor was decided (mobius.spec.emulation_for)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,8 +50,15 @@ class EmulationSpec:
     def from_dict(cls, d: dict) -> "EmulationSpec":
         return cls(**{**d, "link_bps": tuple(d["link_bps"]), "root_complex": tuple(d["root_complex"])})
 
-    def header(self) -> str:
-        return f"emulating {self.topology} at 1/{self.factor:g} speed"
+    def header(self, predicted_step_s: float, steps: int) -> str:
+        """What the run emulates, at which factor, and the wall time that implies."""
+        wall = self.factor * predicted_step_s
+        return (f"emulating {self.topology} at 1/{self.factor:g} speed ({self.how}; about {_duration(wall)} of wall "
+                f"time a step, {_duration(wall * steps)} for {steps} steps)")
+
+
+def _duration(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def create_counters(path: str, workers: int) -> None:
