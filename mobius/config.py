@@ -150,6 +150,9 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="place adjacent stages under different root complexes (cross, Mobius §3.3) or GPUs in order")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="load each stage only when the previous one is released (to see what prefetching gains)")
+    p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
+                   help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
+                        "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -215,9 +218,6 @@ def build_train_parser() -> argparse.ArgumentParser:
                    "(under LoRA: a PEFT adapter directory)")
     p.add_argument("--export-merged", default=None,
                    help="LoRA: write the base model with the adapters merged here, as a Hugging Face directory")
-    p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
-                   help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
-                        "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
     p.add_argument("--chunk-size", type=int, default=None, help="chunked backend: elements per chunk (default: searched)")
     p.add_argument("--rcache-blocks", type=int, default=None, help="chunked backend: rCache blocks (default: searched)")
     p.add_argument("--offload", choices=("auto", "on", "off"), default="auto",

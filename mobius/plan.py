@@ -19,7 +19,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.runtime.inputs import model_config_for
-from mobius.spec import reserve_cuda_memory, resolve_precision, run_plan
+from mobius.spec import plan_on
 
 
 def build_parser() -> OneLineParser:
@@ -46,15 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.seq_len > model_config.context:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
     topo = resolve_topology(cfg)
-    # The topology's own devices: its GPUs (planned as the run on that machine would be), or
-    # this machine's CPU workers.  Precision and recompute are decided as mobius.train decides.
-    if not topo.virtual:  # as the run on those GPUs budgets them
-        reserve_cuda_memory(topo)
-    precision = resolve_precision(cfg, not topo.virtual)
     # With --json, stdout is the JSON alone: what planning says on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        plan = run_plan(cfg, model_config, topo, precision, profile_how=args.profile, time_limit_s=args.time_limit,
-                        use_cache=not args.no_cache, with_baselines=args.baselines)
+        plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
+                       use_cache=not args.no_cache, with_baselines=args.baselines)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.render())
 
 

@@ -108,6 +108,16 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     return make(choose_recompute(cfg, budgets, make))
 
 
+def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
+    """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
+    budgets them, or this machine's CPU workers), with the precision and recompute it decides:
+    what ``mobius.plan`` prints, and what every script that plans reports."""
+    on_gpus = not topo.virtual
+    if on_gpus:
+        reserve_cuda_memory(topo)
+    return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
+
+
 def _check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """The checkpoint to resume, before any worker starts (the data: :func:`mobius.train.run`)."""
     if cfg.resume:

@@ -22,7 +22,7 @@ from mobius.backend import resolve_topology  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import get_config  # noqa: E402
-from mobius.spec import default_precision, run_plan  # noqa: E402
+from mobius.spec import plan_on  # noqa: E402
 
 CONFIGS = {
     "Llama-3.1-8B": {
@@ -46,8 +46,7 @@ def plans(model_dir: str, topology: str, seq_len: int):
     cfg = RunConfig(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
     try:
         topo = resolve_topology(cfg)
-        return run_plan(cfg, get_config(model_dir), topo, default_precision(on_gpus=True), profile_how="analytic",
-                        time_limit_s=4.0, use_cache=False)
+        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", time_limit_s=4.0, use_cache=False)
     except InputError:
         return None
 

@@ -23,7 +23,7 @@ from mobius.errors import InputError  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.planner import GB, host_bytes_needed  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
-from mobius.spec import run_plan  # noqa: E402
+from mobius.spec import plan_on  # noqa: E402
 
 LLAMA_70B = {  # Llama-3.1-70B's published config.json
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -45,7 +45,7 @@ def row(model_dir: str, topology: str, rank: int, args) -> dict:
            "trained_params": sum(p.numel() for p in params if p.requires_grad),
            "host_gb_needed": host_bytes_needed(config, "bf16") / GB, "host_gb_preset": topo.host_memory_gb}
     try:
-        plan = run_plan(cfg, config, topo, "bf16", profile_how="analytic", time_limit_s=8.0, use_cache=False)
+        plan = plan_on(cfg, config, topo, profile_how="analytic", time_limit_s=8.0, use_cache=False)
     except InputError as err:
         return {**out, "plan": None, "why": str(err)}
     return {**out, "plan": {"stages": len(plan.bounds), "recompute": plan.recompute, "partitioner": plan.partitioner,

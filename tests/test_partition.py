@@ -286,3 +286,24 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
     assert capsys.readouterr().err.strip().splitlines() == [
         f"note: cannot write the plans cache under {not_a_directory} (Not a directory); going on without it"]
     assert not_a_directory.read_text() == "the user's"
+
+
+def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
+    """One planning surface: every option that changes the plan in mobius.train (here
+    --optimizer-lag and LoRA) is an option of mobius.plan, planned through the same call."""
+    import json
+
+    from mobius.backend import resolve_topology
+    from mobius.config import parse_train_args
+    from mobius.plan import main as plan_main
+    from mobius.spec import prepare_pipeline
+
+    options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]
+    plan_main(options + ["--json"])
+    printed = json.loads(capsys.readouterr().out)
+    cfg = parse_train_args(options + ["--backend", "pipeline"])
+    _, trained = prepare_pipeline(cfg, resolve_topology(cfg))
+    assert (printed["bounds"], printed["predicted_step_s"]) == ([list(b) for b in trained.bounds],
+                                                                trained.predicted_step_s)
+    plan_main(options[:-4] + ["--json"])  # without the lag and the adapters: another plan
+    assert json.loads(capsys.readouterr().out)["predicted_step_s"] != printed["predicted_step_s"]
