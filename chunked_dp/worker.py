@@ -13,7 +13,7 @@ from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.metrics import Trace
 from mobius.optim import DynamicLossScaler
-from mobius.reference import DTYPES
+from mobius.precision import DTYPES
 from mobius.runtime.device import open_device
 from mobius.runtime.inputs import make_data, model_config_for
 from mobius.runtime.loop import run_steps

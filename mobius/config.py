@@ -13,13 +13,13 @@ from pathlib import Path
 from mobius.config_sources import layered_argv
 from mobius.data.records import FORMATS
 from mobius.errors import InputError, shown
+from mobius.precision import PRECISIONS
 from mobius.models.lora import LORA_MODULES
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 # Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
 # at the rates common practice uses (full: 1e-5 to 5e-5; LoRA adapters: 1e-4 to 3e-4).
 DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 # The projections LoRA can adapt: q|k|v, attention output, MLP in, MLP out.

@@ -18,7 +18,7 @@ import sys
 from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
-from mobius.runtime.inputs import model_config_for
+from mobius.runtime.inputs import check_seq_len, model_config_for
 from mobius.spec import plan_on
 
 
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
     model_config = model_config_for(cfg)
-    if cfg.seq_len > model_config.context:
-        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    check_seq_len(cfg, model_config)
     topo = resolve_topology(cfg)
     # With --json, stdout is the JSON alone: what planning says on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():

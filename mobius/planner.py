@@ -29,7 +29,6 @@ from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import (
     GB,
     check_layers_fit,
-    element_bytes,
     evaluate,
     host_traffic_bytes,
     machine_for,
@@ -46,6 +45,7 @@ from mobius.partition.profile import (
     host_adam_rate,
     measure_profile,
 )
+from mobius.precision import element_bytes
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
@@ -58,7 +58,6 @@ PLANS = Cache("plans", "plan")
 # plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
 # parameter (LoRA's base weights) is held once, in the compute dtype.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
@@ -82,8 +81,8 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
                 frozen += times * p.numel()
     per_trained = HOST_BYTES_PER_PARAM[precision]
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
-        per_trained += COMPUTE_BYTES[precision] * (2 if precision == "fp32" else 1)
-    return trained * per_trained + frozen * COMPUTE_BYTES[precision]
+        per_trained += element_bytes(precision) * (2 if precision == "fp32" else 1)
+    return trained * per_trained + frozen * element_bytes(precision)
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
@@ -172,11 +171,16 @@ def _runtime_costs_of(found: dict) -> dict[str, float]:
     return {k: float(v) for k, v in costs.items()}
 
 
-def check_host_memory(model_name: str, config: GPTConfig, topo: Topology, precision: str) -> None:
-    need = host_bytes_needed(config, precision)
-    if need > topo.host_memory_gb * GB:
-        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory for master weights, optimizer "
-                         f"state and gradients, but {topo.name} has {topo.host_memory_gb:.1f} GB")
+def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
+                      where: str, data_bytes: int = 0) -> None:
+    """The host-memory pre-flight, the one check both of a planned host and of this machine: master
+    weights, AdamW state, gradients (with ``--optimizer-lag``, the second compute copy) and the data
+    every process holds (``data_bytes``, all of them together) must fit in ``available`` bytes."""
+    need = host_bytes_needed(config, precision, optimizer_lag) + data_bytes
+    if need > available:
+        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
+                         f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
+                         f"{available / GB:.1f} GB")
 
 
 def available_host_memory() -> int | None:
@@ -188,20 +192,6 @@ def available_host_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def check_host_memory_available(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int = 0,
-                                data_bytes: int = 0) -> None:
-    """Pre-flight on the machine itself: master weights, AdamW state, gradients and the data every
-    process holds (``data_bytes``, all of them together) must fit in RAM."""
-    available = available_host_memory()
-    if available is None:
-        return
-    need = host_bytes_needed(config, precision, optimizer_lag) + data_bytes
-    if need > available:
-        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
-                         f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but this "
-                         f"machine has {available / GB:.1f} GB available")
 
 
 # Plans whose predicted steps differ by less than this are equally fast: the one that moves the
@@ -234,7 +224,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
               time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
               mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0) -> Plan:
-    check_host_memory(model_name, config, topo, precision)
+    check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name)
     # Every worker must own at least one stage, and a stage is at least one layer (checked before
     # any profiling: bad input is refused at once).
     layers = profile.n if profile else layer_count(config)

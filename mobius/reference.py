@@ -25,9 +25,9 @@ from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
+from mobius.precision import DTYPES
 from mobius.runtime.device import peak_memory, reset_peak_memory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ReferenceTrainer:

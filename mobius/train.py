@@ -28,7 +28,7 @@ from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
-from mobius.planner import check_host_memory_available
+from mobius.planner import available_host_memory, check_host_memory
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_data
@@ -147,7 +147,10 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     # This process holds the data, and so does each worker it starts.
     holders = 1 + (topo.n if backend != "single" else 0)
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
-    check_host_memory_available(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag, data_bytes)
+    available = available_host_memory()
+    if available is not None:
+        check_host_memory(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag, available,
+                          "this machine (available now)", data_bytes)
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out, inputs)
     if backend == "chunked":

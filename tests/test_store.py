@@ -7,7 +7,7 @@ import torch
 
 from mobius.models import build_model, get_config
 from mobius.planner import host_bytes_needed
-from mobius.reference import DTYPES
+from mobius.precision import DTYPES
 from mobius.runtime.device import CpuDevice
 from mobius.swap.store import HostStageStore
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 
 from mobius.errors import InputError
 from mobius.partition.profile import HostCosts, Profile
+from mobius.precision import element_bytes
 
 GB = 1e9
 
@@ -401,10 +402,6 @@ def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates)
         est = evaluate(profile, bounds, machine, micro_batches, recompute)
     return machine, est
-
-
-def element_bytes(dtype: str) -> int:
-    return 2 if dtype in ("fp16", "bf16") else 4
 
 
 def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,

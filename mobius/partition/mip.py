@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from mobius.partition.cost import GB, Machine, element_bytes, evaluate
+from mobius.partition.cost import GB, Machine, evaluate
 from mobius.partition.profile import Profile
+from mobius.precision import element_bytes
 
 
 class _WarmStartHiGHS(pulp.HiGHS):

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mobius.models import GPTConfig, build_layer, build_model, dtype_bytes, layer_count
+from mobius.precision import DTYPES
 from mobius.runtime.device import (
     cpu_threads_per_worker,
     memory_allocated,
@@ -178,7 +179,6 @@ def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,

@@ -31,6 +31,11 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
                                lora_dropout=cfg.lora_dropout)
 
 
+def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
+    if cfg.seq_len > model_config.context:
+        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+
+
 def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
     if cfg.lora_rank:
@@ -39,8 +44,7 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
             if cfg.lora_rank > width:
                 raise InputError(f"--lora-rank {cfg.lora_rank} exceeds the {width} of {cfg.model}'s smallest "
                                  f"'{module}' projection: a rank above it adds nothing but cost")
-    if cfg.seq_len > model_config.context:
-        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    check_seq_len(cfg, model_config)
     if model_config.hf_arch and not model_config.checkpoint:
         raise InputError(f"--model {cfg.model} has config.json but no *.safetensors weights: it can be planned "
                          "(python -m mobius.plan) but not trained")

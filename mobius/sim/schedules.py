@@ -23,8 +23,9 @@ import math
 from dataclasses import dataclass
 
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import element_bytes, stage_costs
+from mobius.partition.cost import stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
+from mobius.precision import element_bytes
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
 
 # GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.

@@ -24,7 +24,7 @@ from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
 from mobius.optim import DynamicLossScaler, lr_at
-from mobius.reference import DTYPES
+from mobius.precision import DTYPES
 from mobius.runtime.device import Device, open_device
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
 from mobius.data.packing import EvalBatches

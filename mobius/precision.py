@@ -1,0 +1,13 @@
+"""The precisions a run computes in: their names, torch dtypes and bytes per element, in one table."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes per element of ``precision`` (a profile's ``dtype``)."""
+    return DTYPES[precision].itemsize
