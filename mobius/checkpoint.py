@@ -38,7 +38,7 @@ from mobius import ownership
 from mobius.checks import read_json
 from mobius.config_sources import stored_config
 from mobius.errors import InputError, RunError
-from mobius.models import build_model
+from mobius.models import GPTConfig, build_model
 from mobius.runtime.device import rng_states, set_rng_states
 
 FORMAT = "mobius-checkpoint-2"
@@ -228,6 +228,8 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
     theirs = ckpt.manifest["model_config"]
     mine = {k: v for k, v in model_config.items() if k != "checkpoint"}
     theirs = {k: v for k, v in theirs.items() if k != "checkpoint"} if isinstance(theirs, dict) else {}
+    if theirs:  # a field added to the model's shape since the checkpoint was written has its default there
+        theirs = {**{k: v for k, v in GPTConfig.defaults().items() if k in mine}, **theirs}
     if theirs != mine:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is of a different model (differs in {', '.join(diff)})")

@@ -382,6 +382,21 @@ def _edit_manifest(d: Path, **changes) -> None:
     (d / ck.MANIFEST).write_text(json.dumps(m))
 
 
+def test_a_checkpoint_written_before_a_model_field_existed_resumes(saved, tmp_path):
+    """A model field added since (a Qwen3 head size) has its default in an older checkpoint."""
+    manifest = json.loads((saved / "manifest.json").read_text())
+    for key in ("head_size", "qk_norm"):
+        del manifest["model_config"][key]
+    manifest["digest"] = ck.manifest_digest(manifest)
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    from mobius.config import parse_train_args
+    from mobius.models import get_config
+
+    old = ck.load_checkpoint(saved, verify=False)
+    ck.check_compatible(old, get_config("tiny").to_dict(), parse_train_args(SINGLE + ["--resume", str(saved), "--precision", "fp32"]),
+                        set())  # no CheckpointError: the same model
+
+
 def test_edited_manifest_is_refused(saved, capsys):
     _edit_manifest(saved, step=1)
     message = one_line_exit_2(train_main, SINGLE + ["--resume", str(saved)], capsys)

@@ -30,6 +30,10 @@ def make_dirs(root):
         "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                   intermediate_size=48)),
+        # Qwen3: a head size of its own (16, not 32 / 4), q/k RMSNorm per head; tied like Llama 3.2.
+        "qwen3": T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=16, intermediate_size=48, tie_word_embeddings=True)),
     }
     for name, m in models.items():
         save_hf_model(m, root / name)
@@ -47,7 +51,7 @@ def reference_logits(path, tokens):
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "qwen3"])
 def test_logits_equal_transformers(hf_dirs, arch):
     config = get_config(hf_dirs[arch])
     if arch == "llama":
@@ -73,7 +77,7 @@ def load_all(path):
     return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "qwen3"])
 def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp_path):
     config = get_config(hf_dirs[arch])
     export_model(config, build_model(config), str(tmp_path / "out"))
@@ -85,7 +89,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
         json.loads(open(os.path.join(hf_dirs[arch], "config.json")).read())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches

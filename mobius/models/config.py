@@ -3,7 +3,7 @@ presets, the Hugging Face reader and the model itself share."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -12,8 +12,9 @@ class GPTConfig:
 
     The defaults are this project's GPT (LayerNorm, learned positions, GELU MLP).  The other
     fields describe the Hugging Face families we load: GPT-2 (tanh GELU, biases), OPT (ReLU,
-    position offset 2) and Llama/Mistral/Qwen2 (RMSNorm, rotary positions, SwiGLU, grouped-query
-    attention, optional q/k/v biases).
+    position offset 2), Llama/Mistral/Qwen2 (RMSNorm, rotary positions, SwiGLU, grouped-query
+    attention, optional q/k/v biases) and Qwen3 (a head size of its own, RMSNorm of each head's
+    queries and keys).
     """
 
     vocab_size: int
@@ -28,6 +29,8 @@ class GPTConfig:
     mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
     intermediate: int | None = None  # MLP width (default 4 * hidden)
     kv_heads: int | None = None  # grouped-query attention (default: heads)
+    head_size: int | None = None  # per attention head (default: hidden / heads; Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before the rotation (Qwen3)
     positions: str = "learned"  # learned | rope
     position_offset: int = 0  # OPT's learned positions start at index 2
     rope_theta: float = 10000.0
@@ -51,7 +54,7 @@ class GPTConfig:
         for name in ("vocab_size", "context", "n_layer", "hidden", "heads", "n_kv_heads", "ffn"):
             if getattr(self, name) < 1:
                 return f"{name} must be positive, got {getattr(self, name)}"
-        if self.hidden % self.heads:
+        if self.head_size is None and self.hidden % self.heads:
             return f"hidden size {self.hidden} is not divisible by {self.heads} attention heads"
         if self.heads % self.n_kv_heads:
             return f"{self.heads} attention heads are not divisible by {self.n_kv_heads} key-value heads"
@@ -63,7 +66,12 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """The queries' width (all heads), which the output projection maps back to ``hidden``."""
+        return self.heads * self.head_dim
 
     @property
     def n_kv_heads(self) -> int:
@@ -79,6 +87,11 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """The fields that have a default, with it (those a shape may leave out)."""
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
 def layer_count(config: GPTConfig) -> int:

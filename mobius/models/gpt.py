@@ -127,19 +127,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Block(GPTLayer):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
 
-    q, k and v share one projection (``qkv``: hidden + 2 * kv_heads * head_dim outputs); a SwiGLU
-    MLP's gate and up projections share ``fc`` (gate first)."""
+    q, k and v share one projection (``qkv``: (heads + 2 * kv_heads) * head_dim outputs); a SwiGLU
+    MLP's gate and up projections share ``fc`` (gate first).  With ``qk_norm`` each head's queries
+    and keys are RMS-normalised (``q_norm``, ``k_norm``) before the rotation."""
 
     kind = "block"
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        h = config.hidden
-        kv_width = h * config.n_kv_heads // config.heads  # k and v each
+        h, q_width = config.hidden, config.attention_width
+        kv_width = config.head_dim * config.n_kv_heads  # k and v each
         mlp_out = 2 * config.ffn if config.mlp == "swiglu" else config.ffn
         self.ln1 = make_norm(config)
-        self.qkv = nn.Linear(h, h + 2 * kv_width, bias=config.flag("qkv_bias"))
-        self.proj = nn.Linear(h, h, bias=config.flag("proj_bias"))
+        self.qkv = nn.Linear(h, q_width + 2 * kv_width, bias=config.flag("qkv_bias"))
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
+        self.proj = nn.Linear(q_width, h, bias=config.flag("proj_bias"))
         self.ln2 = make_norm(config)
         self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
         self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
@@ -148,9 +152,12 @@ class Block(GPTLayer):
         c = self.config
         b, t, h = x.shape
         heads, kv, d = c.heads, c.n_kv_heads, c.head_dim
-        q, k, v = self.qkv(self.ln1(x)).split([h, kv * d, kv * d], dim=2)
-        q = q.view(b, t, heads, d).transpose(1, 2)
-        k = k.view(b, t, kv, d).transpose(1, 2)
+        q, k, v = self.qkv(self.ln1(x)).split([heads * d, kv * d, kv * d], dim=2)
+        q = q.view(b, t, heads, d)
+        k = k.view(b, t, kv, d)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, kv, d).transpose(1, 2)
         packed = layout is not None and layout.packed
         if c.positions == "rope":
@@ -165,7 +172,7 @@ class Block(GPTLayer):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.attention_mask())
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
         return x + self.fc_out(self._activation(self.fc(self.ln2(x))))
 
     def _activation(self, z: torch.Tensor) -> torch.Tensor:
@@ -180,7 +187,7 @@ class Block(GPTLayer):
     def forward_flops(self, batch: int, seq: int) -> int:
         weights = sum(m.weight.numel() for m in (self.qkv, self.proj, self.fc, self.fc_out))
         # 2 FLOPs per weight per token; QK^T and AV: 2 * 2 b t^2 h.
-        return 2 * batch * seq * weights + 4 * batch * seq * seq * self.config.hidden
+        return 2 * batch * seq * weights + 4 * batch * seq * seq * self.config.attention_width
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
         # Saved tensors of one block with fused attention: about 17 b*t*h elements for a 4h MLP
@@ -198,7 +205,7 @@ class Block(GPTLayer):
         for lin in (self.qkv, self.proj, self.fc, self.fc_out):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        for ln in (self.ln1, self.ln2):
+        for ln in (self.ln1, self.ln2, *((self.q_norm, self.k_norm) if self.config.qk_norm else ())):
             ln.reset_parameters()
 
 

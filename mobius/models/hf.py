@@ -32,7 +32,7 @@ from mobius.checks import REQUIRED, Fields, read_json
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 
-SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2")
+SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
 # No size in a config exceeds these: the largest models have about 10^2 layers, 10^5 widths and
 # 10^6 positions; a typo of 10^7 must be refused at once, not built layer by layer.
 MAX_LAYERS = 2**14
@@ -92,13 +92,14 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
                            n_layer=size("num_hidden_layers"), hidden=hidden, heads=size("num_attention_heads"),
                            bias=c.get("enable_bias", "bool", True), tie_embeddings=c.get("tie_word_embeddings", "bool", True),
                            mlp="relu", intermediate=size("ffn_dim"), position_offset=2, **common)
-    else:  # Llama family
+    else:  # Llama family (Llama, Mistral, Qwen2, Qwen3)
         heads, hidden = size("num_attention_heads"), size("hidden_size")
-        if hidden % heads:
+        head_size = size("head_dim", None)
+        if head_size is None and hidden % heads:
             raise InputError(f"--model {path}: config.json: hidden_size {hidden} is not divisible by "
                              f"num_attention_heads {heads}")
-        if c.get("head_dim", "int", hidden // heads) != hidden // heads:
-            unsupported(f"head_dim {c.get('head_dim', 'int')} != hidden_size/heads")
+        if c.get("use_sliding_window", "bool", False):
+            unsupported("sliding-window attention (use_sliding_window)")
         if c.get("hidden_act", "str", "silu") != "silu":
             unsupported(f"hidden_act {c.get('hidden_act', 'str')!r}")
         rope = Fields(c.get("rope_parameters", "dict", {}), f"--model {path}: config.json rope_parameters")
@@ -122,6 +123,7 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
                            norm="rmsnorm", norm_eps=c.get("rms_norm_eps", "number", 1e-6, minimum=0), mlp="swiglu",
                            positions="rope", rope_theta=theta, rope_scaling=scaling_t,
                            tie_embeddings=c.get("tie_word_embeddings", "bool", False),
+                           head_size=head_size if head_size != hidden // heads else None, qk_norm=kind == "qwen3",
                            qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
                            mlp_bias=c.get("mlp_bias", "bool", False), **common)
     problem = config.shape_problem()
@@ -258,6 +260,9 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
            Piece("proj.weight", (f"{b}self_attn.o_proj.weight",)),
            Piece("fc.weight", (f"{b}mlp.gate_proj.weight", f"{b}mlp.up_proj.weight")),
            Piece("fc_out.weight", (f"{b}mlp.down_proj.weight",))]
+    if config.qk_norm:
+        out += [Piece("q_norm.weight", (f"{b}self_attn.q_norm.weight",)),
+                Piece("k_norm.weight", (f"{b}self_attn.k_norm.weight",))]
     if config.flag("qkv_bias"):
         out.append(Piece("qkv.bias", tuple(f"{b}self_attn.{x}_proj.bias" for x in "qkv")))
     if config.flag("proj_bias"):

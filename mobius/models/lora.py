@@ -61,7 +61,7 @@ def parts(config: GPTConfig, module: str) -> list[int]:
     """Output sizes of the Hugging Face modules fused in our ``module``."""
     h, kv = config.hidden, config.head_dim * config.n_kv_heads
     if module == "qkv" and config.hf_arch not in (None, "gpt2"):
-        return [h, kv, kv]  # q_proj, k_proj, v_proj
+        return [config.attention_width, kv, kv]  # q_proj, k_proj, v_proj
     if module == "qkv":
         return [h + 2 * kv]  # GPT-2's c_attn
     if module == "fc" and config.mlp == "swiglu":
