@@ -20,27 +20,27 @@ from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.workers import (
     agree,
-    die_with_parent,
     gather_trace,
     install_stop,
     share_cpu_cores,
+    tied_to_launcher,
 )
 
 COLLECTIVE_TIMEOUT_S = 60
 
 
 def worker_main(payload: dict) -> dict:
-    die_with_parent(payload)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = payload["spec"]["cuda"]
-    # On GPUs the collectives of device chunks go through NCCL, those of offloaded chunks (host
-    # memory) through gloo: NCCL has no CPU tensors.
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        return _run(payload, rank, world, cuda)
-    finally:
-        dist.destroy_process_group()
+    with tied_to_launcher(payload):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        cuda = payload["spec"]["cuda"]
+        # On GPUs the collectives of device chunks go through NCCL, those of offloaded chunks (host
+        # memory) through gloo: NCCL has no CPU tensors.
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            return _run(payload, rank, world, cuda)
+        finally:
+            dist.destroy_process_group()
 
 
 def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:

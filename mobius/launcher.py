@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
 from mobius.errors import shown
+from mobius.janitor import scratch_dir
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
@@ -54,8 +54,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
     payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
-    with tempfile.TemporaryDirectory(prefix="mobius-links-") as links:  # ours: made here, removed here
-        payload["scratch"] = [links]
+    with scratch_dir("mobius-links-") as links:
         if spec.emulation:
             counters = str(Path(links) / "counters")
             create_counters(counters, topo.n)
@@ -94,14 +93,23 @@ def run_workers(n: int, entry, payload: dict) -> dict:
     # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
     # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
-    run_dir = tempfile.mkdtemp(prefix="mobius-run-")
+    with scratch_dir("mobius-run-") as run_dir:
+        # torch's own files of the launch (each worker's error file) go into it too, so a killed
+        # launcher leaves none of them behind either.
+        previous, tempfile.tempdir = tempfile.tempdir, run_dir
+        try:
+            return _launch(n, entry, payload, run_dir)
+        finally:
+            tempfile.tempdir = previous
+
+
+def _launch(n: int, entry, payload: dict, run_dir: str) -> dict:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                           start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT/SIGTERM: ours
                           logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
     payload["launcher_pid"] = os.getpid()
-    payload["scratch"] = payload.get("scratch", []) + [run_dir]  # the workers remove them if we are killed
+    # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)
     payload["stop_file"], payload["started_file"] = str(signals.stop.stop_file), str(signals.started_file)
     try:
@@ -113,8 +121,6 @@ def run_workers(n: int, entry, payload: dict) -> dict:
             raise SystemExit(128 + signals.aborted) from None
         print(f"error: {shown(describe_failure(err))}", file=sys.stderr)
         raise SystemExit(1)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)  # made by mkdtemp above: ours
 
 
 def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -19,24 +19,22 @@ from mobius.signals import StopRequest
 PARENT_POLL_S = 0.5
 
 
-def die_with_parent(payload: dict | None = None) -> None:
+@contextlib.contextmanager
+def tied_to_launcher(payload: dict | None = None):
     """A worker must not outlive the process that started it, however that one dies (SIGKILL
-    included): when this process is re-parented, it removes the launcher's temporary directories
-    (``payload["scratch"]``: a killed launcher cannot) and kills itself.  The launcher is
-    ``payload["launcher_pid"]``, not whoever is our parent by the time this runs: a launcher
-    killed while we imported torch must not leave us running."""
-    payload = payload or {}
-    parent = payload.get("launcher_pid") or os.getppid()
-    scratch = list(payload.get("scratch", []))
+    included): when this process is re-parented it kills itself.  The launcher is
+    ``payload["launcher_pid"]``, not whoever is our parent by the time this runs: a launcher killed
+    while we imported torch must not leave us running.  (Its temporary directories are the
+    launcher's watcher's to remove: :mod:`mobius.janitor`.)"""
+    parent = (payload or {}).get("launcher_pid") or os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        for directory in scratch:  # made by the launcher with mkdtemp: ours
-            shutil.rmtree(directory, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
+    yield
 
 
 def install_stop(payload: dict) -> StopRequest:

@@ -4,6 +4,7 @@ The runtime's copy/compute ordering runs here exactly as on CUDA, so these tests
 ordering is tested: the checker must catch a wait removed from the runtime, and a run whose copy
 streams are slowed at random must still equal the reference."""
 
+import contextlib
 import os
 import time
 
@@ -115,7 +116,7 @@ def one_worker_env(monkeypatch):
     # The worker's process-level parts stay out of the test process.
     from mobius.signals import StopRequest
 
-    monkeypatch.setattr("mobius.stages.worker.die_with_parent", lambda: None)
+    monkeypatch.setattr("mobius.stages.worker.tied_to_launcher", lambda payload=None: contextlib.nullcontext())
     monkeypatch.setattr("mobius.stages.worker.install_stop", lambda payload: StopRequest())
 
 

@@ -71,7 +71,12 @@ class GPTConfig:
     @property
     def attention_width(self) -> int:
         """The queries' width (all heads), which the output projection maps back to ``hidden``."""
-        return self.heads * self.head_dim
+        return self.heads * self.head_size if self.head_size else self.hidden
+
+    @property
+    def kv_width(self) -> int:
+        """The keys' width (and the values'): all key-value heads."""
+        return self.attention_width * self.n_kv_heads // self.heads
 
     @property
     def n_kv_heads(self) -> int:

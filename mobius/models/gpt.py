@@ -136,7 +136,7 @@ class Block(GPTLayer):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         h, q_width = config.hidden, config.attention_width
-        kv_width = config.head_dim * config.n_kv_heads  # k and v each
+        kv_width = config.kv_width  # k and v each
         mlp_out = 2 * config.ffn if config.mlp == "swiglu" else config.ffn
         self.ln1 = make_norm(config)
         self.qkv = nn.Linear(h, q_width + 2 * kv_width, bias=config.flag("qkv_bias"))

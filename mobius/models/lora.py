@@ -59,7 +59,7 @@ def _mix(*values: int) -> int:
 
 def parts(config: GPTConfig, module: str) -> list[int]:
     """Output sizes of the Hugging Face modules fused in our ``module``."""
-    h, kv = config.hidden, config.head_dim * config.n_kv_heads
+    h, kv = config.hidden, config.kv_width
     if module == "qkv" and config.hf_arch not in (None, "gpt2"):
         return [config.attention_width, kv, kv]  # q_proj, k_proj, v_proj
     if module == "qkv":

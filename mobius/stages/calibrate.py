@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -42,7 +41,8 @@ from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
 from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
-from mobius.workers import die_with_parent
+from mobius.janitor import scratch_dir
+from mobius.workers import tied_to_launcher
 from topology import cpu_topology
 
 CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again
@@ -79,7 +79,11 @@ def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: di
     the launcher's to handle: it ends us, and we end with it (``parent``)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    die_with_parent(parent)
+    with tied_to_launcher(parent):
+        _calibrate(rank, port, threads, steps, out)
+
+
+def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS,
                             timeout=datetime.timedelta(seconds=120))
@@ -115,9 +119,9 @@ def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, i
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="mobius-calibration-") as tmp:
+    with scratch_dir("mobius-calibration-") as tmp:
         out = str(Path(tmp) / "times.json")
-        parent = {"launcher_pid": os.getpid(), "scratch": [tmp]}
+        parent = {"launcher_pid": os.getpid()}
         context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
                                      start_method="spawn", join=False)
         try:

@@ -38,10 +38,10 @@ from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
 from mobius.workers import (
     agree,
-    die_with_parent,
     gather_trace,
     install_stop,
     share_cpu_cores,
+    tied_to_launcher,
 )
 
 COLLECTIVE_TIMEOUT_S = 60
@@ -50,15 +50,15 @@ COLLECTIVE_TIMEOUT_S = 60
 def worker_main(payload: dict, decide=None) -> dict:
     """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights.
     Under torchrun the payload has no spec: rank 0 makes it with ``decide()`` and shares it."""
-    die_with_parent(payload)
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s(payload.get("spec"))))
-    try:
-        return _run(payload, rank, world, decide)
-    finally:
-        dist.destroy_process_group()
+    with tied_to_launcher(payload):
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s(payload.get("spec"))))
+        try:
+            return _run(payload, rank, world, decide)
+        finally:
+            dist.destroy_process_group()
 
 
 def collective_timeout_s(spec: dict | None) -> float:

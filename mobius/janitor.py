@@ -1,0 +1,39 @@
+"""Temporary directories a process makes for its children (a run's stop file and links, the
+calibration's results) are removed even when that process is killed (``kill -9`` leaves it no
+chance): a small watcher process, in a session of its own so a terminal's Ctrl-C passes it by,
+removes them once its parent is gone, and then exits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# The watcher: python -c WATCHER PARENT_PID DIR...; it polls for its parent's death.
+WATCHER = """
+import os, shutil, sys, time
+parent, dirs = int(sys.argv[1]), sys.argv[2:]
+while os.getppid() == parent:
+    time.sleep(0.2)
+for d in dirs:
+    shutil.rmtree(d, ignore_errors=True)
+"""
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str):
+    """A fresh temporary directory (ours: made here), removed when the block ends, however this
+    process ends."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), directory],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        watcher.kill()
+        watcher.wait()
