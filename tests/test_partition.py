@@ -303,7 +303,22 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
     printed = json.loads(capsys.readouterr().out)
     cfg = parse_train_args(options + ["--backend", "pipeline"])
     _, trained = prepare_pipeline(cfg, resolve_topology(cfg))
-    assert (printed["bounds"], printed["predicted_step_s"]) == ([list(b) for b in trained.bounds],
-                                                                trained.predicted_step_s)
+    assert (printed["bounds"], printed["predicted_step_s"], printed["recompute"]) == ([list(b) for b in trained.bounds],
+                                                                trained.predicted_step_s, trained.recompute)
     plan_main(options[:-4] + ["--json"])  # without the lag and the adapters: another plan
     assert json.loads(capsys.readouterr().out)["predicted_step_s"] != printed["predicted_step_s"]
+
+
+def test_a_cached_profile_is_checked_for_range_not_for_positivity():
+    """A frozen layer's backward measures zero (LoRA's embedding): such a profile is used again, or
+    plans would move every run; a negative, NaN or absurd time, or a fractional size, is not."""
+    profile = analytic_profile("tiny", get_config("tiny"), 2, 16, 0.05, "fp32")
+    profile.layers[0].bwd_s = 0.0
+    assert profile.checked(profile.n) is profile
+    for key, bad in (("bwd_s", -1.0), ("fwd_s", float("nan")), ("fwd_s", 1e300), ("out_bytes", 2.5)):
+        broken = Profile.from_dict(profile.to_dict())
+        setattr(broken.layers[1], key, bad)
+        with pytest.raises(ValueError, match=f"layers.1: {key} is"):
+            broken.checked(broken.n)
+    with pytest.raises(ValueError, match="it has 6 layers, the model 7"):
+        profile.checked(7)

@@ -136,14 +136,14 @@ class Profile:
         return cls(**d)
 
     def checked(self, layers: int) -> "Profile":
-        """This profile, if it can describe a model of ``layers`` layers: times finite and positive,
-        sizes whole and not negative; else a ``ValueError`` saying what is wrong."""
+        """This profile, if it can describe a model of ``layers`` layers: times and sizes in range (not
+        negative, sizes whole); else a ``ValueError`` saying what is wrong."""
         if self.n != layers:
             raise ValueError(f"it has {self.n} layers, the model {layers}")
         for layer in self.layers:
             for key in ("fwd_s", "bwd_s"):
-                if not _number(getattr(layer, key), positive=True, most=MAX_TIME_S):
-                    raise ValueError(f"{layer.name}: {key} is {getattr(layer, key)!r}, not a positive time")
+                if not _number(getattr(layer, key), most=MAX_TIME_S):  # zero: a frozen layer's backward
+                    raise ValueError(f"{layer.name}: {key} is {getattr(layer, key)!r}, not a time")
             for key in ("param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes"):
                 value = getattr(layer, key)
                 if not (value is None and key == "grad_bytes") and not (_number(value) and value == int(value)):
