@@ -42,7 +42,7 @@ from mobius.runtime.device import Device, Event
 from mobius.runtime.spec import Plan
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
-from mobius.stages.ops import Op, worker_ops
+from mobius.stages.ops import COMPUTE, END, LOAD, OFFLOAD, RECOMPUTE, RECV, RELEASE, SEND, WAIT, Op, worker_ops
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.stages.working_memory import WorkingMemory
@@ -121,8 +121,11 @@ class StageRunner:
         return st.loss_sum
 
     def _execute(self, ops: list[Op], st: _StepState) -> None:
+        perform = {LOAD: self._op_load, WAIT: self._op_wait, RECV: self._op_recv, COMPUTE: self._op_compute,
+                   RECOMPUTE: self._op_recompute, SEND: self._op_send, END: self._op_end, OFFLOAD: self._op_offload,
+                   RELEASE: self._op_release}
         for op in ops:
-            getattr(self, f"_op_{op.kind}")(op, st)
+            perform[op.kind](op, st)
         self.working.idle()
 
     def _settle(self) -> None:
