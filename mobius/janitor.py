@@ -1,6 +1,6 @@
 """Temporary directories a process makes for its children (a run's stop file and links, the
 calibration's results) are removed even when that process is killed (``kill -9`` leaves it no
-chance): a small watcher process, in a session of its own so a terminal's Ctrl-C passes it by,
+chance): a small watcher process, in a process group of its own so a terminal's Ctrl-C passes it by,
 removes them once its parent is gone, and then exits."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def scratch_dir(prefix: str):
     directory = tempfile.mkdtemp(prefix=prefix)
     watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), directory],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+                               process_group=0)
     try:
         yield directory
     finally:
