@@ -197,9 +197,9 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
         if not isinstance(name, str) or not isinstance(digest, str) or Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} names {name!r}, not a file of the checkpoint")
         path = d / name
-        if path.is_symlink() or not path.is_file():
-            if path.is_symlink():
-                raise CheckpointError(f"--resume {directory}: {path} is a symbolic link, not a file of the checkpoint")
+        if path.is_symlink():
+            raise CheckpointError(f"--resume {directory}: {path} is a symbolic link, not a file of the checkpoint")
+        if not path.is_file():
             raise CheckpointError(f"--resume {directory}: {path} is missing")
         if verify:
             if ownership.sha256_of(path) != digest:

@@ -48,8 +48,6 @@ def exits_cleanly(main: Callable[..., T]) -> Callable[..., T]:
         ours = threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_importing)
         previous = signal.signal(signal.SIGTERM, _terminate) if ours else None
-        if ours:  # a write past ``ulimit -f`` is then an OSError (EFBIG) we report, not a killed process
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         try:
             return main(*args, **kwargs)
         except InputError as err:

@@ -25,7 +25,7 @@ from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
 from mobius.errors import shown
 from mobius.janitor import scratch_dir
-from mobius.metrics import StepMetrics
+from mobius.metrics import StepMetrics, seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
@@ -48,7 +48,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-              f"predicted {_seconds(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
+              f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
                "inputs": inputs}
     # Each worker writes its stages' tensors into the staging directory of each export.
@@ -70,10 +70,6 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def _devices(spec: RunSpec) -> str:

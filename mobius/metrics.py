@@ -141,6 +141,11 @@ class Trace:
         self._t0 = t0
 
 
+def seconds_text(s: float) -> str:
+    """A step time as people read it: seconds from 0.1 s, milliseconds below."""
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms"
+
+
 def write_trace(path: str | os.PathLike, events: list[dict]) -> None:
     text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     with writing("the trace", path):

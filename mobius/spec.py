@@ -163,8 +163,8 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
     model_factor = EMULATION_MARGIN * crowding * sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
     work = [0.0] * topo.n  # each worker's CPU work of one step
+    passes = 3 if plan.recompute else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
     for c, st in zip(cpu_stages, plan.stages):
-        passes = 3 if plan.recompute else 2
         work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
             + 2 * cpu.host.stage_switch_s
     step_floor = EMULATION_MARGIN * crowding * max(work) / plan.predicted_step_s

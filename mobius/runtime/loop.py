@@ -13,12 +13,8 @@ from tqdm import tqdm
 
 from mobius.config import RunConfig
 from mobius.errors import RunError
-from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog
+from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog, seconds_text
 from mobius.signals import StopRequest
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms"
 
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
@@ -59,7 +55,8 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             evaluated = [h.eval_loss for h in history if h.eval_loss is not None]
             # Emulated runs: the emulated GPUs' step and tokens/s (the bar's ETA is wall time).
             emulated = {} if m.emulated_step_s is None else {
-                "emulated_step": _seconds(m.emulated_step_s), "emulated_tok_s": f"{m.tokens / m.emulated_step_s:.0f}"}
+                "emulated_step": seconds_text(m.emulated_step_s),
+                "emulated_tok_s": f"{m.tokens / m.emulated_step_s:.0f}"}
             bar.set_postfix(loss=f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
                             tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}", **emulated)
             want_stop = (stop is not None and stop.check()) or (
@@ -85,7 +82,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
         on_gpus = ""
         if emulated:  # after the first step (warm-up), as the benchmarks count it
             typical = sorted(emulated[1:] or emulated)[len(emulated[1:] or emulated) // 2]
-            on_gpus = (f"; emulated GPUs: {_seconds(typical)}/step (median), "
+            on_gpus = (f"; emulated GPUs: {seconds_text(typical)}/step (median), "
                        f"{history[-1].tokens / typical:.0f} tokens/s")
         print(f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
               f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}",
