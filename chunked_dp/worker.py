@@ -15,7 +15,7 @@ from mobius.metrics import Trace
 from mobius.optim import DynamicLossScaler
 from mobius.precision import DTYPES
 from mobius.runtime.device import open_device
-from mobius.runtime.inputs import make_data, model_config_for
+from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
 from mobius.workers import (
@@ -55,7 +55,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
     engine = ChunkedEngine(model_config, rank, world, device, setup["chunk_size"], setup["n_block"], setup["offload"],
                            setup["device_chunks"], DTYPES[spec.precision], cfg.seed, cfg.lr, cfg.steps, trace,
                            prefetch=cfg.chunk_prefetch)
-    batches, held_out = make_data(cfg, model_config)
+    batches, held_out = worker_data(cfg, model_config, payload.get("data"))
     device.start_steps()
     stop = install_stop(payload)
     start = 0

@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from chunked_dp import worker as chunked_worker
 from mobius.config import RunConfig
+from mobius.data.shared import share
 from mobius.errors import shown
 from mobius.janitor import scratch_dir
 from mobius.metrics import StepMetrics, seconds_text
@@ -38,8 +39,10 @@ from topology import Topology
 
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
-                    inputs: dict[str, str] | None = None):
-    """``inputs``: the digests the run's checkpoints record (:func:`mobius.checkpoint.input_digests`)."""
+                    inputs: dict[str, str] | None = None, data: tuple | None = None):
+    """``inputs``: the digests the run's checkpoints record (:func:`mobius.checkpoint.input_digests`);
+    ``data``: the run's training and held-out batches, made here and shared with the workers (None:
+    each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(model_config, device="meta").num_parameters()
     emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(plan.predicted_step_s, cfg.steps)}"
@@ -59,7 +62,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             counters = str(Path(links) / "counters")
             create_counters(counters, topo.n)
             payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
-        results = run_workers(topo.n, pipeline_worker.worker_main, payload)
+        results = run_workers(topo.n, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, payload["exports"]):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
@@ -76,9 +79,10 @@ def _devices(spec: RunSpec) -> str:
     return "CUDA GPUs" if spec.cuda else "CPU workers"
 
 
-def run_workers(n: int, entry, payload: dict) -> dict:
+def run_workers(n: int, entry, payload: dict, data: tuple | None = None) -> dict:
     """Start ``n`` workers running ``entry(payload)`` through the elastic launcher; a failed worker
-    ends everything with one line naming it."""
+    ends everything with one line naming it.  ``data`` (training batches, held-out examples) is
+    written into the run's directory once and memory-mapped by every worker."""
     # We report a failed or interrupted worker in one line ourselves: the agent's own logging
     # (stack traces of the children, "closing process" warnings) would bury it.
     for name in list(logging.root.manager.loggerDict):
@@ -94,6 +98,8 @@ def run_workers(n: int, entry, payload: dict) -> dict:
         # launcher leaves none of them behind either.
         previous, tempfile.tempdir = tempfile.tempdir, run_dir
         try:
+            if data is not None:
+                payload["data"] = share(*data, run_dir)
             return _launch(n, entry, payload, run_dir)
         finally:
             tempfile.tempdir = previous
@@ -120,8 +126,9 @@ def _launch(n: int, entry, payload: dict, run_dir: str) -> dict:
 
 
 def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
-                   inputs: dict[str, str] | None = None):
-    """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher."""
+                   inputs: dict[str, str] | None = None, data: tuple | None = None):
+    """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
+    (``inputs`` and ``data`` as for :func:`launch_pipeline`)."""
     spec = prepare_chunked(cfg, topo)
     setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
@@ -132,7 +139,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {spec.precision}")
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
                "inputs": inputs}
-    results = run_workers(topo.n, chunked_worker.worker_main, payload)
+    results = run_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history
 

@@ -134,7 +134,7 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     inputs = ck.input_digests(cfg, model_config)
     if cfg.resume:
         ck.check_inputs(cfg, inputs)
-    # The data, read and checked before any worker starts (each worker reads it again itself).
+    # The data, read and checked before any worker starts; the workers map what this process made.
     batches, held_out = make_data(cfg, model_config)
     if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
         cfg.steps = max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9))
@@ -144,8 +144,8 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
         print(f"held out: {held_out.describe()}", flush=True)
     backend, topo = resolve_backend(cfg)
     validate_for_backend(cfg, backend)
-    # This process holds the data, and so does each worker it starts.
-    holders = 1 + (topo.n if backend != "single" else 0)
+    # This process holds the data; the workers map one copy of it (the page cache's, shared).
+    holders = 1 if backend == "single" else 2
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
     available = available_host_memory()
     if available is not None:
@@ -154,8 +154,8 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out, inputs)
     if backend == "chunked":
-        return launch_chunked(cfg, model_config, topo, inputs=inputs)
-    return launch_pipeline(cfg, model_config, topo, inputs=inputs)
+        return launch_chunked(cfg, model_config, topo, inputs=inputs, data=(batches, held_out))
+    return launch_pipeline(cfg, model_config, topo, inputs=inputs, data=(batches, held_out))
 
 
 @exits_cleanly

@@ -34,3 +34,39 @@ def test_missing_and_empty_data(tmp_path):
         load_corpus(tmp_path / "empty.txt")
     with pytest.raises(InputError, match="fewer than"):
         BatchSource(np.zeros(10, dtype=np.uint8), 32, 1, 1, 0)
+
+
+def test_shared_data_is_mapped_once_and_gives_the_same_batches(tmp_path):
+    """The launcher's tokenized data, written once and memory-mapped by the workers: the same
+    batches for every step (windows, packed examples, held-out passes), from read-only mappings
+    in the smallest integer types, never int64 copies of the whole data."""
+    from mobius.data.examples import Example
+    from mobius.data.packing import EvalBatches, ExampleBatches, pack
+    from mobius.data.shared import open_shared, share
+
+    corpus = load_corpus(None, max_bytes=100_000)
+    windows = BatchSource(corpus, 32, 2, 3, seed=7)
+    rng = np.random.default_rng(0)
+    examples = [Example(rng.integers(0, 300, n), rng.random(n) < 0.5) for n in rng.integers(3, 40, 50)]
+    packed = pack(examples, 48, packing=True, seed=1)
+    assert packed.tokens.dtype == np.uint16 and packed.targets.dtype == np.int16  # IGNORE is -100
+    assert packed.positions.dtype == np.uint8 and packed.segments.dtype == np.int8
+    for train, held in ((windows, None), (ExampleBatches(packed, 2, 3, 5, True, "ex"), EvalBatches(packed, 2, 3, True, "ev"))):
+        (tmp_path / type(train).__name__).mkdir()
+        got_train, got_held = open_shared(share(train, held, tmp_path / type(train).__name__))
+        arrays = [got_train.corpus] if held is None else [getattr(got_train.packed, a) for a in packed.ARRAYS]
+        assert all(isinstance(a, np.memmap) and not a.flags.writeable for a in arrays)
+        assert got_train.host_bytes() == train.host_bytes() and got_train.describe() == train.describe()
+        for k in (0, 9):
+            for a, b in zip(train.step(k), got_train.step(k)):
+                assert a.tokens.dtype == b.tokens.dtype == torch.int64 and torch.equal(a.tokens, b.tokens)
+                for f in ("targets", "positions", "segments"):
+                    x, y = getattr(a.layout, f), getattr(b.layout, f)
+                    assert (x is None and y is None) or torch.equal(x, y), f
+                assert a.layout.loss_tokens == b.layout.loss_tokens
+        if held is None:
+            assert got_held is None
+        else:
+            assert got_held.passes == held.passes and got_held.trained == held.trained
+            assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
+                       for k in range(held.passes) for a, b in zip(held.pass_batches(k), got_held.pass_batches(k)))

@@ -19,7 +19,7 @@ from mobius.launcher import launch_chunked, launch_pipeline  # noqa: E402
 from mobius.models import IGNORE, get_config  # noqa: E402
 from mobius.optim import lr_at, make_adamw, set_lr  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
-from mobius.runtime.inputs import make_batches, make_eval_batches, model_config_for  # noqa: E402
+from mobius.runtime.inputs import make_batches, make_data, make_eval_batches, model_config_for  # noqa: E402
 from topology import cpu_topology  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -108,7 +108,7 @@ def test_packed_rows_hold_several_examples_with_answers_only_trained(chat_setup)
     assert batches.packed.truncated == 0
     mb = batches.step(0)[0]
     seg, pos, tgt = mb.layout.segments, mb.layout.positions, mb.layout.targets
-    assert (batches.segments.max(dim=1).values >= 1).sum() >= batches.sequences // 2  # rows hold several
+    assert (batches.packed.segments.max(axis=1) >= 1).sum() >= batches.sequences // 2  # rows hold several
     for row in range(seg.shape[0]):
         for e in seg[row].unique().tolist():
             if e >= 0:
@@ -158,7 +158,9 @@ def test_micro_batch_split_does_not_change_the_step(chat_setup):
     for losses, weights in runs[1:]:
         assert close(losses, runs[0][0])
         for name, w in weights.items():
-            torch.testing.assert_close(w, runs[0][1][name], rtol=1e-5, atol=1e-6)
+            # The split changes the order of the gradient's sums; AdamW's g / sqrt(v) turns that
+            # last-bit difference into ~1e-6 where a gradient is near zero (seen on AVX-512 hosts).
+            torch.testing.assert_close(w, runs[0][1][name], rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(chat_setup):
@@ -177,8 +179,9 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
             want_eval.append(trainer.evaluate(held_out))
     model_config = get_config(cfg.model)
     for launch, backend in ((launch_pipeline, {"backend": "pipeline", "stages": 3}), (launch_chunked, {"backend": "chunked"})):
-        history = launch(RunConfig.from_dict({**cfg.to_dict(), "cpu_workers": 2, **backend}), model_config,
-                         cpu_topology(2))
+        run_cfg = RunConfig.from_dict({**cfg.to_dict(), "cpu_workers": 2, **backend})
+        # As mobius.train launches them: the workers map the data this process made.
+        history = launch(run_cfg, model_config, cpu_topology(2), data=make_data(run_cfg, model_config_for(run_cfg)))
         assert close([m.loss for m in history], want), backend
         assert [m.eval_loss is not None for m in history] == [False, True, True]
         assert close([m.eval_loss for m in history[1:]], want_eval), backend

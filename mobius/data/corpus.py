@@ -60,11 +60,14 @@ def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
 
 
 def smallest_ids(ids: np.ndarray) -> np.ndarray:
-    """``ids`` in the smallest unsigned type that holds them (bytes: 1 byte a token; a 50k or 65k
-    vocabulary: 2; larger: 4): every worker holds the corpus, an eighth of it as int64."""
-    top = int(ids.max()) if ids.size else 0
-    dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
-    return ids.astype(dtype, copy=False)
+    """``ids`` in the smallest integer type that holds them (bytes: 1 byte a token; a 50k or 65k
+    vocabulary: 2; larger: 4; signed where they go below 0): every worker holds the corpus, an
+    eighth of it as int64."""
+    low, top = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    for dtype in ((np.uint8, np.uint16, np.uint32, np.uint64) if low >= 0 else (np.int8, np.int16, np.int32)):
+        if np.iinfo(dtype).min <= low and top <= np.iinfo(dtype).max:
+            return ids.astype(dtype, copy=False)
+    return ids.astype(np.int64, copy=False)
 
 
 def corpus_of(texts: list[str], tokenizer: Tokenizer, source: str) -> np.ndarray:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mobius.data.corpus import Batch
+from mobius.data.corpus import Batch, smallest_ids
 from mobius.data.examples import Example
 from mobius.errors import InputError
 from mobius.models.layout import IGNORE, TokenLayout
@@ -36,6 +36,12 @@ class Packed:
     segments: np.ndarray  # (N, T): example index within its sequence, -1 for padding
     examples: int
     truncated: int  # examples cut to fit --seq-len
+
+    ARRAYS = ("tokens", "targets", "positions", "segments")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, a).nbytes for a in self.ARRAYS)
 
 
 def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, truncate: bool = True,
@@ -74,19 +80,20 @@ def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, trunca
             out.tokens[r, span], out.targets[r, span] = inputs, targets
             out.positions[r, span], out.segments[r, span] = np.arange(inputs.size), e
             at += inputs.size
+    for a in Packed.ARRAYS:  # each process holds them: the smallest type each needs, not int64
+        setattr(out, a, smallest_ids(getattr(out, a)))
     return out
 
 
 class ExampleBatches:
-    """The batches of a run on examples (instruction, chat, prompt/completion, or documents)."""
+    """The batches of a run on examples (instruction, chat, prompt/completion, or documents).
+
+    The packed arrays stay NumPy arrays (memory-mapped in the workers, :mod:`mobius.data.shared`);
+    only a step's rows become int64 tensors."""
 
     def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, seed: int, packing: bool,
                  describe: str):
         self.packed = packed
-        self.tokens = torch.from_numpy(packed.tokens)
-        self.targets = torch.from_numpy(packed.targets)
-        self.positions = torch.from_numpy(packed.positions)
-        self.segments = torch.from_numpy(packed.segments)
         self.seq_len = packed.tokens.shape[1]
         self.micro_batch_size, self.micro_batches, self.seed = micro_batch_size, micro_batches, seed
         self.packing = packing
@@ -95,11 +102,11 @@ class ExampleBatches:
 
     def host_bytes(self) -> int:
         """What this source holds in memory (each process that trains holds its own)."""
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.targets, self.positions, self.segments))
+        return self.packed.nbytes
 
     @property
     def sequences(self) -> int:
-        return self.tokens.shape[0]
+        return self.packed.tokens.shape[0]
 
     def step_sequences(self, step: int) -> np.ndarray:
         """Indices of the sequences step ``step`` trains on: the next M x B of an order reshuffled per epoch."""
@@ -113,21 +120,20 @@ class ExampleBatches:
         return self._epoch_order[1]
 
     def step(self, step: int) -> list[Batch]:
-        idx = torch.from_numpy(self.step_sequences(step))
-        return self._micro_batches(idx, int((self.targets[idx] != IGNORE).sum()))
+        idx = self.step_sequences(step)
+        return self._micro_batches(idx, int((self.packed.targets[idx] != IGNORE).sum()))
 
-    def _micro_batches(self, idx: torch.Tensor, loss_tokens: int) -> list[Batch]:
+    def _micro_batches(self, idx: np.ndarray, loss_tokens: int) -> list[Batch]:
         """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding)."""
-        empty = idx < 0
-        rows_all = idx.clamp(min=0)
-        b = self.micro_batch_size
-        out = []
-        for a in range(0, idx.numel(), b):
-            rows, blank = rows_all[a:a + b], empty[a:a + b, None]
-            layout = TokenLayout(targets=self.targets[rows].masked_fill(blank, IGNORE), loss_tokens=max(1, loss_tokens))
+        rows_of = lambda a: torch.from_numpy(a[rows].astype(np.int64))  # noqa: E731 (a copy, never the mapping)
+        b, out = self.micro_batch_size, []
+        for a in range(0, idx.size, b):
+            rows, blank = np.maximum(idx[a:a + b], 0), torch.from_numpy(idx[a:a + b] < 0)[:, None]
+            layout = TokenLayout(targets=rows_of(self.packed.targets).masked_fill(blank, IGNORE),
+                                 loss_tokens=max(1, loss_tokens))
             if self.packing:
-                layout.positions, layout.segments = self.positions[rows], self.segments[rows]
-            out.append(Batch(self.tokens[rows], layout))
+                layout.positions, layout.segments = rows_of(self.packed.positions), rows_of(self.packed.segments)
+            out.append(Batch(rows_of(self.packed.tokens), layout))
         return out
 
     def epochs(self, steps: int) -> float:
@@ -144,11 +150,11 @@ class EvalBatches(ExampleBatches):
 
     def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, packing: bool, describe: str):
         super().__init__(packed, micro_batch_size, micro_batches, 0, packing, describe)
-        self.trained = int((self.targets != IGNORE).sum())
+        self.trained = int((packed.targets != IGNORE).sum())
         per_pass = micro_batch_size * micro_batches
         self.passes = -(-self.sequences // per_pass)
         order = np.arange(self.passes * per_pass)
         self._order_of_pass = np.where(order < self.sequences, order, -1).reshape(self.passes, per_pass)
 
     def pass_batches(self, k: int) -> list[Batch]:
-        return self._micro_batches(torch.from_numpy(self._order_of_pass[k]), self.trained)
+        return self._micro_batches(self._order_of_pass[k], self.trained)

@@ -14,6 +14,7 @@ from mobius.data.corpus import corpus_of
 from mobius.data.examples import renderer_for
 from mobius.data.packing import EvalBatches
 from mobius.data.records import Record
+from mobius.data.shared import open_shared
 from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
@@ -100,6 +101,13 @@ def make_data(cfg: RunConfig, model_config: GPTConfig) -> tuple[BatchSource | Ex
     renderer = renderer or renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
     packed, describe = _packed(cfg, model_config, held_out, fmt, tokenizer, renderer)
     return train, EvalBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.packing != "off", describe)
+
+
+def worker_data(cfg: RunConfig, model_config: GPTConfig, shared: dict | None
+                ) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
+    """A worker's data: what the launching process made and shared (:mod:`mobius.data.shared`),
+    memory-mapped; read and tokenized here only when nothing was shared (a worker under torchrun)."""
+    return open_shared(shared) if shared is not None else make_data(cfg, model_config)
 
 
 def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | ExampleBatches:
