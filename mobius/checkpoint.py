@@ -226,7 +226,8 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
     """The checkpoint must be of this model, hold every tensor a resume needs, and have been taken
     with this run's settings (unless ``cfg.resume_with_changes``)."""
     theirs = ckpt.manifest["model_config"]
-    mine = {k: v for k, v in model_config.items() if k != "checkpoint"}
+    # As the manifest holds it: through JSON, where a tuple (rope scaling, sliding layers) is a list.
+    mine = json.loads(json.dumps({k: v for k, v in model_config.items() if k != "checkpoint"}))
     theirs = {k: v for k, v in theirs.items() if k != "checkpoint"} if isinstance(theirs, dict) else {}
     if theirs:  # a field added to the model's shape since the checkpoint was written has its default there
         theirs = {**{k: v for k, v in GPTConfig.defaults().items() if k in mine}, **theirs}

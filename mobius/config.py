@@ -116,7 +116,8 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=d.topology,
                    help="auto (probe this machine), a preset name, or a topology JSON file")
     p.add_argument("--model", default=d.model,
-                   help="a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, OPT, Llama)")
+                   help="a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, OPT, "
+                        "Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank on frozen base weights (0: full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: the rank)")

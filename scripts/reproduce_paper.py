@@ -13,7 +13,8 @@ into ``--out`` and prints a table per figure:
 * Fig. 14 scaling from 2 to 8 GPUs (mobius-8b).
 
 Profiles are analytic (fp16 on RTX 3090 Ti: 40 TFLOPS at 50% MFU), micro-batch sizes from
-Table 3, M = number of GPUs micro-batches per step, recomputation on (as in the paper).
+Table 3, M = number of GPUs micro-batches per step, recomputation on (as in the paper); each plan
+is the one ``mobius.plan`` makes for those settings (with the memory CUDA itself takes reserved).
 
     python scripts/reproduce_paper.py [--out paper_repro] [--time-limit 3]
 """
@@ -25,13 +26,14 @@ import csv
 import json
 from pathlib import Path
 
+from mobius.config import RunConfig
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import get_config
 from mobius.models.presets import PAPER_MICRO_BATCH
 from mobius.partition.baselines import max_stage, min_stage
 from mobius.partition.cost import machine_for
 from mobius.partition.profile import analytic_profile
-from mobius.planner import make_plan
+from mobius.spec import plan_on
 from mobius.sim import simulate_gpipe, simulate_mobius, simulate_zero3_offload
 from topology import load_preset
 from topology.model import Topology
@@ -48,8 +50,10 @@ def fp32_model_bytes(profile) -> float:
 
 
 def plan_for(model: str, topo: Topology, profile, time_limit: float):
-    return make_plan(model, get_config(model), topo, PAPER_MICRO_BATCH[model], topo.n, 512, "fp16",
-                     profile=profile, use_cache=True, time_limit_s=time_limit)
+    """The plan ``mobius.plan`` prints for the paper's settings (its profile, fp16, recomputation)."""
+    cfg = RunConfig(model=model, micro_batch_size=PAPER_MICRO_BATCH[model], micro_batches=topo.n, seq_len=512,
+                    precision="fp16", recompute="on")
+    return plan_on(cfg, get_config(model), topo, profile=profile, use_cache=True, time_limit_s=time_limit)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -17,7 +17,7 @@ from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CpuDevice
-from mobius.runtime.inputs import make_batches, model_config_for
+from mobius.runtime.inputs import make_batches, make_data, model_config_for
 from mobius.spec import prepare_pipeline
 from mobius.stages.transport import LocalGroup
 from mobius.stages.worker import build_worker
@@ -43,6 +43,7 @@ def config(workers: int, stages: int, steps: int, model: str = "tiny8", **kw) ->
 def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the pipeline, one thread per worker."""
     spec, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
     group = LocalGroup(cfg.cpu_workers)
     results: dict[int, tuple] = {}
     errors: list[BaseException] = []
@@ -51,7 +52,8 @@ def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]
     def worker(rank: int) -> None:
         try:
             with building:
-                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False))
+                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False),
+                                     data)
             try:
                 sums = [parts.runner.step(k) for k in range(cfg.steps)]
             finally:

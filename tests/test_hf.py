@@ -34,8 +34,35 @@ def make_dirs(root):
         "qwen3": T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=300, max_position_embeddings=64, hidden_size=32,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                   head_dim=16, intermediate_size=48, tie_word_embeddings=True)),
+        # Phi-3: q|k|v and gate|up stored fused, half of each head rotated, LongRoPE (the long factors
+        # past 16 tokens), a sliding window of 8.
+        "phi3": T.Phi3ForCausalLM(T.Phi3Config(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=48, sliding_window=8, pad_token_id=0,
+                                               partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                                               rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5],
+                                                             "long_factor": [2.0, 3.0]})),
+        # Gemma 2: sliding (8) and global blocks alternating, soft-capped scores and logits (caps small
+        # enough to bend a tiny model's values), a query scale of its own, GeGLU, sandwich norms, tied.
+        "gemma2": T.Gemma2ForCausalLM(T.Gemma2Config(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                     head_dim=16, intermediate_size=48, sliding_window=8,
+                                                     query_pre_attn_scalar=24, attn_logit_softcapping=0.05,
+                                                     final_logit_softcapping=0.5)),
+        # Gemma 3: q/k norms, a local rotary base for the sliding blocks and a scaled global one.
+        "gemma3": T.Gemma3ForCausalLM(T.Gemma3TextConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
+                                                         num_hidden_layers=3, num_attention_heads=4,
+                                                         num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                                                         sliding_window=8, sliding_window_pattern=2,
+                                                         query_pre_attn_scalar=24,
+                                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
     }
     for name, m in models.items():
+        if name in ("phi3", "gemma2", "gemma3"):  # norms that are not all ones (Gemma's: not all zeros)
+            with torch.no_grad():
+                for param_name, p in m.named_parameters():
+                    if "norm" in param_name:
+                        p.add_(torch.randn_like(p) * 0.1)
         save_hf_model(m, root / name)
     return {name: str(root / name) for name in models}
 
@@ -51,15 +78,20 @@ def reference_logits(path, tokens):
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "qwen3"])
+FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_logits_equal_transformers(hf_dirs, arch):
     config = get_config(hf_dirs[arch])
     if arch == "llama":
         assert config.n_kv_heads == 2 and config.heads == 4  # grouped-query attention
     ours = build_model(config)
-    tokens = torch.randint(0, 300, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.logits(tokens), reference_logits(hf_dirs[arch], tokens), rtol=1e-5, atol=1e-5)
+    for length in (12, 24):  # inside and past the sliding window and Phi-3's original context
+        tokens = torch.randint(0, 300, (2, length))
+        with torch.no_grad():
+            torch.testing.assert_close(ours.logits(tokens), reference_logits(hf_dirs[arch], tokens), rtol=1e-5,
+                                       atol=1e-5)
 
 
 def export_model(config, model, out):
@@ -77,7 +109,7 @@ def load_all(path):
     return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp_path):
     config = get_config(hf_dirs[arch])
     export_model(config, build_model(config), str(tmp_path / "out"))
@@ -89,7 +121,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
         json.loads(open(os.path.join(hf_dirs[arch], "config.json")).read())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
@@ -107,6 +139,42 @@ def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
         ours = trainer.model.logits(tokens)
     torch.testing.assert_close(reference_logits(out, tokens), ours, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(reference_logits(hf_dirs[arch], tokens), ours, atol=1e-3)  # it did change
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+def test_single_and_pipeline_fine_tune_alike(hf_dirs, arch):
+    """Full fine-tuning (fp32): the reference and pipelines of 2 and 4 workers (threads), at a
+    sequence longer than the sliding window, give the same per-step losses and final weights."""
+    from mobius.reference import ReferenceTrainer
+    from mobius.runtime.inputs import make_batches
+    from test_executor import run_in_threads
+
+    cfg = RunConfig(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=24, lr=1e-2,
+                    precision="fp32", progress=False)
+    config = get_config(cfg.model)
+    ref = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
+    want = [ref.step(k).loss for k in range(3)]
+    for workers in (2, 4):
+        losses, weights = run_in_threads(RunConfig.from_dict({**cfg.to_dict(), "topology": "cpu", "backend": "pipeline",
+                                                               "cpu_workers": workers, "stages": 5}))
+        assert losses == pytest.approx(want, rel=1e-5), workers
+        for name, p in ref.model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_examples_see_only_themselves_through_a_sliding_window(hf_dirs):
+    """Two examples packed in one row of Gemma 2 (sliding window 8 on alternate blocks, longer
+    examples than that): each example's logits are those it has alone."""
+    from mobius.models.layout import TokenLayout
+
+    model = build_model(get_config(hf_dirs["gemma2"]))
+    a, b = torch.randint(0, 300, (1, 13)), torch.randint(0, 300, (1, 11))
+    layout = TokenLayout(positions=torch.cat([torch.arange(13), torch.arange(11)])[None],
+                         segments=torch.tensor([0] * 13 + [1] * 11)[None])
+    with torch.no_grad():
+        packed = model.logits(torch.cat([a, b], dim=1), layout)
+        torch.testing.assert_close(packed[:, :13], model.logits(a), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(packed[:, 13:], model.logits(b), rtol=1e-5, atol=1e-6)
 
 
 def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):

@@ -7,6 +7,7 @@ same sequences for the same step, with no loader state to carry around.
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
 DEFAULT_CORPUS_BYTES = 16 * 2**20
 
 
-def stdlib_corpus_files() -> list[Path]:
-    """The running Python's standard-library ``.py`` files: real text on every machine."""
+@functools.cache
+def stdlib_corpus_files() -> tuple[Path, ...]:
+    """The running Python's standard-library ``.py`` files: real text on every machine (found
+    once per process: the walk of the tree costs more than reading what the run needs)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts))
 
 
 def _stdlib_text(max_bytes: int) -> bytes:

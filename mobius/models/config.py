@@ -13,8 +13,11 @@ class GPTConfig:
     The defaults are this project's GPT (LayerNorm, learned positions, GELU MLP).  The other
     fields describe the Hugging Face families we load: GPT-2 (tanh GELU, biases), OPT (ReLU,
     position offset 2), Llama/Mistral/Qwen2 (RMSNorm, rotary positions, SwiGLU, grouped-query
-    attention, optional q/k/v biases) and Qwen3 (a head size of its own, RMSNorm of each head's
-    queries and keys).
+    attention, optional q/k/v biases, Mistral's sliding window), Qwen3 (a head size of its own,
+    RMSNorm of each head's queries and keys), Phi-3 (rotation of part of each head, LongRoPE) and
+    Gemma 2 and 3 (scaled embeddings, (1 + w) RMSNorms before and after attention and MLP, GeGLU,
+    a query scale of their own, soft-capped scores and logits, local sliding-window layers between
+    global ones, each kind with its own rotary base).
     """
 
     vocab_size: int
@@ -25,8 +28,8 @@ class GPTConfig:
     bias: bool = False  # default for every bias below that is left as None
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm | rmsnorm_gemma (in fp32, scaled by 1 + weight)
+    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu | geglu (tanh GELU of the gate, times up)
     intermediate: int | None = None  # MLP width (default 4 * hidden)
     kv_heads: int | None = None  # grouped-query attention (default: heads)
     head_size: int | None = None  # per attention head (default: hidden / heads; Qwen3 sets its own)
@@ -34,13 +37,24 @@ class GPTConfig:
     positions: str = "learned"  # learned | rope
     position_offset: int = 0  # OPT's learned positions start at index 2
     rope_theta: float = 10000.0
-    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_context)
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_context) | ("linear", factor) |
+    # ("longrope", short_factors, long_factors, original_context, attention_factor)
+    rope_scaling: tuple | None = None
+    rotary_dims: int | None = None  # the leading dims of each head that rotate (default: all; Phi-4-mini 3/4)
+    embed_scale: bool = False  # token embeddings times sqrt(hidden), in the weights' dtype (Gemma)
+    sandwich_norm: bool = False  # a norm after attention and after the MLP too, before each residual add (Gemma)
+    query_scale: float | None = None  # attention scores' scale (default 1 / sqrt(head_dim))
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) before the mask (Gemma 2)
+    logit_softcap: float | None = None  # the same for the LM head's logits (Gemma 2)
+    sliding_window: int | None = None  # a sliding layer's query sees the last `sliding_window` tokens
+    sliding_layers: tuple = ()  # the blocks (0-based) with sliding-window attention
+    local_rope_theta: float | None = None  # the sliding blocks' rotary base, without scaling (Gemma 3)
     qkv_bias: bool | None = None
     proj_bias: bool | None = None
     mlp_bias: bool | None = None
     norm_bias: bool | None = None
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
-    hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2)
+    hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text)
     # LoRA (mobius.models.lora): rank 0 trains every weight; else only adapters on the projections
     # named in lora_targets (comma-separated) train, the base weights are frozen.
     lora_rank: int = 0
@@ -85,6 +99,15 @@ class GPTConfig:
     @property
     def ffn(self) -> int:
         return self.intermediate or 4 * self.hidden
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's input projection is gate | up (SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def is_sliding(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) attends through the sliding window."""
+        return self.sliding_window is not None and block in self.sliding_layers
 
     def flag(self, name: str) -> bool:
         value = getattr(self, name)

@@ -6,7 +6,8 @@ bytes, forward FLOPs and output size for a micro-batch without running (so a 51B
 described on the meta device and planned on a laptop).
 
 Blocks are pre-LayerNorm with causal attention through ``scaled_dot_product_attention`` and a GELU
-MLP; there is no dropout (fine-tuning runs are compared bitwise against the reference trainer).
+MLP, or whatever a Hugging Face family asks of them (:class:`~mobius.models.config.GPTConfig`);
+there is no dropout (fine-tuning runs are compared bitwise against the reference trainer).
 
 Tied embeddings are handled explicitly: with ``tie_embeddings`` the head's output projection *is*
 the embedding's token table.  On one device that is one Parameter used twice, so autograd sums its
@@ -26,7 +27,7 @@ from torch import nn
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
-from mobius.models.layout import IGNORE, TokenLayout, as_layout
+from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
 from mobius.models.lora import add_lora, freeze
 
 
@@ -73,6 +74,8 @@ class Embedding(GPTLayer):
 
     def forward(self, tokens: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         x = self.wte(tokens)
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the table's dtype, as it trained
+            x = x * torch.tensor(self.config.hidden ** 0.5, dtype=torch.float32).to(x.dtype)
         if self.config.positions == "learned":
             positions = layout.positions if layout is not None and layout.positions is not None \
                 else torch.arange(tokens.shape[1], device=tokens.device)
@@ -88,23 +91,58 @@ class Embedding(GPTLayer):
             nn.init.normal_(self.wpe.weight, std=0.01)
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: computed in fp32 and scaled by ``1 + weight`` (the weight starts at zero),
+    cast back to the input's dtype only at the end."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
+    """The family's norm over ``width`` features (default: the hidden size)."""
+    width = width or config.hidden
+    if config.norm == "rmsnorm_gemma":
+        return GemmaRMSNorm(width, config.norm_eps)
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.hidden, eps=config.norm_eps)
-    return nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.flag("norm_bias"))
+        return nn.RMSNorm(width, eps=config.norm_eps)
+    return nn.LayerNorm(width, eps=config.norm_eps, bias=config.flag("norm_bias"))
 
 
-def rotary_tables(config: GPTConfig, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of rotary ``positions`` (the Llama convention: the two halves of each head rotate):
-    (T, head_dim) for a (T,) range, (B, 1, T, head_dim) for per-row (B, T) positions."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scaled(inv_freq, *config.rope_scaling[1:])
+def rotary_tables(config: GPTConfig, positions: torch.Tensor, dtype,
+                  sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of rotary ``positions`` (the Llama convention: the two halves of the rotated dims
+    turn): (T, dims) for a (T,) range, (B, 1, T, dims) for per-row (B, T) positions.  A sliding
+    block of a model with a local base (Gemma 3) rotates by that base, unscaled."""
+    d = config.rotary_dims or config.head_dim
+    local = sliding and config.local_rope_theta is not None
+    theta, scaling = (config.local_rope_theta, None) if local else (config.rope_theta, config.rope_scaling)
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d
+    inv_freq, attention = 1.0 / (theta ** exponents), 1.0
+    if scaling is not None and scaling[0] == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, *scaling[1:])
+    elif scaling is not None and scaling[0] == "linear":
+        inv_freq = inv_freq / scaling[1]
+    elif scaling is not None:  # LongRoPE (Phi-3): per-frequency factors, the long ones past the original context
+        short, long, original, attention = scaling[1:]
+        factors = long if positions.shape[-1] > original else short
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32, device=positions.device) * theta ** exponents)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     if emb.dim() == 3:
         emb = emb[:, None]  # broadcast over heads
+    if attention != 1.0:
+        return (emb.cos() * attention).to(dtype), (emb.sin() * attention).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -124,29 +162,71 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Block(GPTLayer):
-    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions applied to the leading ``cos.shape[-1]`` dims of each head; the rest pass."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :d], x[..., d:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
-    q, k and v share one projection (``qkv``: (heads + 2 * kv_heads) * head_dim outputs); a SwiGLU
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout | None, config: GPTConfig,
+              window: int | None) -> torch.Tensor:
+    """Causal attention of (B, heads, T, d) queries, keys and values, each example of a packed row
+    alone, through a sliding ``window`` when given.  Soft-capped scores (Gemma 2) are computed
+    as Hugging Face's eager attention does them; everything else goes through SDPA."""
+    t = q.shape[2]
+    if layout is not None and layout.packed:  # examples packed in a row see only themselves
+        mask = layout.attention_mask(window)
+    else:
+        mask = causal_mask(t, window, q.device) if window is not None and window < t else None
+    if config.attn_softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=config.query_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=config.query_scale)
+    cap = config.attn_softcap
+    scores = (q @ k.transpose(-1, -2)) * (config.query_scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~(causal_mask(t, None, q.device) if mask is None else mask), float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class Block(GPTLayer):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)); with
+    ``sandwich_norm`` (Gemma) each branch's output is normed again before it is added
+    (``ln1_post``, ``ln2_post``).
+
+    q, k and v share one projection (``qkv``: (heads + 2 * kv_heads) * head_dim outputs); a gated
     MLP's gate and up projections share ``fc`` (gate first).  With ``qk_norm`` each head's queries
-    and keys are RMS-normalised (``q_norm``, ``k_norm``) before the rotation."""
+    and keys are normalised (``q_norm``, ``k_norm``) before the rotation.  Block ``index`` of the
+    layer list (1-based: the embedding is layer 0) knows whether it attends through the sliding
+    window."""
 
     kind = "block"
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 1) -> None:
         super().__init__(config)
         h, q_width = config.hidden, config.attention_width
         kv_width = config.kv_width  # k and v each
-        mlp_out = 2 * config.ffn if config.mlp == "swiglu" else config.ffn
+        mlp_out = 2 * config.ffn if config.gated_mlp else config.ffn
+        self.window = config.sliding_window if config.is_sliding(index - 1) else None
         self.ln1 = make_norm(config)
         self.qkv = nn.Linear(h, q_width + 2 * kv_width, bias=config.flag("qkv_bias"))
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
         self.proj = nn.Linear(q_width, h, bias=config.flag("proj_bias"))
         self.ln2 = make_norm(config)
         self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
         self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
+        if config.sandwich_norm:
+            self.ln1_post = make_norm(config)
+            self.ln2_post = make_norm(config)
+
+    def norms(self) -> list[nn.Module]:
+        names = ("ln1", "ln2", "q_norm", "k_norm", "ln1_post", "ln2_post")
+        return [getattr(self, n) for n in names if hasattr(self, n)]
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         c = self.config
@@ -159,27 +239,27 @@ class Block(GPTLayer):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, kv, d).transpose(1, 2)
-        packed = layout is not None and layout.packed
         if c.positions == "rope":
-            positions = layout.positions if packed else torch.arange(t, device=x.device)
-            cos, sin = rotary_tables(c, positions, q.dtype)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            positions = layout.positions if layout is not None and layout.packed else torch.arange(t, device=x.device)
+            cos, sin = rotary_tables(c, positions, q.dtype, sliding=self.window is not None)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if kv != heads:
             k = k.repeat_interleave(heads // kv, dim=1)
             v = v.repeat_interleave(heads // kv, dim=1)
-        if packed:  # examples packed in a row see only themselves
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.attention_mask())
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
-        return x + self.fc_out(self._activation(self.fc(self.ln2(x))))
+        y = attention(q, k, v, layout, c, self.window)
+        y = self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
+        x = x + (self.ln1_post(y) if c.sandwich_norm else y)
+        y = self.fc_out(self._activation(self.fc(self.ln2(x))))
+        return x + (self.ln2_post(y) if c.sandwich_norm else y)
 
     def _activation(self, z: torch.Tensor) -> torch.Tensor:
         kind = self.config.mlp
         if kind == "swiglu":
             gate, up = z.chunk(2, dim=-1)
             return F.silu(gate) * up
+        if kind == "geglu":
+            gate, up = z.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if kind == "relu":
             return F.relu(z)
         return F.gelu(z, approximate="tanh" if kind == "gelu_tanh" else "none")
@@ -205,7 +285,7 @@ class Block(GPTLayer):
         for lin in (self.qkv, self.proj, self.fc, self.fc_out):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        for ln in (self.ln1, self.ln2, *((self.q_norm, self.k_norm) if self.config.qk_norm else ())):
+        for ln in self.norms():
             ln.reset_parameters()
 
 
@@ -227,19 +307,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                with_grads: bool, divisor: int) -> torch.Tensor:
+                with_grads: bool, divisor: int, softcap: float | None = None) -> torch.Tensor:
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if with_grads else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grads else None
         for a in range(0, n, chunk):
             hc, tc = h[a:a + chunk], targets[a:a + chunk]
-            logp = torch.log_softmax((hc @ weight.t()).float(), dim=-1)
+            logits = (hc @ weight.t()).float()
+            if softcap is not None:  # cap * tanh(z / cap) (Gemma 2); d/dz = 1 - tanh^2
+                capped = torch.tanh(logits.div_(softcap))
+                logits = capped * softcap
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
             rows = torch.arange(hc.shape[0], device=h.device)
             total -= logp[rows, tc].sum()
             if with_grads:  # d loss / d logits = (softmax - one-hot) / divisor, reusing logp's memory
                 p = logp.exp_()
                 p[rows, tc] -= 1.0
+                if softcap is not None:
+                    p.mul_(1.0 - capped.square_())
                 p = p.div_(divisor).to(h.dtype)
                 grad_h[a:a + chunk] = p @ weight
                 # Accumulated in place: an fp32 temporary per chunk would be a second copy of the
@@ -258,7 +345,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         grad = grad.float()
         # Scaled in place (these buffers are this call's own), then cast to the inputs' dtypes.
-        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None, None
+        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None, None, None
 
 
 class Head(GPTLayer):
@@ -285,16 +372,18 @@ class Head(GPTLayer):
         weight = self.lm_head.weight
         chunk = ce_chunk_tokens(self.config.vocab_size)
         with_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        kind = h.device.type
+        kind, cap = h.device.type, self.config.logit_softcap
         if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
             # The loss runs its matmuls itself: hand it the autocast dtype.
             dtype = torch.get_autocast_dtype(kind)
             with torch.autocast(kind, enabled=False):
-                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, with_grads, divisor)
-        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, with_grads, divisor)
+                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, with_grads, divisor, cap)
+        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, with_grads, divisor, cap)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        z = self.lm_head(self.ln_f(x))
+        cap = self.config.logit_softcap
+        return z if cap is None else torch.tanh(z / cap) * cap
 
     def forward_flops(self, batch: int, seq: int) -> int:
         return 2 * batch * seq * self.config.hidden * self.config.vocab_size
@@ -307,7 +396,8 @@ class Head(GPTLayer):
         # one chunk of logits: in the compute dtype, their fp32 copy and the softmax.
         tokens, vocab, hidden = batch * seq, self.config.vocab_size, self.config.hidden
         chunk = min(tokens, ce_chunk_tokens(vocab))
-        return (tokens + vocab) * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8)
+        capped = 4 if self.config.logit_softcap is not None else 0  # the chunk's tanh, kept for its gradient
+        return (tokens + vocab) * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8 + capped)
 
     def reset_parameters(self) -> None:
         self.ln_f.reset_parameters()
@@ -331,7 +421,7 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
             "this preset can be planned (meta device) but not run"
         )
     with torch.device(device):
-        layer = cls(config)
+        layer = Block(config, index) if cls is Block else cls(config)
     if device.type != "meta" and config.checkpoint:
         load_layer_weights(config, index, layer)
     elif device.type != "meta":

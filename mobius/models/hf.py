@@ -1,4 +1,5 @@
-"""Hugging Face model directories in and out: GPT-2, OPT and Llama-family (Llama, Mistral, Qwen2).
+"""Hugging Face model directories in and out: GPT-2, OPT and the Llama family (Llama, Mistral,
+Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3).
 
 A directory (``config.json`` + ``*.safetensors`` [+ ``tokenizer.json``]) becomes a
 :class:`GPTConfig` with ``checkpoint`` set.  :func:`mobius.models.gpt.build_layer` then fills each
@@ -8,8 +9,9 @@ layer and never held twice.  Nothing here touches the network, and ``transformer
 Each family maps its tensor names onto our layer list (see :func:`_layer_map`):
 
 * GPT-2 stores ``Conv1D`` weights as (in, out): they are transposed.  ``c_attn`` is already q|k|v.
-* OPT and Llama store q, k and v separately: they are concatenated into our ``qkv`` (and split
-  again on export).  Llama's gate and up projections go into our ``fc`` the same way.
+* OPT, Llama and Gemma store q, k and v separately: they are concatenated into our ``qkv`` (and
+  split again on export).  Their gate and up projections go into our ``fc`` the same way.  Phi-3
+  stores both fused already.
 
 Export writes the same tensor names, dtypes and shapes the directory had (tensors we do not train,
 such as GPT-2's old attention-mask buffers, are copied through), plus config, generation config and
@@ -32,7 +34,10 @@ from mobius.checks import REQUIRED, Fields, read_json
 from mobius.errors import InputError
 from mobius.models.config import GPTConfig, layer_count
 
-SUPPORTED = ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
+# Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
+SUPPORTED = ("gpt2", "opt", *LLAMA_FAMILY)
 # No size in a config exceeds these: the largest models have about 10^2 layers, 10^5 widths and
 # 10^6 positions; a typo of 10^7 must be refused at once, not built layer by layer.
 MAX_LAYERS = 2**14
@@ -59,6 +64,9 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
     Every value is type- and range-checked here, so a bad config is one line naming the key."""
     c = _read_config(path)
     kind = c.get("model_type", "str")
+    if kind == "gemma3":
+        raise InputError(f"--model {path}: model_type 'gemma3' is Gemma 3 with its vision tower, which is not read; "
+                         f"its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-1b) are")
     if kind not in SUPPORTED:
         raise InputError(f"--model {path}: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
 
@@ -92,44 +100,126 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
                            n_layer=size("num_hidden_layers"), hidden=hidden, heads=size("num_attention_heads"),
                            bias=c.get("enable_bias", "bool", True), tie_embeddings=c.get("tie_word_embeddings", "bool", True),
                            mlp="relu", intermediate=size("ffn_dim"), position_offset=2, **common)
-    else:  # Llama family (Llama, Mistral, Qwen2, Qwen3)
-        heads, hidden = size("num_attention_heads"), size("hidden_size")
-        head_size = size("head_dim", None)
-        if head_size is None and hidden % heads:
-            raise InputError(f"--model {path}: config.json: hidden_size {hidden} is not divisible by "
-                             f"num_attention_heads {heads}")
-        if c.get("use_sliding_window", "bool", False):
-            unsupported("sliding-window attention (use_sliding_window)")
-        if c.get("hidden_act", "str", "silu") != "silu":
-            unsupported(f"hidden_act {c.get('hidden_act', 'str')!r}")
-        rope = Fields(c.get("rope_parameters", "dict", {}), f"--model {path}: config.json rope_parameters")
-        theta = c.get("rope_theta", "number", rope.get("rope_theta", "number", 10000.0), minimum=1e-9)
-        scaling = c.get("rope_scaling", "dict", None)
-        if scaling is None and rope.get("rope_type", "str", "default") != "default":
-            scaling = rope.obj
-        scaling_t = None
-        if scaling:
-            s = Fields(scaling, f"--model {path}: config.json rope_scaling")
-            rtype = s.get("rope_type", "str", None) or s.get("type", "str", None)
-            if rtype != "llama3":
-                unsupported(f"rope scaling {rtype!r} (only llama3)")
-            scaling_t = ("llama3", s.get("factor", "number", minimum=1e-9), s.get("low_freq_factor", "number", minimum=1e-9),
-                         s.get("high_freq_factor", "number", minimum=1e-9),
-                         s.get("original_max_position_embeddings", "int", minimum=1))
-        attn_bias = c.get("attention_bias", "bool", False)
-        config = GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"),
-                           n_layer=size("num_hidden_layers"), hidden=hidden, heads=heads,
-                           kv_heads=size("num_key_value_heads", heads), intermediate=size("intermediate_size"),
-                           norm="rmsnorm", norm_eps=c.get("rms_norm_eps", "number", 1e-6, minimum=0), mlp="swiglu",
-                           positions="rope", rope_theta=theta, rope_scaling=scaling_t,
-                           tie_embeddings=c.get("tie_word_embeddings", "bool", False),
-                           head_size=head_size if head_size != hidden // heads else None, qk_norm=kind == "qwen3",
-                           qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
-                           mlp_bias=c.get("mlp_bias", "bool", False), **common)
+    else:
+        config = _llama_family(c, path, kind, size, common)
     problem = config.shape_problem()
     if problem:
         raise InputError(f"--model {path}: config.json: {problem}")
     return config
+
+
+def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTConfig:
+    """Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text) from their config.json."""
+    def unsupported(what: str):
+        raise InputError(f"--model {path}: {what} is not supported")
+
+    heads, hidden, n_layer = size("num_attention_heads"), size("hidden_size"), size("num_hidden_layers")
+    head_size = size("head_dim", None)
+    if head_size is None and hidden % heads:
+        raise InputError(f"--model {path}: config.json: hidden_size {hidden} is not divisible by "
+                         f"num_attention_heads {heads}")
+    head_dim = head_size or hidden // heads
+    gemma = kind in GEMMA
+    act = (c.get("hidden_activation", "str", None) if gemma else None) or c.get("hidden_act", "str", "silu")
+    if act not in (("gelu_pytorch_tanh", "gelu_new") if gemma else ("silu",)):
+        unsupported(f"hidden_act {act!r} for {kind}")
+    rope = Fields(c.get("rope_parameters", "dict", {}), f"--model {path}: config.json rope_parameters")
+    partial = c.get("partial_rotary_factor", "number", rope.get("partial_rotary_factor", "number", 1.0), minimum=1e-9)
+    rotary_dims = int(head_dim * partial)
+    if rotary_dims % 2 or not 0 < rotary_dims <= head_dim:
+        raise InputError(f"--model {path}: config.json: partial_rotary_factor {partial:g} of head size {head_dim} "
+                         f"gives {rotary_dims} rotated dims, not an even number in 2..{head_dim}")
+    local_theta = None
+    if kind == "gemma3_text":  # a global base (scaled) and a local one, in either layout of config.json
+        if "full_attention" in rope:
+            rope = Fields(rope.get("full_attention", "dict"), f"--model {path}: config.json rope_parameters.full_attention")
+            local = Fields(c.get("rope_parameters", "dict").get("sliding_attention") or {},
+                           f"--model {path}: config.json rope_parameters.sliding_attention")
+            local_theta = local.get("rope_theta", "number", 10000.0, minimum=1e-9)
+        else:
+            local_theta = c.get("rope_local_base_freq", "number", 10000.0, minimum=1e-9)
+    theta = c.get("rope_theta", "number", rope.get("rope_theta", "number", 1e6 if kind == "gemma3_text" else 10000.0),
+                  minimum=1e-9)
+    scaling = c.get("rope_scaling", "dict", None)
+    if scaling is None and rope.get("rope_type", "str", "default") != "default":
+        scaling = rope.obj
+    window, sliding = _sliding_layers(c, path, kind, n_layer)
+    if c.get("use_bidirectional_attention", "bool", False):
+        unsupported("bidirectional attention (use_bidirectional_attention)")
+    attn_bias = c.get("attention_bias", "bool", False)
+    query_scalar = c.get("query_pre_attn_scalar", "number", None, minimum=1e-9) if gemma else None
+    return GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"), n_layer=n_layer,
+                     hidden=hidden, heads=heads, kv_heads=size("num_key_value_heads", heads),
+                     intermediate=size("intermediate_size"), norm="rmsnorm_gemma" if gemma else "rmsnorm",
+                     norm_eps=c.get("rms_norm_eps", "number", 1e-6, minimum=0), mlp="geglu" if gemma else "swiglu",
+                     positions="rope", rope_theta=theta, local_rope_theta=local_theta,
+                     rope_scaling=_rope_scaling(c, path, kind, scaling, rotary_dims) if scaling else None,
+                     rotary_dims=rotary_dims if rotary_dims != head_dim else None,
+                     tie_embeddings=c.get("tie_word_embeddings", "bool", gemma),
+                     head_size=head_size if head_size != hidden // heads else None,
+                     qk_norm=kind in ("qwen3", "gemma3_text"),
+                     qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
+                     mlp_bias=c.get("mlp_bias", "bool", False), embed_scale=gemma, sandwich_norm=gemma,
+                     query_scale=query_scalar ** -0.5 if query_scalar else None,
+                     attn_softcap=c.get("attn_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
+                     logit_softcap=c.get("final_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
+                     sliding_window=window, sliding_layers=sliding, **common)
+
+
+def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int | None, tuple]:
+    """The sliding window and the blocks that use it: every block (Mistral, Phi-3), the blocks
+    ``layer_types`` names, or Gemma's pattern (every other block local in Gemma 2, five of each
+    six in Gemma 3)."""
+    if kind in ("qwen2", "qwen3"):
+        if c.get("use_sliding_window", "bool", False):
+            raise InputError(f"--model {path}: sliding-window attention (use_sliding_window) is not supported "
+                             f"for {kind}")
+        return None, ()
+    if kind not in ("mistral", "phi3", *GEMMA):
+        return None, ()
+    window = c.get("sliding_window", "int", 4096 if kind in GEMMA else None, minimum=1)
+    if window is None:
+        return None, ()
+    if kind not in GEMMA:
+        return window, tuple(range(n_layer))
+    types = c.get("layer_types", "list", None)
+    if types is None:
+        every = 2 if kind == "gemma2" else c.get("sliding_window_pattern", "int", 6, minimum=1)
+        return window, tuple(i for i in range(n_layer) if (i + 1) % every)
+    if len(types) != n_layer or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise InputError(f"--model {path}: config.json layer_types must name 'sliding_attention' or "
+                         f"'full_attention' for each of the {n_layer} layers")
+    return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _rope_scaling(c: Fields, path: str, kind: str, scaling: dict, rotary_dims: int) -> tuple:
+    """The rotary scaling of config.json: Llama 3.1's, linear (Gemma 3's global layers) or LongRoPE (Phi-3)."""
+    s = Fields(scaling, f"--model {path}: config.json rope_scaling")
+    rtype = s.get("rope_type", "str", None) or s.get("type", "str", None)
+    if rtype == "llama3":
+        return ("llama3", s.get("factor", "number", minimum=1e-9), s.get("low_freq_factor", "number", minimum=1e-9),
+                s.get("high_freq_factor", "number", minimum=1e-9),
+                s.get("original_max_position_embeddings", "int", minimum=1))
+    if rtype == "linear":
+        return ("linear", s.get("factor", "number", minimum=1e-9))
+    if kind == "phi3" and rtype in ("longrope", "su", "yarn"):  # transformers reads all three as LongRoPE
+        original = (s.get("original_max_position_embeddings", "int", None, minimum=1)
+                    or c.get("original_max_position_embeddings", "int", minimum=1))
+        factors = []
+        for key in ("short_factor", "long_factor"):
+            values = s.get(key, "list")
+            if len(values) != rotary_dims // 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                          and v > 0 for v in values):
+                raise InputError(f"--model {path}: config.json rope_scaling {key} must be {rotary_dims // 2} "
+                                 "positive numbers")
+            factors.append(tuple(float(v) for v in values))
+        factor = s.get("factor", "number", None, minimum=1e-9) or c.get("max_position_embeddings", "int") / original
+        attention = s.get("attention_factor", "number", None, minimum=1e-9)
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return ("longrope", *factors, original, attention)
+    raise InputError(f"--model {path}: rope scaling {rtype!r} is not supported for {kind} "
+                     f"(llama3, linear{', longrope' if kind == 'phi3' else ''})")
 
 
 def _gpt2_activation(c: Fields, path: str) -> str:
@@ -255,11 +345,21 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
                     Piece(f"fc.{w}", (f"{b}fc1.{w}",)), Piece(f"fc_out.{w}", (f"{b}fc2.{w}",))]
         return out
     b = f"{p}layers.{j}."
-    out = [Piece("ln1.weight", (f"{b}input_layernorm.weight",)), Piece("ln2.weight", (f"{b}post_attention_layernorm.weight",)),
-           Piece("qkv.weight", tuple(f"{b}self_attn.{x}_proj.weight" for x in "qkv")),
-           Piece("proj.weight", (f"{b}self_attn.o_proj.weight",)),
-           Piece("fc.weight", (f"{b}mlp.gate_proj.weight", f"{b}mlp.up_proj.weight")),
-           Piece("fc_out.weight", (f"{b}mlp.down_proj.weight",))]
+    if config.sandwich_norm:  # Gemma: a norm before and after attention and MLP each
+        norms = [Piece("ln1.weight", (f"{b}input_layernorm.weight",)),
+                 Piece("ln1_post.weight", (f"{b}post_attention_layernorm.weight",)),
+                 Piece("ln2.weight", (f"{b}pre_feedforward_layernorm.weight",)),
+                 Piece("ln2_post.weight", (f"{b}post_feedforward_layernorm.weight",))]
+    else:
+        norms = [Piece("ln1.weight", (f"{b}input_layernorm.weight",)),
+                 Piece("ln2.weight", (f"{b}post_attention_layernorm.weight",))]
+    if arch == "phi3":  # stored fused, as we hold them
+        qkv, fc = (f"{b}self_attn.qkv_proj.weight",), (f"{b}mlp.gate_up_proj.weight",)
+    else:
+        qkv = tuple(f"{b}self_attn.{x}_proj.weight" for x in "qkv")
+        fc = (f"{b}mlp.gate_proj.weight", f"{b}mlp.up_proj.weight")
+    out = norms + [Piece("qkv.weight", qkv), Piece("proj.weight", (f"{b}self_attn.o_proj.weight",)),
+                   Piece("fc.weight", fc), Piece("fc_out.weight", (f"{b}mlp.down_proj.weight",))]
     if config.qk_norm:
         out += [Piece("q_norm.weight", (f"{b}self_attn.q_norm.weight",)),
                 Piece("k_norm.weight", (f"{b}self_attn.k_norm.weight",))]

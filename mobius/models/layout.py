@@ -30,7 +30,7 @@ class TokenLayout:
     segments: torch.Tensor | None = None  # (B, T) example ids; None: one example per row
     loss_tokens: int | None = None  # the step's trained tokens; None: this micro-batch's own
     every_target_trained: bool = False  # known to hold no IGNORE (text windows): no selection needed
-    _mask: torch.Tensor | None = field(default=None, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)  # attention masks by sliding window
 
     @property
     def packed(self) -> bool:
@@ -41,15 +41,22 @@ class TokenLayout:
         return TokenLayout(move(self.targets), move(self.positions), move(self.segments), self.loss_tokens,
                            self.every_target_trained)
 
-    def attention_mask(self) -> torch.Tensor:
+    def attention_mask(self, window: int | None = None) -> torch.Tensor:
         """(B, 1, T, T) booleans: query i may attend key j when both belong to one example and
-        j <= i.  Built once per micro-batch and device, shared by every block of a stage."""
-        if self._mask is None:
+        j <= i (and i - j < ``window``).  Built once per micro-batch, device and window, shared by
+        every block of a stage."""
+        if window not in self._masks:
             seg = self.segments
-            t = seg.shape[1]
-            causal = torch.ones(t, t, dtype=torch.bool, device=seg.device).tril_()
-            self._mask = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
-        return self._mask
+            same_example = seg[:, :, None] == seg[:, None, :]
+            self._masks[window] = (same_example & causal_mask(seg.shape[1], window, seg.device))[:, None]
+        return self._masks[window]
+
+
+def causal_mask(t: int, window: int | None, device) -> torch.Tensor:
+    """(T, T) booleans: query i sees key j when j <= i, and with a sliding ``window`` when i - j <
+    window (the query itself and the window - 1 tokens before it, as Hugging Face's mask)."""
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril_()
+    return mask if window is None else mask.triu_(-(window - 1))
 
 
 def as_layout(layout: "TokenLayout | torch.Tensor | None") -> TokenLayout:

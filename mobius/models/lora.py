@@ -10,10 +10,11 @@ from a global generator: it is a pure function of (run seed, step, micro-batch, 
 drawn on the CPU.  The trainer names the micro-batch being computed (:func:`dropout_micro_batch`);
 outside of that (evaluation, exports) no dropout applies.
 
-Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`` for Llama and
-OPT, gate|up in ``fc`` for SwiGLU): such a projection carries one adapter per Hugging Face module,
-each on its slice of the output, exactly as PEFT puts one on each module, so an exported adapter
-loads into PEFT unchanged.  Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
+Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`` for Llama,
+OPT and Gemma, gate|up in ``fc`` for SwiGLU and GeGLU): such a projection carries one adapter per
+Hugging Face module, each on its slice of the output, exactly as PEFT puts one on each module, so
+an exported adapter loads into PEFT unchanged.  Where the checkpoint fuses them too (GPT-2's
+``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) there is one module and one adapter.  Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
 """
 
 from __future__ import annotations
@@ -57,15 +58,18 @@ def _mix(*values: int) -> int:
     return h
 
 
+# Our fused projections that a family's checkpoint stores as one module too (our presets: all).
+FUSED_IN_CHECKPOINT = {None: ("qkv", "fc"), "gpt2": ("qkv", "fc"), "phi3": ("qkv", "fc")}
+
+
 def parts(config: GPTConfig, module: str) -> list[int]:
     """Output sizes of the Hugging Face modules fused in our ``module``."""
     h, kv = config.hidden, config.kv_width
-    if module == "qkv" and config.hf_arch not in (None, "gpt2"):
-        return [config.attention_width, kv, kv]  # q_proj, k_proj, v_proj
+    fused = module in FUSED_IN_CHECKPOINT.get(config.hf_arch, ())
     if module == "qkv":
-        return [h + 2 * kv]  # GPT-2's c_attn
-    if module == "fc" and config.mlp == "swiglu":
-        return [config.ffn, config.ffn]  # gate_proj, up_proj
+        return [config.attention_width + 2 * kv] if fused else [config.attention_width, kv, kv]  # q, k, v_proj
+    if module == "fc" and config.gated_mlp:
+        return [2 * config.ffn] if fused else [config.ffn, config.ffn]  # gate_proj, up_proj
     if module == "fc":
         return [config.ffn]
     return [h]  # proj, fc_out

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
 from mobius.models import get_config, layer_count
@@ -89,12 +90,15 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
                             timeout=datetime.timedelta(seconds=120))
     try:
         fastest = {}
+        corpus = load_corpus(None)  # read once; each configuration draws its own batches from it
         for stages, micro_batches in calibration_configs():
             cfg = RunConfig(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
                             micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
                             precision="fp32", progress=False)
             spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches).to_dict())
-            parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False))
+            batches = BatchSource(corpus, SEQ_LEN, MICRO_BATCH, micro_batches, cfg.seed)
+            parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False),
+                                 (batches, None))
             times = []
             try:
                 for k in range(steps):

@@ -27,6 +27,7 @@ from mobius.optim import DynamicLossScaler, lr_at
 from mobius.precision import DTYPES
 from mobius.runtime.device import Device, open_device
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
+from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
@@ -87,7 +88,8 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer
     # (one fused AdamW per worker, all at once; the profile measures it so).
     share_cpu_cores(world)
-    parts = build_worker(cfg, spec, GlooTransport(), device, trace, payload.get("data"))
+    data = worker_data(cfg, model_config_for(cfg), payload.get("data"))  # mapped, or made here under torchrun
+    parts = build_worker(cfg, spec, GlooTransport(), device, trace, data)
     device.start_steps()
     store, memory, traffic, scaler, runner = parts.store, parts.memory, parts.traffic, parts.scaler, parts.runner
     model_config = store.config
@@ -166,10 +168,10 @@ class WorkerParts:
 
 
 def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: Device, trace: Trace,
-                 shared_data: dict | None = None) -> WorkerParts:
+                 data: tuple[BatchSource | ExampleBatches, EvalBatches | None]) -> WorkerParts:
     """The runtime of worker ``transport.rank``: its stages in host memory, the prefetcher, the
-    executor; ``shared_data``: the launcher's tokenized data (:mod:`mobius.data.shared`).  Between
-    processes the transport is gloo; tests run several in threads."""
+    executor, training on ``data`` (the run's batches and held-out examples).  Between processes
+    the transport is gloo; tests run several in threads."""
     plan, rank = spec.the_plan(), transport.rank
     torch.manual_seed(cfg.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
@@ -179,7 +181,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
                            DTYPES[spec.precision], device, cfg.optimizer_lag)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
-    batches, held_out = worker_data(cfg, model_config, shared_data)
+    batches, held_out = data
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
                          cfg.steps, cfg.lr, scaler, transport)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
