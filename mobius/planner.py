@@ -63,6 +63,14 @@ HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
 MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
 
 
+class DoesNotFit(InputError):
+    """No partition of the kind asked for fits the devices' memory; ``reason`` says where not."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0) -> int:
     """What the workers' stage stores hold on the host for this model (all stages together).
     Counted from the three distinct layers (every block has the same parameters), so a config of
@@ -86,7 +94,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 7
+COST_MODEL_VERSION = 8
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
 PROFILE_VERSION = 3
 
@@ -292,7 +300,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                          "worker needs a stage (use --stages or fewer workers)")
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
-        raise InputError(f"the {partitioner} partition does not fit: {est.reason}")
+        raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
     # The mapping was searched for an assumed stage count; redo it for the real one.
     placed = place(topo, len(bounds))
     _, est = settled(bounds, placed)

@@ -15,7 +15,7 @@ from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
 from mobius.partition.cost import stage_costs
-from mobius.planner import get_profile, make_plan
+from mobius.planner import DoesNotFit, get_profile, make_plan
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.inputs import check_model_input
@@ -58,44 +58,18 @@ def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
     return cfg.precision
 
 
-def activations_overflow(plan: Plan, budgets: list[int]) -> tuple[int, int] | None:
-    """Without recomputation a worker holds the saved activations of all its stages for all
-    micro-batches until their backward, beside its largest stage: (worker, bytes needed) where
-    that exceeds the worker's budget, else None."""
-    for gpu in sorted(set(plan.order)):
-        mine = [plan.stages[s] for s in plan.stages_of_gpu(gpu)]
-        kept = sum(st.mem_bwd_bytes - st.param_bytes - st.grad_bytes for st in mine) * plan.micro_batches
-        need = max(st.mem_bwd_bytes for st in mine) + kept
-        if need > budgets[gpu]:
-            return gpu, need
-    return None
-
-
-def choose_recompute(cfg: RunConfig, budgets: list[int], make) -> bool:
-    """``--recompute auto``: keep activations on the device when every worker can hold all of its
-    stages' saved activations for all micro-batches beside its largest stage; else recompute.
-    ``--recompute off`` where they cannot fit is refused here, before any worker starts."""
-    if cfg.recompute == "on":
-        return True
-    plan = make(recompute=False)
-    overflow = activations_overflow(plan, budgets)
-    if overflow and cfg.recompute == "off":
-        gpu, need = overflow
-        raise InputError(f"--recompute off: worker {gpu} would hold {need / 2**20:.0f} MiB (its stages' saved "
-                         f"activations for all {plan.micro_batches} micro-batches beside its largest stage) in a "
-                         f"{budgets[gpu] / 2**20:.0f} MiB budget; use --recompute on or auto, fewer or smaller "
-                         f"micro-batches, or more memory")
-    return overflow is not None
-
-
 def budgets_of(topo: Topology) -> tuple[int, ...]:
     return tuple(int(g.memory_gb * GB) for g in topo.gpus)
 
 
 def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, **plan_options) -> Plan:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
-    ``mobius.plan`` both call this, so the plan printed is the plan trained."""
-    budgets = list(budgets_of(topo))
+    ``mobius.plan`` both call this, so the plan printed is the plan trained.
+
+    ``--recompute auto`` keeps activations on the device when some partition lets every worker
+    hold all of its stages' saved activations for all micro-batches beside its largest stage (the
+    planner looks for one: :func:`mobius.partition.cost.activations_overflow`), and recomputes
+    otherwise; ``--recompute off`` where none exists is refused here, before any worker starts."""
     if cfg.emulate:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
         plan_options.setdefault("profile_how", "analytic")
 
@@ -105,7 +79,14 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          mapping=cfg.mapping, prefetch=cfg.prefetch, optimizer_lag=cfg.optimizer_lag,
                          **plan_options)
 
-    return make(choose_recompute(cfg, budgets, make))
+    if cfg.recompute != "on":
+        try:
+            return make(recompute=False)
+        except DoesNotFit as err:
+            if cfg.recompute == "off":
+                raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
+                                 "micro-batches, or more memory") from None
+    return make(recompute=True)
 
 
 def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:

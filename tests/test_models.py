@@ -85,24 +85,55 @@ def test_unknown_preset():
     assert "tiny" in PRESETS
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_cross_entropy_equals_the_full_logits_one(chunk):
-    """The head's loss and gradients without the full logits equal F.cross_entropy over them."""
+@pytest.mark.parametrize("chunk,softcap", [(1, None), (5, None), (64, None), (5, 0.7)])
+def test_chunked_cross_entropy_equals_the_full_logits_one(chunk, softcap):
+    """The head's loss and gradients without the full logits equal F.cross_entropy over them
+    (soft-capped logits too: Gemma 2)."""
     import torch.nn.functional as F
 
-    from mobius.models.gpt import ChunkedCrossEntropy
+    from mobius.models.gpt import ChunkedCrossEntropy, WeightGradSum
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)
     w = torch.randn(50, 16, generator=g, requires_grad=True)
     t = torch.randint(0, 50, (37,), generator=g)
-    full = F.cross_entropy(h @ w.t(), t)
+    logits = h @ w.t()
+    full = F.cross_entropy(logits if softcap is None else torch.tanh(logits / softcap) * softcap, t)
     gh, gw = torch.autograd.grad(full, (h, w))
-    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk, True, 37)
+    chunked = ChunkedCrossEntropy.apply(h, w, t, chunk, True, WeightGradSum(), 37, softcap)
     ch, cw = torch.autograd.grad(chunked, (h, w))
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("order", ["pipeline", "alternating"])
+def test_the_heads_weight_gradient_is_one_sum_over_the_micro_batches(order):
+    """The pipeline runs every micro-batch's forward before any backward: the head then holds one
+    fp32 sum of its weight's gradient (saved once), not one per micro-batch, and the step's
+    gradient is autograd's over the micro-batches whichever order they run in."""
+    from mobius.models import TokenLayout
+    from mobius.models.gpt import Head
+
+    head = Head(get_config("tiny"))
+    xs = [torch.randn(2, 9, head.config.hidden, requires_grad=True) for _ in range(3)]
+    targets = [torch.randint(0, head.config.vocab_size, (2, 9)) for _ in range(3)]
+    want = sum(torch.autograd.grad(torch.nn.functional.cross_entropy(head.logits(x).flatten(0, 1), t.flatten(),
+                                                                     reduction="sum") / 54, head.lm_head.weight)[0]
+               for x, t in zip(xs, targets))
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        if order == "pipeline":
+            losses = [head(x, TokenLayout(targets=t, loss_tokens=54)) for x, t in zip(xs, targets)]
+            held = [n for n in saved if n == head.lm_head.weight.numel()]
+            assert len(held) == 1  # one sum for the three micro-batches
+            for loss in reversed(losses):
+                loss.backward()
+        else:
+            for x, t in zip(xs, targets):
+                head(x, TokenLayout(targets=t, loss_tokens=54)).backward()
+    torch.testing.assert_close(head.lm_head.weight.grad, want, rtol=1e-5, atol=1e-7)
+    assert head.weight_grads.total is None  # taken: the next step starts from nothing
 
 
 def test_head_loss_is_the_trained_tokens_sum_over_the_steps_count():

@@ -55,8 +55,14 @@ class GPTLayer(nn.Module):
         return batch * seq * self.config.hidden * dtype_bytes(dtype)
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        """Activation memory autograd keeps while this layer runs forward with gradients."""
+        """Activation memory autograd keeps for one micro-batch while this layer runs forward with
+        gradients."""
         return self.output_bytes(batch, seq, dtype)
+
+    def held_bytes(self) -> int:
+        """Device memory this layer holds once per pass of its stage, however many micro-batches
+        run (beyond :meth:`working_bytes` of each)."""
+        return 0
 
     def signature(self) -> tuple:
         """Layers with equal signatures are interchangeable for profiling (layer similarity)."""
@@ -298,20 +304,41 @@ def ce_chunk_tokens(vocab_size: int) -> int:
     return max(1, CE_CHUNK_BYTES // (4 * vocab_size))
 
 
+class WeightGradSum:
+    """The LM head's weight gradient, summed over the micro-batches whose forward ran since a
+    backward last took it (:class:`ChunkedCrossEntropy`).
+
+    The pipeline runs a stage's forward for every micro-batch before any backward: a weight
+    gradient per micro-batch would hold M copies of the head's weights (M x 822 MB in fp32 for
+    Llama-3.1-8B's head) from forward to backward; one running sum holds one.  The first backward
+    to arrive takes the sum (scaled by its incoming gradient, the loss scale, which is the same for
+    every micro-batch of a step) and the others add nothing; with forward and backward alternating
+    (the reference trainer, recomputation) each backward takes its own micro-batch's."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``h @ weight.T`` against ``targets``, divided by ``divisor``, over
     chunks of tokens: only one chunk's logits exist at a time.  The loss is the last operation of
-    the model, so when gradients will be wanted (``with_grads``) forward also computes them, chunk
-    by chunk, in fp32 (one logits matmul per chunk, as plain autograd would do, not two), and
-    backward only scales them by the incoming gradient (the loss scale, in fp16) before casting."""
+    the model, so when gradients will be wanted forward also computes them, chunk by chunk, in fp32
+    (one logits matmul per chunk, as plain autograd would do, not two): the input's (``need_h``)
+    and the weight's, into ``weight_grads`` (None: the weight is frozen).  Backward only scales
+    them by the incoming gradient (the loss scale, in fp16) before casting."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                with_grads: bool, divisor: int, softcap: float | None = None) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, need_h: bool,
+                weight_grads: WeightGradSum | None, divisor: int, softcap: float | None = None) -> torch.Tensor:
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if with_grads else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grads else None
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        grad_w, created = None, False
+        if weight_grads is not None:
+            created = weight_grads.total is None
+            if created:
+                weight_grads.total = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+            grad_w = weight_grads.total
         for a in range(0, n, chunk):
             hc, tc = h[a:a + chunk], targets[a:a + chunk]
             logits = (hc @ weight.t()).float()
@@ -322,30 +349,36 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del logits
             rows = torch.arange(hc.shape[0], device=h.device)
             total -= logp[rows, tc].sum()
-            if with_grads:  # d loss / d logits = (softmax - one-hot) / divisor, reusing logp's memory
+            if need_h or grad_w is not None:  # d loss / d logits = (softmax - one-hot) / divisor, in logp's memory
                 p = logp.exp_()
                 p[rows, tc] -= 1.0
                 if softcap is not None:
                     p.mul_(1.0 - capped.square_())
                 p = p.div_(divisor).to(h.dtype)
-                grad_h[a:a + chunk] = p @ weight
+                if need_h:
+                    grad_h[a:a + chunk] = p @ weight
                 # Accumulated in place: an fp32 temporary per chunk would be a second copy of the
                 # head's gradient on the device (206 MB for GPT-2 medium); in bf16 the product
                 # needs one, at half that size, to be added in fp32.
-                if p.dtype == torch.float32:
+                if grad_w is not None and p.dtype == torch.float32:
                     grad_w.addmm_(p.t(), hc)
-                else:
+                elif grad_w is not None:
                     grad_w.add_(p.t() @ hc)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.dtypes = (h.dtype, weight.dtype)
+        # Saved (and so accounted as this micro-batch's, by the runtime and the profiler): the
+        # input's gradient, and the weight's sum by the forward that started it.
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w if created else None) if t is not None))
+        ctx.need_h, ctx.weight_grads, ctx.dtypes = need_h, weight_grads, (h.dtype, weight.dtype)
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
         grad = grad.float()
         # Scaled in place (these buffers are this call's own), then cast to the inputs' dtypes.
-        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None, None, None
+        grad_h = ctx.saved_tensors[0].mul_(grad).to(ctx.dtypes[0]) if ctx.need_h else None
+        grad_w, sums = None, ctx.weight_grads
+        if sums is not None and sums.total is not None:  # the first backward since those forwards
+            grad_w, sums.total = sums.total.mul_(grad).to(ctx.dtypes[1]), None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 class Head(GPTLayer):
@@ -359,6 +392,7 @@ class Head(GPTLayer):
         super().__init__(config)
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.weight_grads = WeightGradSum()
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | torch.Tensor) -> torch.Tensor:
         """``layout``: the micro-batch's :class:`TokenLayout`, or its targets alone (every token trained)."""
@@ -371,14 +405,16 @@ class Head(GPTLayer):
         divisor = layout.loss_tokens or max(1, targets.numel())
         weight = self.lm_head.weight
         chunk = ce_chunk_tokens(self.config.vocab_size)
-        with_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        grads = torch.is_grad_enabled()
+        need_h, sums = grads and h.requires_grad, self.weight_grads if grads and weight.requires_grad else None
         kind, cap = h.device.type, self.config.logit_softcap
         if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
             # The loss runs its matmuls itself: hand it the autocast dtype.
             dtype = torch.get_autocast_dtype(kind)
             with torch.autocast(kind, enabled=False):
-                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, with_grads, divisor, cap)
-        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, with_grads, divisor, cap)
+                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, need_h, sums, divisor,
+                                                 cap)
+        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, need_h, sums, divisor, cap)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         z = self.lm_head(self.ln_f(x))
@@ -392,12 +428,16 @@ class Head(GPTLayer):
         return 4  # the scalar loss
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        # The fp32 gradients the loss computes in forward (of its input and of the LM head), and
-        # one chunk of logits: in the compute dtype, their fp32 copy and the softmax.
+        # The fp32 gradient of its input the loss computes in forward, and one chunk of logits: in
+        # the compute dtype, their fp32 copy and the softmax (the weight's: :meth:`held_bytes`).
         tokens, vocab, hidden = batch * seq, self.config.vocab_size, self.config.hidden
         chunk = min(tokens, ce_chunk_tokens(vocab))
         capped = 4 if self.config.logit_softcap is not None else 0  # the chunk's tanh, kept for its gradient
-        return (tokens + vocab) * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8 + capped)
+        return tokens * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8 + capped)
+
+    def held_bytes(self) -> int:
+        # The fp32 sum of the LM head's weight gradient over a stage's micro-batches (WeightGradSum).
+        return self.lm_head.weight.numel() * 4 if self.lm_head.weight.requires_grad else 0
 
     def reset_parameters(self) -> None:
         self.ln_f.reset_parameters()

@@ -147,6 +147,12 @@ class StageCost:
     mem_fwd: int
     mem_bwd: int
     grad_bytes: int  # the trained parameters' gradients (under LoRA, the adapters')
+    held_bytes: int = 0  # held once per pass whatever M (the head's weight-gradient sum), in mem_bwd
+
+    @property
+    def kept_bytes(self) -> int:
+        """What one micro-batch's forward leaves on the device for its backward."""
+        return self.mem_bwd - self.param_bytes - self.grad_bytes - self.held_bytes
 
 
 @dataclass
@@ -187,14 +193,28 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
         ls = profile.layers[lo:hi]
         s = sum(l.param_bytes for l in ls)
         g = sum(l.trained_bytes for l in ls)
+        held = sum(l.held_bytes for l in ls)
         a_in = profile.layers[lo - 1].out_bytes if lo > 0 else 0
         a_out = ls[-1].out_bytes
         fwd = sum(l.fwd_s for l in ls)
         bwd = sum(l.bwd_s for l in ls) + (fwd if recompute else 0.0)
         mem_f = s + max(l.fwd_work_bytes for l in ls) + 2 * a_in
-        mem_b = s + g + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
-        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g))
+        mem_b = s + g + held + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
+        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g, held))
     return out
+
+
+def activations_overflow(stages: list[StageCost], memory: list[float], micro_batches: int) -> tuple[int, int] | None:
+    """Without recomputation a slot holds what every forward of its stages left for backward, for
+    all micro-batches, beside its largest stage: (slot, bytes needed) where that exceeds the slot's
+    ``memory``, else None."""
+    n = len(memory)
+    for slot in range(min(n, len(stages))):
+        mine = stages[slot::n]
+        need = max(c.mem_bwd for c in mine) + micro_batches * sum(c.kept_bytes for c in mine)
+        if need > memory[slot]:
+            return slot, need
+    return None
 
 
 def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool) -> float:
@@ -247,6 +267,13 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         if c.mem_fwd > mem[j] or c.mem_bwd > mem[j]:
             return StepEstimate(float("inf"), False, st, [], [],
                                 reason=f"stage {j} needs {max(c.mem_fwd, c.mem_bwd) / GB:.2f} GB > {mem[j] / GB:.2f} GB")
+    overflow = None if recompute else activations_overflow(st, list(machine.memory), m_count)
+    if overflow:
+        slot, need = overflow
+        return StepEstimate(float("inf"), False, st, [], [],
+                            reason=f"worker {slot} would hold {need / 2**20:.0f} MiB (its stages' saved activations "
+                                   f"for all {m_count} micro-batches beside its largest stage) in a "
+                                   f"{machine.memory[slot] / 2**20:.0f} MiB budget")
     handoff = machine.handoff_s if n > 1 else 0.0
     switch = machine.stage_switch_s
 

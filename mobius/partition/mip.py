@@ -115,6 +115,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     out = [x.out_bytes / GB for x in first]
     fw = [x.fwd_work_bytes / GB for x in first]
     bw_work = [x.bwd_work_bytes / GB for x in first]
+    held = [x.held_bytes / GB for x in first]
     Bw = [machine.bandwidth[j % n] / GB for j in range(K)]  # GB/s
     G = [machine.memory[j % n] / GB for j in range(K)]
     total_p = sum(p[r] * length[r] for r in range(R))
@@ -162,8 +163,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
 
     Wf = [S[j] + w[j] + 2 * act_in(j) for j in range(K)]
-    Wb = [S[j] + pulp.lpSum((g[r] + bw_work[r]) * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j]
-          for j in range(K)]
+    kept = [pulp.lpSum(bw_work[r] * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j] for j in range(K)]
+    Wb = [S[j] + pulp.lpSum((g[r] + held[r]) * cnt(r, j) for r in range(R)) + kept[j] for j in range(K)]
 
     # ---- partition structure ----
     for r in range(R):
@@ -186,9 +187,12 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         prob += total_j <= L * u[j]
         if j + 1 < K:
             prob += u[j] >= u[j + 1]
-        # (4) memory
+        # (4) memory; without recomputation a slot keeps every micro-batch's activations of all
+        # its stages until their backward (cost.activations_overflow)
         prob += Wf[j] <= G[j]
         prob += Wb[j] <= G[j]
+        if not recompute:
+            prob += Wb[j] + M * pulp.lpSum(kept[k] for k in range(j % n, K, n)) <= G[j]
 
     # ---- forward: (9) load, (5)-(7) prefetch, (10) order, (8) dependencies; a pass starts a
     # switch after the slot's previous pass (cost.evaluate) ----
@@ -278,6 +282,8 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
         if cum > done:
             bounds.append((done, cum))
             done = cum
+    if done != L:  # HiGHS proved it infeasible (it leaves values that are no partition)
+        return MipResult([], float("inf"), status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     return MipResult(bounds, est.step_s, status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
 

@@ -89,6 +89,7 @@ class LayerProfile:
     fwd_work_bytes: int  # extra device memory while running forward without autograd
     bwd_work_bytes: int  # activations autograd keeps for one micro-batch (forward with grad)
     grad_bytes: int | None = None  # gradients in the compute dtype: the trained parameters (None: all)
+    held_bytes: int = 0  # held once per pass of the stage, whatever M (the head's weight-gradient sum)
 
     @property
     def trained_bytes(self) -> int:
@@ -144,7 +145,7 @@ class Profile:
             for key in ("fwd_s", "bwd_s"):
                 if not _number(getattr(layer, key), most=MAX_TIME_S):  # zero: a frozen layer's backward
                     raise ValueError(f"{layer.name}: {key} is {getattr(layer, key)!r}, not a time")
-            for key in ("param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes"):
+            for key in ("param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes", "held_bytes"):
                 value = getattr(layer, key)
                 if not (value is None and key == "grad_bytes") and not (_number(value) and value == int(value)):
                     raise ValueError(f"{layer.name}: {key} is {value!r}, not a byte count")
@@ -175,7 +176,8 @@ def _number(value, positive: bool = False, most: float = MAX_AMOUNT) -> bool:
 
 
 def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:
-    keys = ("kind", "fwd_s", "bwd_s", "param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes")
+    keys = ("kind", "fwd_s", "bwd_s", "param_bytes", "out_bytes", "fwd_work_bytes", "bwd_work_bytes", "grad_bytes",
+            "held_bytes")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -202,7 +204,8 @@ def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_l
             name=f"layers.{i}", kind=layer.kind, similarity_class=classes[sig], fwd_s=fwd, bwd_s=bwd,
             param_bytes=layer.param_bytes(dtype), out_bytes=out,
             fwd_work_bytes=2 * out if layer.kind != "head" else layer.working_bytes(micro_batch, seq_len, dtype),
-            bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype), grad_bytes=trained_bytes(layer, dtype)))
+            bwd_work_bytes=layer.working_bytes(micro_batch, seq_len, dtype), grad_bytes=trained_bytes(layer, dtype),
+            held_bytes=layer.held_bytes()))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"analytic:{tflops:g}TFLOPS@{efficiency:.3g}", layers=layers, distinct_measured=0,
                    host=HostCosts(adam_params_per_s=adam_params_per_s))
@@ -368,8 +371,9 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
     with torch.no_grad():
         out = run(x)
     out_bytes = out.numel() * out.element_size() if index < n - 1 else 0
+    held = layer.held_bytes()  # measured with the one micro-batch's work; a stage holds it once
     return LayerProfile(name=f"layers.{index}", kind=layer.kind, similarity_class=similarity_class,
                         fwd_s=fwd_s, bwd_s=max(fwd_bwd_s - fwd_s, 0.0),
                         param_bytes=layer.param_bytes(dtype), out_bytes=out_bytes,
-                        fwd_work_bytes=int(fwd_work), bwd_work_bytes=int(bwd_work),
-                        grad_bytes=trained_bytes(layer, dtype))
+                        fwd_work_bytes=int(fwd_work), bwd_work_bytes=max(0, int(bwd_work) - held),
+                        grad_bytes=trained_bytes(layer, dtype), held_bytes=held)
