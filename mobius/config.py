@@ -66,6 +66,7 @@ class RunConfig:
     stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
     mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
     prefetch: bool = True  # load the next stage while the current one computes
+    device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
     emulate: bool = False  # CPU workers stand for the topology's GPUs with emulated links and dilated time
     dilation: float | None = None  # --emulate: wall seconds per emulated second (None: chosen for the run)
     lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
@@ -151,6 +152,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="place adjacent stages under different root complexes (cross, Mobius §3.3) or GPUs in order")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="load each stage only when the previous one is released (to see what prefetching gains)")
+    p.add_argument("--device-optimizer", choices=("auto", "off"), default=d.device_optimizer,
+                   help="auto: the stages whose weights, gradients and AdamW state fit in a GPU's spare memory "
+                        "stay there and are updated there, when the plan says the step is faster for it; off: "
+                        "every stage swaps and is updated by the host's AdamW")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
                         "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
@@ -338,7 +343,8 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
 
 
 # Options of one backend, with the value that means "not given".
-PIPELINE_OPTIONS = {"stages": None, "recompute": "auto", "partitioner": "mip", "mapping": "cross", "prefetch": True}
+PIPELINE_OPTIONS = {"stages": None, "recompute": "auto", "partitioner": "mip", "mapping": "cross", "prefetch": True,
+                    "device_optimizer": "auto"}
 CHUNKED_OPTIONS = {"chunk_size": None, "rcache_blocks": None, "offload": "auto", "chunk_prefetch": True}
 BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate", "dilation")
 

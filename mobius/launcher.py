@@ -48,7 +48,8 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(plan.predicted_step_s, cfg.steps)}"
                  if spec.emulation else "")
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
-              f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}), "
+              f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
+              + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))

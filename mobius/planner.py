@@ -63,6 +63,31 @@ HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
 MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
 
 
+def tied_stages(config: GPTConfig, bounds: list[tuple[int, int]]) -> set[int]:
+    """The stages that hold a copy of a tied embedding (their update waits for the other copy's
+    gradients)."""
+    if not tied_parameter_names(config):
+        return set()
+    last = bounds[-1][1]
+    return {j for j, (lo, hi) in enumerate(bounds) if lo == 0 or hi == last}
+
+
+def resident_stages(profile: Profile, bounds: list[tuple[int, int]], step_of, exclude: set[int]) -> tuple[int, ...]:
+    """The stages to keep on their GPUs with their AdamW state, updated there
+    (:mod:`mobius.stages.device_optimizer`): greedily, largest first, each kept when the step
+    ``step_of(resident)`` is still feasible and at least 0.1% faster with it.  A stage that trains
+    nothing, or whose update waits for the whole step (``exclude``), stays put."""
+    costs = stage_costs(profile, bounds)
+    chosen, best = (), step_of(()).step_s
+    for j in sorted((j for j, c in enumerate(costs) if c.grad_bytes and j not in exclude),
+                    key=lambda j: (-costs[j].grad_bytes, j)):
+        trial = tuple(sorted(chosen + (j,)))
+        est = step_of(trial)
+        if est.feasible and est.step_s < best * (1 - 1e-3):
+            chosen, best = trial, est.step_s
+    return chosen
+
+
 class DoesNotFit(InputError):
     """No partition of the kind asked for fits the devices' memory; ``reason`` says where not."""
 
@@ -94,9 +119,9 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 8
+COST_MODEL_VERSION = 9
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
@@ -231,7 +256,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
               time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
-              mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0) -> Plan:
+              mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
+              device_optimizer: bool = True) -> Plan:
     check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name)
     # Every worker must own at least one stage, and a stage is at least one layer (checked before
     # any profiling: bad input is refused at once).
@@ -250,15 +276,15 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  stages, with_baselines, mapping, prefetch, optimizer_lag])
+                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer])
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
 
-    def settled(bounds, placement=assumed):
+    def settled(bounds, placement=assumed, resident=()):
         """The partition's machine and step with the contention of its own schedule."""
         return settle(profile, bounds, topo, placement, micro_batches, recompute, prefetch, profile.host,
-                      optimizer_lag)
+                      optimizer_lag, resident=resident)
 
     def candidates(machine):
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
@@ -303,19 +329,27 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
     # The mapping was searched for an assumed stage count; redo it for the real one.
     placed = place(topo, len(bounds))
-    _, est = settled(bounds, placed)
+    resident = ()
+    if device_optimizer and not optimizer_lag and precision != "fp16":
+        # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
+        # would cost a pass over every pair of copies); the choice is then settled once.
+        rates, _ = settled(bounds, placed)
+        resident = resident_stages(profile, bounds, lambda r: evaluate(profile, bounds, rates, micro_batches,
+                                                                        recompute, r), tied_stages(config, bounds))
+    machine, est = settled(bounds, placed, resident)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
-    floor = step_bounds(stage_costs(profile, bounds, recompute), micro_batches, topo.n, recompute, pcie_bps(topo),
-                        profile.host.adam_params_per_s, element_bytes(profile.dtype))
+    floor = step_bounds(stage_costs(profile, bounds, recompute, resident), micro_batches, topo.n, recompute,
+                        pcie_bps(topo), profile.host.adam_params_per_s, element_bytes(profile.dtype))
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
                 order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,
                 stages=stage_plans, solver=solver, profile_source=profile.source,
                 baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
-                host_costs=asdict(profile.host), lane_floor_s=floor)
+                host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
+                device_adam_params_per_s=machine.device_adam_params_per_s)
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan

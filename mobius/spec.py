@@ -66,10 +66,12 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained.
 
-    ``--recompute auto`` keeps activations on the device when some partition lets every worker
-    hold all of its stages' saved activations for all micro-batches beside its largest stage (the
-    planner looks for one: :func:`mobius.partition.cost.activations_overflow`), and recomputes
-    otherwise; ``--recompute off`` where none exists is refused here, before any worker starts."""
+    ``--recompute auto`` plans both ways and keeps the faster prediction: activations kept on the
+    device, where some partition lets every worker hold all of its stages' saved activations for
+    all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
+    or recomputed, which leaves the memory to more prefetch and to resident stages
+    (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
+    refused here, before any worker starts."""
     if cfg.emulate:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
         plan_options.setdefault("profile_how", "analytic")
 
@@ -77,23 +79,28 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
         return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
                          precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages,
                          mapping=cfg.mapping, prefetch=cfg.prefetch, optimizer_lag=cfg.optimizer_lag,
-                         **plan_options)
+                         device_optimizer=cfg.device_optimizer == "auto", **plan_options)
 
-    if cfg.recompute != "on":
-        try:
-            return make(recompute=False)
-        except DoesNotFit as err:
-            if cfg.recompute == "off":
-                raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
-                                 "micro-batches, or more memory") from None
-    return make(recompute=True)
+    if cfg.recompute == "on":
+        return make(recompute=True)
+    try:
+        kept = make(recompute=False)
+    except DoesNotFit as err:
+        if cfg.recompute == "off":
+            raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
+                             "micro-batches, or more memory") from None
+        return make(recompute=True)
+    if cfg.recompute == "off":
+        return kept
+    recomputed = make(recompute=True)
+    return kept if kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
 
 
 def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
     """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
     budgets them, or this machine's CPU workers), with the precision and recompute it decides:
     what ``mobius.plan`` prints, and what every script that plans reports."""
-    on_gpus = not topo.virtual
+    on_gpus = not topo.virtual and not cfg.emulate  # emulating, CPU workers stand for the GPUs
     if on_gpus:
         reserve_cuda_memory(topo)
     return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)

@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = RunConfig(model="small", steps=args.steps, micro_batches=4, micro_batch_size=4, seq_len=128, precision="bf16",
                     backend="pipeline", topology="cpu", cpu_workers=args.workers, stages=args.stages,
-                    recompute=args.recompute, progress=False)
+                    recompute=args.recompute, progress=False, device_optimizer="off")  # the simulator's Mobius
     history = launch_pipeline(cfg, get_config("small"), resolve_topology(cfg))
     measured = statistics.median(m.step_time_s for m in history[1:])
 
@@ -76,7 +76,7 @@ def main() -> None:
     from mobius.planner import make_plan
 
     plan: Plan = make_plan("small", get_config("small"), topo, 4, 4, 128, "bf16", recompute=args.recompute == "on",
-                           stages=args.stages, profile=profile, use_cache=False)
+                           stages=args.stages, profile=profile, use_cache=False, device_optimizer=False)
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, 4, recompute=args.recompute == "on",
                           adam_params_per_s=adam)
     err = sim.step_s / measured - 1

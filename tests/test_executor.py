@@ -56,6 +56,7 @@ def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]
                                      data)
             try:
                 sums = [parts.runner.step(k) for k in range(cfg.steps)]
+                parts.runner.drain()  # every update in the host store (resident stages' too)
             finally:
                 parts.close()
             results[rank] = (sums, parts.store.state_dict())

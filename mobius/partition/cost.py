@@ -75,6 +75,7 @@ class Machine:
     micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage in each pass (the runtime's own work)
     stage_switch_s: float = 0.0  # device time between two passes of one slot (the runtime's own work)
     adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
+    device_adam_params_per_s: float = math.inf  # AdamW on a device, for the stages kept resident there
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
@@ -148,11 +149,34 @@ class StageCost:
     mem_bwd: int
     grad_bytes: int  # the trained parameters' gradients (under LoRA, the adapters')
     held_bytes: int = 0  # held once per pass whatever M (the head's weight-gradient sum), in mem_bwd
+    resident: bool = False  # kept on the device with its optimizer state, updated there (never swapped)
 
     @property
     def kept_bytes(self) -> int:
         """What one micro-batch's forward leaves on the device for its backward."""
         return self.mem_bwd - self.param_bytes - self.grad_bytes - self.held_bytes
+
+    @property
+    def loaded_bytes(self) -> int:
+        """What a swap brings to the device (nothing for a resident stage, once it is there)."""
+        return 0 if self.resident else self.param_bytes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Gradients that leave the device for the host's AdamW (none for a resident stage)."""
+        return 0 if self.resident else self.grad_bytes
+
+    def pass_bytes(self, backward: bool) -> int:
+        """Device memory a pass of this stage needs beyond what resident stages hold for good."""
+        mem = self.mem_bwd if backward else self.mem_fwd
+        return mem - (self.param_bytes + (self.grad_bytes if backward else 0) if self.resident else 0)
+
+    def resident_bytes(self, element_bytes: int) -> int:
+        """What a resident stage holds on the device for good: its weights and gradients, fp32
+        master weights and gradients of what trains when it computes in 16 bits, AdamW's two fp32
+        moments (:mod:`mobius.stages.device_optimizer`)."""
+        trained = self.grad_bytes // element_bytes
+        return self.param_bytes + self.grad_bytes + trained * ((8 if element_bytes != 4 else 0) + 8)
 
 
 @dataclass
@@ -187,7 +211,9 @@ def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
     return c.grad_bytes / element_bytes / machine.adam_params_per_s
 
 
-def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True) -> list[StageCost]:
+def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True,
+                resident: tuple[int, ...] = ()) -> list[StageCost]:
+    """The stages of ``bounds``; those in ``resident`` stay on their device, updated there."""
     out = []
     for j, (lo, hi) in enumerate(bounds):
         ls = profile.layers[lo:hi]
@@ -200,18 +226,27 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
         bwd = sum(l.bwd_s for l in ls) + (fwd if recompute else 0.0)
         mem_f = s + max(l.fwd_work_bytes for l in ls) + 2 * a_in
         mem_b = s + g + held + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
-        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g, held))
+        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g, held, j in resident))
+    return out
+
+
+def resident_by_slot(stages: list[StageCost], slots: int, element_bytes: int) -> list[int]:
+    """Bytes each slot's resident stages hold for good."""
+    out = [0] * slots
+    for j, c in enumerate(stages):
+        if c.resident:
+            out[j % slots] += c.resident_bytes(element_bytes)
     return out
 
 
 def activations_overflow(stages: list[StageCost], memory: list[float], micro_batches: int) -> tuple[int, int] | None:
     """Without recomputation a slot holds what every forward of its stages left for backward, for
     all micro-batches, beside its largest stage: (slot, bytes needed) where that exceeds the slot's
-    ``memory``, else None."""
+    ``memory`` (what its resident stages leave), else None."""
     n = len(memory)
     for slot in range(min(n, len(stages))):
         mine = stages[slot::n]
-        need = max(c.mem_bwd for c in mine) + micro_batches * sum(c.kept_bytes for c in mine)
+        need = max(c.pass_bytes(True) for c in mine) + micro_batches * sum(c.kept_bytes for c in mine)
         if need > memory[slot]:
             return slot, need
     return None
@@ -222,10 +257,10 @@ def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int, 
     backward (each slot's last stage stays), every boundary activation and its gradient down and
     up again (with recomputation the stage inputs go up once more), the gradients down."""
     k = len(stages)
-    loads = sum(c.param_bytes for c in stages) + sum(c.param_bytes for c in stages[:max(0, k - slots)])
+    loads = sum(c.loaded_bytes for c in stages) + sum(c.loaded_bytes for c in stages[:max(0, k - slots)])
     activations = sum(2 * c.out_bytes for c in stages[:-1]) + sum(2 * c.in_bytes for c in stages[1:])
     again = sum(c.in_bytes for c in stages[1:]) if recompute else 0
-    return loads + micro_batches * (activations + again) + sum(c.grad_bytes for c in stages)
+    return loads + micro_batches * (activations + again) + sum(c.offloaded_bytes for c in stages)
 
 
 def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool, pcie_bps: float,
@@ -234,7 +269,7 @@ def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, recompu
     of that lane busy: compute (spread over the GPUs), host<->device bytes (over the host's PCIe
     bandwidth), host AdamW (every worker's optimizer thread at once).  Seconds per lane."""
     compute = micro_batches * sum(c.fwd_s + c.bwd_s for c in stages) / slots
-    params = sum(c.grad_bytes for c in stages) / element_bytes
+    params = sum(c.offloaded_bytes for c in stages) / element_bytes  # the resident stages update on their device
     return {"compute": compute, "PCIe": host_traffic_bytes(stages, micro_batches, slots, recompute) / pcie_bps,
             "host AdamW": params / (adam_params_per_s * slots)}
 
@@ -255,25 +290,34 @@ def check_layers_fit(profile: Profile, machine: Machine) -> None:
 
 
 def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
-             recompute: bool = True) -> StepEstimate:
-    """Step time of the partition ``bounds`` (``[start, end)`` layer ranges, in order)."""
+             recompute: bool = True, resident: tuple[int, ...] = ()) -> StepEstimate:
+    """Step time of the partition ``bounds`` (``[start, end)`` layer ranges, in order), with the
+    stages ``resident`` kept on their devices and updated there: never loaded or offloaded, their
+    weights, gradients and AdamW state taking their slot's memory for good, their update on the
+    device (``g_j / (e · R_device)``) delaying the slot's next backward pass."""
     n, m_count = machine.n, micro_batches
-    compute_only = stage_costs(profile, bounds, recompute)
+    elt = element_bytes(profile.dtype)
+    compute_only = stage_costs(profile, bounds, recompute, resident)
     st = on_device(compute_only, machine, recompute)
     s_count = len(st)
     bw = [machine.bandwidth[j % n] for j in range(s_count)]
-    mem = [machine.memory[j % n] for j in range(s_count)]
+    held = resident_by_slot(st, n, elt)
+    free = [machine.memory[k] - held[k] for k in range(n)]  # what the swapped stages share
+    mem = [free[j % n] for j in range(s_count)]
     for j, c in enumerate(st):
-        if c.mem_fwd > mem[j] or c.mem_bwd > mem[j]:
+        need = max(c.pass_bytes(False), c.pass_bytes(True))
+        if need > mem[j]:
+            beside = f" beside {human_bytes(held[j % n])} of resident stages" if held[j % n] else ""
             return StepEstimate(float("inf"), False, st, [], [],
-                                reason=f"stage {j} needs {max(c.mem_fwd, c.mem_bwd) / GB:.2f} GB > {mem[j] / GB:.2f} GB")
-    overflow = None if recompute else activations_overflow(st, list(machine.memory), m_count)
+                                reason=f"stage {j} needs {human_bytes(need)} > {human_bytes(mem[j])}{beside}")
+    overflow = None if recompute else activations_overflow(st, free, m_count)
     if overflow:
         slot, need = overflow
         return StepEstimate(float("inf"), False, st, [], [],
                             reason=f"worker {slot} would hold {need / 2**20:.0f} MiB (its stages' saved activations "
                                    f"for all {m_count} micro-batches beside its largest stage) in a "
-                                   f"{machine.memory[slot] / 2**20:.0f} MiB budget")
+                                   f"{free[slot] / 2**20:.0f} MiB budget")
+    device_adam = [c.grad_bytes / elt / machine.device_adam_params_per_s if c.resident else 0.0 for c in st]
     handoff = machine.handoff_s if n > 1 else 0.0
     switch = machine.stage_switch_s
 
@@ -286,7 +330,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
 
     tf = [[0.0] * m_count for _ in range(s_count)]
     pf = [0.0] * s_count
-    first = [float(c.param_bytes) for c in st[:n]]
+    first = [float(c.loaded_bytes) for c in st[:n]]
     for j, c in enumerate(st):
         if j < n:
             ready = machine.first_load_s(j, first)
@@ -295,9 +339,10 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         else:
             prev = st[j - n]
             span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
-            pf[j] = max(0.0, min(c.param_bytes, mem[j] - prev.mem_fwd, bw[j] * span)) if machine.prefetch else 0.0
+            pf[j] = (max(0.0, min(c.loaded_bytes, mem[j] - prev.pass_bytes(False), bw[j] * span))
+                     if machine.prefetch else 0.0)
             released = tf[j - n][-1] + prev.fwd_s
-            ready = released + (c.param_bytes - pf[j]) / bw[j]
+            ready = released + (c.loaded_bytes - pf[j]) / bw[j]
             # The prefetch starts with the previous stage's pass, the rest once it is released.
             copies += [(j % n, "h2d", tf[j - n][0], tf[j - n][0] + pf[j] / bw[j], "load"),
                        (j % n, "h2d", released, ready, "load")]
@@ -320,9 +365,10 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         else:
             nxt = st[j + n]
             span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
-            pb[j] = max(0.0, min(c.param_bytes, mem[j] - nxt.mem_bwd, bw[j] * span)) if machine.prefetch else 0.0
-            released = tb[j + n][-1] + nxt.bwd_s
-            ready = released + (c.param_bytes - pb[j]) / bw[j]
+            pb[j] = (max(0.0, min(c.loaded_bytes, mem[j] - nxt.pass_bytes(True), bw[j] * span))
+                     if machine.prefetch else 0.0)
+            released = tb[j + n][-1] + nxt.bwd_s + device_adam[j + n]
+            ready = released + (c.loaded_bytes - pb[j]) / bw[j]
             copies += [(j % n, "h2d", tb[j + n][0], tb[j + n][0] + pb[j] / bw[j], "load"),
                        (j % n, "h2d", released, ready, "load")]
             ready = max(ready, released + switch)
@@ -334,16 +380,18 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
                 t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + c.out_bytes / machine.backward_d2h_bps((j + 1) % n)
                         + handoff)
             tb[j][m] = t
-    elt = element_bytes(profile.dtype)
-    adam = [adam_s(c, machine, elt) for c in st]
+    adam = [0.0 if c.resident else adam_s(c, machine, elt) for c in st]
     # Gradients on the host: each stage's leave once its backward is done, through its link; the
-    # offloads of the GPUs under one root complex queue for its bandwidth in backward order.
+    # offloads of the GPUs under one root complex queue for its bandwidth in backward order.  A
+    # resident stage's are "home" once its device has updated it.
     home = [0.0] * s_count
     for j in range(s_count - 1, -1, -1):
         c = st[j]
-        home[j] = tb[j][-1] + c.bwd_s + c.grad_bytes / machine.link_bps(j % n)
+        home[j] = tb[j][-1] + c.bwd_s + device_adam[j] + c.offloaded_bytes / machine.link_bps(j % n)
         q = machine.previous_on_root_complex(j, s_count)
-        if q is not None:
+        while q is not None and st[q].resident:  # no offload of its own to queue behind
+            q = machine.previous_on_root_complex(q, s_count)
+        if q is not None and not c.resident:
             home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % n))
     for j, c in enumerate(compute_only):
         k = j % n
@@ -360,17 +408,19 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             if j and c.in_bytes:
                 a = tb[j][m] + st[j].bwd_s
                 copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k), "activation gradient"))
-        copies.append((k, "d2h", home[j] - c.grad_bytes / machine.link_bps(k), home[j], "gradients"))
+        copies.append((k, "d2h", home[j] - c.offloaded_bytes / machine.link_bps(k), home[j], "gradients"))
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
         return StepEstimate(max(home + per_thread), True, compute_only, pf, pb, copies=copies)
     # Each worker's optimizer thread updates its stages one at a time, in the order their
     # gradients come home (backward order): stage j's update waits for its gradients and for the
-    # update of the worker's stage before it (j + N).
-    updated = [0.0] * s_count
+    # worker's previous host update (resident stages are updated on their device instead).
+    updated, thread = [0.0] * s_count, [0.0] * n
     for j in range(s_count - 1, -1, -1):
-        queued = updated[j + n] if j + n < s_count else 0.0
-        updated[j] = max(home[j], queued) + adam[j]
+        if st[j].resident:
+            updated[j] = home[j]
+        else:
+            updated[j] = thread[j % n] = max(home[j], thread[j % n]) + adam[j]
     return StepEstimate(max(updated), True, compute_only, pf, pb, copies=copies)
 
 
@@ -416,30 +466,30 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
 
 def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro_batches: int, recompute: bool,
            prefetch: bool = True, host: HostCosts | None = None, optimizer_lag: int = 0,
-           rounds: int = 2) -> tuple[Machine, StepEstimate]:
-    """The machine and step of ``bounds`` under the contention of their own schedule: the
-    schedule's copies decide the rates its copies get, ``rounds`` times."""
+           rounds: int = 2, resident: tuple[int, ...] = ()) -> tuple[Machine, StepEstimate]:
+    """The machine and step of ``bounds`` (with ``resident`` stages) under the contention of their
+    own schedule: the schedule's copies decide the rates its copies get, ``rounds`` times."""
     machine = machine_for(topo, mapping, prefetch, host, optimizer_lag)
-    est = evaluate(profile, bounds, machine, micro_batches, recompute)
+    est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     for _ in range(rounds):
         if not est.feasible:
             break
-        duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s)
+        duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident)
         rates = copy_rates(machine, est)
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates)
-        est = evaluate(profile, bounds, machine, micro_batches, recompute)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     return machine, est
 
 
 def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
-              recompute: bool, step_s: float) -> tuple[float, ...]:
+              recompute: bool, step_s: float, resident: tuple[int, ...] = ()) -> tuple[float, ...]:
     """Per slot: the fraction of a ``step_s`` step its link carries host -> device copies (stage loads,
     inputs, output gradients, recompute inputs) of the partition ``bounds``."""
     n = machine.n
     busy = [0.0] * n
-    st = stage_costs(profile, bounds, recompute)
+    st = stage_costs(profile, bounds, recompute, resident)
     for j, c in enumerate(st):
-        loads = c.param_bytes * (1 if j >= len(st) - n else 2)  # the last stages stay for backward
+        loads = c.loaded_bytes * (1 if j >= len(st) - n else 2)  # the last stages stay for backward
         acts = micro_batches * (c.in_bytes + c.out_bytes + (c.in_bytes if recompute else 0))
         busy[j % n] += (loads + acts) / (machine.link[j % n] if machine.link else machine.bandwidth[j % n])
     return tuple(min(1.0, b / max(step_s, 1e-12)) for b in busy)
@@ -474,7 +524,7 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
     rc_of = [topo.root_complex_of(mapping.order[k]) for k in range(n)]
     host = host or HostCosts()
     return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.stage_switch_s,
-                   host.adam_params_per_s, optimizer_lag,
+                   host.adam_params_per_s, host.device_adam_params_per_s, optimizer_lag,
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
                    rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),

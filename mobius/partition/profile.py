@@ -42,6 +42,10 @@ ANALYTIC_MFU = 0.5  # assumed where nothing was measured
 # Host AdamW rate the analytic model assumes for one worker's optimizer thread when the host's
 # memory bandwidth is not known: a fused CPU AdamW on a server socket does about 1e9 parameters/s.
 ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
+# AdamW on a GPU (for the stages kept resident there): its memory bandwidth over the 28 bytes AdamW
+# moves per fp32 parameter (weights, gradient and two moments read; weights and moments written),
+# at the slowest card we target, an RTX 3090's 936 GB/s.  An assumption, not a measurement.
+GPU_ADAM_PARAMS_PER_S = 936e9 / 28
 # A fused fp32 AdamW reads the weight, gradient and both moments and writes back the weight and
 # the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
 # (scripts/bench_optimizer.py, docs/benchmarks.md).
@@ -75,6 +79,9 @@ class HostCosts:
     micro_batch_s: float = 0.0  # fixed device time per micro-batch per stage in each pass (the runtime's own work)
     stage_switch_s: float = 0.0  # device time between two passes of one device (the runtime's own work)
     adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S  # one worker's optimizer thread
+    # AdamW on the device that computes (the stages kept resident there): a GPU's, or on CPU
+    # workers their own cores', the host's rate
+    device_adam_params_per_s: float = GPU_ADAM_PARAMS_PER_S
 
 
 @dataclass
@@ -150,7 +157,7 @@ class Profile:
                 if not (value is None and key == "grad_bytes") and not (_number(value) and value == int(value)):
                     raise ValueError(f"{layer.name}: {key} is {value!r}, not a byte count")
         for key, value in asdict(self.host).items():
-            rate = key == "adam_params_per_s"
+            rate = key.endswith("adam_params_per_s")
             if not _number(value, positive=rate, most=MAX_AMOUNT if rate else MAX_TIME_S):
                 raise ValueError(f"host cost {key} is {value!r}")
         return self
@@ -304,7 +311,9 @@ def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_le
                                            similarity_class=len(measured), workers=workers)
         p = measured[sig]
         layers.append(LayerProfile(**{**asdict(p), "name": f"layers.{i}", "kind": kind}))
-    host = HostCosts(adam_params_per_s=measure_adam_rate(host_workers or workers))
+    adam = measure_adam_rate(host_workers or workers)
+    host = HostCosts(adam_params_per_s=adam, device_adam_params_per_s=adam if device.type == "cpu" else
+                     GPU_ADAM_PARAMS_PER_S)
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"measured-{device.type}", layers=layers, distinct_measured=len(measured),
                    profile_seconds=time.perf_counter() - t_start, extra={"workers": workers}, host=host)

@@ -44,6 +44,10 @@ class Plan:
     prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
     host_costs: dict = field(default_factory=dict)  # the HostCosts the prediction assumed
     lane_floor_s: dict = field(default_factory=dict)  # first-principles floor of each lane's work, seconds
+    # Stages kept on their GPUs with their optimizer state, updated there (never swapped), and the
+    # rate that AdamW runs at there (mobius.stages.device_optimizer).
+    resident: list[int] = field(default_factory=list)
+    device_adam_params_per_s: float = 1e12
 
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
@@ -86,6 +90,8 @@ class Plan:
             raise ValueError(f"its mapping {self.order} does not give each of {workers} workers a place")
         if not (isinstance(self.predicted_step_s, (int, float)) and 0 < self.predicted_step_s < float("inf")):
             raise ValueError(f"its predicted step {self.predicted_step_s!r} is not a positive time")
+        if any(type(s) is not int or not 0 <= s < len(self.bounds) for s in self.resident):
+            raise ValueError(f"its resident stages {self.resident} are not stages of it")
         return self
 
     def render(self) -> str:
@@ -102,7 +108,11 @@ class Plan:
             lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
                          f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
                          f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
-                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}")
+                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}"
+                         + ("  resident" if s.index in self.resident else ""))
+        if self.resident:
+            lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
+                         "(no swap, no gradient offload, no host update)")
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
         if self.solver.get("chosen") and self.solver["chosen"] != "mip":
             lines.append(f"chosen: the {self.solver['chosen']} partition, within 1% of the fastest and moving the "

@@ -59,7 +59,7 @@ class HostOptimizer:
                 p.grad = view(grads, slot)
         return grads, phase
 
-    def _deferred(self, s: int) -> bool:
+    def waits_for_the_step(self, s: int) -> bool:
         """Whether stage ``s``'s update waits for the whole step (tied sum, fp16 overflow vote)."""
         return self.scaler.enabled or s in self.tied.stages
 
@@ -87,7 +87,7 @@ class HostOptimizer:
         job = self._pool.submit(self._to_master, s, arrived, phase)
         self._to_master_jobs.append(job)
         self._last_job[s] = job
-        if not self._deferred(s):
+        if not self.waits_for_the_step(s):
             self._submit_update(s, step, lr)
 
     def _submit_update(self, s: int, step: int, lr: float, unscale: float | None = None, apply: bool = True) -> None:
@@ -135,11 +135,11 @@ class HostOptimizer:
         gradients (the tied sum, fp16's overflow vote) are decided here, on ``host`` (the calling
         thread's stream); then the compute stream waits for the updates the next step's loads read:
         this step's, or with a lag the previous step's (this step's run on during the next)."""
-        if any(self._deferred(s) for s in self.store.stages):
+        if any(self.waits_for_the_step(s) for s in self.store.stages):
             for job in self._to_master_jobs:
                 host.wait(job.result())
             self.tied.sum_gradients()
-            deferred = [s for s in self.store.stages if self._deferred(s)]
+            deferred = [s for s in self.store.stages if self.waits_for_the_step(s)]
             if self.scaler.enabled:
                 local = any(not torch.isfinite(p.grad).all() for s in deferred
                             for p in self.store.stages[s].master_params if p.grad is not None)

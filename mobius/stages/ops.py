@@ -11,7 +11,9 @@ The rules it encodes:
   backward needs first;
 * backward, the same in reverse order (with recomputation, each micro-batch's forward is redone
   before its output gradient is awaited); after a stage's last micro-batch its gradients leave
-  for the host (and AdamW), then the stage is evicted.
+  for the host (and AdamW), then the stage is evicted;
+* a stage the plan keeps *resident* is loaded once and never evicted: after its backward it is
+  updated on the device (``update``) instead of offloading its gradients.
 
 Loads carry the transfer priority of the mapping (the stage that executes earlier goes first).
 """
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 
 from mobius.mapping import transfer_priority
 
-LOAD, WAIT, RECV, RECOMPUTE, COMPUTE, SEND, END, OFFLOAD, RELEASE = (
-    "load", "wait", "recv", "recompute", "compute", "send", "end", "offload", "release")
+LOAD, WAIT, RECV, RECOMPUTE, COMPUTE, SEND, END, OFFLOAD, UPDATE, RELEASE = (
+    "load", "wait", "recv", "recompute", "compute", "send", "end", "offload", "update", "release")
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,11 @@ class Op:
 
 
 def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool,
-               prefetch: bool = True, forward_only: bool = False) -> list[Op]:
+               prefetch: bool = True, forward_only: bool = False, resident: frozenset[int] = frozenset()) -> list[Op]:
     """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order.
     Without ``prefetch`` a stage's load is issued only once the previous stage is released.
-    ``forward_only`` (evaluation): the forward pass without autograd, every stage released after it."""
+    ``forward_only`` (evaluation): the forward pass without autograd, every stage released after it.
+    ``resident``: stages that stay on the device (their load is a no-op once they are there)."""
     mine = list(stages_of_worker)
     last = n_stages - 1
     ops: list[Op] = [Op(LOAD, mine[0], priority=0)] if mine else []
@@ -66,7 +69,7 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
             if s < last:
                 ops.append(Op(SEND, s, m))
         ops.append(Op(END, s))
-        if k + 1 < len(mine) or forward_only:
+        if (k + 1 < len(mine) or forward_only) and s not in resident:
             ops.append(Op(RELEASE, s))
         load_next(k, mine, False, after_release=True)
     if forward_only:
@@ -84,7 +87,10 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
             if s > 0:
                 ops.append(Op(SEND, s, m, backward=True))
         ops.append(Op(END, s, backward=True))
-        ops.append(Op(OFFLOAD, s, backward=True))
-        ops.append(Op(RELEASE, s, backward=True))
+        if s in resident:
+            ops.append(Op(UPDATE, s, backward=True))
+        else:
+            ops.append(Op(OFFLOAD, s, backward=True))
+            ops.append(Op(RELEASE, s, backward=True))
         load_next(k, reverse, True, after_release=True)
     return ops

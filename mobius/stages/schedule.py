@@ -11,7 +11,8 @@ device layer (:mod:`mobius.runtime.device`) and gloo:
 * backward: the same in reverse order; micro-batch m's output gradient arrives from the next
   stage's worker, the input gradient goes back to the previous one.  After a stage's last
   micro-batch its gradients go to host and AdamW updates its fp32 master weights on the CPU, on a
-  background thread, overlapped with the next stage's backward.
+  background thread, overlapped with the next stage's backward — except for the stages the plan
+  keeps resident, which are loaded once and updated on the device.
 
 Boundary activations needed by backward are either *recomputed* (the stage input of every
 micro-batch stays in host memory; backward re-runs the stage forward with autograd on) or *kept*
@@ -21,7 +22,8 @@ on the device (the autograd graph of every micro-batch stays until its backward)
 The runner only sequences; each concern is a unit of its own: the links between stages
 (:mod:`~mobius.stages.links` over a :mod:`~mobius.stages.transport`), the working memory of the
 running stage (:mod:`~mobius.stages.working_memory`), the gradient offload and CPU optimizer
-(:mod:`~mobius.stages.host_optimizer`), the tied embedding (:mod:`~mobius.stages.tied`).
+(:mod:`~mobius.stages.host_optimizer`), the resident stages' optimizer
+(:mod:`~mobius.stages.device_optimizer`), the tied embedding (:mod:`~mobius.stages.tied`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,23 @@ from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.runtime.device import Device, Event
 from mobius.runtime.spec import Plan
+from mobius.stages.device_optimizer import DeviceOptimizer
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
-from mobius.stages.ops import COMPUTE, END, LOAD, OFFLOAD, RECOMPUTE, RECV, RELEASE, SEND, WAIT, Op, worker_ops
+from mobius.stages.ops import (
+    COMPUTE,
+    END,
+    LOAD,
+    OFFLOAD,
+    RECOMPUTE,
+    RECV,
+    RELEASE,
+    SEND,
+    UPDATE,
+    WAIT,
+    Op,
+    worker_ops,
+)
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.stages.working_memory import WorkingMemory
@@ -82,10 +98,12 @@ class StageRunner:
         self.device, self.total_steps, self.peak_lr, self.scaler = device, total_steps, peak_lr, scaler
         self.n_stages = len(plan.bounds)
         self.M = plan.micro_batches
-        self.ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute,
-                              plan.prefetch)
-        self.eval_ops = worker_ops(self.n_stages, plan.stages_of_gpu(transport.rank), self.M, plan.recompute,
-                                   plan.prefetch, forward_only=True)
+        mine = plan.stages_of_gpu(transport.rank)
+        self.resident = frozenset(plan.resident) & set(mine)
+        self.ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, resident=self.resident)
+        self.eval_ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, forward_only=True,
+                                   resident=self.resident)
+        self._resident_handles: dict[int, DeviceStage] = {}  # loaded once, never released
         self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
         # Streams: compute, and this thread's host-side work (so the checker sees every hand-over);
@@ -97,6 +115,12 @@ class StageRunner:
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
                                        TiedEmbedding(store, plan, transport, traffic), transport,
                                        plan.host_costs.get("adam_params_per_s", float("inf")))
+        self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
+        # The planner never makes such a plan: these updates need every stage's gradients, or must
+        # write the weights the step after next reads (--optimizer-lag).
+        shared = [s for s in self.resident if self.optimizer.waits_for_the_step(s) or store.lag]
+        if shared:
+            raise ValueError(f"stages {shared} cannot stay resident: their update waits for the whole step or lags")
 
     # ---- one optimizer step --------------------------------------------------------------------
     def step(self, step: int) -> float:
@@ -109,10 +133,16 @@ class StageRunner:
         self._settle()
         return st.loss_sum
 
+    def drain(self) -> None:
+        """Every update issued so far is done and in the host stage store (before a checkpoint, an
+        export or the final weights are read)."""
+        self.optimizer.drain()
+        self.device_optimizer.sync_to_host()
+
     def evaluate(self, micro: list, next_step: int) -> float:
         """The forward pass of ``micro`` (evaluation batches) with the weights step ``next_step``
         would compute with, no autograd and no dropout; returns this worker's loss sum."""
-        self.optimizer.drain()  # every update so far is in the weights
+        self.optimizer.drain()  # every update so far is in the weights (resident ones: on the device)
         st = _StepState(micro, 0.0, next_step, training=False)
         self.store.begin_step(next_step)
         with torch.no_grad():
@@ -123,7 +153,7 @@ class StageRunner:
     def _execute(self, ops: list[Op], st: _StepState) -> None:
         perform = {LOAD: self._op_load, WAIT: self._op_wait, RECV: self._op_recv, COMPUTE: self._op_compute,
                    RECOMPUTE: self._op_recompute, SEND: self._op_send, END: self._op_end, OFFLOAD: self._op_offload,
-                   RELEASE: self._op_release}
+                   UPDATE: self._op_update, RELEASE: self._op_release}
         for op in ops:
             perform[op.kind](op, st)
         self.working.idle()
@@ -134,14 +164,22 @@ class StageRunner:
 
     # ---- the operations ------------------------------------------------------------------------
     def _op_load(self, op: Op, st: _StepState) -> None:
-        st.handles[op.stage] = self.prefetcher.request(op.stage, op.priority)
+        s = op.stage
+        if s in self._resident_handles:  # already on the device, for good
+            st.handles[s] = self._resident_handles[s]
+            return
+        st.handles[s] = self.prefetcher.request(s, op.priority)
+        if s in self.resident:
+            self._resident_handles[s] = st.handles[s]
 
     def _op_wait(self, op: Op, st: _StepState) -> None:
         s = op.stage
         self.working.idle()  # nothing computes while we wait for the stage
         st.layers = self.prefetcher.wait(st.handles[s])
         st.stage_pass.enter_context(self.working.stage_pass(s, op.backward))
-        if op.backward:
+        if op.backward and s in self.resident:
+            st.grads = self.device_optimizer.gradients_for(s, st.layers)
+        elif op.backward:
             st.grads, st.grad_phase = self.optimizer.gradients_for(s, st.layers)
         st.begin = self.device.compute.record() if self.trace.enabled else None
 
@@ -263,6 +301,10 @@ class StageRunner:
 
     def _op_offload(self, op: Op, st: _StepState) -> None:
         self.optimizer.offload(op.stage, st.layers, st.grads, st.grad_phase, st.step, st.lr)
+        st.grads = None
+
+    def _op_update(self, op: Op, st: _StepState) -> None:
+        self.device_optimizer.update(op.stage, st.layers, st.handles[op.stage].weights, st.lr)
         st.grads = None
 
     def _op_release(self, op: Op, st: _StepState) -> None:

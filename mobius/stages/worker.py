@@ -118,7 +118,7 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     stop = install_stop(payload)
 
     def save(done: int) -> None:
-        runner.optimizer.drain()
+        runner.drain()
         _save(cfg, store, scaler, model_config, done, rank, payload.get("inputs"))
 
     held_out = parts.held_out  # None when the run does not evaluate
@@ -133,7 +133,7 @@ def _run(payload: dict, rank: int, world: int, decide) -> dict:
     try:
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0, eval_fn=evaluate if held_out is not None else None)
-        runner.optimizer.drain()  # with a lag, the last step's update
+        runner.drain()  # with a lag, the last step's update; resident stages back in the host store
         gather_trace(trace, cfg.trace, rank, world)
     finally:
         parts.close()

@@ -40,8 +40,10 @@ class DeviceMemory:
         outstanding = max(0, self.compute_reserve - self._compute_used)
         return self.budget - self.used - outstanding
 
-    def allocate(self, nbytes: int, what: str) -> int:
-        """Take ``nbytes`` for compute; returns the phase to hand back to :meth:`free`."""
+    def allocate(self, nbytes: int, what: str, for_good: bool = False) -> int:
+        """Take ``nbytes`` for compute; returns the phase to hand back to :meth:`free`.  With
+        ``for_good`` (a resident stage's gradients and optimizer state) the bytes are held for the
+        run, not counted as the running stage's working memory."""
         with self._cond:
             # Gradients being offloaded leave on their own: wait for them rather than fail.
             while self.used + nbytes > self.budget and self.leaving > 0:
@@ -53,8 +55,9 @@ class DeviceMemory:
                     f"the running stage uses {self._compute_used / 2**20:.2f} MiB of the "
                     f"{self.compute_reserve / 2**20:.2f} MiB its plan reserved (raise --gpu-mem-gb or use more stages)")
             self.used += nbytes
-            self._compute_used += nbytes
-            self.compute_peak_since_reserve = max(self.compute_peak_since_reserve, self._compute_used)
+            if not for_good:
+                self._compute_used += nbytes
+                self.compute_peak_since_reserve = max(self.compute_peak_since_reserve, self._compute_used)
             self.peak = max(self.peak, self.used)
             return self.phase
 
