@@ -72,7 +72,8 @@ def tied_stages(config: GPTConfig, bounds: list[tuple[int, int]]) -> set[int]:
     return {j for j, (lo, hi) in enumerate(bounds) if lo == 0 or hi == last}
 
 
-def resident_stages(profile: Profile, bounds: list[tuple[int, int]], step_of, exclude: set[int]) -> tuple[int, ...]:
+def resident_stages(profile: Profile, bounds: list[tuple[int, int]], step_of,
+                    exclude: set[int]) -> tuple[int, ...]:
     """The stages to keep on their GPUs with their AdamW state, updated there
     (:mod:`mobius.stages.device_optimizer`): greedily, largest first, each kept when the step
     ``step_of(resident)`` is still feasible and at least 0.1% faster with it.  A stage that trains

@@ -15,7 +15,8 @@ small stages row is made to show.
 Every emulated row of a table runs at one dilation (``--dilation``, the largest any of its rows
 needs), so the variants it compares are measured under the same conditions.
 
-Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables: prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
+Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
+prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
 ``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
 small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 

@@ -253,7 +253,7 @@ HF_CASES = [
     ("llama", _config(rope_scaling={"rope_type": "llama3"}), "rope_scaling lacks 'factor'"),
     ("llama", _config(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
      "rope scaling 'yarn' is not supported for llama (llama3, linear)"),
-    ("llama", _config(model_type="gemma3"), "model_type 'gemma3' is Gemma 3 with its vision tower, which is not read"),
+    ("llama", _config(model_type="gemma3", text_config=5), "config.json: 'text_config' must be"),
     ("llama", _config(model_type="phi3", partial_rotary_factor=0.1), "gives 0 rotated dims, not an even number in 2..8"),
     ("llama", _config(model_type="phi3", original_max_position_embeddings=16,
                       rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 4}),

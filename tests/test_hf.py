@@ -56,9 +56,17 @@ def make_dirs(root):
                                                          sliding_window=8, sliding_window_pattern=2,
                                                          query_pre_attn_scalar=24,
                                                          rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        # Gemma 3 with its vision tower: the language model is read, the tower exported unchanged.
+        "gemma3mm": T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=dict(vocab_size=300, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                             sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)),
     }
     for name, m in models.items():
-        if name in ("phi3", "gemma2", "gemma3"):  # norms that are not all ones (Gemma's: not all zeros)
+        if name in ("phi3", "gemma2", "gemma3", "gemma3mm"):  # norms not all ones (Gemma's: not all zeros)
             with torch.no_grad():
                 for param_name, p in m.named_parameters():
                     if "norm" in param_name:
@@ -78,7 +86,7 @@ def reference_logits(path, tokens):
         return model(tokens).logits
 
 
-FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -121,7 +129,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
         json.loads(open(os.path.join(hf_dirs[arch], "config.json")).read())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches

@@ -81,7 +81,7 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_single_and_pipeline_equal_peft(hf_dirs, arch):
     from test_executor import run_in_threads
 

@@ -14,6 +14,7 @@ every export (:mod:`mobius.models.hf`).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ from mobius.models.hf import (
 from mobius.models.lora import parts
 
 # Where each family's decoder sits inside its ``*ForCausalLM`` module tree (PEFT names modules by it).
-MODULE_ROOT = {"gpt2": "transformer.", "opt": "model.decoder."}  # Llama, Mistral, Qwen2: "model."
+# Gemma 3 with its vision tower: the language model is one branch of the tree.
+MODULE_ROOT = {"gpt2": "transformer.", "opt": "model.decoder.", "gemma3": "model.language_model."}  # others: "model."
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
@@ -78,6 +80,11 @@ def adapter_config(config: GPTConfig) -> dict:
     """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
     targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets.split(",")
                       for path in _module_paths(config, 1, module)})
+    if config.hf_arch == "gemma3":
+        # Its vision tower has modules of the same names: name the language model's alone (PEFT
+        # matches a string target as a regular expression over the whole module name).
+        root = re.escape(MODULE_ROOT[config.hf_arch])
+        targets = rf"{root}layers\.\d+\.({'|'.join(re.escape(t) for t in targets)})"
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config.checkpoint,
             "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout, "bias": "none",
             "target_modules": targets, "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D

@@ -54,7 +54,8 @@ class GPTConfig:
     mlp_bias: bool | None = None
     norm_bias: bool | None = None
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
-    hf_arch: str | None = None  # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text)
+    # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3)
+    hf_arch: str | None = None
     # LoRA (mobius.models.lora): rank 0 trains every weight; else only adapters on the projections
     # named in lora_targets (comma-separated) train, the base weights are frozen.
     lora_rank: int = 0

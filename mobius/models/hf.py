@@ -1,5 +1,6 @@
 """Hugging Face model directories in and out: GPT-2, OPT and the Llama family (Llama, Mistral,
-Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3).
+Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3: text-only, or the language model of the checkpoint with
+its vision tower, whose tensors an export carries unchanged).
 
 A directory (``config.json`` + ``*.safetensors`` [+ ``tokenizer.json``]) becomes a
 :class:`GPTConfig` with ``checkpoint`` set.  :func:`mobius.models.gpt.build_layer` then fills each
@@ -37,7 +38,17 @@ from mobius.models.config import GPTConfig, layer_count
 # Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
-SUPPORTED = ("gpt2", "opt", *LLAMA_FAMILY)
+SUPPORTED = ("gpt2", "opt", *LLAMA_FAMILY, "gemma3")
+# Gemma 3 with its vision tower stores only what differs from these in its text_config
+# (transformers' Gemma3TextConfig defaults: the 4B model's shape).
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                        "sliding_window": 4096, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+# Gemma 3's tensors outside the language model, carried through exports unchanged.
+PASSTHROUGH_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
 # No size in a config exceeds these: the largest models have about 10^2 layers, 10^5 widths and
 # 10^6 positions; a typo of 10^7 must be refused at once, not built layer by layer.
 MAX_LAYERS = 2**14
@@ -64,11 +75,12 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
     Every value is type- and range-checked here, so a bad config is one line naming the key."""
     c = _read_config(path)
     kind = c.get("model_type", "str")
-    if kind == "gemma3":
-        raise InputError(f"--model {path}: model_type 'gemma3' is Gemma 3 with its vision tower, which is not read; "
-                         f"its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-1b) are")
     if kind not in SUPPORTED:
         raise InputError(f"--model {path}: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    common = {"checkpoint": os.path.abspath(path) if weights else None, "hf_arch": kind}
+    if kind == "gemma3":  # the language model of Gemma 3 with its vision tower (which exports unchanged)
+        text = {**GEMMA3_TEXT_DEFAULTS, **c.get("text_config", "dict", {})}
+        c, kind = Fields(text, f"--model {path}: config.json text_config"), "gemma3_text"
 
     def size(key: str, default=REQUIRED):
         value = c.get(key, "int", default, minimum=1)
@@ -81,7 +93,6 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
     def unsupported(what: str):
         raise InputError(f"--model {path}: {what} is not supported")
 
-    common = {"checkpoint": os.path.abspath(path) if weights else None, "hf_arch": kind}
     if kind == "gpt2":
         config = GPTConfig(vocab_size=size("vocab_size"), context=size("n_positions"), n_layer=size("n_layer"),
                            hidden=size("n_embd"), heads=size("n_head"), bias=True,
@@ -132,7 +143,8 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
     local_theta = None
     if kind == "gemma3_text":  # a global base (scaled) and a local one, in either layout of config.json
         if "full_attention" in rope:
-            rope = Fields(rope.get("full_attention", "dict"), f"--model {path}: config.json rope_parameters.full_attention")
+            rope = Fields(rope.get("full_attention", "dict"),
+                          f"--model {path}: config.json rope_parameters.full_attention")
             local = Fields(c.get("rope_parameters", "dict").get("sliding_attention") or {},
                            f"--model {path}: config.json rope_parameters.sliding_attention")
             local_theta = local.get("rope_theta", "number", 10000.0, minimum=1e-9)
@@ -276,7 +288,8 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 def _detect_prefix(keys: set[str]) -> str:
-    for prefix in ("transformer.", "model.decoder.", "decoder.", "model.", ""):
+    for prefix in ("language_model.model.", "model.language_model.", "transformer.", "model.decoder.", "decoder.",
+                   "model.", ""):
         if any(k.startswith(prefix + p) for k in keys for p in ("wte.", "h.0.", "embed_tokens.", "layers.0.")):
             return prefix
     return ""
@@ -380,9 +393,11 @@ def check_weights(config: GPTConfig) -> None:
     keys = set(w.where)
     needed = {name for i in range(layer_count(config)) for piece in _layer_map(config, i, w.prefix, keys)
               for name in piece.names}
+    carried = PASSTHROUGH_PREFIXES if config.hf_arch == "gemma3" else ()  # its vision tower
     problems = [("missing", sorted(needed - keys)),
                 ("not floating point", sorted(n for n in needed & keys if not w.meta[n][0].is_floating_point)),
-                ("not used by this model", sorted(k for k in keys - needed if not k.endswith(BUFFER_SUFFIXES)))]
+                ("not used by this model", sorted(k for k in keys - needed if not k.endswith(BUFFER_SUFFIXES)
+                                                  and not (carried and k.startswith(carried))))]
     for what, names in problems:
         if names:
             raise InputError(f"--model {config.checkpoint}: {len(names)} tensors {what} ({', '.join(names[:3])}"

@@ -14,7 +14,8 @@ Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`
 OPT and Gemma, gate|up in ``fc`` for SwiGLU and GeGLU): such a projection carries one adapter per
 Hugging Face module, each on its slice of the output, exactly as PEFT puts one on each module, so
 an exported adapter loads into PEFT unchanged.  Where the checkpoint fuses them too (GPT-2's
-``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) there is one module and one adapter.  Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
+``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) there is one module and one adapter.
+Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ class Op:
 
 
 def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool,
-               prefetch: bool = True, forward_only: bool = False, resident: frozenset[int] = frozenset()) -> list[Op]:
+               prefetch: bool = True, forward_only: bool = False,
+               resident: frozenset[int] = frozenset()) -> list[Op]:
     """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order.
     Without ``prefetch`` a stage's load is issued only once the previous stage is released.
     ``forward_only`` (evaluation): the forward pass without autograd, every stage released after it.

@@ -120,7 +120,8 @@ class StageRunner:
         # write the weights the step after next reads (--optimizer-lag).
         shared = [s for s in self.resident if self.optimizer.waits_for_the_step(s) or store.lag]
         if shared:
-            raise ValueError(f"stages {shared} cannot stay resident: their update waits for the whole step or lags")
+            raise ValueError(f"stages {shared} cannot stay resident: their update waits for the whole step, "
+                             "or lags")
 
     # ---- one optimizer step --------------------------------------------------------------------
     def step(self, step: int) -> float:
