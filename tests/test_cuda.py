@@ -15,6 +15,7 @@ from mobius.launcher import launch_chunked, launch_pipeline
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CUDA_ALLOCATOR_SLACK_BYTES, CUDA_RESERVE_BYTES
+from mobius.spec import prepare_pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -73,7 +74,8 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
     every stage is loaded on a copy stream while the previous one computes, and evicted again."""
     # A fresh GPT-2 medium on 8 sequences a step spikes at 1e-4 with a stale gradient (the reference
     # too, on CPU as on the GPU: 10.69 -> 13.32 in 5 steps); 3e-5 trains.
-    cfg = config(stages=26, gpu_mem_gb=cap_gb, recompute=recompute, optimizer_lag=lag, lr=3e-5 if lag else 1e-4)
+    cfg = config(stages=26, gpu_mem_gb=cap_gb, recompute=recompute, optimizer_lag=lag, lr=3e-5 if lag else 1e-4,
+                 device_optimizer="off")
     topo = resolve_topology(cfg)
     history, weights, results = launch_pipeline(cfg, get_config(cfg.model), topo, return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
@@ -83,6 +85,16 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
         assert abs(budget - (cap_gb * 1e9 - CUDA_RESERVE_BYTES)) <= 1 and params > budget
         assert all(m.h2d_bytes > params and m.d2h_bytes >= params for m in history)
         assert 0 < results[0]["peak_bytes_max"] <= budget + CUDA_ALLOCATOR_SLACK_BYTES
+
+
+def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
+    """A cap that holds part of the model beside its AdamW state: those stages stay on the GPU and
+    are updated there (fused AdamW on CUDA tensors), the others swap; fp32 equals the reference."""
+    cfg = config(stages=26, gpu_mem_gb=4.0, recompute="on")
+    _, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    assert plan.resident
+    history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+    assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
 def test_cuda_pipeline_bf16_follows_the_bf16_reference():
