@@ -3,7 +3,8 @@
 With the GPU capped at ``--gpu-mem-gb`` (24 emulates an RTX 3090), for a model whose fp16 training
 state exceeds the cap and whose host state fits:
 
-* the Mobius pipeline (one GPU, many stages, stage prefetch);
+* the Mobius pipeline (one GPU, many stages, stage prefetch; the stages that fit stay on the GPU
+  and are updated there), and the same with every stage swapping and updated by the host's AdamW;
 * chunked_dp with offload;
 * PyTorch FSDP2 (``fully_shard`` per layer) with ``CPUOffloadPolicy``;
 * DeepSpeed ZeRO-3 with parameter and optimizer offload, when ``deepspeed`` can be imported;
@@ -94,25 +95,34 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 
 # ---- the systems --------------------------------------------------------------------------------
 
-def run_mobius(args, cuda: bool, out_dir: str) -> dict:
+def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
     from mobius.backend import resolve_topology
     from mobius.launcher import launch_pipeline
+    from mobius.spec import prepare_pipeline
 
-    trace = os.path.join(out_dir, "mobius_trace.json")
+    trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
     cfg = RunConfig(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
                     steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                     seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
-                    stages=args.stages, progress=False)
+                    stages=args.stages, progress=False, device_optimizer=device_optimizer)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
+    _, plan = prepare_pipeline(cfg, topo)  # what the launch below runs (the plan is cached)
     history = launch_pipeline(cfg, get_config(args.model), topo)
     events = json.load(open(trace))["traceEvents"]
     gbps, exposed = prefetch_stats(events)
     params = build_model(get_config(args.model), device="meta").num_parameters()
-    return row("mobius pipeline", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
+    name = "mobius pipeline" + (" (host AdamW only)" if device_optimizer == "off" else "")
+    return row(name, args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
                max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed,
-               busy_s_per_step=busy_s_per_step(events, len(history)))
+               busy_s_per_step=busy_s_per_step(events, len(history)), predicted_step_s=plan.predicted_step_s,
+               predicted_lane_floor_s=plan.lane_floor_s, stages=len(plan.bounds), resident=len(plan.resident))
+
+
+def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
+    """The pipeline with every stage swapping and updated by the host's AdamW (the paper's Mobius)."""
+    return run_mobius(args, cuda, out_dir, device_optimizer="off")
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
@@ -259,7 +269,8 @@ def run_plain(args, cuda: bool, out_dir: str) -> dict:
 
 
 # The 100% line first: time on a GPU is short, and the baselines that offload are slow.
-SYSTEMS = {f.__name__.removeprefix("run_"): f for f in (run_plain, run_mobius, run_chunked, run_fsdp2, run_deepspeed)}
+SYSTEMS = {f.__name__.removeprefix("run_"): f
+           for f in (run_plain, run_mobius, run_mobius_host_adam, run_chunked, run_fsdp2, run_deepspeed)}
 
 
 def main() -> None:
@@ -315,21 +326,24 @@ def main() -> None:
     device = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
     print(f"\n{datetime.date.today()} {device}, cap {args.gpu_mem_gb:g} GB, {args.model}, {args.precision}, "
           f"{args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens/step; pinned H2D {pinned:.1f} GB/s")
-    print(f"{'system':<28} {'model':<11} {'tokens/s':>9} {'TFLOPS':>7} {'% plain':>8} {'peak GB':>8} "
+    print(f"{'system':<34} {'model':<11} {'tokens/s':>9} {'TFLOPS':>7} {'% plain':>8} {'peak GB':>8} "
           f"{'prefetch GB/s':>14} {'not overlapped':>15}")
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['system']:<28} {r.get('skipped') or r.get('error')}")
+            print(f"{r['system']:<34} {r.get('skipped') or r.get('error')}")
             continue
         share = f"{r['model_tflops'] / plain['model_tflops']:.0%}" if plain else "-"
         gbps = f"{r['prefetch_h2d_gbps']:.1f} ({r['prefetch_h2d_gbps'] / pinned:.0%})" if "prefetch_h2d_gbps" in r else "-"
         exposed = f"{r['prefetch_not_overlapped']:.0%}" if "prefetch_not_overlapped" in r else "-"
-        print(f"{r['system']:<28} {r['model']:<11} {r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.3f} {share:>8} "
+        print(f"{r['system']:<34} {r['model']:<11} {r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.3f} {share:>8} "
               f"{r['peak_gpu_gb']:>8.2f} {gbps:>14} {exposed:>15}")
     for r in rows:
         if "busy_s_per_step" in r:
             lanes = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(r["busy_s_per_step"].items()))
-            print(f"{r['system']}: seconds busy per step, by lane (mean of the run's steps): {lanes}")
+            floors = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(r["predicted_lane_floor_s"].items()))
+            print(f"{r['system']}: {r['resident']} of {r['stages']} stages resident; step {r['step_s']:.3f} s measured, "
+                  f"{r['predicted_step_s']:.3f} s predicted; seconds busy per step, by lane (mean of the run's "
+                  f"steps): {lanes}; predicted floors: {floors}")
     with open(args.json, "w") as f:
         json.dump({"date": str(datetime.date.today()), "device": device, "pinned_h2d_gbps": pinned,
                    "args": vars(args), "rows": rows}, f, indent=1)
