@@ -51,7 +51,8 @@ def test_shared_data_is_mapped_once_and_gives_the_same_batches(tmp_path):
     packed = pack(examples, 48, packing=True, seed=1)
     assert packed.tokens.dtype == np.uint16 and packed.targets.dtype == np.int16  # IGNORE is -100
     assert packed.positions.dtype == np.uint8 and packed.segments.dtype == np.int8
-    for train, held in ((windows, None), (ExampleBatches(packed, 2, 3, 5, True, "ex"), EvalBatches(packed, 2, 3, True, "ev"))):
+    examples = (ExampleBatches(packed, 2, 3, 5, True, "ex"), EvalBatches(packed, 2, 3, True, "ev"))
+    for train, held in ((windows, None), examples):
         (tmp_path / type(train).__name__).mkdir()
         got_train, got_held = open_shared(share(train, held, tmp_path / type(train).__name__))
         arrays = [got_train.corpus] if held is None else [getattr(got_train.packed, a) for a in packed.ARRAYS]
