@@ -2,6 +2,7 @@
 schedule, the numbers (the reference's, to the bit in fp32) and checkpoints in and out."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,8 +88,7 @@ def test_the_planner_keeps_on_the_device_what_fits_and_helps():
     config = get_config("gpt2")
     profile = analytic_profile("gpt2", config, 1, 64, 40.0, "fp32")
     bounds = [(0, 1), (1, 7), (7, 13), (13, 14)]
-    chosen = resident_stages(profile, bounds, lambda r: type("E", (), {"feasible": True, "step_s": 1.0 - len(r)})(),
-                             {0, 3})
+    chosen = resident_stages(profile, bounds, lambda r: SimpleNamespace(feasible=True, step_s=1.0 - len(r)), {0, 3})
     assert chosen == (1, 2)
     costs, kept = stage_costs(profile, bounds), stage_costs(profile, bounds, resident=(1, 2))
     before, after = (step_bounds(c, 4, 2, True, 10e9, 1e9, 4) for c in (costs, kept))

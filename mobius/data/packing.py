@@ -125,15 +125,17 @@ class ExampleBatches:
 
     def _micro_batches(self, idx: np.ndarray, loss_tokens: int) -> list[Batch]:
         """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding)."""
-        rows_of = lambda a: torch.from_numpy(a[rows].astype(np.int64))  # noqa: E731 (a copy, never the mapping)
-        b, out = self.micro_batch_size, []
+        def take(array: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array[rows].astype(np.int64))  # a copy, never the mapping
+
+        p, b, out = self.packed, self.micro_batch_size, []
         for a in range(0, idx.size, b):
             rows, blank = np.maximum(idx[a:a + b], 0), torch.from_numpy(idx[a:a + b] < 0)[:, None]
-            layout = TokenLayout(targets=rows_of(self.packed.targets).masked_fill(blank, IGNORE),
+            layout = TokenLayout(targets=take(p.targets, rows).masked_fill(blank, IGNORE),
                                  loss_tokens=max(1, loss_tokens))
             if self.packing:
-                layout.positions, layout.segments = rows_of(self.packed.positions), rows_of(self.packed.segments)
-            out.append(Batch(rows_of(self.packed.tokens), layout))
+                layout.positions, layout.segments = take(p.positions, rows), take(p.segments, rows)
+            out.append(Batch(take(p.tokens, rows), layout))
         return out
 
     def epochs(self, steps: int) -> float:

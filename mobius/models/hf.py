@@ -90,9 +90,6 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
                              f"(at most {most:,})")
         return value
 
-    def unsupported(what: str):
-        raise InputError(f"--model {path}: {what} is not supported")
-
     if kind == "gpt2":
         config = GPTConfig(vocab_size=size("vocab_size"), context=size("n_positions"), n_layer=size("n_layer"),
                            hidden=size("n_embd"), heads=size("n_head"), bias=True,
@@ -102,11 +99,11 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
     elif kind == "opt":
         hidden = size("hidden_size")
         if not c.get("do_layer_norm_before", "bool", True):
-            unsupported("post-LayerNorm OPT (opt-350m)")
+            _unsupported(path, "post-LayerNorm OPT (opt-350m)")
         if c.get("word_embed_proj_dim", "int", hidden) != hidden:
-            unsupported("OPT with project_in/out (word_embed_proj_dim)")
+            _unsupported(path, "OPT with project_in/out (word_embed_proj_dim)")
         if c.get("activation_function", "str", "relu") != "relu":
-            unsupported(f"OPT activation {c.get('activation_function', 'str')!r}")
+            _unsupported(path, f"OPT activation {c.get('activation_function', 'str')!r}")
         config = GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"),
                            n_layer=size("num_hidden_layers"), hidden=hidden, heads=size("num_attention_heads"),
                            bias=c.get("enable_bias", "bool", True), tie_embeddings=c.get("tie_word_embeddings", "bool", True),
@@ -119,11 +116,12 @@ def load_hf_config(path: str, weights: bool = True) -> GPTConfig:
     return config
 
 
+def _unsupported(path: str, what: str):
+    raise InputError(f"--model {path}: {what} is not supported")
+
+
 def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTConfig:
     """Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text) from their config.json."""
-    def unsupported(what: str):
-        raise InputError(f"--model {path}: {what} is not supported")
-
     heads, hidden, n_layer = size("num_attention_heads"), size("hidden_size"), size("num_hidden_layers")
     head_size = size("head_dim", None)
     if head_size is None and hidden % heads:
@@ -133,8 +131,9 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
     gemma = kind in GEMMA
     act = (c.get("hidden_activation", "str", None) if gemma else None) or c.get("hidden_act", "str", "silu")
     if act not in (("gelu_pytorch_tanh", "gelu_new") if gemma else ("silu",)):
-        unsupported(f"hidden_act {act!r} for {kind}")
-    rope = Fields(c.get("rope_parameters", "dict", {}), f"--model {path}: config.json rope_parameters")
+        _unsupported(path, f"hidden_act {act!r} for {kind}")
+    rope_parameters = c.get("rope_parameters", "dict", {})
+    rope = Fields(rope_parameters, f"--model {path}: config.json rope_parameters")
     partial = c.get("partial_rotary_factor", "number", rope.get("partial_rotary_factor", "number", 1.0), minimum=1e-9)
     rotary_dims = int(head_dim * partial)
     if rotary_dims % 2 or not 0 < rotary_dims <= head_dim:
@@ -145,7 +144,7 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
         if "full_attention" in rope:
             rope = Fields(rope.get("full_attention", "dict"),
                           f"--model {path}: config.json rope_parameters.full_attention")
-            local = Fields(c.get("rope_parameters", "dict").get("sliding_attention") or {},
+            local = Fields(rope_parameters.get("sliding_attention") or {},
                            f"--model {path}: config.json rope_parameters.sliding_attention")
             local_theta = local.get("rope_theta", "number", 10000.0, minimum=1e-9)
         else:
@@ -157,7 +156,7 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
         scaling = rope.obj
     window, sliding = _sliding_layers(c, path, kind, n_layer)
     if c.get("use_bidirectional_attention", "bool", False):
-        unsupported("bidirectional attention (use_bidirectional_attention)")
+        _unsupported(path, "bidirectional attention (use_bidirectional_attention)")
     attn_bias = c.get("attention_bias", "bool", False)
     query_scalar = c.get("query_pre_attn_scalar", "number", None, minimum=1e-9) if gemma else None
     return GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"), n_layer=n_layer,
@@ -184,8 +183,7 @@ def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int 
     six in Gemma 3)."""
     if kind in ("qwen2", "qwen3"):
         if c.get("use_sliding_window", "bool", False):
-            raise InputError(f"--model {path}: sliding-window attention (use_sliding_window) is not supported "
-                             f"for {kind}")
+            _unsupported(path, f"sliding-window attention (use_sliding_window) for {kind}")
         return None, ()
     if kind not in ("mistral", "phi3", *GEMMA):
         return None, ()
