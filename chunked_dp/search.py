@@ -33,6 +33,10 @@ def allowed_memory(capacity: float, buffer: float, activation: float, f_alloc: f
     return f_alloc * (capacity - buffer - f_frag * activation)
 
 
+class DoesNotFit(ValueError):
+    """Not even the smallest rCache fits in the memory allowed."""
+
+
 @dataclass
 class SearchResult:
     chunk_size: int  # elements
@@ -41,6 +45,17 @@ class SearchResult:
     device_chunks: int  # chunks kept (with their optimizer update) on the device
     moved_bytes: float  # bytes gathered through the rCache per step at the chosen size
     allowed_bytes: float
+    block_benefit: float = 0.0  # I(n): seconds saved per byte by one more rCache block (Eq. 1)
+    chunk_benefit: float = 0.0  # J(n): seconds saved per byte by one more device-resident chunk (Eq. 2)
+    candidates: int = 0  # chunk sizes tried
+
+    def reasons(self) -> str:
+        """Why this configuration, in one clause each."""
+        favoured = "resident chunks" if self.chunk_benefit >= self.block_benefit else "rCache blocks"
+        return (f"chunk size moves the fewest bytes through the rCache of {self.candidates} sizes tried "
+                f"({self.moved_bytes / 1e9:.2f} GB a pass); memory allowed {self.allowed_bytes / 1e9:.2f} GB, "
+                f"spent first on {favoured} (Elixir's benefit per unit of memory: block I={self.block_benefit:.3g}, "
+                f"resident chunk J={self.chunk_benefit:.3g})")
 
     @property
     def device_fraction(self) -> float:
@@ -104,7 +119,7 @@ def search(trace: Trace, topo, activation_bytes: float = 0.0, buffer_bytes: floa
     n_block = min(min_blocks(layer_chunks), len(chunks))
     left = allowed - n_block * size * L_C
     if left < 0:
-        raise ValueError(f"the rCache needs {n_block * size * L_C / 1e9:.1f} GB, more than the "
+        raise DoesNotFit(f"the rCache needs {n_block * size * L_C / 1e9:.1f} GB, more than the "
                          f"{allowed / 1e9:.1f} GB allowed on each GPU")
     # Aggregate host<->device bandwidth: each root complex gives at most its host bandwidth.
     agg = sum(min(topo.rc(rc).host_bandwidth_gbps, sum(topo.gpus[g].link_bandwidth_gbps for g in members))
@@ -126,4 +141,5 @@ def search(trace: Trace, topo, activation_bytes: float = 0.0, buffer_bytes: floa
             left -= chunk_cost
         else:
             break
-    return SearchResult(size, len(chunks), n_block, device, moved, allowed)
+    return SearchResult(size, len(chunks), n_block, device, moved, allowed, i_n, j_n,
+                        len(candidate_sizes(trace)))

@@ -293,7 +293,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.emulate and cfg.topology == "cpu":
         raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs to emulate")
     if cfg.emulate and cfg.backend == "single":
-        raise InputError("--emulate is built for --backend pipeline, not single")
+        raise InputError("--emulate is built for --backend pipeline and chunked, not single")
     if cfg.dilation is not None and not cfg.emulate:
         raise InputError("--dilation F needs --emulate")
     if cfg.dilation is not None and not (math.isfinite(cfg.dilation) and cfg.dilation >= 1):

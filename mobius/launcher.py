@@ -22,6 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from chunked_dp import worker as chunked_worker
+from chunked_dp.prepare import prepare_chunked
+from chunked_dp.setup import ChunkedSetup
 from mobius.config import RunConfig
 from mobius.data.shared import share
 from mobius.errors import shown
@@ -32,7 +34,7 @@ from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
 from mobius.runtime.emulation import EmulationSpec, create_counters
 from mobius.runtime.spec import RunSpec
-from mobius.spec import prepare_chunked, prepare_pipeline
+from mobius.spec import prepare_pipeline
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology
@@ -131,16 +133,27 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
     (``inputs`` and ``data`` as for :func:`launch_pipeline`)."""
     spec = prepare_chunked(cfg, topo)
-    setup = spec.chunked
+    setup = ChunkedSetup.from_dict(spec.chunked)
     n_params = build_model(model_config, device="meta").num_parameters()
-    on_device = setup["n_chunks"] if not setup["offload"] else min(setup["device_chunks"], setup["n_chunks"])
-    header = (f"mobius: backend chunked on {topo.n} {_devices(spec)} ({topo.name}), "
-              f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup['chunk_size']} elements, "
-              f"rCache {setup['n_block']} blocks, {on_device} of {setup['n_chunks']} chunks on the device, "
-              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {spec.precision}")
+    step_s = setup.predicted["step"]
+    emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(step_s, cfg.steps)}" if spec.emulation else "")
+    lanes = ", ".join(f"{lane} {seconds_text(s)}" for lane, s in setup.predicted.items() if lane != "step")
+    header = (f"mobius: backend chunked on {topo.n} {_devices(spec)}{emulating} ({topo.name}), "
+              f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup.chunk_size} elements, "
+              f"rCache {setup.n_block} blocks, {setup.chunks_on_device} of {setup.n_chunks} chunks on the device, "
+              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step "
+              f"({setup.group} per pass), {spec.precision}"
+              # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
+              + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
+              + f"\n  why: {setup.reasons}")
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
                "inputs": inputs}
-    results = run_workers(topo.n, chunked_worker.worker_main, payload, data)
+    with scratch_dir("mobius-links-") as links:
+        if spec.emulation:
+            counters = str(Path(links) / "counters")
+            create_counters(counters, topo.n)
+            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
+        results = run_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import os
 
-from chunked_dp.chunks import chunks_of_layers, pack, trace_first_use
-from chunked_dp.search import search
 from mobius import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.errors import InputError
@@ -106,7 +104,7 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
     return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
 
 
-def _check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
+def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """The checkpoint to resume, before any worker starts (the data: :func:`mobius.train.run`)."""
     if cfg.resume:
         ck.open_for_resume(cfg, model_config)
@@ -117,7 +115,7 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
     model_config = check_model_input(cfg)
     cuda = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
-    _check_run_inputs(cfg, model_config)
+    check_run_inputs(cfg, model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan).to_dict() if cfg.emulate else None
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict(), emulation=emulation), plan
@@ -147,15 +145,25 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
                       plan.precision, "measure")
     cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
-    crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
     gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
-    model_factor = EMULATION_MARGIN * crowding * sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
+    model_ratio = sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
     work = [0.0] * topo.n  # each worker's CPU work of one step
     passes = 3 if plan.recompute else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
     for c, st in zip(cpu_stages, plan.stages):
         work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
             + 2 * cpu.host.stage_switch_s
-    step_floor = EMULATION_MARGIN * crowding * max(work) / plan.predicted_step_s
+    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s)
+
+
+def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cpu_s: float,
+                   predicted_step_s: float) -> EmulationSpec:
+    """The emulated links of ``topo`` and the dilation (see :func:`emulation_for`), for a backend
+    whose layers take ``model_ratio`` times as long on this machine's CPU as on the emulated GPUs,
+    whose busiest worker's CPU work of a step is ``worker_cpu_s``, and whose step is predicted at
+    ``predicted_step_s`` of emulated time."""
+    crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
+    model_factor = EMULATION_MARGIN * crowding * model_ratio
+    step_floor = EMULATION_MARGIN * crowding * worker_cpu_s / predicted_step_s
     if cfg.dilation is not None:
         if cfg.dilation < step_floor:
             raise InputError(f"--dilation {cfg.dilation:g} is below what this machine needs for the run "
@@ -165,12 +173,12 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     else:
         factor = _round_up(max(model_factor, step_floor))
         how = "chosen for the model" if model_factor >= step_floor else "raised for the busiest worker"
-        wall = factor * plan.predicted_step_s * cfg.steps
+        wall = factor * predicted_step_s * cfg.steps
         if wall > MAX_EMULATED_WALL_S:
             raise InputError(f"--emulate: {cfg.steps} steps at 1/{factor:g} speed would take about {wall / 3600:.1f} h "
-                             f"of wall time ({_round_up(factor * plan.predicted_step_s):g} s a step: this machine's "
-                             f"CPU is {model_factor / EMULATION_MARGIN / crowding:.3g}x slower than the emulated "
-                             "GPUs on this model); run fewer --steps, a larger model or batch, or fix --dilation F")
+                             f"of wall time ({_round_up(factor * predicted_step_s):g} s a step: this machine's "
+                             f"CPU is {model_ratio:.3g}x slower than the emulated GPUs on this model); run fewer "
+                             "--steps, a larger model or batch, or fix --dilation F")
     return EmulationSpec(topology=topo.name, factor=factor,
                          link_bps=tuple(g.link_bandwidth_gbps * 1e9 for g in topo.gpus),
                          root_complex=tuple(g.root_complex for g in topo.gpus),
@@ -182,35 +190,3 @@ def _round_up(x: float) -> float:
     """The next of 1, 2, 5, 10, 20, 50, ... at or above ``x``."""
     decade = 10 ** math.floor(math.log10(max(x, 1.0)))
     return next(m * decade for m in (1, 2, 5, 10) if m * decade >= x)
-
-
-def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
-    """The spec of a chunked data-parallel run: chunk size, rCache blocks and device-resident chunks
-    searched for this model and topology (Elixir), unless given."""
-    model_config = check_model_input(cfg)
-    if cfg.export:
-        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
-    if cfg.lora_rank:
-        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
-    if cfg.optimizer_lag:
-        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
-    if cfg.emulate:
-        raise InputError("--emulate is built for --backend pipeline, not chunked")
-    if cfg.precision == "fp16":
-        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
-    if cfg.micro_batches % topo.n:
-        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
-    cuda = resolve_devices(topo)
-    precision = resolve_precision(cfg, cuda)
-    _check_run_inputs(cfg, model_config)
-    use = trace_first_use(model_config)
-    found = search(use, topo)
-    setup = {"chunk_size": cfg.chunk_size or found.chunk_size, "n_block": cfg.rcache_blocks or found.n_block,
-             "offload": cfg.offload != "off", "device_chunks": 0 if cfg.offload == "on" else found.device_chunks}
-    packed = pack(use, setup["chunk_size"], topo.n)
-    need = max(len(cs) for cs in chunks_of_layers(packed, use))
-    if setup["n_block"] < need:
-        raise InputError(f"--rcache-blocks {setup['n_block']}: a layer of {cfg.model} spans {need} chunks of "
-                         f"{packed[0].size} elements; the rCache needs at least {need} blocks")
-    setup["n_chunks"] = len(packed)
-    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup)

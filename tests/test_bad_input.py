@@ -86,7 +86,6 @@ TRAIN_OPTIONS = [
      "--mapping applies to --backend pipeline, and this run uses --backend chunked"),
     (["--lora-rank", "100000"], "--lora-rank 100000 exceeds the 64 of tiny's smallest 'qkv' projection"),
     (["--emulate", "--topology", "topo2+2", "--backend", "single"], "--emulate is built for --backend pipeline"),
-    (["--emulate", "--topology", "dgx-a100", "--backend", "chunked"], "--emulate is built for --backend pipeline"),
     (["--mapping", "diagonal"], "invalid choice: 'diagonal'"),
     (["--dilation", "10"], "--dilation F needs --emulate"),
     (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--dilation", "0.5"], "--dilation must be a finite number of at least 1"),

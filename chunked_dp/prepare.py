@@ -1,0 +1,125 @@
+"""A chunked data-parallel run, decided before any worker starts: the refusals, Elixir's search
+(:mod:`chunked_dp.search`), the micro-batches per pass, the step's prediction by lane and, under
+``--emulate``, the emulated GPUs' timing.  The launcher prints the result with its reasons."""
+
+from __future__ import annotations
+
+from chunked_dp.cache import count_replacements
+from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
+from chunked_dp.search import DoesNotFit, search
+from chunked_dp.setup import ChunkedSetup, Timing
+from mobius.config import RunConfig
+from mobius.errors import InputError
+from mobius.partition.profile import Profile
+from mobius.planner import get_profile
+from mobius.precision import DTYPES
+from mobius.runtime.inputs import check_model_input
+from mobius.runtime.spec import RunSpec
+from mobius.spec import budgets_of, check_run_inputs, emulation_spec, resolve_devices, resolve_precision
+from topology import Topology, cpu_topology
+
+# What one pass's activations (every layer's input of its micro-batches, their gradients and one
+# layer's autograd graph) may take of a GPU's memory; the rest goes to the rCache and resident chunks.
+ACTIVATION_SHARE = 0.25
+
+
+def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
+    """The spec of a chunked run: chunk size, rCache blocks and device-resident chunks searched for
+    this model and topology (Elixir), unless given; the micro-batches per pass; the prediction."""
+    model_config = check_model_input(cfg)
+    if cfg.export:
+        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.lora_rank:
+        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
+    if cfg.optimizer_lag:
+        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
+    if cfg.precision == "fp16":
+        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
+    if cfg.micro_batches % topo.n:
+        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
+    cuda = resolve_devices(topo, cfg.emulate)
+    precision = resolve_precision(cfg, cuda)
+    check_run_inputs(cfg, model_config)
+    # The GPUs' costs from FLOPs and bytes: the prediction, the passes and the emulated timing use them.
+    gpu = get_profile(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.seq_len, precision, "analytic")
+    per_worker = cfg.micro_batches // topo.n
+    capacity = min(g.memory_gb for g in topo.gpus) * 1e9
+    group = micro_batches_per_pass(gpu, per_worker, ACTIVATION_SHARE * capacity)
+    use = trace_first_use(model_config)
+    try:
+        found = search(use, topo, activation_bytes=pass_activation_bytes(gpu, group),
+                       cpu_adam_params_per_s=gpu.host.adam_params_per_s)
+    except DoesNotFit as err:
+        raise InputError(f"--backend chunked: {err}; give more --gpu-mem-gb or a smaller --chunk-size") from None
+    chunk_size = cfg.chunk_size or found.chunk_size
+    packed = pack(use, chunk_size, topo.n)
+    layer_chunks = chunks_of_layers(packed, use)
+    need = max(len(cs) for cs in layer_chunks)
+    n_block = cfg.rcache_blocks or found.n_block
+    if n_block < need:
+        raise InputError(f"--rcache-blocks {n_block}: a layer of {cfg.model} spans {need} chunks of "
+                         f"{packed[0].size} elements; the rCache needs at least {need} blocks")
+    offload = cfg.offload != "off"
+    setup = ChunkedSetup(chunk_size=chunk_size, n_chunks=len(packed), n_block=n_block, offload=offload,
+                         device_chunks=0 if cfg.offload == "on" else found.device_chunks, group=group,
+                         reasons=found.reasons())
+    predicted = predict(setup, gpu, topo, per_worker, layer_chunks, packed[0].size // topo.n,
+                        DTYPES[precision].itemsize)
+    timing, emulation = None, None
+    if cfg.emulate:
+        timing = Timing(tuple((layer.fwd_s, layer.bwd_s) for layer in gpu.layers), gpu.host.adam_params_per_s,
+                        gpu.host.device_adam_params_per_s)
+        cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
+                          precision, "measure")
+        ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
+        emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"]).to_dict()
+    setup = ChunkedSetup(**{**setup.__dict__, "predicted": predicted, "timing": timing})
+    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup.to_dict(), emulation=emulation)
+
+
+def _pass_s(profile: Profile) -> float:
+    """One micro-batch through every layer: forward, then backward with the layer recomputed."""
+    return sum(2 * layer.fwd_s + layer.bwd_s for layer in profile.layers)
+
+
+def pass_activation_bytes(profile: Profile, group: int) -> float:
+    """Device memory of one pass's activations: every layer's input for ``group`` micro-batches,
+    their gradients in backward, and the largest layer's autograd graph for one of them."""
+    inputs = sum(layer.out_bytes for layer in profile.layers)
+    largest = max(layer.out_bytes for layer in profile.layers)
+    return group * (inputs + largest) + max(layer.bwd_work_bytes for layer in profile.layers)
+
+
+def micro_batches_per_pass(profile: Profile, per_worker: int, allowed: float) -> int:
+    """The most micro-batches (a divisor of a worker's ``per_worker``) whose activations fit in
+    ``allowed`` bytes: every pass gathers each chunk again, so fewer passes move fewer bytes."""
+    fitting = [g for g in range(1, per_worker + 1) if per_worker % g == 0
+               and pass_activation_bytes(profile, g) <= allowed]
+    return max(fitting, default=1)
+
+
+def predict(setup: ChunkedSetup, profile: Profile, topo: Topology, per_worker: int, layer_chunks: list[list[int]],
+            shard: int, dtype_bytes: int) -> dict[str, float]:
+    """Busy seconds of one step per lane of a worker, and the step they bound (a prediction from
+    the analytic profile; collectives between workers are taken as free, as on NVLink):
+
+    * compute: every micro-batch forward, then backward with its layer recomputed; AdamW of the
+      device-resident chunks on the device;
+    * h2d: each pass gathers the offloaded chunks it misses in the rCache (Belady over one pass's
+      accesses) over the GPU's share of its root complex;
+    * d2h: each pass sends every offloaded chunk's gradient shard home;
+    * host AdamW: the offloaded shards at the host's rate.  Updates start as chunks finish backward,
+      so the host's work overlaps backward but not forward."""
+    passes = per_worker // setup.group
+    off = setup.n_chunks - setup.chunks_on_device
+    misses, _ = count_replacements(step_access_order(layer_chunks), setup.n_block, "belady")
+    off_misses = misses * off / setup.n_chunks
+    link = min(topo.host_bandwidth_share(i, topo.n) for i in range(topo.n)) * 1e9
+    shard_bytes = shard * dtype_bytes
+    forward = per_worker * sum(layer.fwd_s for layer in profile.layers)
+    compute = per_worker * _pass_s(profile) + setup.chunks_on_device * shard / profile.host.device_adam_params_per_s
+    h2d = passes * off_misses * shard_bytes / link
+    d2h = passes * off * shard_bytes / link
+    host_adam = off * shard / profile.host.adam_params_per_s
+    return {"compute": compute, "h2d": h2d, "d2h": d2h, "host AdamW": host_adam,
+            "step": max(compute, h2d, d2h, forward + host_adam)}
