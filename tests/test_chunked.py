@@ -127,3 +127,69 @@ def test_chunked_checkpoint_resumes_exactly_on_another_backend(tmp_path):
     a = [json.loads(line)["loss"] for line in open(tmp_path / "c.jsonl")]
     b = [json.loads(line)["loss"] for line in open(tmp_path / "s.jsonl")]
     assert len(a) == 6 and all(abs(x - y) / y < 1e-5 for x, y in zip(a, b))
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone: the engine's collectives run in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_group):
+    """In-process: two passes of two micro-batches, 2 of the chunks on the device and the rest
+    offloaded through the copy streams and the optimizer thread, under the stream checker with
+    jittered streams; losses and weights equal the reference's, and each pass moves each
+    offloaded chunk's gradient home once."""
+    from chunked_dp.engine import ChunkedEngine
+    from mobius.runtime.device import CpuDevice
+
+    cfg = RunConfig(model="tiny", steps=3, micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, progress=False)
+    ref_losses, ref_weights = reference(cfg)
+    device = CpuDevice(check=True, jitter_ms=1.0)
+    engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
+                           device_chunks=2, compute_dtype=torch.float32, seed=cfg.seed, lr=cfg.lr,
+                           total_steps=cfg.steps, group=2)
+    batches = BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    try:
+        for k, r in enumerate(ref_losses):
+            m = engine.step(k, batches)
+            assert abs(m.loss - r) / r < 1e-5
+            offloaded = len(engine.chunks) - 2
+            assert m.d2h_bytes == 2 * offloaded * engine.shard * 4  # two passes, one shard each
+        for name, w in engine.state_dict().items():
+            ref = ref_weights[name].detach()
+            assert ((w - ref).norm() / ref.norm()).item() < 1e-5, name
+    finally:
+        engine.close()
+        device.close()
+
+
+def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_the_bound():
+    from chunked_dp.prepare import micro_batches_per_pass, pass_activation_bytes, predict
+    from chunked_dp.setup import ChunkedSetup
+    from mobius.partition.profile import analytic_profile
+
+    profile = analytic_profile("small", get_config("small"), 4, 128, 989.4, "bf16", 0.24, 1e9)
+    one = pass_activation_bytes(profile, 1)
+    assert pass_activation_bytes(profile, 4) > 3 * (one - max(la.bwd_work_bytes for la in profile.layers))
+    assert micro_batches_per_pass(profile, 8, pass_activation_bytes(profile, 8)) == 8
+    assert micro_batches_per_pass(profile, 8, pass_activation_bytes(profile, 3)) == 2  # a divisor of 8
+    assert micro_batches_per_pass(profile, 8, 0) == 1
+    trace = trace_first_use(get_config("small"))
+    chunks = pack(trace, 2_000_000, 1)
+    layer_chunks = chunks_of_layers(chunks, trace)
+    topo = load_preset("1xh100")
+    offloaded = ChunkedSetup(2_000_000, len(chunks), 2, True, 0, 4)
+    resident = ChunkedSetup(2_000_000, len(chunks), 2, False, 0, 4)
+    p_off = predict(offloaded, profile, topo, 8, layer_chunks, chunks[0].size, 2)
+    p_res = predict(resident, profile, topo, 8, layer_chunks, chunks[0].size, 2)
+    # offloaded: two passes send every gradient home twice; the host's AdamW takes every parameter
+    assert p_off["d2h"] == pytest.approx(2 * len(chunks) * chunks[0].size * 2 / (topo.host_bandwidth_share(0, 1) * 1e9))
+    assert p_off["host AdamW"] == pytest.approx(len(chunks) * chunks[0].size / 1e9)
+    forward = 8 * sum(la.fwd_s for la in profile.layers)  # the host's updates overlap backward only
+    assert p_off["step"] == max(p_off["compute"], p_off["h2d"], p_off["d2h"], forward + p_off["host AdamW"])
+    assert p_res["h2d"] == p_res["d2h"] == p_res["host AdamW"] == 0 and p_res["step"] == p_res["compute"]
