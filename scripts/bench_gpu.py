@@ -15,6 +15,7 @@ memory and, for Mobius, the achieved host->device GB/s during stage prefetch aga
 bandwidth measured in the same run, and the fraction of prefetch time not overlapped by compute.
 
     python scripts/bench_gpu.py [--gpu-mem-gb 24] [--model mobius-3b] [--json bench_gpu.json]
+    python scripts/bench_gpu.py --sweep          # at users' batch sizes: 4k, 32k, 128k tokens a step, seq 512, 2048
     python scripts/bench_gpu.py --smoke          # CPU, tiny models: keeps the harness working in CI
 """
 
@@ -129,17 +130,25 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from mobius.backend import resolve_topology
     from mobius.launcher import launch_chunked
 
+    from chunked_dp.prepare import prepare_chunked
+    from chunked_dp.setup import ChunkedSetup
+
+    trace = os.path.join(out_dir, "chunked_trace.json")
     cfg = RunConfig(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
                     steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                     seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
-                    progress=False)
+                    trace=trace, progress=False)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
+    setup = ChunkedSetup.from_dict(prepare_chunked(cfg, topo).chunked)  # what the launch below runs
     history = launch_chunked(cfg, get_config(args.model), topo)
+    events = json.load(open(trace))["traceEvents"]
     params = build_model(get_config(args.model), device="meta").num_parameters()
+    predicted = dict(setup.predicted)
     return row("chunked_dp offload", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
-               max(m.peak_device_bytes for m in history))
+               max(m.peak_device_bytes for m in history), busy_s_per_step=busy_s_per_step(events, len(history)),
+               predicted_step_s=predicted.pop("step"), predicted_lane_floor_s=predicted)
 
 
 @contextlib.contextmanager
@@ -285,6 +294,11 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None, help="force the pipeline's stage count")
     p.add_argument("--precision", default=None)
     p.add_argument("--json", default="bench_gpu.json")
+    p.add_argument("--sweep", action="store_true",
+                   help="every system at each --sweep-seq and --sweep-tokens (tokens per optimizer step)")
+    p.add_argument("--sweep-seq", type=int, nargs="+", default=None, help="default: 512 2048 (smoke: 32)")
+    p.add_argument("--sweep-tokens", type=int, nargs="+", default=None,
+                   help="default: 4096 32768 131072 (smoke: 128 256)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
     args = p.parse_args()
@@ -302,12 +316,34 @@ def main() -> None:
         args.steps, args.micro_batch_size, args.seq_len = args.steps or 3, args.micro_batch_size or 2, args.seq_len or 32
         args.precision, args.gpu_mem_gb = args.precision or "fp32", min(args.gpu_mem_gb, 1.0)
         args.stages = args.stages or 3
+        args.sweep_seq, args.sweep_tokens = args.sweep_seq or [32], args.sweep_tokens or [128, 256]
     else:
         args.model = args.model or "mobius-3b"
         args.steps, args.micro_batch_size, args.seq_len = args.steps or 4, args.micro_batch_size or 2, args.seq_len or 512
         args.precision = args.precision or "bf16"
+        args.sweep_seq, args.sweep_tokens = args.sweep_seq or [512, 2048], args.sweep_tokens or [4096, 32768, 131072]
     out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
     pinned = pinned_h2d_gbps(cuda)
+    if not args.sweep:
+        results = [bench(args, cuda, out_dir, wanted, pinned)]
+    else:  # tokens per optimizer step x sequence length; micro-batches of about 4,096 (smoke: 64) tokens
+        results = []
+        for seq in args.sweep_seq:
+            for tokens in args.sweep_tokens:
+                size = max(1, (64 if args.smoke else 4096) // seq)
+                if tokens % (size * seq):
+                    continue
+                one = argparse.Namespace(**{**vars(args), "seq_len": seq, "micro_batch_size": size,
+                                            "micro_batches": tokens // (size * seq)})
+                results.append(bench(one, cuda, out_dir, wanted, pinned))
+        print_sweep(results)
+    with open(args.json, "w") as f:
+        json.dump({"date": str(datetime.date.today()), "device": results[0]["device"], "pinned_h2d_gbps": pinned,
+                   "args": vars(args), "runs": results}, f, indent=1)
+
+
+def bench(args, cuda: bool, out_dir: str, wanted: list[str], pinned: float) -> dict:
+    """Every wanted system on one configuration; prints its table as it finishes."""
     rows = []
     for system in (SYSTEMS[name] for name in wanted):
         try:
@@ -324,8 +360,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     plain = next((r for r in rows if r.get("system", "").startswith("plain") and "step_s" in r), None)
     device = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
+    tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     print(f"\n{datetime.date.today()} {device}, cap {args.gpu_mem_gb:g} GB, {args.model}, {args.precision}, "
-          f"{args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens/step; pinned H2D {pinned:.1f} GB/s")
+          f"{args.micro_batches}x{args.micro_batch_size}x{args.seq_len} = {tokens} tokens/step; "
+          f"pinned H2D {pinned:.1f} GB/s")
     print(f"{'system':<34} {'model':<11} {'tokens/s':>9} {'TFLOPS':>7} {'% plain':>8} {'peak GB':>8} "
           f"{'prefetch GB/s':>14} {'not overlapped':>15}")
     for r in rows:
@@ -339,14 +377,40 @@ def main() -> None:
               f"{r['peak_gpu_gb']:>8.2f} {gbps:>14} {exposed:>15}")
     for r in rows:
         if "busy_s_per_step" in r:
-            lanes = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(r["busy_s_per_step"].items()))
-            floors = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(r["predicted_lane_floor_s"].items()))
-            print(f"{r['system']}: {r['resident']} of {r['stages']} stages resident; step {r['step_s']:.3f} s measured, "
-                  f"{r['predicted_step_s']:.3f} s predicted; seconds busy per step, by lane (mean of the run's "
-                  f"steps): {lanes}; predicted floors: {floors}")
-    with open(args.json, "w") as f:
-        json.dump({"date": str(datetime.date.today()), "device": device, "pinned_h2d_gbps": pinned,
-                   "args": vars(args), "rows": rows}, f, indent=1)
+            print(f"{r['system']}: {lanes_text(r)}")
+    return {"device": device, "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
+            "micro_batches": args.micro_batches, "tokens_per_step": tokens, "rows": rows}
+
+
+def lanes_text(r: dict) -> str:
+    """A system's step measured beside predicted, and each lane's busy seconds beside its floor."""
+    floors = r["predicted_lane_floor_s"]
+    lanes = ", ".join(f"{lane} {s:.3f}" + (f" (pred {floors[lane]:.3f})" if lane in floors else "")
+                      for lane, s in sorted(r["busy_s_per_step"].items()))
+    unmeasured = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(floors.items()) if lane not in r["busy_s_per_step"])
+    where = f"{r['resident']} of {r['stages']} stages resident; " if "stages" in r else ""
+    return (f"{where}step {r['step_s']:.3f} s measured, {r['predicted_step_s']:.3f} s predicted; seconds busy "
+            f"per step by lane (mean of the run's steps): {lanes}" + (f"; predicted, no lane: {unmeasured}"
+                                                                       if unmeasured else ""))
+
+
+def ratio(rows: list[dict], mine: str, other: str) -> str:
+    a = next((r for r in rows if r.get("system", "").startswith(mine) and "step_s" in r), None)
+    b = next((r for r in rows if r.get("system", "").startswith(other) and "step_s" in r), None)
+    return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" if a and b else "-"
+
+
+def print_sweep(results: list[dict]) -> None:
+    """One line per configuration: Mobius's tokens/s over each alternative's."""
+    print(f"\n{'seq':>5} {'tokens/step':>11} {'mobius tok/s':>12} {'/plain':>7} {'/deepspeed':>10} {'/fsdp2':>7} "
+          f"{'/chunked':>8}")
+    for res in results:
+        rows = res["rows"]
+        mine = next((r for r in rows if r.get("system") == "mobius pipeline" and "step_s" in r), None)
+        print(f"{res['seq_len']:>5} {res['tokens_per_step']:>11} "
+              f"{(mine['tokens_per_s'] if mine else float('nan')):>12.0f} {ratio(rows, 'mobius pipeline', 'plain'):>7} "
+              f"{ratio(rows, 'mobius pipeline', 'deepspeed'):>10} {ratio(rows, 'mobius pipeline', 'fsdp2'):>7} "
+              f"{ratio(rows, 'mobius pipeline', 'chunked'):>8}")
 
 
 if __name__ == "__main__":
