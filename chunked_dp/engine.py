@@ -101,7 +101,7 @@ class ChunkedEngine:
         # Offload: chunks beyond the first ``device_chunks`` live (master, AdamW) in host memory.
         self.on_device = [not offload or c.index < device_chunks for c in self.chunks]
         self.shard = self.chunks[0].size // world
-        self.nothing = device.empty(0, compute_dtype, name="unset parameter")  # what an evicted parameter points at
+        self.nothing = device.nothing(compute_dtype)  # what an evicted parameter points at
         self.h2d = device.new_stream("h2d-chunks", "h2d")  # offloaded shards on their way to the device
         self.grads_out = device.new_stream("d2h-gradients", "d2h")
         self.host = device.host_stream("optimizer")  # what the optimizer thread does to host buffers

@@ -268,6 +268,10 @@ class Device:
     def _allocate(self, numel: int, dtype: torch.dtype, stream: Stream) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
+    def nothing(self, dtype: torch.dtype) -> torch.Tensor:
+        """No elements, on the device: what a parameter points at while its weights are elsewhere."""
+        return torch.empty(0, dtype=dtype, device=self.torch_device)
+
     def host_stream(self, name: str) -> Stream:
         """A host thread seen as a stream: it orders itself after an event by waiting for it."""
         raise NotImplementedError

@@ -80,7 +80,7 @@ class Prefetcher:
         """Evict a stage: its device weights are dropped and their bytes returned to the budget."""
         layers = self.wait(handle)
         for p in layers.parameters():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = self.device.nothing(p.dtype)
             p.grad = None
         self.device.compute.record()  # the compute stream's reads of the weights end here
         handle.layers = handle.weights = None
@@ -116,9 +116,8 @@ class Prefetcher:
             for module in layers.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None:
-                        module._parameters[name] = nn.Parameter(
-                            torch.empty(0, dtype=self.store.compute_dtype, device=self.device.torch_device),
-                            requires_grad=p.requires_grad)
+                        module._parameters[name] = nn.Parameter(self.device.nothing(self.store.compute_dtype),
+                                                                requires_grad=p.requires_grad)
             host.device_layers = layers
         return host.device_layers
 
