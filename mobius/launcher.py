@@ -60,12 +60,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
     payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
-    with scratch_dir("mobius-links-") as links:
-        if spec.emulation:
-            counters = str(Path(links) / "counters")
-            create_counters(counters, topo.n)
-            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
-        results = run_workers(topo.n, pipeline_worker.worker_main, payload, data)
+    results = launch_workers(topo.n, pipeline_worker.worker_main, payload, spec, data)
     for (_, out, merged), (staging, _) in zip(wanted, payload["exports"]):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
@@ -76,6 +71,17 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
+
+
+def launch_workers(n: int, entry, payload: dict, spec: RunSpec, data: tuple | None) -> dict:
+    """:func:`run_workers`; under ``--emulate`` with the emulated links' shared counters, in a
+    directory of the launcher's own."""
+    with scratch_dir("mobius-links-") as links:
+        if spec.emulation:
+            counters = str(Path(links) / "counters")
+            create_counters(counters, n)
+            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
+        return run_workers(n, entry, payload, data)
 
 
 def _devices(spec: RunSpec) -> str:
@@ -148,12 +154,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               + f"\n  why: {setup.reasons}")
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
                "inputs": inputs}
-    with scratch_dir("mobius-links-") as links:
-        if spec.emulation:
-            counters = str(Path(links) / "counters")
-            create_counters(counters, topo.n)
-            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
-        results = run_workers(topo.n, chunked_worker.worker_main, payload, data)
+    results = launch_workers(topo.n, chunked_worker.worker_main, payload, spec, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history
 
