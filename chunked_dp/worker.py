@@ -89,6 +89,7 @@ def _run(payload: dict, rank: int, world: int, cuda: bool) -> dict:
 
     header = payload["header"] + (f", resuming at step {start}" if start else "")
     evaluate = (lambda done: engine.evaluate(held_out)) if held_out is not None else None
+
     def one_step(step: int):
         m = engine.step(step, batches)
         if emulation is not None:
