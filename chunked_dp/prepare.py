@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import DoesNotFit, search
@@ -73,7 +75,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
                           precision, "measure")
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
         emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"]).to_dict()
-    setup = ChunkedSetup(**{**setup.__dict__, "predicted": predicted, "timing": timing})
+    setup = replace(setup, predicted=predicted, timing=timing)
     return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup.to_dict(), emulation=emulation)
 
 
