@@ -42,7 +42,7 @@ from topology import Topology
 
 def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
                     inputs: dict[str, str] | None = None, data: tuple | None = None):
-    """``inputs``: the digests the run's checkpoints record (:func:`mobius.checkpoint.input_digests`);
+    """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
     ``data``: the run's training and held-out batches, made here and shared with the workers (None:
     each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo)

@@ -120,7 +120,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 9
+COST_MODEL_VERSION = 10
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
 PROFILE_VERSION = 4
 
@@ -186,7 +186,7 @@ def measured_on() -> dict:
     root = Path(__file__).parent
     code = hashlib.sha256()
     for f in sorted([*root.glob("models/*.py"), *root.glob("stages/*.py"), *root.glob("swap/*.py"),
-                     root / "partition" / "profile.py", root / "runtime" / "device.py"]):
+                     *root.glob("runtime/device/*.py"), root / "partition" / "profile.py"]):
         code.update(f.name.encode() + f.read_bytes())
     try:
         memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
@@ -238,7 +238,7 @@ def _least_traffic_among_fastest(found: dict, steps: dict, profile: Profile, mic
                                  recompute: bool) -> tuple[list, str]:
     """Lexicographic: the fastest step within :data:`TIE_TOLERANCE`, then the least host traffic."""
     fastest = min(steps[name] for name in found)
-    traffic = {name: host_traffic_bytes(stage_costs(profile, b, recompute), micro_batches, slots, recompute)
+    traffic = {name: host_traffic_bytes(stage_costs(profile, b, recompute), micro_batches, slots)
                for name, b in found.items()}
     near = [name for name in found if steps[name] <= fastest * (1 + TIE_TOLERANCE)]
     name = min(near, key=lambda n: (traffic[n], steps[n], n != "mip"))
@@ -342,7 +342,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
-    floor = step_bounds(stage_costs(profile, bounds, recompute, resident), micro_batches, topo.n, recompute,
+    floor = step_bounds(stage_costs(profile, bounds, recompute, resident), micro_batches, topo.n,
                         pcie_bps(topo), profile.host.adam_params_per_s, element_bytes(profile.dtype))
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,

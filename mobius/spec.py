@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 
-from mobius import checkpoint as ck
+from mobius.runtime import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig

@@ -18,7 +18,7 @@ import resource
 
 import torch
 
-from mobius import checkpoint as ck
+from mobius.runtime import checkpoint as ck
 from mobius import ownership
 from mobius.backend import resolve_backend, resolve_topology
 from mobius.config import RunConfig, parse_train_args, validate_for_backend
@@ -80,30 +80,27 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     resolve_precision(cfg, device.type == "cuda")
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
-    start = 0
-    if cfg.resume:
-        ckpt = ck.open_for_resume(cfg, model_config)
+
+    def restore(ckpt: ck.Checkpoint) -> None:
         ck.restore(ckpt, trainer.trained(), trainer.optimizer)
         if trainer.lag:
             with torch.no_grad():
                 for name, p in trainer.model.named_parameters():
                     if p.requires_grad:
                         p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
-        ck.restore_scaler(ckpt, trainer.scaler, cfg.precision)
-        ck.restore_rng(ckpt)
-        start = ckpt.step
 
     def save(done: int) -> None:
-        staging = ck.begin_save(cfg.save)
         trained = trainer.trained()
-        ck.write_tensors(staging, "weights.safetensors", trained)
-        ck.write_tensors(staging, "optimizer.safetensors", ck.optimizer_tensors(trained, trainer.optimizer))
+        files = {"weights.safetensors": trained,
+                 "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
         if trainer.lag:
-            ck.write_tensors(staging, "lagged-weights.safetensors",
-                             {ck.LAGGED + n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
-        ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
-        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
+            files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
+                                                   if p.requires_grad}
+        ck.save(cfg.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
 
+    start = 0
+    if cfg.resume:
+        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.precision)
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}"

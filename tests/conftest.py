@@ -11,6 +11,11 @@ import os  # noqa: E402
 os.environ.setdefault("MOBIUS_CHECK_STREAMS", "1")
 
 
+# A two-step run of the tiny preset, and the same on the single backend (command-line arguments).
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--no-progress"]
+SINGLE = TINY + ["--backend", "single"]
+
+
 def save_hf_model(model, directory) -> str:
     """A ``transformers`` model saved as a Hugging Face directory with a byte-level tokenizer
     (ids 0-255 are the bytes): what a user's model directory holds."""
@@ -19,3 +24,79 @@ def save_hf_model(model, directory) -> str:
     model.save_pretrained(str(directory))
     byte_tokenizer().save(str(Path(directory) / "tokenizer.json"))
     return str(directory)
+
+
+def one_line_exit_2(command, argv, capsys) -> str:
+    """``command(argv)`` refuses with one line on stderr, ``error: ...``, and exit status 2."""
+    import pytest
+
+    with pytest.raises(SystemExit) as info:
+        command(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (info.value.code, err)
+    return err[0]
+
+
+def reference(cfg, device: str = "cpu", **changes):
+    """What every backend must reproduce: the single-device reference trainer (plain PyTorch) on
+    ``cfg``'s model and data, with ``changes`` (e.g. ``precision="fp32"``): its per-step losses
+    and the final master weights of every parameter (with ``--optimizer-lag``, the updated ones)."""
+    import torch
+
+    from mobius.config import RunConfig
+    from mobius.reference import ReferenceTrainer
+    from mobius.runtime.inputs import make_batches, model_config_for
+
+    ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "backend": "single", **changes})
+    model_config = model_config_for(ref_cfg)
+    trainer = ReferenceTrainer(ref_cfg, model_config, make_batches(ref_cfg, model_config), torch.device(device))
+    losses = [trainer.step(k).loss for k in range(ref_cfg.steps)]
+    return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
+
+
+def run_in_threads(cfg):
+    """The pipeline of ``cfg`` in this process, one thread per worker linked by an in-process
+    transport, every stream under the order checker: per-step losses and final weights."""
+    import threading
+
+    from mobius.backend import resolve_topology
+    from mobius.metrics import Trace
+    from mobius.runtime.device import CpuDevice
+    from mobius.runtime.inputs import make_data, model_config_for
+    from mobius.spec import prepare_pipeline
+    from mobius.stages.transport import LocalGroup
+    from mobius.stages.worker import build_worker
+
+    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
+    group = LocalGroup(cfg.cpu_workers)
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    building = threading.Lock()  # layers are initialised through torch's global generator
+
+    def worker(rank: int) -> None:
+        try:
+            with building:
+                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False),
+                                     data)
+            try:
+                sums = [parts.runner.step(k) for k in range(cfg.steps)]
+                parts.runner.drain()  # every update in the host store (resident stages' too)
+            finally:
+                parts.close()
+            results[rank] = (sums, parts.store.state_dict())
+        except BaseException as err:  # reported by the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(cfg.cpu_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    losses = [sum(results[r][0][k] for r in results) for k in range(cfg.steps)]  # the last stage's worker has it
+    weights = {n: w for r in results for n, w in results[r][1].items()}
+    if cfg.stages is not None:
+        assert len(plan.bounds) == cfg.stages
+    return losses, weights

@@ -10,29 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SINGLE, TINY, one_line_exit_2
 
-from mobius import checkpoint as ck
+from mobius.runtime import checkpoint as ck
 from mobius import ownership
 from mobius.plan import main as plan_main
 from mobius.train import main as train_main
 from topology.__main__ import main as topology_main
 
-TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--no-progress"]
-SINGLE = TINY + ["--backend", "single"]
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (the user's world, for before/after comparisons)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_line_exit_2(command, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        command(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (info.value.code, err)
-    return err[0]
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -190,7 +181,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from test_hf import make_dirs
+    from tiny_hf_models import make_dirs
 
     return make_dirs(tmp_path_factory.mktemp("hf-bad"))
 

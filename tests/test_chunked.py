@@ -5,6 +5,8 @@ import random
 import pytest
 import torch
 
+from conftest import reference
+
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import allowed_memory, benefits, search
@@ -12,7 +14,6 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_chunked
 from mobius.models import get_config
-from mobius.reference import ReferenceTrainer
 from topology import cpu_topology, load_preset
 
 
@@ -60,13 +61,6 @@ def test_search_formulas_and_configuration():
     assert tight.device_fraction < 1.0 and tight.n_block >= 1
 
 
-def reference(cfg):
-    t = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"}), get_config(cfg.model),
-                         BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed),
-                         torch.device("cpu"))
-    return [t.step(k).loss for k in range(cfg.steps)], dict(t.model.named_parameters())
-
-
 CASES = [
     # workers, chunk size (elements), rCache blocks, offload, prefetch
     (1, 250_000, 1, "on", True),  # the whole model in one chunk, one block
@@ -82,7 +76,7 @@ def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
     cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
                     micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
                     chunk_prefetch=prefetch, progress=False)
-    ref_losses, ref_weights = reference(cfg)
+    ref_losses, ref_weights = reference(cfg, precision="fp32")
     history, weights, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(workers), return_weights=True)
     for m, r in zip(history, ref_losses, strict=True):
         assert abs(m.loss - r) / r < 1e-5
@@ -148,7 +142,7 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
     from mobius.runtime.device import CpuDevice
 
     cfg = RunConfig(model="tiny", steps=3, micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, progress=False)
-    ref_losses, ref_weights = reference(cfg)
+    ref_losses, ref_weights = reference(cfg, precision="fp32")
     device = CpuDevice(check=True, jitter_ms=1.0)
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
                            device_chunks=2, compute_dtype=torch.float32, seed=cfg.seed, lr=cfg.lr,

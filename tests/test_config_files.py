@@ -6,7 +6,7 @@ import pytest
 
 from mobius.config import parse_train_args
 from mobius.train import main as train_main
-from test_bad_input import one_line_exit_2
+from conftest import one_line_exit_2
 
 RUN = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "6",
        "--backend", "single", "--no-progress", "--lr", "3e-3"]

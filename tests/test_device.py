@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from conftest import reference
+
 from mobius.metrics import Trace
 from mobius.runtime.device import CpuDevice, Event, Stream, StreamOrderError
 
@@ -92,15 +94,19 @@ def test_device_spans_are_timed_when_the_stream_reaches_them_not_when_issued(dev
 
 # ---- the runtime under the checker ---------------------------------------------------------------------
 
-def run_one_worker(recompute: str, steps: int = 2) -> list[float]:
-    """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
+def one_worker(recompute: str, steps: int = 2):
     from mobius.config import RunConfig
+
+    return RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,
+                     micro_batch_size=2, micro_batches=3, recompute=recompute, progress=False)
+
+
+def run_one_worker(cfg) -> list[float]:
+    """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.backend import resolve_topology
     from mobius.spec import prepare_pipeline
     from mobius.stages.worker import worker_main
 
-    cfg = RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,
-                    micro_batch_size=2, micro_batches=3, recompute=recompute, progress=False)
     spec, _ = prepare_pipeline(cfg, resolve_topology(cfg))
     payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": "test"}
     return [h["loss"] for h in worker_main(payload)["history"]]
@@ -116,24 +122,14 @@ def one_worker_env(monkeypatch):
     # The worker's process-level parts stay out of the test process.
     from mobius.signals import StopRequest
 
-    monkeypatch.setattr("mobius.stages.worker.tied_to_launcher", lambda payload=None: contextlib.nullcontext())
-    monkeypatch.setattr("mobius.stages.worker.install_stop", lambda payload: StopRequest())
-
-
-def reference_losses(steps: int = 2) -> list[float]:
-    from mobius.config import RunConfig
-    from mobius.data import BatchSource, load_corpus
-    from mobius.models import get_config
-    from mobius.reference import ReferenceTrainer
-
-    cfg = RunConfig(model="tiny", steps=steps, seq_len=32, micro_batch_size=2, micro_batches=3, precision="fp32")
-    t = ReferenceTrainer(cfg, get_config("tiny"), BatchSource(load_corpus(None), 32, 2, 3, 0), torch.device("cpu"))
-    return [t.step(k).loss for k in range(steps)]
+    monkeypatch.setattr("mobius.runtime.worker.tied_to_launcher", lambda payload=None: contextlib.nullcontext())
+    monkeypatch.setattr("mobius.runtime.worker.install_stop", lambda payload: StopRequest())
 
 
 @pytest.mark.parametrize("recompute", ["on", "off"])
 def test_runtime_under_the_checker_equals_the_reference(one_worker_env, recompute):
-    assert run_one_worker(recompute) == reference_losses()
+    cfg = one_worker(recompute)
+    assert run_one_worker(cfg) == reference(cfg, precision="fp32")[0]
 
 
 @pytest.mark.parametrize("victim,caught", [
@@ -152,7 +148,7 @@ def test_checker_catches_a_wait_removed_from_the_runtime(one_worker_env, monkeyp
 
     monkeypatch.setattr(Stream, "wait", wait_except_on_victim)
     with pytest.raises(StreamOrderError, match=caught) as info:
-        run_one_worker("on")
+        run_one_worker(one_worker("on"))
     print(info.value)
 
 
@@ -160,5 +156,6 @@ def test_jittered_streams_equal_the_reference(one_worker_env, monkeypatch):
     """Random sleeps before every job of every copy stream: the order of the work may change, the
     numbers may not."""
     monkeypatch.setenv("MOBIUS_STREAM_JITTER_MS", "3")
-    assert run_one_worker("off", steps=4) == reference_losses(steps=4)
+    cfg = one_worker("off", steps=4)
+    assert run_one_worker(cfg) == reference(cfg, precision="fp32")[0]
     assert os.environ["MOBIUS_STREAM_JITTER_MS"] == "3"

@@ -7,19 +7,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mobius import checkpoint as ck
+from conftest import reference, run_in_threads
+
+from mobius.runtime import checkpoint as ck
 from mobius.backend import resolve_topology
 from mobius.config import RunConfig
 from mobius.models import get_config
 from mobius.partition.cost import stage_costs, step_bounds
 from mobius.partition.profile import analytic_profile
 from mobius.planner import resident_stages
-from mobius.reference import ReferenceTrainer
-from mobius.runtime.inputs import make_batches, model_config_for
 from mobius.spec import prepare_pipeline
 from mobius.stages.ops import OFFLOAD, RELEASE, UPDATE, worker_ops
 from mobius.train import main
-from test_executor import run_in_threads
 
 
 def tiny(**kw) -> RunConfig:
@@ -43,10 +42,9 @@ def test_resident_stages_train_as_the_reference_to_the_bit(recompute):
     _, plan = prepare_pipeline(cfg, resolve_topology(cfg))
     assert plan.resident  # the tiny model leaves room on a 2 GB worker
     losses, weights = run_in_threads(cfg)
-    ref = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "backend": "single"}), model_config_for(cfg),
-                           make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
-    assert losses == [ref.step(k).loss for k in range(cfg.steps)]
-    assert all(torch.equal(weights[n], p.detach()) for n, p in ref.model.named_parameters())
+    ref_losses, ref_weights = reference(cfg)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
     if recompute == "on":
         bf16 = [run_in_threads(tiny(recompute=recompute, precision="bf16", device_optimizer=d)) for d in ("auto", "off")]
         assert bf16[0][0] == bf16[1][0]
@@ -91,7 +89,7 @@ def test_the_planner_keeps_on_the_device_what_fits_and_helps():
     chosen = resident_stages(profile, bounds, lambda r: SimpleNamespace(feasible=True, step_s=1.0 - len(r)), {0, 3})
     assert chosen == (1, 2)
     costs, kept = stage_costs(profile, bounds), stage_costs(profile, bounds, resident=(1, 2))
-    before, after = (step_bounds(c, 4, 2, True, 10e9, 1e9, 4) for c in (costs, kept))
+    before, after = (step_bounds(c, 4, 2, 10e9, 1e9, 4) for c in (costs, kept))
     one, two = costs[1], costs[2]
     assert after["host AdamW"] == pytest.approx(before["host AdamW"] - (one.grad_bytes + two.grad_bytes) / 4 / 1e9 / 2)
     # Stage 1 is loaded for forward and again for backward, stage 2 (one of the last two) once; each offloads.

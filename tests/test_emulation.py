@@ -139,10 +139,10 @@ def test_gradient_offloads_queue_for_their_root_complex():
 def test_cost_model_terms_by_hand():
     """One GPU, two one-layer stages (4 B each, 1 B boundary activation), one micro-batch, 1 B/s,
     recompute off, no prefetch, ``o`` per micro-batch and pass, ``w`` per switch between passes.
-    Forward: S0 loads 4, computes 1 (+o); S1 loads 4 after it, then its input's copy on the compute
-    stream 1, compute 1 (+o): 11+2o.  Backward: S1 2 (+o); S0 loads 4, output gradient's copy 1,
-    compute 2 (+o): 20+4o; its gradients come home (4) and AdamW updates its one parameter:
-    24+4o+adam."""
+    Forward: S0 loads 4, computes 1 (+o); S1 (the head) loads 4 after it, then its input's copy on
+    the compute stream 1, compute 1 (+o), and at once its backward 2 (+o): 13+3o.  Backward: S0
+    loads 4, output gradient's copy 1, compute 2 (+o): 20+4o; its gradients come home (4) and
+    AdamW updates its one parameter: 24+4o+adam."""
     prof, bounds = two_blocks(), [(0, 1), (1, 2)]
 
     def step(**kw) -> float:
@@ -151,11 +151,11 @@ def test_cost_model_terms_by_hand():
     assert step() == pytest.approx(24.0)
     assert step(micro_batch_s=0.5) == pytest.approx(26.0)
     # A switch of w between a slot's passes overlaps the rest of the next stage's load (4 s): it
-    # shows once per pass that follows another on the device (S1 forward and backward, S0 backward)
-    # only where the load is shorter.  w = 0.5: only S1's backward waits (11 -> 11.5): 24.5.
-    # w = 5: S0 starts at 5, S1 at 11 (not 10), its backward at 18, S0's at 25 (not 24): 32.
-    assert step(stage_switch_s=0.5) == pytest.approx(24.5)
-    assert step(stage_switch_s=5.0) == pytest.approx(32.0)
+    # shows once per pass that follows another on the device (S1's pass, S0's backward) only where
+    # the load is shorter; the head's backward follows its forward without one.  w = 0.5: nothing
+    # waits: 24.  w = 5: S0 starts at 5, S1 at 11 (not 10), S0's backward at 20 (not 19): 27.
+    assert step(stage_switch_s=0.5) == pytest.approx(24.0)
+    assert step(stage_switch_s=5.0) == pytest.approx(27.0)
     assert step(adam_params_per_s=2.0) == pytest.approx(24.5)
     assert step(adam_params_per_s=2.0, optimizer_lag=1) == pytest.approx(24.0)  # off the critical path
     # The optimizer thread updates S1 once its gradients are home (13 + 4), then S0 (home at 24):

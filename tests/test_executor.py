@@ -5,22 +5,13 @@ overflow vote) in seconds, without starting processes."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
-from conftest import save_hf_model
+from conftest import reference, run_in_threads, save_hf_model
 
-from mobius.backend import resolve_topology
 from mobius.config import RunConfig
-from mobius.metrics import Trace
 from mobius.models import get_config
-from mobius.reference import ReferenceTrainer
-from mobius.runtime.device import CpuDevice
-from mobius.runtime.inputs import make_batches, make_data, model_config_for
-from mobius.spec import prepare_pipeline
-from mobius.stages.transport import LocalGroup
-from mobius.stages.worker import build_worker
 
 SEQ, MBS, M = 32, 2, 3
 
@@ -38,49 +29,6 @@ def tied_gpt2(tmp_path_factory) -> str:
 def config(workers: int, stages: int, steps: int, model: str = "tiny8", **kw) -> RunConfig:
     return RunConfig(model=model, topology="cpu", cpu_workers=workers, stages=stages, steps=steps, seq_len=SEQ,
                      micro_batch_size=MBS, micro_batches=M, progress=False, **kw)
-
-
-def run_in_threads(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Per-step losses and final weights of the pipeline, one thread per worker."""
-    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg))
-    data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
-    group = LocalGroup(cfg.cpu_workers)
-    results: dict[int, tuple] = {}
-    errors: list[BaseException] = []
-    building = threading.Lock()  # layers are initialised through torch's global generator
-
-    def worker(rank: int) -> None:
-        try:
-            with building:
-                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False),
-                                     data)
-            try:
-                sums = [parts.runner.step(k) for k in range(cfg.steps)]
-                parts.runner.drain()  # every update in the host store (resident stages' too)
-            finally:
-                parts.close()
-            results[rank] = (sums, parts.store.state_dict())
-        except BaseException as err:  # reported by the test thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(cfg.cpu_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    losses = [sum(results[r][0][k] for r in results) for k in range(cfg.steps)]  # the last stage's worker has it
-    weights = {n: w for r in results for n, w in results[r][1].items()}
-    assert len(plan.bounds) == cfg.stages
-    return losses, weights
-
-
-def reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    ref_cfg = RunConfig(**{**cfg.to_dict(), "backend": "single"})
-    t = ReferenceTrainer(ref_cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
-    losses = [t.step(k).loss for k in range(cfg.steps)]
-    return losses, {n: p.detach().clone() for n, p in t.master.items()}
 
 
 def assert_same(got, want) -> None:

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from mobius.data import read_examples  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import IGNORE  # noqa: E402
-from test_bad_input import SINGLE, one_line_exit_2  # noqa: E402
+from conftest import SINGLE, one_line_exit_2  # noqa: E402
 
 from mobius.train import main as train_main  # noqa: E402
 

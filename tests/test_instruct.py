@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from make_tiny_chat_model import make_tiny_chat_model  # noqa: E402
-from test_executor import run_in_threads  # noqa: E402
+from conftest import run_in_threads  # noqa: E402
 
 from mobius.config import RunConfig  # noqa: E402
 from mobius.launcher import launch_chunked, launch_pipeline  # noqa: E402

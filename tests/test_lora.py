@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mobius import checkpoint as ck  # noqa: E402
+from mobius.runtime import checkpoint as ck  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.models.adapters import adapter_tensors, layer_states  # noqa: E402
@@ -28,7 +28,7 @@ STEPS, M, MBS, SEQ, RANK = 4, 2, 2, 16, 4
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    from test_hf import make_dirs  # the tiny GPT-2, OPT and Llama directories
+    from tiny_hf_models import make_dirs
 
     return make_dirs(tmp_path_factory.mktemp("lora-hf"))
 
@@ -83,7 +83,7 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_single_and_pipeline_equal_peft(hf_dirs, arch):
-    from test_executor import run_in_threads
+    from conftest import run_in_threads
 
     path = hf_dirs[arch]
     cfg = lora_cfg(path)
@@ -147,7 +147,7 @@ def test_a_resume_notices_changed_base_weights_and_data(hf_dirs, tmp_path, capsy
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from test_bad_input import one_line_exit_2
+    from conftest import one_line_exit_2
 
     model, data, saved = tmp_path / "model", tmp_path / "data.txt", tmp_path / "ck"
     shutil.copytree(hf_dirs["gpt2"], model)

@@ -13,12 +13,15 @@ def positions(ops, kind, stage, backward):
 @pytest.mark.parametrize("n_stages,workers", [(4, 2), (8, 4), (3, 1), (6, 2)])
 def test_mobius_schedule_rules(n_stages, workers, recompute):
     M = 3
+    head = n_stages - 1
     for w in range(workers):
         mine = [s for s in range(n_stages) if s % workers == w]  # the mapping's slot order
         ops = worker_ops(n_stages, mine, M, recompute)
         # Every micro-batch of a stage runs while the stage is resident: between its wait and its end.
         for backward in (False, True):
             for s in mine:
+                if s == head:
+                    continue
                 wait, = positions(ops, WAIT, s, backward)
                 end, = positions(ops, END, s, backward)
                 computes = positions(ops, COMPUTE, s, backward)
@@ -26,14 +29,26 @@ def test_mobius_schedule_rules(n_stages, workers, recompute):
                 assert all(wait < i < end for i in computes)
                 # no other stage computes in between
                 assert all(ops[i].stage == s for i in range(wait, end) if ops[i].kind == COMPUTE)
+        if head in mine:
+            # The head is one pass: each micro-batch's forward, its backward, its input gradient
+            # sent, before the next micro-batch; never recomputed.
+            assert positions(ops, WAIT, head, False) == [] and positions(ops, END, head, False) == []
+            wait, = positions(ops, WAIT, head, True)
+            end, = positions(ops, END, head, True)
+            inner = [(op.kind, op.mb, op.backward) for op in ops[wait + 1:end] if op.kind != LOAD]
+            per_mb = [[(RECV, m, False)] * (head > 0) + [(COMPUTE, m, False), (COMPUTE, m, True)]
+                      + [(SEND, m, True)] * (head > 0) for m in range(M)]
+            assert inner == [x for mb in per_mb for x in mb]
+            assert ops[wait + 1].kind == LOAD or len(mine) == 1
         # The next stage is requested right after the current one is resident (prefetch overlaps).
-        order = mine + mine[::-1]
+        order = [s for s in mine if s != head] + mine[::-1]
         loads = [op for op in ops if op.kind == LOAD]
         assert [op.stage for op in loads] == [mine[0]] + mine[1:] + mine[::-1][1:]
+        forward_passes = len(order) - len(mine)
         for k, s in enumerate(order[:-1]):
-            if k == len(mine) - 1:
+            if k == forward_passes - 1 and head not in mine:
                 continue  # the last stage of forward stays resident for backward: no load
-            backward = k >= len(mine)
+            backward = k >= forward_passes
             wait, = positions(ops, WAIT, s, backward)
             assert ops[wait + 1].kind == LOAD and ops[wait + 1].stage == order[k + 1]
         # The worker's last forward stage is not released before backward; every other stage is.
@@ -59,7 +74,7 @@ def test_mobius_schedule_rules(n_stages, workers, recompute):
                 i = next(i for i, op in enumerate(ops) if op.kind == COMPUTE and op.backward and op.stage == s
                          and op.mb == m)
                 re = [j for j, op in enumerate(ops) if op.kind == RECOMPUTE and op.stage == s and op.mb == m]
-                assert (len(re) == 1 and re[0] < i) if recompute else re == []
+                assert (len(re) == 1 and re[0] < i) if recompute and s != head else re == []
 
 
 def test_load_priorities_follow_execution_order():

@@ -213,9 +213,13 @@ def test_host_traffic_and_the_first_principles_floor_by_hand():
 
     a, s, g = 100, 1000, 4000  # boundary activation, stage bytes, gradient bytes (fp32: 1000 params)
     stages = [StageCost(0, 1, s, 1.0, 2.0, a, 0, 0, 0, g), StageCost(1, 2, s, 1.0, 2.0, 0, a, 0, 0, g)]
-    assert host_traffic_bytes(stages, 3, 1, recompute=False) == 3 * s + 3 * (2 * a + 2 * a) + 2 * g
-    assert host_traffic_bytes(stages, 3, 1, recompute=True) == 3 * s + 3 * (5 * a) + 2 * g
-    floor = step_bounds(stages, 3, 1, False, pcie_bps=100.0, adam_params_per_s=500.0, element_bytes=4)
+    assert host_traffic_bytes(stages, 3, 1) == 3 * s + 3 * (2 * a + 2 * a) + 2 * g
+    # Recomputing, the first stage's input (the tokens: none) goes up again; the head never recomputes.
+    recomputed = [replace(stages[0], recomputed=True), stages[1]]
+    assert host_traffic_bytes(recomputed, 3, 1) == host_traffic_bytes(stages, 3, 1)
+    three = [stages[0], replace(stages[1], out_bytes=a, recomputed=True), replace(stages[1], start=2, end=3)]
+    assert host_traffic_bytes(three, 3, 1) == 5 * s + 3 * (4 * a + 4 * a + a) + 3 * g
+    floor = step_bounds(stages, 3, 1, pcie_bps=100.0, adam_params_per_s=500.0, element_bytes=4)
     assert floor == {"compute": 3 * (3.0 + 3.0), "PCIe": (3 * s + 12 * a + 2 * g) / 100.0, "host AdamW": 2000 / 500.0}
 
 

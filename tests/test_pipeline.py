@@ -11,23 +11,14 @@ import time
 import pytest
 import torch
 
+from conftest import reference
+
 from mobius.backend import resolve_topology
 from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_pipeline
 from mobius.models import get_config
-from mobius.reference import ReferenceTrainer
 
 STEPS = 5
-
-
-def reference(cfg: RunConfig):
-    model_config = get_config(cfg.model)
-    batches = BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
-    ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"})
-    trainer = ReferenceTrainer(ref_cfg, model_config, batches, torch.device("cpu"))
-    losses = [trainer.step(k).loss for k in range(cfg.steps)]
-    return losses, dict(trainer.model.named_parameters())
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,7 +41,7 @@ def test_pipeline_equals_reference(case, recompute):
     cfg = RunConfig(model=model, topology=topology, cpu_workers=workers, stages=stages, steps=STEPS,
                     micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, recompute=recompute,
                     progress=False, backend="pipeline", device_optimizer="off")
-    ref_losses, ref_weights = reference(cfg)
+    ref_losses, ref_weights = reference(cfg, precision="fp32")
     topo = resolve_topology(cfg)
     history, weights, results = launch_pipeline(cfg, get_config(model), topo, return_weights=True)
     assert len(results) == workers
@@ -73,7 +64,7 @@ def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch)
     monkeypatch.setenv("MOBIUS_STREAM_JITTER_MS", "2")
     cfg = RunConfig(model="tiny8", topology="topo2+2", cpu_workers=4, stages=10, steps=8, micro_batch_size=2,
                     micro_batches=3, seq_len=32, lr=3e-3, recompute="off", progress=False, backend="pipeline")
-    ref_losses, ref_weights = reference(cfg)
+    ref_losses, ref_weights = reference(cfg, precision="fp32")
     history, weights, _ = launch_pipeline(cfg, get_config("tiny8"), resolve_topology(cfg), return_weights=True)
     for a, b in zip([m.loss for m in history], ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5
@@ -87,7 +78,7 @@ def test_budget_below_all_stages_still_trains_within_budget():
     cfg = RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=6, steps=3, micro_batch_size=1,
                     micro_batches=2, seq_len=16, gpu_mem_gb=budget_gb, recompute="on", progress=False,
                     backend="pipeline")
-    ref_losses, ref_weights = reference(cfg)
+    ref_losses, ref_weights = reference(cfg, precision="fp32")
     total_param_bytes = sum(w.numel() * 4 for w in ref_weights.values())
     assert total_param_bytes > budget_gb * 1e9
     history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)

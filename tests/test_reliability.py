@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mobius import checkpoint as ck
+from mobius.runtime import checkpoint as ck
 from mobius import ownership
 from mobius.train import main
 

@@ -29,11 +29,11 @@ def test_hand_computed_mobius_schedule_2_gpus_4_stages_2_micro_batches():
     assert t["F1.0"] == (2, 3) and t["F1.1"] == (3, 4)
     assert t["F load S2 (prefetch)"] == (1, 2)
     assert t["F2.0"] == (3, 4) and t["F2.1"] == (4, 5)
-    assert t["F3.0"] == (4, 5) and t["F3.1"] == (5, 6)
-    # Backward: S3 and S2 are still resident; S1 and S0 were prefetched during S3/S2's backward.
-    assert t["B3.0"] == (6, 8) and t["B3.1"] == (8, 10)
-    assert t["B2.0"] == (8, 10) and t["B2.1"] == (10, 12)
-    assert t["B load S1 (prefetch)"] == (6, 7) and t["B load S0 (prefetch)"] == (5, 6)
+    # The head (S3) runs each micro-batch's backward right after its forward.
+    assert t["F3.0"] == (4, 5) and t["B3.0"] == (5, 7) and t["F3.1"] == (7, 8) and t["B3.1"] == (8, 10)
+    # Backward: S2 is still resident; S1 and S0 were prefetched during S3/S2's passes.
+    assert t["B2.0"] == (7, 9) and t["B2.1"] == (10, 12)
+    assert t["B load S1 (prefetch)"] == (8, 9) and t["B load S0 (prefetch)"] == (5, 6)
     assert t["B1.0"] == (10, 12) and t["B1.1"] == (12, 14)
     assert t["B0.0"] == (12, 14) and t["B0.1"] == (14, 16)
     assert t["grads S0 to host"] == (16, 17)

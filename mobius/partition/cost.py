@@ -18,7 +18,9 @@ mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its p
   resident;
 * order (8): micro-batch ``m`` of stage ``j`` starts after stage ``j-1`` finished it, its
   activation reached host memory (``a/B_src``; no peer-to-peer) and the other worker got it
-  (``h``, the hand-off latency); (10) one micro-batch at a time; (11) backward after forward.
+  (``h``, the hand-off latency); (10) one micro-batch at a time; (11) a stage's backward after
+  the slot's forward pass; the last stage (the head) runs each micro-batch's backward right
+  after its forward, before the next micro-batch's forward, and never recomputes.
 
 What the runtime showed, calibrated: a stage's input (and in backward its output
 gradient, and with recomputation its input again) is copied to the device *on the compute
@@ -150,6 +152,7 @@ class StageCost:
     grad_bytes: int  # the trained parameters' gradients (under LoRA, the adapters')
     held_bytes: int = 0  # held once per pass whatever M (the head's weight-gradient sum), in mem_bwd
     resident: bool = False  # kept on the device with its optimizer state, updated there (never swapped)
+    recomputed: bool = False  # its backward redoes its forward (bwd_s includes it)
 
     @property
     def kept_bytes(self) -> int:
@@ -192,7 +195,7 @@ class StepEstimate:
     copies: list[tuple[int, str, float, float, str]] = field(default_factory=list)
 
 
-def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[StageCost]:
+def on_device(st: list[StageCost], machine: Machine) -> list[StageCost]:
     """The stages' per-micro-batch times as the device is occupied: compute plus the copies the
     runtime issues on the compute stream (input; output gradient; input again to recompute) and
     the fixed per-micro-batch cost of each pass (backward with recomputation: two)."""
@@ -201,9 +204,9 @@ def on_device(st: list[StageCost], machine: Machine, recompute: bool) -> list[St
     for j, c in enumerate(st):
         bw, bw_b = machine.upload_bps(j % n), machine.upload_backward_bps(j % n)
         up_f = c.in_bytes / bw
-        up_b = (c.out_bytes + (c.in_bytes if recompute else 0)) / bw_b
+        up_b = (c.out_bytes + (c.in_bytes if c.recomputed else 0)) / bw_b
         out.append(replace(c, fwd_s=c.fwd_s + up_f + machine.micro_batch_s,
-                           bwd_s=c.bwd_s + up_b + machine.micro_batch_s * (2 if recompute else 1)))
+                           bwd_s=c.bwd_s + up_b + machine.micro_batch_s * (2 if c.recomputed else 1)))
     return out
 
 
@@ -213,9 +216,13 @@ def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
 
 def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True,
                 resident: tuple[int, ...] = ()) -> list[StageCost]:
-    """The stages of ``bounds``; those in ``resident`` stay on their device, updated there."""
+    """The stages of ``bounds``; those in ``resident`` stay on their device, updated there.  With
+    ``recompute`` every stage but the last recomputes its forward in backward: the last (the head
+    and its loss) runs each micro-batch's backward right after its forward
+    (:mod:`mobius.stages.ops`), so it has nothing to recompute."""
     out = []
     for j, (lo, hi) in enumerate(bounds):
+        recomputed = recompute and j < len(bounds) - 1
         ls = profile.layers[lo:hi]
         s = sum(l.param_bytes for l in ls)
         g = sum(l.trained_bytes for l in ls)
@@ -223,10 +230,10 @@ def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool
         a_in = profile.layers[lo - 1].out_bytes if lo > 0 else 0
         a_out = ls[-1].out_bytes
         fwd = sum(l.fwd_s for l in ls)
-        bwd = sum(l.bwd_s for l in ls) + (fwd if recompute else 0.0)
+        bwd = sum(l.bwd_s for l in ls) + (fwd if recomputed else 0.0)
         mem_f = s + max(l.fwd_work_bytes for l in ls) + 2 * a_in
         mem_b = s + g + held + sum(l.bwd_work_bytes for l in ls) + 2 * a_in + 2 * a_out
-        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g, held, j in resident))
+        out.append(StageCost(lo, hi, s, fwd, bwd, a_out, a_in, mem_f, mem_b, g, held, j in resident, recomputed))
     return out
 
 
@@ -252,25 +259,25 @@ def activations_overflow(stages: list[StageCost], memory: list[float], micro_bat
     return None
 
 
-def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool) -> float:
+def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int) -> float:
     """Bytes a step moves between host and devices: each stage loaded for forward and again for
     backward (each slot's last stage stays), every boundary activation and its gradient down and
     up again (with recomputation the stage inputs go up once more), the gradients down."""
     k = len(stages)
     loads = sum(c.loaded_bytes for c in stages) + sum(c.loaded_bytes for c in stages[:max(0, k - slots)])
     activations = sum(2 * c.out_bytes for c in stages[:-1]) + sum(2 * c.in_bytes for c in stages[1:])
-    again = sum(c.in_bytes for c in stages[1:]) if recompute else 0
+    again = sum(c.in_bytes for c in stages[1:] if c.recomputed)
     return loads + micro_batches * (activations + again) + sum(c.offloaded_bytes for c in stages)
 
 
-def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, recompute: bool, pcie_bps: float,
+def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, pcie_bps: float,
                 adam_params_per_s: float, element_bytes: int) -> dict[str, float]:
     """First principles: no step is shorter than any of its lanes' total work with every device
     of that lane busy: compute (spread over the GPUs), host<->device bytes (over the host's PCIe
     bandwidth), host AdamW (every worker's optimizer thread at once).  Seconds per lane."""
     compute = micro_batches * sum(c.fwd_s + c.bwd_s for c in stages) / slots
     params = sum(c.offloaded_bytes for c in stages) / element_bytes  # the resident stages update on their device
-    return {"compute": compute, "PCIe": host_traffic_bytes(stages, micro_batches, slots, recompute) / pcie_bps,
+    return {"compute": compute, "PCIe": host_traffic_bytes(stages, micro_batches, slots) / pcie_bps,
             "host AdamW": params / (adam_params_per_s * slots)}
 
 
@@ -298,7 +305,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     n, m_count = machine.n, micro_batches
     elt = element_bytes(profile.dtype)
     compute_only = stage_costs(profile, bounds, recompute, resident)
-    st = on_device(compute_only, machine, recompute)
+    st = on_device(compute_only, machine)
     s_count = len(st)
     bw = [machine.bandwidth[j % n] for j in range(s_count)]
     held = resident_by_slot(st, n, elt)
@@ -329,6 +336,8 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     copies: list[tuple[int, str, float, float, str]] = []
 
     tf = [[0.0] * m_count for _ in range(s_count)]
+    tb = [[0.0] * m_count for _ in range(s_count)]
+    last = s_count - 1
     pf = [0.0] * s_count
     first = [float(c.loaded_bytes) for c in st[:n]]
     for j, c in enumerate(st):
@@ -349,19 +358,19 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             ready = max(ready, released + switch)
         for m in range(m_count):
             t = ready
-            if m:
-                t = max(t, tf[j][m - 1] + c.fwd_s)
+            if m:  # the last stage runs each micro-batch's backward right after its forward
+                t = max(t, tb[j][m - 1] + c.bwd_s if j == last else tf[j][m - 1] + c.fwd_s)
             if j:
                 t = max(t, tf[j - 1][m] + st[j - 1].fwd_s + xfer(j - 1, j, st[j - 1].out_bytes))
             tf[j][m] = t
-    end_f = tf[-1][-1] + st[-1].fwd_s
+            if j == last:
+                tb[j][m] = t + c.fwd_s
 
-    tb = [[0.0] * m_count for _ in range(s_count)]
     pb = [0.0] * s_count
-    for j in range(s_count - 1, -1, -1):
+    for j in range(s_count - 2, -1, -1):
         c = st[j]
-        if j >= s_count - n:  # still resident from the forward pass
-            ready = max(end_f, tf[j][-1] + c.fwd_s + switch)
+        if j >= s_count - n:  # still resident from its forward pass
+            ready = tf[j][-1] + c.fwd_s + switch
         else:
             nxt = st[j + n]
             span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
@@ -395,7 +404,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
             home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % n))
     for j, c in enumerate(compute_only):
         k = j % n
-        up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if recompute else 0)
+        up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if c.recomputed else 0)
         for m in range(m_count):
             if up_f:
                 copies.append((k, "h2d", tf[j][m], tf[j][m] + up_f / machine.upload_bps(k), "upload"))
@@ -490,7 +499,7 @@ def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine,
     st = stage_costs(profile, bounds, recompute, resident)
     for j, c in enumerate(st):
         loads = c.loaded_bytes * (1 if j >= len(st) - n else 2)  # the last stages stay for backward
-        acts = micro_batches * (c.in_bytes + c.out_bytes + (c.in_bytes if recompute else 0))
+        acts = micro_batches * (c.in_bytes + c.out_bytes + (c.in_bytes if c.recomputed else 0))
         busy[j % n] += (loads + acts) / (machine.link[j % n] if machine.link else machine.bandwidth[j % n])
     return tuple(min(1.0, b / max(step_s, 1e-12)) for b in busy)
 

@@ -82,6 +82,26 @@ def _integer_start(bounds: list[tuple[int, int]], runs: list[tuple[int, int]], K
     return start
 
 
+def _serial_bound_s(profile: Profile, machine: Machine, micro_batches: int, recompute: bool) -> float:
+    """Seconds every operation of a step would take one after another, at the slowest rate of
+    each kind: longer than any schedule's path (the big-M of the constraints that hold for the
+    last stage only)."""
+    n = machine.n
+    slowest = min(min(machine.bandwidth), *(machine.link_bps(k) for k in range(n)),
+                  *(machine.rc_bps(k) for k in range(n)), *(machine.upload_bps(k) for k in range(n)),
+                  *(machine.upload_backward_bps(k) for k in range(n)),
+                  *(machine.forward_d2h_bps(k) for k in range(n)), *(machine.backward_d2h_bps(k) for k in range(n)))
+    elt = element_bytes(profile.dtype)
+    total = 0.0
+    for x in profile.layers:
+        per_micro_batch = (2 * x.fwd_s + x.bwd_s + 2 * machine.micro_batch_s + 2 * machine.handoff_s
+                           + 5 * x.out_bytes / slowest)
+        total += (micro_batches * per_micro_batch + 2 * machine.stage_switch_s
+                  + (2 * x.param_bytes + 2 * x.trained_bytes) / slowest
+                  + x.trained_bytes / elt / machine.adam_params_per_s)
+    return total
+
+
 @dataclass
 class MipResult:
     bounds: list[tuple[int, int]]
@@ -159,6 +179,18 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
     Bd = [Bk[j] + act[j] * (1.0 / Ub[j]) + (act_in(j) * (1.0 / Ub[j]) if recompute else 0)
           + o * (2 if recompute else 1) * u[j]
           for j in range(K)]
+    # The last used stage (the head) runs each micro-batch's backward right after its forward
+    # (cost.evaluate): last[j] = u[j] - u[j+1].  Its constraints hold where last[j] = 1 and are
+    # lifted by ``big`` (longer than any schedule) elsewhere.
+    last = [u[j] - (u[j + 1] if j + 1 < K else 0) for j in range(K)]
+    big = 2 * _serial_bound_s(profile, machine, M, recompute) + 1.0
+    if recompute:  # ... and never recomputes: its backward is spared the forward again (exact: the
+        # solver takes all of ``spared`` there, as a shorter backward only loosens the constraints)
+        spared = [V(f"spared_{j}", 0) for j in range(K)]
+        for j in range(K):
+            prob += spared[j] <= F[j] + act_in(j) * (1.0 / Ub[j]) + o * u[j]
+            prob += spared[j] <= big * last[j]
+        Bd = [Bd[j] - spared[j] for j in range(K)]
     grad = [pulp.lpSum(g[r] * cnt(r, j) for r in range(R)) for j in range(K)]  # GB
     adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
 
@@ -217,12 +249,16 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             if j:
                 prob += tf[j][m] >= (tf[j - 1][m] + Fd[j - 1] + act[j - 1] * (GB / machine.forward_d2h_bps((j - 1) % n))
                                      + handoff * u[j])
-    end_f = tf[K - 1][M - 1] + Fd[K - 1]
 
-    # ---- backward: (11) after forward, then the mirror image ----
+    # ---- backward: (11) after the slot's forward pass (the head: each micro-batch after its
+    # forward, before the next one's), then the mirror image ----
     for j in range(K - 1, -1, -1):
-        prob += tb[j][0] >= end_f
-        prob += tb[j][0] >= tf[j][M - 1] + Fd[j] + switch * u[j]  # its own forward pass before
+        if j + 1 < K:  # its own forward pass before, where the stage is used and not the last
+            prob += tb[j][0] >= tf[j][M - 1] + Fd[j] + switch - big * (1 - u[j + 1])
+        for m in range(M):
+            prob += tb[j][m] >= tf[j][m] + Fd[j] - big * (1 - last[j])
+            if m:
+                prob += tf[j][m] >= tb[j][m - 1] + Bd[j] - big * (1 - last[j])
         if j + n < K:
             prob += lb[j] >= S[j] - total_p * (1 - u[j + n])
             prob += tb[j][0] >= tb[j + n][M - 1] + Bd[j + n] + (lb[j] - pb[j]) * (1.0 / Bw[j])

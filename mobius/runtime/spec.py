@@ -145,3 +145,7 @@ class RunSpec:
 
     def the_plan(self) -> Plan:
         return Plan.from_dict(self.plan)
+
+    def predicted_step_s(self) -> float:
+        """The step the run was planned to take (on the devices it emulates, if it does)."""
+        return self.plan["predicted_step_s"] if self.plan is not None else self.chunked["predicted"]["step"]

@@ -94,7 +94,18 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         """The runtime's work between two passes of one device, after the previous one (if any)."""
         return sim.add(name, COMPUTE, gpu[j], host.stage_switch_s, (after,) if after is not None else ())
 
-    # Forward.
+    grad_in: dict[tuple[int, int], int] = {}
+
+    def backward(j: int, m: int, deps: list) -> None:
+        """Micro-batch ``m``'s backward of stage ``j``, and its input gradient to stage ``j - 1``."""
+        upload = st[j].out_bytes + (st[j].in_bytes if st[j].recomputed else 0.0)
+        B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps, passes=2 if st[j].recomputed else 1)
+        if j > 0:
+            prio = S + (S - 1 - j)
+            out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1, "activations")
+            grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, gpu[j - 1], host.handoff_s, (out,))
+
+    # Forward; the head runs each micro-batch's backward right after its forward.
     act_in: dict[tuple[int, int], int] = {}
     for j in range(S):
         if j < n:
@@ -107,13 +118,16 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             deps = [*load_f[j], begin]
             if j:
                 deps.append(act_in[(j, m)])
+            if j == S - 1 and m:  # the head: each micro-batch's backward before the next forward
+                deps.append(B[j][m - 1])
             F[j][m] = compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
+            if j == S - 1:
+                backward(j, m, [F[j][m]])
             if j + 1 < S:
                 out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1, "activations")
                 act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, gpu[j + 1], host.handoff_s, (out,))
 
     # Backward.
-    grad_in: dict[tuple[int, int], int] = {}
     for j in range(S - 1, -1, -1):
         prio = S + (S - 1 - j)
         if j + n >= S:
@@ -122,17 +136,10 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             room = mem[gpu[j]] - st[j + n].mem_bwd
             early = load_b[j + n][-1] if load_b[j + n] else F[j + n][M - 1]
             load_b[j] = load(j, room, early, B[j + n][M - 1], prio, "B")
-        begin = switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else F[j][M - 1])
-        for m in range(M):
-            deps = [*load_b[j], begin]
-            if j + 1 < S:
-                deps.append(grad_in[(j, m)])
-            upload = st[j].out_bytes + (st[j].in_bytes if recompute else 0.0)
-            B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps, passes=2 if recompute else 1)
-            if j > 0:
-                out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1,
-                              "activations")
-                grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, gpu[j - 1], host.handoff_s, (out,))
+        if j < S - 1:  # the head's ran with its forward
+            begin = switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else F[j][M - 1])
+            for m in range(M):
+                backward(j, m, [*load_b[j], begin, grad_in[(j, m)]])
         off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio, "gradients")
         sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
     r = sim.run()

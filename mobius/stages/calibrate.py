@@ -43,7 +43,7 @@ from mobius.runtime.spec import Plan, RunSpec, StagePlan
 from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
 from mobius.janitor import scratch_dir
-from mobius.workers import tied_to_launcher
+from mobius.runtime.worker import tied_to_launcher
 from topology import cpu_topology
 
 CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again

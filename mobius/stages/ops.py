@@ -9,6 +9,11 @@ The rules it encodes:
   next stage, then run *every* micro-batch while the stage is resident (receive its input, compute,
   send its output), end the stage's pass, then evict it, except the worker's last stage, which
   backward needs first;
+* the model's last stage (the head and its loss) runs forward and backward together, one
+  micro-batch after the other: each micro-batch's input gradient leaves as soon as it exists, so
+  the previous stage's worker starts its backward while the head computes the next micro-batch
+  (1F1B where nothing is gained by waiting: the loss is the only thing the head's backward needs),
+  and the head is never recomputed;
 * backward, the same in reverse order (with recomputation, each micro-batch's forward is redone
   before its output gradient is awaited); after a stage's last micro-batch its gradients leave
   for the host (and AdamW), then the stage is evicted;
@@ -61,6 +66,8 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
                           priority=transfer_priority(stages[k + 1], n_stages, "backward" if backward else "forward")))
 
     for k, s in enumerate(mine):
+        if s == last and not forward_only:
+            break  # the head's forward runs with its backward, below
         ops.append(Op(WAIT, s))
         load_next(k, mine, False, after_release=False)
         for m in range(micro_batches):
@@ -80,6 +87,14 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
         ops.append(Op(WAIT, s, backward=True))
         load_next(k, reverse, True, after_release=False)
         for m in range(micro_batches):
+            if s == last:  # forward and backward of one micro-batch, its input gradient sent at once
+                if s > 0:
+                    ops.append(Op(RECV, s, m))
+                ops.append(Op(COMPUTE, s, m))
+                ops.append(Op(COMPUTE, s, m, backward=True))
+                if s > 0:
+                    ops.append(Op(SEND, s, m, backward=True))
+                continue
             if recompute:  # before the output gradient is awaited: the recomputation overlaps its arrival
                 ops.append(Op(RECOMPUTE, s, m, backward=True))
             if s < last:

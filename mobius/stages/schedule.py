@@ -201,10 +201,12 @@ class StageRunner:
 
     def _emulated_s(self, s: int, kind: str) -> float:
         """The planned time of one micro-batch of stage ``s`` (on emulated GPUs, the least it takes):
-        the plan's backward includes the recomputed forward, which runs as an operation of its own."""
+        the plan's backward includes the recomputed forward, which runs as an operation of its own
+        (every stage's but the last's, :mod:`mobius.stages.ops`)."""
         st = self.plan.stages[s]
         if kind == "backward":
-            return (st.bwd_ms - (st.fwd_ms if self.plan.recompute else 0.0)) / 1e3
+            recomputed = self.plan.recompute and s < self.n_stages - 1
+            return (st.bwd_ms - (st.fwd_ms if recomputed else 0.0)) / 1e3
         return st.fwd_ms / 1e3
 
     def _dropout(self, m: int, st: _StepState):

@@ -1,4 +1,5 @@
-"""One pipeline worker process (one per device of the topology).
+"""The pipeline's part of a worker process (one per device of the topology); the process itself,
+its start-up, checkpoints and signals are :mod:`mobius.runtime.worker`'s.
 
 Started by :mod:`mobius.launcher` through torch's elastic launcher, or directly by ``torchrun``
 (then rank 0 makes the plan and broadcasts it).  Activations travel between workers through host
@@ -8,9 +9,6 @@ memory over gloo: the GPUs of the servers we target have no peer-to-peer path, s
 
 from __future__ import annotations
 
-import datetime
-import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,134 +16,112 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mobius import checkpoint as ck
+from mobius.runtime import checkpoint as ck
 from mobius.config import RunConfig
+from mobius.data import BatchSource, ExampleBatches
+from mobius.data.packing import EvalBatches
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.precision import DTYPES
-from mobius.runtime.device import Device, open_device
-from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
-from mobius.data import BatchSource, ExampleBatches
-from mobius.data.packing import EvalBatches
-from mobius.runtime.inputs import model_config_for, worker_data
-from mobius.runtime.loop import run_steps
+from mobius.runtime.device import Device
+from mobius.runtime.inputs import model_config_for
 from mobius.runtime.spec import RunSpec
+from mobius.runtime.worker import WorkerContext, run_worker
 from mobius.stages.schedule import StageRunner
 from mobius.stages.transport import GlooTransport, Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
-from mobius.workers import (
-    agree,
-    gather_trace,
-    install_stop,
-    share_cpu_cores,
-    tied_to_launcher,
-)
-
-COLLECTIVE_TIMEOUT_S = 60
 
 
 def worker_main(payload: dict, decide=None) -> dict:
-    """Entry point of a worker; returns rank 0's history and, if asked, this worker's weights.
-    Under torchrun the payload has no spec: rank 0 makes it with ``decide()`` and shares it."""
-    with tied_to_launcher(payload):
-        rank = int(os.environ["RANK"])
-        world = int(os.environ["WORLD_SIZE"])
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s(payload.get("spec"))))
-        try:
-            return _run(payload, rank, world, decide)
-        finally:
-            dist.destroy_process_group()
+    """Entry point of a pipeline worker process (:func:`mobius.runtime.worker.run_worker`)."""
+    return run_worker(payload, PipelineWorker, decide)
 
 
-def collective_timeout_s(spec: dict | None) -> float:
-    """How long a message may wait for its receiver before the run fails: under ``--emulate`` a
-    worker may legitimately be busy for several dilated steps' worth of wall time."""
-    if not spec or not spec.get("emulation"):
-        return COLLECTIVE_TIMEOUT_S
-    return COLLECTIVE_TIMEOUT_S + 3 * spec["emulation"]["factor"] * spec["plan"]["predicted_step_s"]
+class PipelineWorker:
+    """The pipeline's part of a worker process (:class:`~mobius.runtime.worker.WorkerBackend`):
+    this worker's stages, their step, their checkpoint shards and exports."""
 
+    def __init__(self, ctx: WorkerContext):
+        self.ctx, self.cfg, self.rank = ctx, ctx.cfg, ctx.rank
+        plan = ctx.spec.the_plan()
+        if max(plan.order) >= ctx.world:
+            raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {ctx.world} were started")
+        self.parts = build_worker(ctx.cfg, ctx.spec, GlooTransport(), ctx.device, ctx.trace, ctx.data)
+        self.store, self.scaler = self.parts.store, self.parts.scaler
+        self.evaluates = self.parts.held_out is not None
+        self.peak_bytes_max = 0  # the most device memory any worker held in a step
 
-def _run(payload: dict, rank: int, world: int, decide) -> dict:
-    cfg = RunConfig.from_dict(payload["cfg"])
-    if payload.get("spec") is None:  # started by torchrun: rank 0 decides, everyone follows
-        shared = [decide() if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        payload = {**payload, "spec": shared[0]}
-        cfg.precision = shared[0]["precision"]
-    spec = RunSpec.from_dict(payload["spec"])
-    plan = spec.the_plan()
-    if max(plan.order) >= world:
-        raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {world} were started")
-    emulation = EmulatedLinks(EmulationSpec.from_dict(spec.emulation), rank) if spec.emulation else None
-    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.budget_bytes[rank], emulation)
-    trace = Trace(enabled=bool(cfg.trace), pid=rank)
-    trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
-    # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer
-    # (one fused AdamW per worker, all at once; the profile measures it so).
-    share_cpu_cores(world)
-    data = worker_data(cfg, model_config_for(cfg), payload.get("data"))  # mapped, or made here under torchrun
-    parts = build_worker(cfg, spec, GlooTransport(), device, trace, data)
-    device.start_steps()
-    store, memory, traffic, scaler, runner = parts.store, parts.memory, parts.traffic, parts.scaler, parts.runner
-    model_config = store.config
-    def one_step(step: int) -> StepMetrics:
-        _inject_fault(rank, step)
+    def step(self, step: int) -> StepMetrics:
+        cfg, memory, traffic = self.cfg, self.parts.memory, self.parts.traffic
         traffic.reset()
         memory.reset_peak()
         t0 = time.perf_counter()
-        loss = runner.step(step)
+        loss = self.parts.runner.step(step)
         stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer], dtype=torch.float64)
-        dist.all_reduce(stats)
+        dist.all_reduce(stats)  # the loss: the last stage's worker computed it
         peak = torch.tensor([memory.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tokens = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
-        wall = time.perf_counter() - t0
-        return StepMetrics(step=step, loss=stats[0].item(),
-                           lr=lr_at(step, cfg.steps, cfg.lr), tokens=tokens, step_time_s=wall,
-                           emulated_step_s=wall / emulation.factor if emulation else None,
-                           h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]), peer_bytes=int(stats[3]),
-                           peak_device_bytes=int(peak.item()), loss_scale=scaler.scale,
-                           skipped_steps=scaler.skipped_steps)
+        self.peak_bytes_max = max(self.peak_bytes_max, int(peak.item()))
+        return StepMetrics(step=step, loss=stats[0].item(), lr=lr_at(step, cfg.steps, cfg.lr),
+                           tokens=cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len,
+                           step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
+                           peer_bytes=int(stats[3]), peak_device_bytes=int(peak.item()),
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
 
-    start = 0
-    if cfg.resume:
-        start = _restore(cfg, store, scaler, model_config)
-    stop = install_stop(payload)
-
-    def save(done: int) -> None:
-        runner.drain()
-        _save(cfg, store, scaler, model_config, done, rank, payload.get("inputs"))
-
-    held_out = parts.held_out  # None when the run does not evaluate
-
-    def evaluate(done: int) -> float:
-        local = sum(runner.evaluate(held_out.pass_batches(k), done) for k in range(held_out.passes))
+    def evaluate(self, done: int) -> float:
+        held_out = self.parts.held_out
+        local = sum(self.parts.runner.evaluate(held_out.pass_batches(k), done) for k in range(held_out.passes))
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)  # the last stage's worker computed it
         return total.item()
 
-    header = payload["header"] + (f", resuming at step {start}" if start else "")
-    try:
-        history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
-                            main=rank == 0, eval_fn=evaluate if held_out is not None else None)
-        runner.drain()  # with a lag, the last step's update; resident stages back in the host store
-        gather_trace(trace, cfg.trace, rank, world)
-    finally:
-        parts.close()
-    for staging, merged in payload.get("exports", []):
+    def drain(self) -> None:
+        self.parts.runner.drain()
+
+    def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
+        """One shard per stage of this worker: weights, AdamW state and (lagging) the weights the
+        next step computes with, by parameter name."""
+        store, files = self.store, {}
+        lagged = store.lagged_state(done) if store.lag else {}
         for s, host in store.stages.items():
-            write_export_shard(model_config, Path(staging), f"stage-{s:05d}", layer_states(dict(host.named_params())),
-                               merged)
-    result = {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None,
-              "budget_bytes": spec.budget_bytes[rank], "peak_bytes_max": max((m.peak_device_bytes for m in history), default=0)}
-    if payload.get("return_weights"):
-        result["weights"] = store.state_dict()
-    return result
+            named = _stage_state(store, s)
+            files[f"weights-stage{s:04d}.safetensors"] = named
+            files[f"optimizer-stage{s:04d}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
+            if store.lag:
+                files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
+        return files
+
+    def restore(self, ckpt: ck.Checkpoint) -> None:
+        """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
+        store = self.store
+        aliases = tied_parameter_names(store.config)
+        for s, host in store.stages.items():
+            ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
+            for b in range(len(host.compute_buffers)):
+                store.refresh_compute_copy(s, b)
+        if store.lag:  # the weights the first step computes with: one update behind the master
+            with torch.no_grad():
+                for name, buf in store.lagged_state(ckpt.step).items():
+                    buf.copy_(ck.lagged_weights(ckpt, aliases.get(name, name), store.lag))
+
+    def finish(self) -> dict:
+        """Each stage's tensors into the staging directory of every export; the weights if asked."""
+        store, payload = self.store, self.ctx.payload
+        for staging, merged in payload.get("exports", []):
+            for s, host in store.stages.items():
+                write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
+                                   layer_states(dict(host.named_params())), merged)
+        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.rank], "peak_bytes_max": self.peak_bytes_max}
+        if payload.get("return_weights"):
+            out["weights"] = store.state_dict()
+        return out
+
+    def close(self) -> None:
+        self.parts.close()
 
 
 @dataclass
@@ -187,56 +163,9 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 
-def _inject_fault(rank: int, step: int) -> None:
-    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
-    spec = os.environ.get("MOBIUS_FAULT")
-    if spec and spec == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:
     """The parameters of stage ``s`` by name, without the tied copy of the token table (the
     embedding's copy is the one stored)."""
     aliases = tied_parameter_names(store.config)
     host = store.stages[s]
     return {n: p for n, p in host.trained() if n not in aliases}
-
-
-def _save(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config, done: int, rank: int,
-          inputs: dict | None) -> None:
-    """Every worker writes its stages' shards; rank 0 checksums them and swaps the checkpoint in."""
-    staging = ck.staging_dir(cfg.save)
-    if rank == 0:
-        ck.begin_save(cfg.save)
-    dist.barrier()
-    lagged = store.lagged_state(done) if store.lag else {}
-    for s, host in store.stages.items():
-        named = _stage_state(store, s)
-        ck.write_tensors(staging, f"weights-stage{s:04d}.safetensors", named)
-        ck.write_tensors(staging, f"optimizer-stage{s:04d}.safetensors", ck.optimizer_tensors(named, host.optimizer))
-        if store.lag:
-            ck.write_tensors(staging, f"lagged-stage{s:04d}.safetensors", {ck.LAGGED + n: lagged[n] for n in named})
-    if rank == 0:
-        ck.write_tensors(staging, "rng.safetensors", ck.rng_tensors())
-    dist.barrier()
-    if rank == 0:
-        ck.finish_save(cfg.save, staging, ck.run_meta(cfg, model_config.to_dict(), done, scaler, inputs))
-    dist.barrier()
-
-
-def _restore(cfg: RunConfig, store: HostStageStore, scaler: DynamicLossScaler, model_config) -> int:
-    """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
-    ckpt = ck.load_checkpoint(cfg.resume, verify=False)  # each file checked as it is read
-    aliases = tied_parameter_names(model_config)
-    for s, host in store.stages.items():
-        ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
-        for b in range(len(host.compute_buffers)):
-            store.refresh_compute_copy(s, b)
-    if store.lag:  # the weights the first step computes with: one update behind the master
-        lagged = store.lagged_state(ckpt.step)
-        with torch.no_grad():
-            for name, buf in lagged.items():
-                buf.copy_(ck.lagged_weights(ckpt, aliases.get(name, name), store.lag))
-    ck.restore_scaler(ckpt, scaler, cfg.precision)
-    ck.restore_rng(ckpt)
-    return ckpt.step

@@ -113,6 +113,36 @@ def finish_save(directory: str | os.PathLike, staging: Path, meta: dict) -> None
         ownership.swap_into_place(staging, directory, KIND, known_digests=files)
 
 
+def save(directory: str | os.PathLike, files: dict[str, dict[str, torch.Tensor]], meta: dict, rank: int = 0,
+         barrier=lambda: None) -> None:
+    """The one way a checkpoint is written, by one process or by every worker of a run: rank 0
+    opens the staging directory, each process writes its ``files`` (file name -> tensors by name;
+    a pipeline worker its stages' shards, the chunked engine's rank 0 the gathered whole), rank 0
+    adds the RNG states, checksums everything and swaps the checkpoint in.  ``barrier`` holds the
+    processes together between those phases."""
+    staging = staging_dir(directory)
+    if rank == 0:
+        begin_save(directory)
+    barrier()
+    for name, tensors in files.items():
+        write_tensors(staging, name, tensors)
+    if rank == 0:
+        write_tensors(staging, "rng.safetensors", rng_tensors())
+    barrier()
+    if rank == 0:
+        finish_save(directory, staging, meta)
+    barrier()
+
+
+def resume(ckpt: "Checkpoint", restore_state, scaler, precision: str) -> int:
+    """The one way a run continues from ``ckpt``: the backend's tensors (``restore_state(ckpt)``),
+    the fp16 loss scaler, the RNG states; returns the number of steps done."""
+    restore_state(ckpt)
+    restore_scaler(ckpt, scaler, precision)
+    restore_rng(ckpt)
+    return ckpt.step
+
+
 def check_save_target(cfg) -> None:
     """Pre-flight for ``--save``: a new or empty directory, or the checkpoint this run resumes
     (another run's checkpoint is never replaced), and staging siblings that are ours."""

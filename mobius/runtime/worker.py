@@ -1,0 +1,213 @@
+"""One worker process, whichever backend it runs.
+
+:mod:`mobius.launcher` starts one per device through torch's elastic launcher (``torchrun`` may
+start them too).  What every worker does the same way is written here once: it dies with the
+process that started it, joins the process group with a collective timeout that an emulated step
+allows, opens its device (CUDA, or the checked CPU stand-in), shares the host's cores, maps the
+run's data, resumes from a checkpoint, stops after a step on a signal, saves checkpoints, runs
+the steps and gathers the trace.  A backend supplies what is its own (:class:`WorkerBackend`):
+its step, its evaluation, its state as checkpoint files, and its load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mobius.runtime import checkpoint as ck
+from mobius.config import RunConfig
+from mobius.data import BatchSource, ExampleBatches
+from mobius.data.packing import EvalBatches
+from mobius.metrics import StepMetrics, Trace, write_trace
+from mobius.optim import DynamicLossScaler
+from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
+from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
+from mobius.runtime.inputs import model_config_for, worker_data
+from mobius.runtime.loop import run_steps
+from mobius.runtime.spec import RunSpec
+from mobius.signals import StopRequest
+
+COLLECTIVE_TIMEOUT_S = 60
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class WorkerContext:
+    """What the runtime hands a backend to build itself on."""
+
+    cfg: RunConfig
+    spec: RunSpec
+    rank: int
+    world: int
+    device: Device
+    trace: Trace
+    data: tuple[BatchSource | ExampleBatches, EvalBatches | None]  # training batches, held-out examples
+    payload: dict
+
+
+class WorkerBackend(Protocol):
+    """A backend's part of a worker process."""
+
+    scaler: DynamicLossScaler  # the fp16 loss scale a checkpoint keeps (disabled where there is none)
+    evaluates: bool  # the run has held-out data
+
+    def step(self, step: int) -> StepMetrics:
+        """Optimizer step ``step``, its metrics as every worker agrees on them."""
+
+    def evaluate(self, done: int) -> float:
+        """The held-out loss with the weights after ``done`` steps (every worker calls it)."""
+
+    def drain(self) -> None:
+        """Every update issued so far is in the state :meth:`checkpoint_files` reads."""
+
+    def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
+        """This process's files of a checkpoint after ``done`` steps (every worker calls it)."""
+
+    def restore(self, ckpt: ck.Checkpoint) -> None:
+        """Weights and optimizer state from ``ckpt``, written by any backend."""
+
+    def finish(self) -> dict:
+        """After the last step: what this worker returns to the launcher beside its history."""
+
+    def close(self) -> None:
+        """Stop the backend's threads and release its device memory."""
+
+
+@contextlib.contextmanager
+def tied_to_launcher(payload: dict | None = None):
+    """A worker must not outlive the process that started it, however that one dies (SIGKILL
+    included): when this process is re-parented it kills itself.  The launcher is
+    ``payload["launcher_pid"]``, not whoever is our parent by the time this runs: a launcher killed
+    while we imported torch must not leave us running.  (Its temporary directories are the
+    launcher's watcher's to remove: :mod:`mobius.janitor`.)"""
+    parent = (payload or {}).get("launcher_pid") or os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
+    yield
+
+
+def install_stop(payload: dict) -> StopRequest:
+    """This worker's stop request; from now on a signal stops training after a step, so the
+    launcher is told that training has started."""
+    stop = StopRequest(payload.get("stop_file"), announce=False).install()
+    if payload.get("started_file"):
+        Path(payload["started_file"]).touch()
+    return stop
+
+
+def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
+    """Every worker stops or saves after the same step: any worker's request counts for all."""
+    flags = torch.tensor([float(want_stop), float(want_save)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
+
+
+def share_cpu_cores(world: int) -> None:
+    """The workers of one machine split its cores between them (CPU workers compute there, GPU
+    workers step their optimizer there)."""
+    torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+
+def gather_trace(trace: Trace, path: str | None, rank: int, world: int) -> None:
+    """Rank 0 writes every worker's events into one Chrome trace (pid = worker)."""
+    events = [None] * world if rank == 0 else None
+    dist.gather_object(trace.collect(), events, dst=0)
+    if rank == 0 and path:
+        write_trace(path, [e for evs in events for e in evs])
+
+
+def collective_timeout_s(spec: dict | None) -> float:
+    """How long a message may wait for its receiver before the run fails: under ``--emulate`` a
+    worker may legitimately be busy for several dilated steps' worth of wall time."""
+    if not spec or not spec.get("emulation"):
+        return COLLECTIVE_TIMEOUT_S
+    return COLLECTIVE_TIMEOUT_S + 3 * spec["emulation"]["factor"] * RunSpec.from_dict(spec).predicted_step_s()
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
+    if os.environ.get("MOBIUS_FAULT") == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_worker(payload: dict, build: Callable[[WorkerContext], WorkerBackend], decide=None) -> dict:
+    """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
+    spec: rank 0 makes it with ``decide()`` and shares it."""
+    with tied_to_launcher(payload):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        spec = payload.get("spec")
+        # On GPUs the chunked engine's collectives of device chunks go through NCCL, those of
+        # offloaded chunks (host memory) through gloo: NCCL has no CPU tensors.  The pipeline's
+        # activations cross host memory (no peer-to-peer), so gloo moves them.
+        nccl = spec is not None and spec["cuda"] and spec["backend"] == "chunked"
+        dist.init_process_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
+        try:
+            return _run(payload, rank, world, build, decide)
+        finally:
+            dist.destroy_process_group()
+
+
+def _run(payload: dict, rank: int, world: int, build, decide) -> dict:
+    cfg = RunConfig.from_dict(payload["cfg"])
+    if payload.get("spec") is None:  # started by torchrun: rank 0 decides, everyone follows
+        shared = [decide() if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        payload = {**payload, "spec": shared[0]}
+        cfg.precision = shared[0]["precision"]
+    spec = RunSpec.from_dict(payload["spec"])
+    emulation = EmulatedLinks(EmulationSpec.from_dict(spec.emulation), rank) if spec.emulation else None
+    # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
+    # the sizes its search chose.
+    budget = spec.budget_bytes[rank] if spec.backend == "pipeline" else None
+    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), budget, emulation)
+    trace = Trace(enabled=bool(cfg.trace), pid=rank)
+    trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
+    # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer.
+    share_cpu_cores(world)
+    data = worker_data(cfg, model_config_for(cfg), payload.get("data"))  # mapped, or made here under torchrun
+    backend = build(WorkerContext(cfg, spec, rank, world, device, trace, data, payload))
+    try:
+        device.start_steps()
+        start = 0
+        if cfg.resume:  # the launcher checked it; each file is checked as it is read
+            start = ck.resume(ck.load_checkpoint(cfg.resume, verify=False), backend.restore, backend.scaler,
+                              cfg.precision)
+        stop = install_stop(payload)
+
+        def one_step(step: int) -> StepMetrics:
+            inject_fault(rank, step)
+            m = backend.step(step)
+            if emulation is not None:
+                m.emulated_step_s = m.step_time_s / emulation.factor
+            return m
+
+        def save(done: int) -> None:
+            backend.drain()
+            meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.get("inputs"))
+            ck.save(cfg.save, backend.checkpoint_files(done), meta, rank, dist.barrier)
+
+        header = payload["header"] + (f", resuming at step {start}" if start else "")
+        history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
+                            main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None)
+        backend.drain()  # with a lag, the last step's update; resident stages back in the host store
+        gather_trace(trace, cfg.trace, rank, world)
+        finished = backend.finish()
+    finally:
+        backend.close()
+    return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, **finished}

@@ -1,0 +1,117 @@
+"""The pipeline runtime's units one at a time, in this process: device-memory accounting, the
+working memory of a running stage, the prefetcher (under the stream-order checker, with jittered
+streams) and the tied embedding's gradient sum between two workers (threads over the in-process
+transport)."""
+
+import dataclasses
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mobius.metrics import Trace
+from mobius.models import get_config
+from mobius.runtime.device import CpuDevice
+from mobius.stages.tied import TiedEmbedding
+from mobius.stages.transport import LocalGroup
+from mobius.stages.working_memory import WorkingMemory
+from mobius.swap.memory import DeviceBudgetError, DeviceMemory, Traffic
+from mobius.swap.prefetch import Prefetcher
+from mobius.swap.store import HostStageStore
+
+MiB = 2**20
+
+
+def test_an_allocation_past_the_budget_names_what_did_not_fit():
+    memory = DeviceMemory(10 * MiB, "worker 0")
+    memory.allocate(6 * MiB, "stage weights")
+    with pytest.raises(DeviceBudgetError, match=r"worker 0: saved activations needs 5.0 MiB but only 4.0 MiB"):
+        memory.allocate(5 * MiB, "saved activations")
+    memory.free(6 * MiB)
+    assert memory.used == 0 and memory.peak == 6 * MiB
+
+
+def test_a_prefetch_waits_for_what_the_running_stage_reserved():
+    """The plan's P_j <= G - W_{j-N} at run time: a prefetch takes only memory the running stage's
+    reservation leaves, and goes on once that stage's pass ends."""
+    memory = DeviceMemory(10 * MiB)
+    memory.set_compute_reserve(8 * MiB)  # the running stage expects to need 8 of the 10 MiB
+    memory.allocate(1 * MiB, "activations")  # ... and holds 1 of them now
+    done = threading.Event()
+    prefetch = threading.Thread(target=lambda: (memory.reserve_for_prefetch(4 * MiB), done.set()))
+    prefetch.start()
+    assert not done.wait(0.3)  # 2 MiB beside the reservation: not enough
+    memory.set_compute_reserve(0)  # the pass ended: its reservation is released
+    assert done.wait(5)
+    prefetch.join()
+    assert memory.used == 5 * MiB and memory.peak <= memory.budget
+
+
+def test_saved_activations_count_each_storage_once_and_are_freed():
+    memory = DeviceMemory(100 * MiB)
+    working = WorkingMemory(memory, plan=None)
+    x = torch.randn(256, 256, requires_grad=True)
+    with working.saved_activations() as ledger:
+        y = (x * x).sum()  # autograd saves x twice (both operands): one storage
+    assert memory.used == x.numel() * 4 and len(ledger.entries) == 1
+    y.backward()
+    working.release(ledger)
+    assert memory.used == 0 and ledger.entries == []
+
+
+def tiny_store(device, bounds=((0, 2), (2, 6)), config=None, stages=(0, 1)) -> HostStageStore:
+    return HostStageStore(config or get_config("tiny"), list(bounds), list(stages), seed=0, lr=1e-3,
+                          compute_dtype=torch.float32, device=device)
+
+
+def test_the_prefetcher_loads_stages_within_the_budget_under_the_checker():
+    """Two stages requested at once under a budget that holds only the larger: the second load
+    waits for the first stage's release; every weight arrives as the host store has it, every
+    byte is counted, and the checker (with jittered streams) sees the copies ordered."""
+    device = CpuDevice(check=True, jitter_ms=1.0)
+    store = tiny_store(device)
+    sizes = {s: st.compute.numel() * 4 + st.frozen.numel() * st.frozen.element_size() for s, st in store.stages.items()}
+    memory, traffic = DeviceMemory(max(sizes.values()), "worker 0"), Traffic()
+    prefetcher = Prefetcher(store, store.config, memory, device, traffic, Trace(enabled=False))
+    try:
+        first, second = prefetcher.request(0, priority=0), prefetcher.request(1, priority=1)
+        layers = prefetcher.wait(first)
+        for (name, host), (_, dev) in zip(store.stages[0].named_params(), layers.named_parameters()):
+            assert torch.equal(dev, host), name
+        assert not second._loaded.wait(0.3)  # no room beside stage 0
+        prefetcher.release(first)
+        layers = prefetcher.wait(second)
+        assert all(torch.equal(d, h) for (_, h), d in zip(store.stages[1].named_params(), layers.parameters()))
+        prefetcher.release(second)
+    finally:
+        prefetcher.close()
+        device.close()
+    assert traffic.h2d == sum(sizes.values()) and memory.used == 0 and memory.peak <= memory.budget
+
+
+def test_the_tied_embedding_sums_both_copies_alike_on_two_workers():
+    """Worker 0 holds the token table (stage 0), worker 1 the LM head (the last stage): after the
+    exchange both copies carry embedding + head, summed in the same order, bit for bit equal."""
+    config = dataclasses.replace(get_config("tiny"), tie_embeddings=True)
+    bounds = [(0, 3), (3, 6)]
+    plan = SimpleNamespace(bounds=bounds, micro_batches=2, gpu_of_stage=lambda s: s % 2)
+    device = CpuDevice(check=False)
+    stores = [tiny_store(device, bounds, config, stages=[r]) for r in (0, 1)]
+    names = {0: "layers.0.wte.weight", 1: f"layers.{bounds[-1][1] - 1}.lm_head.weight"}
+    torch.manual_seed(0)
+    grads = {r: torch.randn(config.vocab_size, config.hidden) for r in (0, 1)}
+    params = {r: dict(stores[r].stages[r].trained())[names[r]] for r in (0, 1)}
+    for r in (0, 1):
+        params[r].grad = grads[r].clone()
+    group = LocalGroup(2)
+    traffic = {r: Traffic() for r in (0, 1)}
+    threads = [threading.Thread(target=TiedEmbedding(stores[r], plan, group.endpoint(r), traffic[r]).sum_gradients)
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    want = grads[0] + grads[1]
+    assert torch.equal(params[0].grad, want) and torch.equal(params[1].grad, want)
+    assert traffic[0].peer == traffic[1].peer == want.numel() * 4
