@@ -43,12 +43,12 @@ from torch import nn
 
 from chunked_dp.cache import RCachePolicy
 from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
-from chunked_dp.setup import Timing
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer, build_model
 from mobius.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 from mobius.runtime.device import Device, Event
+from mobius.runtime.spec import Timing
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -9,7 +9,7 @@ from dataclasses import replace
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import DoesNotFit, search
-from chunked_dp.setup import ChunkedSetup, Timing
+from mobius.runtime.spec import ChunkedSetup, Timing
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.partition.profile import Profile
@@ -17,7 +17,7 @@ from mobius.planner import get_profile
 from mobius.precision import DTYPES
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.spec import RunSpec
-from mobius.spec import budgets_of, check_run_inputs, emulation_spec, resolve_devices, resolve_precision
+from mobius.prepare import budgets_of, check_run_inputs, emulation_spec, resolve_devices, resolve_precision
 from topology import Topology, cpu_topology
 
 # What one pass's activations (every layer's input of its micro-batches, their gradients and one
@@ -74,9 +74,9 @@ def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
         cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
                           precision, "measure")
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
-        emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"]).to_dict()
+        emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"])
     setup = replace(setup, predicted=predicted, timing=timing)
-    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup.to_dict(), emulation=emulation)
+    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup, emulation=emulation)
 
 
 def _pass_s(profile: Profile) -> float:

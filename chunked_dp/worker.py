@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from chunked_dp.engine import ChunkedEngine
-from chunked_dp.setup import ChunkedSetup
 from mobius.runtime import checkpoint as ck
 from mobius.metrics import StepMetrics
 from mobius.optim import DynamicLossScaler
@@ -26,7 +25,7 @@ class ChunkedWorker:
     def __init__(self, ctx: WorkerContext):
         cfg, spec = ctx.cfg, ctx.spec
         self.ctx = ctx
-        setup = ChunkedSetup.from_dict(spec.chunked)
+        setup = spec.chunked
         self.engine = ChunkedEngine(model_config_for(cfg), ctx.rank, ctx.world, ctx.device, setup.chunk_size,
                                     setup.n_block, setup.offload, setup.device_chunks, DTYPES[spec.precision],
                                     cfg.seed, cfg.lr, cfg.steps, ctx.trace, prefetch=cfg.chunk_prefetch,

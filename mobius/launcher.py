@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-
+from dataclasses import replace
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -23,7 +23,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from chunked_dp import worker as chunked_worker
 from chunked_dp.prepare import prepare_chunked
-from chunked_dp.setup import ChunkedSetup
 from mobius.config import RunConfig
 from mobius.data.shared import share
 from mobius.errors import shown
@@ -32,9 +31,9 @@ from mobius.metrics import StepMetrics, seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
-from mobius.runtime.emulation import EmulationSpec, create_counters
+from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
-from mobius.spec import prepare_pipeline
+from mobius.prepare import prepare_pipeline
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology
@@ -47,8 +46,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo)
     n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(plan.predicted_step_s, cfg.steps)}"
-                 if spec.emulation else "")
+    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.steps)}" if spec.emulation else ""
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
               + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
@@ -80,7 +78,7 @@ def launch_workers(n: int, entry, payload: dict, spec: RunSpec, data: tuple | No
         if spec.emulation:
             counters = str(Path(links) / "counters")
             create_counters(counters, n)
-            payload["spec"] = {**payload["spec"], "emulation": {**spec.emulation, "counters": counters}}
+            payload["spec"] = replace(spec, emulation=replace(spec.emulation, counters=counters)).to_dict()
         return run_workers(n, entry, payload, data)
 
 
@@ -139,10 +137,10 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
     (``inputs`` and ``data`` as for :func:`launch_pipeline`)."""
     spec = prepare_chunked(cfg, topo)
-    setup = ChunkedSetup.from_dict(spec.chunked)
+    setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
     step_s = setup.predicted["step"]
-    emulating = (f", {EmulationSpec.from_dict(spec.emulation).header(step_s, cfg.steps)}" if spec.emulation else "")
+    emulating = f", {spec.emulation.header(step_s, cfg.steps)}" if spec.emulation else ""
     lanes = ", ".join(f"{lane} {seconds_text(s)}" for lane, s in setup.predicted.items() if lane != "step")
     header = (f"mobius: backend chunked on {topo.n} {_devices(spec)}{emulating} ({topo.name}), "
               f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup.chunk_size} elements, "

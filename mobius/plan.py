@@ -19,7 +19,7 @@ from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
 from mobius.runtime.inputs import check_seq_len, model_config_for
-from mobius.spec import plan_on
+from mobius.prepare import plan_on
 
 
 def build_parser() -> OneLineParser:

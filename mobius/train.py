@@ -33,7 +33,7 @@ from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_data
 from mobius.runtime.loop import run_steps
-from mobius.spec import prepare_pipeline, resolve_precision
+from mobius.prepare import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
 from mobius.stages.worker import worker_main
 

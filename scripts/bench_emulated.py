@@ -42,7 +42,7 @@ from mobius.models import get_config
 from mobius.partition.cost import settle
 from mobius.planner import MAPPINGS, get_profile
 from mobius.sim.schedules import simulate_mobius
-from mobius.spec import prepare_pipeline
+from mobius.prepare import prepare_pipeline
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
 PAIR = "--topology topo2+2 --model small --gpu-mem-gb 0.05"
@@ -101,7 +101,7 @@ def predict(options: str, steps: int) -> dict:
                     plan.recompute, plan.prefetch, layers_only, cfg.optimizer_lag)
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
             "predicted_without_runtime_costs_s": est.step_s,
-            "factor": spec.emulation["factor"] if spec.emulation else 1}
+            "factor": spec.emulation.factor if spec.emulation else 1}
 
 
 def measure(options: str, steps: int, metrics: Path) -> list[float]:

@@ -99,7 +99,7 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
     from mobius.backend import resolve_topology
     from mobius.launcher import launch_pipeline
-    from mobius.spec import prepare_pipeline
+    from mobius.prepare import prepare_pipeline
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
     cfg = RunConfig(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -131,7 +131,6 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from mobius.launcher import launch_chunked
 
     from chunked_dp.prepare import prepare_chunked
-    from chunked_dp.setup import ChunkedSetup
 
     trace = os.path.join(out_dir, "chunked_trace.json")
     cfg = RunConfig(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -141,7 +140,7 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    setup = ChunkedSetup.from_dict(prepare_chunked(cfg, topo).chunked)  # what the launch below runs
+    setup = prepare_chunked(cfg, topo).chunked  # what the launch below runs
     history = launch_chunked(cfg, get_config(args.model), topo)
     events = json.load(open(trace))["traceEvents"]
     params = build_model(get_config(args.model), device="meta").num_parameters()

@@ -22,7 +22,7 @@ from mobius.backend import resolve_topology  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import get_config  # noqa: E402
-from mobius.spec import plan_on  # noqa: E402
+from mobius.prepare import plan_on  # noqa: E402
 
 CONFIGS = {
     "Llama-3.1-8B": {

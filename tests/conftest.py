@@ -63,7 +63,7 @@ def run_in_threads(cfg):
     from mobius.metrics import Trace
     from mobius.runtime.device import CpuDevice
     from mobius.runtime.inputs import make_data, model_config_for
-    from mobius.spec import prepare_pipeline
+    from mobius.prepare import prepare_pipeline
     from mobius.stages.transport import LocalGroup
     from mobius.stages.worker import build_worker
 

@@ -164,7 +164,7 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
 
 def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_the_bound():
     from chunked_dp.prepare import micro_batches_per_pass, pass_activation_bytes, predict
-    from chunked_dp.setup import ChunkedSetup
+    from mobius.runtime.spec import ChunkedSetup
     from mobius.partition.profile import analytic_profile
 
     profile = analytic_profile("small", get_config("small"), 4, 128, 989.4, "bf16", 0.24, 1e9)

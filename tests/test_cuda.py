@@ -15,7 +15,7 @@ from mobius.launcher import launch_chunked, launch_pipeline
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CUDA_ALLOCATOR_SLACK_BYTES, CUDA_RESERVE_BYTES
-from mobius.spec import prepare_pipeline
+from mobius.prepare import prepare_pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

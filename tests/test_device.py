@@ -104,7 +104,7 @@ def one_worker(recompute: str, steps: int = 2):
 def run_one_worker(cfg) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.backend import resolve_topology
-    from mobius.spec import prepare_pipeline
+    from mobius.prepare import prepare_pipeline
     from mobius.stages.worker import worker_main
 
     spec, _ = prepare_pipeline(cfg, resolve_topology(cfg))

@@ -16,7 +16,7 @@ from mobius.models import get_config
 from mobius.partition.cost import stage_costs, step_bounds
 from mobius.partition.profile import analytic_profile
 from mobius.planner import resident_stages
-from mobius.spec import prepare_pipeline
+from mobius.prepare import prepare_pipeline
 from mobius.stages.ops import OFFLOAD, RELEASE, UPDATE, worker_ops
 from mobius.train import main
 

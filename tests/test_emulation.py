@@ -207,7 +207,7 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     from mobius.backend import resolve_topology
     from mobius.config import parse_train_args
     from mobius.errors import InputError
-    from mobius.spec import prepare_pipeline
+    from mobius.prepare import prepare_pipeline
 
     common = ["--model", "tiny8", "--topology", "topo2+2", "--emulate", "--steps", "4", "--micro-batches", "6"]
 
@@ -218,11 +218,11 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     factors = {}
     for variant in (["--mapping", "cross"], ["--mapping", "sequential"], ["--no-prefetch"]):
         spec, _ = spec_of(variant)
-        factors[" ".join(variant)] = spec.emulation["factor"]
+        factors[" ".join(variant)] = spec.emulation.factor
     assert len(set(factors.values())) == 1, factors
     (factor,) = set(factors.values())
     spec, _ = spec_of(["--dilation", str(factor * 10)])
-    assert spec.emulation["factor"] == factor * 10 and spec.emulation["how"] == "given"
+    assert spec.emulation.factor == factor * 10 and spec.emulation.how == "given"
     with pytest.raises(InputError, match=r"--dilation 1 is below what this machine needs for the run"):
         spec_of(["--dilation", "1"])
     with pytest.raises(InputError, match=r"--emulate: 1000000 steps at 1/.* speed would take about .* h of wall time"):

@@ -173,7 +173,7 @@ def test_gpus_are_budgeted_without_the_cuda_reserve_once():
     """What the CUDA context and libraries take is kept out of every GPU's budget, once however
     often the topology is resolved (mobius.plan and mobius.train on GPUs both reserve)."""
     from mobius.runtime.device import CUDA_RESERVE_BYTES
-    from mobius.spec import reserve_cuda_memory
+    from mobius.prepare import reserve_cuda_memory
     from topology.presets import load_preset
 
     topo = load_preset("8x3090-4+4")
@@ -310,7 +310,7 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
     from mobius.backend import resolve_topology
     from mobius.config import parse_train_args
     from mobius.plan import main as plan_main
-    from mobius.spec import prepare_pipeline
+    from mobius.prepare import prepare_pipeline
 
     options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]
     plan_main(options + ["--json"])

@@ -1,6 +1,6 @@
 """Models as ordered layer lists (see :mod:`mobius.models.gpt`)."""
 
-from mobius.models.config import GPTConfig, layer_count
+from mobius.models.architecture import GPTConfig, layer_count
 from mobius.models.gpt import (
     Block,
     Embedding,

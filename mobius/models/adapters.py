@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mobius import ownership
-from mobius.models.config import GPTConfig
+from mobius.models.architecture import GPTConfig
 from mobius.models.hf import (
     EXPORT_KIND,
     TOKENIZER_FILES,

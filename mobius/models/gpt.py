@@ -6,7 +6,7 @@ bytes, forward FLOPs and output size for a micro-batch without running (so a 51B
 described on the meta device and planned on a laptop).
 
 Blocks are pre-LayerNorm with causal attention through ``scaled_dot_product_attention`` and a GELU
-MLP, or whatever a Hugging Face family asks of them (:class:`~mobius.models.config.GPTConfig`);
+MLP, or whatever a Hugging Face family asks of them (:class:`~mobius.models.architecture.GPTConfig`);
 there is no dropout (fine-tuning runs are compared bitwise against the reference trainer).
 
 Tied embeddings are handled explicitly: with ``tie_embeddings`` the head's output projection *is*
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.errors import InputError
-from mobius.models.config import GPTConfig, layer_count
+from mobius.models.architecture import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
 from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
 from mobius.models.lora import add_lora, freeze

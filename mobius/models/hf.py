@@ -33,7 +33,7 @@ import torch
 from mobius import ownership
 from mobius.checks import REQUIRED, Fields, read_json
 from mobius.errors import InputError
-from mobius.models.config import GPTConfig, layer_count
+from mobius.models.architecture import GPTConfig, layer_count
 
 # Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")

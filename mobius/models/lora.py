@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mobius.models.config import GPTConfig
+from mobius.models.architecture import GPTConfig
 
 # Every projection an adapter can sit on (q|k|v, attention output, MLP in, MLP out), numbered for
 # the dropout masks.

@@ -16,7 +16,7 @@ import glob
 import os
 
 from mobius.errors import InputError
-from mobius.models.config import GPTConfig
+from mobius.models.architecture import GPTConfig
 from mobius.models.hf import is_hf_dir, load_hf_config
 
 GPT2_VOCAB = 50257

@@ -41,7 +41,7 @@ class EmulationSpec:
     root_complex: tuple[int, ...]  # per worker: the root complex it hangs off
     rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
     counters: str  # the shared file of active-transfer counters (made by the launcher)
-    how: str = ""  # how the factor was decided (mobius.spec.emulation_for)
+    how: str = ""  # how the factor was decided (mobius.prepare.emulation_for)
 
     def to_dict(self) -> dict:
         return asdict(self)

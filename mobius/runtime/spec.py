@@ -1,10 +1,15 @@
-"""What a run executes, as data: the :class:`Plan` of a pipeline run and the :class:`RunSpec` every
-worker receives.  Decided by :mod:`mobius.spec` (and :mod:`mobius.planner`) before any worker
-starts; plain data here, so workers need neither the solver nor the profiler to read it."""
+"""What a run executes, as data: the :class:`Plan` of a pipeline run, the :class:`ChunkedSetup` of a
+chunked one, and the :class:`RunSpec` every worker receives, which holds one of them (and, under
+``--emulate``, the :class:`~mobius.runtime.emulation.EmulationSpec`).  Decided by
+:mod:`mobius.prepare` (and :mod:`mobius.planner`) or :mod:`chunked_dp.prepare` before any worker
+starts; plain data here, so workers need neither the solver nor the profiler to read it, and
+serialised once, at the process boundary (:meth:`RunSpec.to_dict`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from mobius.runtime.emulation import EmulationSpec
 
 
 @dataclass
@@ -125,6 +130,44 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """Emulated device time (``--emulate``): per layer, one micro-batch's forward and backward on
+    the emulated GPU, and AdamW's rates on the host and on the device (parameters/s)."""
+
+    layer_s: tuple[tuple[float, float], ...]
+    host_adam_params_per_s: float
+    device_adam_params_per_s: float
+
+
+@dataclass(frozen=True)
+class ChunkedSetup:
+    chunk_size: int  # elements per chunk
+    n_chunks: int
+    n_block: int  # rCache blocks
+    offload: bool  # chunks beyond ``device_chunks`` live (master, AdamW) in host memory
+    device_chunks: int
+    group: int  # micro-batches per pass (each pass gathers a layer's chunks once)
+    predicted: dict = field(default_factory=dict)  # lane -> busy seconds of a step, and "step"
+    reasons: str = ""  # why the search chose this
+    timing: Timing | None = None  # under --emulate
+
+    @property
+    def chunks_on_device(self) -> int:
+        return self.n_chunks if not self.offload else min(self.device_chunks, self.n_chunks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ChunkedSetup":
+        timing = d.get("timing")
+        if timing is not None:
+            timing = Timing(tuple(tuple(t) for t in timing["layer_s"]), timing["host_adam_params_per_s"],
+                            timing["device_adam_params_per_s"])
+        return cls(**{**d, "timing": timing})
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """What every worker of a run executes; sent to them as :meth:`to_dict`."""
 
@@ -132,20 +175,22 @@ class RunSpec:
     cuda: bool  # real GPUs, or CPU workers standing in for the topology's devices
     precision: str  # "fp32" | "bf16" | "fp16"
     budget_bytes: tuple[int, ...]  # per device
-    plan: dict | None = None  # pipeline: Plan.to_dict()
-    chunked: dict | None = None  # chunked: chunk_size, n_block, offload, device_chunks
-    emulation: dict | None = None  # --emulate: EmulationSpec.to_dict() (mobius.runtime.emulation)
+    plan: Plan | None = None  # pipeline
+    chunked: ChunkedSetup | None = None  # chunked
+    emulation: EmulationSpec | None = None  # --emulate
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunSpec":
-        return cls(**{**d, "budget_bytes": tuple(d["budget_bytes"])})
+        def typed(kind, value):
+            return None if value is None else kind.from_dict(value)
 
-    def the_plan(self) -> Plan:
-        return Plan.from_dict(self.plan)
+        return cls(**{**d, "budget_bytes": tuple(d["budget_bytes"]), "plan": typed(Plan, d.get("plan")),
+                      "chunked": typed(ChunkedSetup, d.get("chunked")),
+                      "emulation": typed(EmulationSpec, d.get("emulation"))})
 
     def predicted_step_s(self) -> float:
         """The step the run was planned to take (on the devices it emulates, if it does)."""
-        return self.plan["predicted_step_s"] if self.plan is not None else self.chunked["predicted"]["step"]
+        return self.plan.predicted_step_s if self.plan is not None else self.chunked.predicted["step"]

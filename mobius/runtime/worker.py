@@ -31,7 +31,7 @@ from mobius.data.packing import EvalBatches
 from mobius.metrics import StepMetrics, Trace, write_trace
 from mobius.optim import DynamicLossScaler
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
-from mobius.runtime.emulation import EmulatedLinks, EmulationSpec
+from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.spec import RunSpec
@@ -131,12 +131,12 @@ def gather_trace(trace: Trace, path: str | None, rank: int, world: int) -> None:
         write_trace(path, [e for evs in events for e in evs])
 
 
-def collective_timeout_s(spec: dict | None) -> float:
+def collective_timeout_s(spec: RunSpec | None) -> float:
     """How long a message may wait for its receiver before the run fails: under ``--emulate`` a
     worker may legitimately be busy for several dilated steps' worth of wall time."""
-    if not spec or not spec.get("emulation"):
+    if spec is None or spec.emulation is None:
         return COLLECTIVE_TIMEOUT_S
-    return COLLECTIVE_TIMEOUT_S + 3 * spec["emulation"]["factor"] * RunSpec.from_dict(spec).predicted_step_s()
+    return COLLECTIVE_TIMEOUT_S + 3 * spec.emulation.factor * spec.predicted_step_s()
 
 
 def inject_fault(rank: int, step: int) -> None:
@@ -150,28 +150,27 @@ def run_worker(payload: dict, build: Callable[[WorkerContext], WorkerBackend], d
     spec: rank 0 makes it with ``decide()`` and shares it."""
     with tied_to_launcher(payload):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        spec = payload.get("spec")
+        spec = RunSpec.from_dict(payload["spec"]) if payload.get("spec") is not None else None
         # On GPUs the chunked engine's collectives of device chunks go through NCCL, those of
         # offloaded chunks (host memory) through gloo: NCCL has no CPU tensors.  The pipeline's
         # activations cross host memory (no peer-to-peer), so gloo moves them.
-        nccl = spec is not None and spec["cuda"] and spec["backend"] == "chunked"
+        nccl = spec is not None and spec.cuda and spec.backend == "chunked"
         dist.init_process_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
         try:
-            return _run(payload, rank, world, build, decide)
+            return _run(payload, spec, rank, world, build, decide)
         finally:
             dist.destroy_process_group()
 
 
-def _run(payload: dict, rank: int, world: int, build, decide) -> dict:
+def _run(payload: dict, spec: RunSpec | None, rank: int, world: int, build, decide) -> dict:
     cfg = RunConfig.from_dict(payload["cfg"])
-    if payload.get("spec") is None:  # started by torchrun: rank 0 decides, everyone follows
+    if spec is None:  # started by torchrun: rank 0 decides, everyone follows
         shared = [decide() if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
-        payload = {**payload, "spec": shared[0]}
-        cfg.precision = shared[0]["precision"]
-    spec = RunSpec.from_dict(payload["spec"])
-    emulation = EmulatedLinks(EmulationSpec.from_dict(spec.emulation), rank) if spec.emulation else None
+        spec = RunSpec.from_dict(shared[0])
+        cfg.precision = spec.precision
+    emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
     # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
     # the sizes its search chose.
     budget = spec.budget_bytes[rank] if spec.backend == "pipeline" else None

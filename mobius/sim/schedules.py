@@ -2,7 +2,7 @@
 
 All three use the same profile and topology:
 
-* :func:`simulate_mobius`: the pipeline of ``mobius.stages.schedule``.  Stage loads are split
+* :func:`simulate_mobius`: the pipeline of ``mobius.stages.executor``.  Stage loads are split
   into the part that fits beside the running stage (prefetched once that stage is loaded) and the
   rest (copied when it is released).  Activations go device -> host -> device through both root
   complexes.  Stage inputs are re-uploaded for recomputation, gradients are offloaded after a

@@ -95,7 +95,7 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
             cfg = RunConfig(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
                             micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
                             precision="fp32", progress=False)
-            spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches).to_dict())
+            spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches))
             batches = BatchSource(corpus, SEQ_LEN, MICRO_BATCH, micro_batches, cfg.seed)
             parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False),
                                  (batches, None))

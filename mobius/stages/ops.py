@@ -2,7 +2,7 @@
 
 :func:`worker_ops` is a pure function from the plan's shape to the ordered operations one worker
 performs in an optimizer step, in the spirit of torchgpipe's ``clock_cycles``;
-:class:`mobius.stages.schedule.StageRunner` executes them with the device layer and a transport.
+:class:`mobius.stages.executor.StageRunner` executes them with the device layer and a transport.
 The rules it encodes:
 
 * forward, stage by stage in order: wait until the stage is resident, start loading the worker's

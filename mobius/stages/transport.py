@@ -5,7 +5,7 @@ collective the pipeline needs (fp16's overflow vote).
   GPUs have no peer-to-peer path, so device -> host -> host -> device is the real route and gloo
   moves the host leg.
 * :class:`LocalGroup`: between threads of one process (each thread runs one worker's
-  :class:`~mobius.stages.schedule.StageRunner`): the whole pipeline executor in a unit test, in
+  :class:`~mobius.stages.executor.StageRunner`): the whole pipeline executor in a unit test, in
   milliseconds, without starting processes.
 """
 

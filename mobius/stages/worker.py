@@ -29,7 +29,7 @@ from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import WorkerContext, run_worker
-from mobius.stages.schedule import StageRunner
+from mobius.stages.executor import StageRunner
 from mobius.stages.transport import GlooTransport, Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
@@ -47,7 +47,7 @@ class PipelineWorker:
 
     def __init__(self, ctx: WorkerContext):
         self.ctx, self.cfg, self.rank = ctx, ctx.cfg, ctx.rank
-        plan = ctx.spec.the_plan()
+        plan = ctx.spec.plan
         if max(plan.order) >= ctx.world:
             raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {ctx.world} were started")
         self.parts = build_worker(ctx.cfg, ctx.spec, GlooTransport(), ctx.device, ctx.trace, ctx.data)
@@ -148,7 +148,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     """The runtime of worker ``transport.rank``: its stages in host memory, the prefetcher, the
     executor, training on ``data`` (the run's batches and held-out examples).  Between processes
     the transport is gloo; tests run several in threads."""
-    plan, rank = spec.the_plan(), transport.rank
+    plan, rank = spec.plan, transport.rank
     torch.manual_seed(cfg.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()

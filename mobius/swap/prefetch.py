@@ -9,7 +9,7 @@ stage is prefetched as far as the budget allows while the current stage computes
 follows the moment the current stage is released.  The stage's parameters are views of the
 device buffer.  The compute stream waits on the load's event before it reads the weights.
 
-Activation and gradient transfers use streams of their own (see :mod:`mobius.stages.schedule`):
+Activation and gradient transfers use streams of their own (see :mod:`mobius.stages.executor`):
 they never queue behind a parameter prefetch.
 """
 

@@ -117,8 +117,8 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg, model_config)
     plan = run_plan(cfg, model_config, topo, precision)
-    emulation = emulation_for(cfg, model_config, topo, plan).to_dict() if cfg.emulate else None
-    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan.to_dict(), emulation=emulation), plan
+    emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulate else None
+    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation), plan
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise
