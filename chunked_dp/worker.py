@@ -11,10 +11,10 @@ from mobius.metrics import StepMetrics
 from mobius.optim import DynamicLossScaler
 from mobius.precision import DTYPES
 from mobius.runtime.inputs import model_config_for
-from mobius.runtime.worker import WorkerContext, run_worker
+from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
 
 
-def worker_main(payload: dict) -> dict:
+def worker_main(payload: WorkerPayload) -> dict:
     """Entry point of a chunked worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, ChunkedWorker)
 
@@ -56,7 +56,7 @@ class ChunkedWorker:
 
     def finish(self) -> dict:
         engine = self.engine
-        weights = engine.state_dict() if self.ctx.payload.get("return_weights") else None
+        weights = engine.state_dict() if self.ctx.payload.return_weights else None
         return {"weights": weights, "counters": engine.counters.__dict__, "chunks": len(engine.chunks),
                 "chunk_size": engine.chunks[0].size}
 

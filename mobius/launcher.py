@@ -33,6 +33,7 @@ from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
+from mobius.runtime.worker import WorkerPayload
 from mobius.prepare import prepare_pipeline
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
@@ -53,13 +54,12 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
               f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
-    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
-               "inputs": inputs}
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
-    payload["exports"] = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
-    results = launch_workers(topo.n, pipeline_worker.worker_main, payload, spec, data)
-    for (_, out, merged), (staging, _) in zip(wanted, payload["exports"]):
+    exports = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
+    payload = WorkerPayload(cfg, spec, header, inputs, exports, return_weights)
+    results = launch_workers(topo.n, pipeline_worker.worker_main, payload, data)
+    for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]
@@ -71,14 +71,15 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     return history
 
 
-def launch_workers(n: int, entry, payload: dict, spec: RunSpec, data: tuple | None) -> dict:
+def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
     """:func:`run_workers`; under ``--emulate`` with the emulated links' shared counters, in a
     directory of the launcher's own."""
+    spec = payload.spec
     with scratch_dir("mobius-links-") as links:
         if spec.emulation:
             counters = str(Path(links) / "counters")
             create_counters(counters, n)
-            payload["spec"] = replace(spec, emulation=replace(spec.emulation, counters=counters)).to_dict()
+            payload = replace(payload, spec=replace(spec, emulation=replace(spec.emulation, counters=counters)))
         return run_workers(n, entry, payload, data)
 
 
@@ -86,7 +87,7 @@ def _devices(spec: RunSpec) -> str:
     return "CUDA GPUs" if spec.cuda else "CPU workers"
 
 
-def run_workers(n: int, entry, payload: dict, data: tuple | None = None) -> dict:
+def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None) -> dict:
     """Start ``n`` workers running ``entry(payload)`` through the elastic launcher; a failed worker
     ends everything with one line naming it.  ``data`` (training batches, held-out examples) is
     written into the run's directory once and memory-mapped by every worker."""
@@ -95,7 +96,7 @@ def run_workers(n: int, entry, payload: dict, data: tuple | None = None) -> dict
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    payload["t_origin"] = time.perf_counter()
+    payload = replace(payload, t_origin=time.perf_counter())
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
     # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
     # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
@@ -106,21 +107,21 @@ def run_workers(n: int, entry, payload: dict, data: tuple | None = None) -> dict
         previous, tempfile.tempdir = tempfile.tempdir, run_dir
         try:
             if data is not None:
-                payload["data"] = share(*data, run_dir)
+                payload = replace(payload, data=share(*data, run_dir))
             return _launch(n, entry, payload, run_dir)
         finally:
             tempfile.tempdir = previous
 
 
-def _launch(n: int, entry, payload: dict, run_dir: str) -> dict:
+def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                           start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT/SIGTERM: ours
                           logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
-    payload["launcher_pid"] = os.getpid()
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)
-    payload["stop_file"], payload["started_file"] = str(signals.stop.stop_file), str(signals.started_file)
+    payload = replace(payload, launcher_pid=os.getpid(), stop_file=str(signals.stop.stop_file),
+                      started_file=str(signals.started_file))
     try:
         with signals:
             return elastic_launch(launch, entry)(payload)
@@ -150,9 +151,8 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
               + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
               + f"\n  why: {setup.reasons}")
-    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": header, "return_weights": return_weights,
-               "inputs": inputs}
-    results = launch_workers(topo.n, chunked_worker.worker_main, payload, spec, data)
+    payload = WorkerPayload(cfg, spec, header, inputs, return_weights=return_weights)
+    results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history
 

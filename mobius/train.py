@@ -33,6 +33,7 @@ from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_data
 from mobius.runtime.loop import run_steps
+from mobius.runtime.worker import WorkerPayload
 from mobius.prepare import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
 from mobius.stages.worker import worker_main
@@ -163,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.exports() or cfg.backend == "chunked" or cfg.epochs is not None:
             raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
                              "start python -m mobius.train directly for the others")
-        worker_main({"cfg": cfg.to_dict(), "spec": None, "header": "mobius: pipeline worker (torchrun)"},
-                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg))[0].to_dict())
+        worker_main(WorkerPayload(cfg, None, "mobius: pipeline worker (torchrun)"),
+                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg))[0])
         return
     run(cfg)
 

@@ -105,11 +105,11 @@ def run_one_worker(cfg) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.backend import resolve_topology
     from mobius.prepare import prepare_pipeline
+    from mobius.runtime.worker import WorkerPayload
     from mobius.stages.worker import worker_main
 
     spec, _ = prepare_pipeline(cfg, resolve_topology(cfg))
-    payload = {"cfg": cfg.to_dict(), "spec": spec.to_dict(), "header": "test"}
-    return [h["loss"] for h in worker_main(payload)["history"]]
+    return [h["loss"] for h in worker_main(WorkerPayload(cfg, spec, "test"))["history"]]
 
 
 @pytest.fixture()
@@ -122,7 +122,7 @@ def one_worker_env(monkeypatch):
     # The worker's process-level parts stay out of the test process.
     from mobius.signals import StopRequest
 
-    monkeypatch.setattr("mobius.runtime.worker.tied_to_launcher", lambda payload=None: contextlib.nullcontext())
+    monkeypatch.setattr("mobius.runtime.worker.tied_to_launcher", lambda launcher_pid=None: contextlib.nullcontext())
     monkeypatch.setattr("mobius.runtime.worker.install_stop", lambda payload: StopRequest())
 
 

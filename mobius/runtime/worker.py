@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -42,6 +42,24 @@ PARENT_POLL_S = 0.5
 
 
 @dataclass
+class WorkerPayload:
+    """What the launcher hands every worker process: typed here, pickled once by the elastic
+    launcher at the process boundary."""
+
+    cfg: RunConfig
+    spec: RunSpec | None  # None under torchrun: rank 0 decides it (:func:`run_worker`'s ``decide``)
+    header: str  # the run's first line, printed by rank 0
+    inputs: dict[str, str] | None = None  # the digests its checkpoints record (checkpoint.input_digests)
+    exports: list[tuple[str, bool]] = field(default_factory=list)  # (staging directory, merged) per export
+    return_weights: bool = False  # each worker returns its final weights (tests, benchmarks)
+    data: dict | None = None  # the token arrays the launcher wrote (mobius.data.shared); None: made here
+    t_origin: float | None = None  # the traces' common time origin (CLOCK_MONOTONIC)
+    launcher_pid: int | None = None  # the process a worker must not outlive
+    stop_file: str | None = None  # the launcher's stop request (mobius.signals)
+    started_file: str | None = None  # touched once training has started
+
+
+@dataclass
 class WorkerContext:
     """What the runtime hands a backend to build itself on."""
 
@@ -52,7 +70,7 @@ class WorkerContext:
     device: Device
     trace: Trace
     data: tuple[BatchSource | ExampleBatches, EvalBatches | None]  # training batches, held-out examples
-    payload: dict
+    payload: WorkerPayload
 
 
 class WorkerBackend(Protocol):
@@ -84,13 +102,13 @@ class WorkerBackend(Protocol):
 
 
 @contextlib.contextmanager
-def tied_to_launcher(payload: dict | None = None):
+def tied_to_launcher(launcher_pid: int | None = None):
     """A worker must not outlive the process that started it, however that one dies (SIGKILL
     included): when this process is re-parented it kills itself.  The launcher is
-    ``payload["launcher_pid"]``, not whoever is our parent by the time this runs: a launcher killed
-    while we imported torch must not leave us running.  (Its temporary directories are the
-    launcher's watcher's to remove: :mod:`mobius.janitor`.)"""
-    parent = (payload or {}).get("launcher_pid") or os.getppid()
+    ``launcher_pid``, not whoever is our parent by the time this runs: a launcher killed while we
+    imported torch must not leave us running.  (Its temporary directories are the launcher's
+    watcher's to remove: :mod:`mobius.janitor`.)"""
+    parent = launcher_pid or os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -101,12 +119,12 @@ def tied_to_launcher(payload: dict | None = None):
     yield
 
 
-def install_stop(payload: dict) -> StopRequest:
+def install_stop(payload: WorkerPayload) -> StopRequest:
     """This worker's stop request; from now on a signal stops training after a step, so the
     launcher is told that training has started."""
-    stop = StopRequest(payload.get("stop_file"), announce=False).install()
-    if payload.get("started_file"):
-        Path(payload["started_file"]).touch()
+    stop = StopRequest(payload.stop_file, announce=False).install()
+    if payload.started_file:
+        Path(payload.started_file).touch()
     return stop
 
 
@@ -145,12 +163,12 @@ def inject_fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_worker(payload: dict, build: Callable[[WorkerContext], WorkerBackend], decide=None) -> dict:
+def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBackend], decide=None) -> dict:
     """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
     spec: rank 0 makes it with ``decide()`` and shares it."""
-    with tied_to_launcher(payload):
+    with tied_to_launcher(payload.launcher_pid):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        spec = RunSpec.from_dict(payload["spec"]) if payload.get("spec") is not None else None
+        spec = payload.spec
         # On GPUs the chunked engine's collectives of device chunks go through NCCL, those of
         # offloaded chunks (host memory) through gloo: NCCL has no CPU tensors.  The pipeline's
         # activations cross host memory (no peer-to-peer), so gloo moves them.
@@ -163,23 +181,24 @@ def run_worker(payload: dict, build: Callable[[WorkerContext], WorkerBackend], d
             dist.destroy_process_group()
 
 
-def _run(payload: dict, spec: RunSpec | None, rank: int, world: int, build, decide) -> dict:
-    cfg = RunConfig.from_dict(payload["cfg"])
+def _run(payload: WorkerPayload, spec: RunSpec | None, rank: int, world: int, build, decide) -> dict:
+    cfg = payload.cfg
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
         shared = [decide() if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
-        spec = RunSpec.from_dict(shared[0])
-        cfg.precision = spec.precision
+        spec = shared[0]
+        cfg = replace(cfg, precision=spec.precision)
+        payload = replace(payload, cfg=cfg, spec=spec)
     emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
     # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
     # the sizes its search chose.
     budget = spec.budget_bytes[rank] if spec.backend == "pipeline" else None
     device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), budget, emulation)
     trace = Trace(enabled=bool(cfg.trace), pid=rank)
-    trace.set_origin(payload.get("t_origin", time.perf_counter()))  # CLOCK_MONOTONIC: shared by all workers
+    trace.set_origin(payload.t_origin if payload.t_origin is not None else time.perf_counter())
     # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer.
     share_cpu_cores(world)
-    data = worker_data(cfg, model_config_for(cfg), payload.get("data"))  # mapped, or made here under torchrun
+    data = worker_data(cfg, model_config_for(cfg), payload.data)  # mapped, or made here under torchrun
     backend = build(WorkerContext(cfg, spec, rank, world, device, trace, data, payload))
     try:
         device.start_steps()
@@ -198,10 +217,10 @@ def _run(payload: dict, spec: RunSpec | None, rank: int, world: int, build, deci
 
         def save(done: int) -> None:
             backend.drain()
-            meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.get("inputs"))
+            meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.inputs)
             ck.save(cfg.save, backend.checkpoint_files(done), meta, rank, dist.barrier)
 
-        header = payload["header"] + (f", resuming at step {start}" if start else "")
+        header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store

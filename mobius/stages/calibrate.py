@@ -74,7 +74,7 @@ def _plan(stages: int, micro_batches: int) -> Plan:
                                   c.mem_bwd, c.grad_bytes) for j, c in enumerate(costs)])
 
 
-def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: dict) -> None:
+def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: int) -> None:
     """One calibration worker process: every configuration in turn; a step takes as long as the
     slower worker, and rank 0 writes each configuration's fastest step to ``out``.  Signals are
     the launcher's to handle: it ends us, and we end with it (``parent``)."""
@@ -125,7 +125,7 @@ def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, i
         port = s.getsockname()[1]
     with scratch_dir("mobius-calibration-") as tmp:
         out = str(Path(tmp) / "times.json")
-        parent = {"launcher_pid": os.getpid()}
+        parent = os.getpid()
         context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
                                      start_method="spawn", join=False)
         try:

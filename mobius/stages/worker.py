@@ -28,7 +28,7 @@ from mobius.precision import DTYPES
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import WorkerContext, run_worker
+from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.transport import GlooTransport, Transport
 from mobius.swap.memory import DeviceMemory, Traffic
@@ -36,7 +36,7 @@ from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
 
 
-def worker_main(payload: dict, decide=None) -> dict:
+def worker_main(payload: WorkerPayload, decide=None) -> dict:
     """Entry point of a pipeline worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, PipelineWorker, decide)
 
@@ -111,12 +111,12 @@ class PipelineWorker:
     def finish(self) -> dict:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
-        for staging, merged in payload.get("exports", []):
+        for staging, merged in payload.exports:
             for s, host in store.stages.items():
                 write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
                                    layer_states(dict(host.named_params())), merged)
         out = {"budget_bytes": self.ctx.spec.budget_bytes[self.rank], "peak_bytes_max": self.peak_bytes_max}
-        if payload.get("return_weights"):
+        if payload.return_weights:
             out["weights"] = store.state_dict()
         return out
 
