@@ -1,7 +1,7 @@
 """The pipeline runtime's units one at a time, in this process: device-memory accounting, the
-working memory of a running stage, the prefetcher (under the stream-order checker, with jittered
-streams) and the tied embedding's gradient sum between two workers (threads over the in-process
-transport)."""
+working memory of a running stage, the prefetcher and the gradient offload with the host's AdamW
+(under the stream-order checker, with jittered streams), and, between two workers (threads over
+the in-process transport), the activation links and the tied embedding's gradient sum."""
 
 import dataclasses
 import threading
@@ -12,7 +12,10 @@ import torch
 
 from mobius.metrics import Trace
 from mobius.models import get_config
+from mobius.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
 from mobius.runtime.device import CpuDevice
+from mobius.stages.host_optimizer import HostOptimizer
+from mobius.stages.links import ActivationLinks
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import LocalGroup
 from mobius.stages.working_memory import WorkingMemory
@@ -115,3 +118,99 @@ def test_the_tied_embedding_sums_both_copies_alike_on_two_workers():
     want = grads[0] + grads[1]
     assert torch.equal(params[0].grad, want) and torch.equal(params[1].grad, want)
     assert traffic[0].peer == traffic[1].peer == want.numel() * 4
+
+
+def test_gradients_go_home_and_the_hosts_adamw_updates_what_the_next_load_reads():
+    """A stage's device gradients leave on their own stream, the optimizer thread turns them into
+    the master gradients and steps AdamW; the master weights are then torch's AdamW of the same
+    gradients, and a reload of the stage brings the updated weights."""
+    device = CpuDevice(check=True, jitter_ms=1.0)
+    store = tiny_store(device)
+    before = {n: p.detach().clone() for n, p in store.stages[1].named_params()}
+    memory, traffic = DeviceMemory(2**30), Traffic()
+    plan = SimpleNamespace(bounds=[(0, 2), (2, 6)], micro_batches=1, gpu_of_stage=lambda s: 0)
+    prefetcher = Prefetcher(store, store.config, memory, device, traffic, Trace(enabled=False))
+    optimizer = HostOptimizer(store, device, memory, traffic, Trace(enabled=False), DynamicLossScaler(False),
+                              TiedEmbedding(store, plan, LocalGroup(1).endpoint(0), traffic), LocalGroup(1).endpoint(0))
+    host = device.host_stream("test")
+    torch.manual_seed(1)
+    try:
+        handle = prefetcher.request(1, priority=0)
+        layers = prefetcher.wait(handle)
+        grads, phase = optimizer.gradients_for(1, layers)
+        wanted = {n: torch.randn_like(p) for n, p in store.stages[1].named_params()}
+        for (name, _), p in zip(store.stages[1].named_params(), layers.parameters()):
+            p.grad.copy_(wanted[name])  # a view of the flat buffer, as autograd leaves it
+        optimizer.offload(1, layers, grads, phase, step=0, lr=1e-2)
+        prefetcher.release(handle)
+        optimizer.finish_step(0, 1e-2, host)
+        optimizer.drain()
+        again = prefetcher.request(1, priority=0)
+        reloaded = {n: p.detach().clone()
+                    for (n, _), p in zip(store.stages[1].named_params(), prefetcher.wait(again).parameters())}
+        prefetcher.release(again)
+    finally:
+        optimizer.close()
+        prefetcher.close()
+        device.close()
+    ref = {n: torch.nn.Parameter(w.clone()) for n, w in before.items()}
+    for n, p in ref.items():
+        p.grad = wanted[n]
+    torch.optim.AdamW([{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+                       {"params": [p for p in ref.values() if p.dim() < 2], "weight_decay": 0.0}],
+                      lr=1e-2, betas=BETAS, eps=1e-8).step()
+    for name, p in store.stages[1].named_params():
+        torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-6, atol=1e-7, msg=name)
+        assert not torch.equal(p.detach(), before[name]), name
+        assert torch.equal(reloaded[name], p.detach()), name
+    assert traffic.d2h == store.stages[1].grad_bytes and memory.used == 0
+
+
+def test_activations_reach_the_next_stage_on_either_worker():
+    """Stages 0 and 1 on worker 0, stage 2 on worker 1: stage 0's output of each micro-batch goes to
+    stage 1 through worker 0's own mailbox, stage 1's to worker 1 through the transport; the
+    receivers get exactly what was computed, under the checker with jittered streams, and the
+    traffic counts what crossed to the host, to the devices and to the peer."""
+    M, shape = 3, (2, 4, 8)
+    plan = SimpleNamespace(micro_batches=M, gpu_of_stage=lambda s: 0 if s < 2 else 1)
+    group = LocalGroup(2)
+    got: dict = {}
+    errors: list = []
+    traffic = {r: Traffic() for r in (0, 1)}
+    want = {m: torch.full(shape, float(m + 1)) for m in range(M)}
+
+    def worker(rank: int) -> None:
+        device = CpuDevice(check=True, jitter_ms=1.0)
+        links = ActivationLinks(plan, group.endpoint(rank), device, device.host_stream("host"),
+                                DeviceMemory(2**30), traffic[rank], Trace(enabled=False))
+        try:
+            for m in range(M):
+                if rank == 0:
+                    out = device.empty(want[m].numel(), torch.float32).view(shape)
+                    out.copy_(want[m])
+                    links.send(out, 1, (0, m, False))  # stage 0 -> stage 1, this worker's own
+                    links.flush()
+                    x = links.to_device(links.recv(0, (0, m, False), shape, torch.float32), "stage input")
+                    got[(1, m)] = x.clone()
+                    links.send(x * 2, 2, (1, m, False))  # stage 1 -> stage 2, on worker 1
+                else:
+                    x = links.to_device(links.recv(1, (1, m, False), shape, torch.float32), "stage input")
+                    got[(2, m)] = x.clone()
+            links.finish_sends()
+        except BaseException as err:
+            errors.append(err)
+        finally:
+            links.close()
+            device.close()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for m in range(M):
+        assert torch.equal(got[(1, m)], want[m]) and torch.equal(got[(2, m)], want[m] * 2)
+    size = want[0].numel() * 4
+    assert (traffic[0].d2h, traffic[0].h2d, traffic[0].peer) == (2 * M * size, M * size, M * size)
+    assert (traffic[1].d2h, traffic[1].h2d, traffic[1].peer) == (0, M * size, 0)

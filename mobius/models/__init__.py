@@ -9,7 +9,6 @@ from mobius.models.gpt import (
     LayerList,
     build_layer,
     build_model,
-    dtype_bytes,
     run_layers,
     tied_parameter_names,
 )
@@ -18,5 +17,5 @@ from mobius.models.presets import PRESETS, get_config
 
 __all__ = [
     "Block", "Embedding", "GPTConfig", "GPTLayer", "Head", "IGNORE", "LayerList", "PRESETS", "TokenLayout",
-    "build_layer", "build_model", "dtype_bytes", "get_config", "layer_count", "run_layers", "tied_parameter_names",
+    "build_layer", "build_model", "get_config", "layer_count", "run_layers", "tied_parameter_names",
 ]

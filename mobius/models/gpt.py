@@ -31,10 +31,6 @@ from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
 from mobius.models.lora import add_lora, freeze
 
 
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 class GPTLayer(nn.Module):
     """One element of the layer list; subclasses say what they cost without running."""
 
@@ -46,13 +42,13 @@ class GPTLayer(nn.Module):
 
     def param_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of this layer's parameters (a tied weight counts: the stage must hold it)."""
-        return sum(p.numel() for p in self.parameters()) * dtype_bytes(dtype)
+        return sum(p.numel() for p in self.parameters()) * dtype.itemsize
 
     def forward_flops(self, batch: int, seq: int) -> int:
         raise NotImplementedError
 
     def output_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        return batch * seq * self.config.hidden * dtype_bytes(dtype)
+        return batch * seq * self.config.hidden * dtype.itemsize
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
         """Activation memory autograd keeps for one micro-batch while this layer runs forward with
@@ -279,7 +275,7 @@ class Block(GPTLayer):
         # Saved tensors of one block with fused attention: about 17 b*t*h elements for a 4h MLP
         # (inputs of ln1, qkv, attention out, proj, ln2, fc, gelu (4h each), fc_out).
         h = self.config.hidden
-        return (9 * h + 2 * self.fc.out_features) * batch * seq * dtype_bytes(dtype)
+        return (9 * h + 2 * self.fc.out_features) * batch * seq * dtype.itemsize
 
     def reset_parameters(self) -> None:
         for lin in (self.qkv, self.fc):
@@ -332,7 +328,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 weight_grads: WeightGradSum | None, divisor: int, softcap: float | None = None) -> torch.Tensor:
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        grad_h = h.new_empty(h.shape, dtype=torch.float32) if need_h else None
         grad_w, created = None, False
         if weight_grads is not None:
             created = weight_grads.total is None
@@ -433,7 +429,7 @@ class Head(GPTLayer):
         tokens, vocab, hidden = batch * seq, self.config.vocab_size, self.config.hidden
         chunk = min(tokens, ce_chunk_tokens(vocab))
         capped = 4 if self.config.logit_softcap is not None else 0  # the chunk's tanh, kept for its gradient
-        return tokens * hidden * 4 + chunk * vocab * (dtype_bytes(dtype) + 8 + capped)
+        return tokens * hidden * 4 + chunk * vocab * (dtype.itemsize + 8 + capped)
 
     def held_bytes(self) -> int:
         # The fp32 sum of the LM head's weight gradient over a stage's micro-batches (WeightGradSum).

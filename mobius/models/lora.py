@@ -85,7 +85,8 @@ class LoRALinear(nn.Linear):
         assert sum(sizes) == self.out_features
         self.scaling = alpha / rank
         self.dropout, self.where = dropout, where
-        self.lora_A = nn.ParameterList([nn.Parameter(torch.empty(rank, self.in_features, device=self.weight.device))
+        self.lora_A = nn.ParameterList([nn.Parameter(self.weight.new_empty((rank, self.in_features),
+                                                                           dtype=torch.get_default_dtype()))
                                         for _ in sizes])
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(n, rank, device=self.weight.device)) for n in sizes])
         for p in (self.weight, self.bias):

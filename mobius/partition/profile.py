@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mobius.models import GPTConfig, build_layer, build_model, dtype_bytes, layer_count
+from mobius.models import GPTConfig, build_layer, build_model, layer_count
 from mobius.precision import DTYPES
 from mobius.runtime.device import (
     cpu_threads_per_worker,
@@ -220,7 +220,7 @@ def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_l
 
 def trained_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the layer's gradients: its trained parameters (under LoRA, the adapters only)."""
-    return sum(p.numel() for p in layer.parameters() if p.requires_grad) * dtype_bytes(dtype)
+    return sum(p.numel() for p in layer.parameters() if p.requires_grad) * dtype.itemsize
 
 
 class _SavedBytes:
@@ -376,7 +376,7 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
             out = run(inp)
         del out
         bwd_work = counter.total
-        fwd_work = 2 * (b * t * config.hidden * dtype_bytes(dtype))
+        fwd_work = 2 * (b * t * config.hidden * dtype.itemsize)
     with torch.no_grad():
         out = run(x)
     out_bytes = out.numel() * out.element_size() if index < n - 1 else 0
