@@ -9,15 +9,14 @@ from dataclasses import replace
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import DoesNotFit, search
-from mobius.runtime.spec import ChunkedSetup, Timing
 from mobius.config import RunConfig
 from mobius.errors import InputError
+from mobius.models import GPTConfig
 from mobius.partition.profile import Profile
 from mobius.planner import get_profile
 from mobius.precision import DTYPES
-from mobius.runtime.inputs import check_model_input
-from mobius.runtime.spec import RunSpec
 from mobius.prepare import budgets_of, check_run_inputs, emulation_spec, resolve_devices, resolve_precision
+from mobius.runtime.spec import ChunkedSetup, RunSpec, Timing
 from topology import Topology, cpu_topology
 
 # What one pass's activations (every layer's input of its micro-batches, their gradients and one
@@ -25,10 +24,10 @@ from topology import Topology, cpu_topology
 ACTIVATION_SHARE = 0.25
 
 
-def prepare_chunked(cfg: RunConfig, topo: Topology) -> RunSpec:
+def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> RunSpec:
     """The spec of a chunked run: chunk size, rCache blocks and device-resident chunks searched for
-    this model and topology (Elixir), unless given; the micro-batches per pass; the prediction."""
-    model_config = check_model_input(cfg)
+    this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
+    ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it."""
     if cfg.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
     if cfg.lora_rank:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from chunked_dp.engine import ChunkedEngine
-from mobius.runtime import checkpoint as ck
 from mobius.metrics import StepMetrics
 from mobius.optim import DynamicLossScaler
 from mobius.precision import DTYPES
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
 

@@ -31,10 +31,10 @@ from mobius.metrics import StepMetrics, seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
+from mobius.prepare import prepare_pipeline
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import WorkerPayload
-from mobius.prepare import prepare_pipeline
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology
@@ -45,7 +45,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
     ``data``: the run's training and held-out batches, made here and shared with the workers (None:
     each worker makes them)."""
-    spec, plan = prepare_pipeline(cfg, topo)
+    spec, plan = prepare_pipeline(cfg, topo, model_config)
     n_params = build_model(model_config, device="meta").num_parameters()
     emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.steps)}" if spec.emulation else ""
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
@@ -137,7 +137,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
                    inputs: dict[str, str] | None = None, data: tuple | None = None):
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
     (``inputs`` and ``data`` as for :func:`launch_pipeline`)."""
-    spec = prepare_chunked(cfg, topo)
+    spec = prepare_chunked(cfg, topo, model_config)
     setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
     step_s = setup.predicted["step"]

@@ -15,11 +15,10 @@ import json
 import math
 import sys
 
-from mobius.backend import resolve_topology
 from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, validate_shared
 from mobius.errors import InputError, exits_cleanly
+from mobius.prepare import plan_on, resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
-from mobius.prepare import plan_on
 
 
 def build_parser() -> OneLineParser:

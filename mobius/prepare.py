@@ -1,26 +1,49 @@
-"""Decide once: the device kind, the precision, the recompute decision, the per-device budgets and
-the plan (or the chunked configuration) of a run are resolved here, before any worker starts, into
-a frozen :class:`RunSpec` handed to every worker (and shown by ``mobius.plan``) as it is.  Nothing
-downstream picks a default of its own."""
+"""Decide once: the topology, the backend, the device kind, the precision, the recompute decision,
+the per-device budgets and the plan (or the chunked configuration) of a run are resolved here,
+before any worker starts, into a frozen :class:`RunSpec` handed to every worker (and shown by
+``mobius.plan``) as it is.  Nothing downstream picks a default of its own."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from mobius.runtime import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
 from mobius.partition.cost import stage_costs
 from mobius.planner import DoesNotFit, get_profile, make_plan
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.inputs import check_model_input
 from mobius.runtime.spec import Plan, RunSpec
-from topology import Topology, cpu_topology
+from topology import Topology, TopologyError, cpu_topology, load_topology
 
 GB = 10**9
+
+
+def resolve_topology(cfg: RunConfig) -> Topology:
+    try:
+        topo = load_topology(cfg.topology, cpu_workers=cfg.cpu_workers, memory_gb=cfg.gpu_mem_gb)
+    except TopologyError as err:
+        raise InputError(str(err)) from None
+    if cfg.gpu_mem_gb is not None:
+        for g in topo.gpus:
+            g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
+    if cfg.host_adam_gbps is not None:
+        topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
+    return topo
+
+
+def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
+    """``(backend, topology)``; ``single`` needs no topology, but a bad one is still an error."""
+    topo = resolve_topology(cfg)
+    if cfg.backend == "single":
+        return "single", None
+    backend = cfg.backend
+    if backend == "auto":
+        backend, _ = topo.choose_backend()
+    return backend, topo
 
 
 def default_precision(on_gpus: bool) -> str:
@@ -110,9 +133,9 @@ def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
         ck.open_for_resume(cfg, model_config)
 
 
-def prepare_pipeline(cfg: RunConfig, topo: Topology) -> tuple[RunSpec, Plan]:
-    """The spec of a pipeline run (and its plan, for the launcher's header)."""
-    model_config = check_model_input(cfg)
+def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> tuple[RunSpec, Plan]:
+    """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
+    :func:`mobius.runtime.inputs.check_model_input` checked it."""
     cuda = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg, model_config)

@@ -18,9 +18,7 @@ import resource
 
 import torch
 
-from mobius.runtime import checkpoint as ck
 from mobius import ownership
-from mobius.backend import resolve_backend, resolve_topology
 from mobius.config import RunConfig, parse_train_args, validate_for_backend
 from mobius.errors import InputError, exits_cleanly
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
@@ -29,12 +27,13 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
 from mobius.planner import available_host_memory, check_host_memory
+from mobius.prepare import prepare_pipeline, resolve_backend, resolve_precision, resolve_topology
 from mobius.reference import ReferenceTrainer
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.worker import WorkerPayload
-from mobius.prepare import prepare_pipeline, resolve_precision
 from mobius.signals import StopRequest
 from mobius.stages.worker import worker_main
 
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
                              "start python -m mobius.train directly for the others")
         worker_main(WorkerPayload(cfg, None, "mobius: pipeline worker (torchrun)"),
-                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg))[0])
+                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[0])
         return
     run(cfg)
 

@@ -35,14 +35,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from mobius.backend import resolve_topology
+from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.config import parse_train_args
 from mobius.errors import InputError
 from mobius.models import get_config
 from mobius.partition.cost import settle
 from mobius.planner import MAPPINGS, get_profile
+from mobius.runtime.inputs import check_model_input
 from mobius.sim.schedules import simulate_mobius
-from mobius.prepare import prepare_pipeline
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
 PAIR = "--topology topo2+2 --model small --gpu-mem-gb 0.05"
@@ -90,7 +90,7 @@ def predict(options: str, steps: int) -> dict:
     """The plan's predicted and simulated step times, and the dilation the run will use."""
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
-    spec, plan = prepare_pipeline(cfg, topo)
+    spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.micro_batch_size, cfg.seq_len,
                           plan.precision, "analytic" if cfg.emulate else "measure")
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,

@@ -97,9 +97,8 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 # ---- the systems --------------------------------------------------------------------------------
 
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
-    from mobius.backend import resolve_topology
+    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.launcher import launch_pipeline
-    from mobius.prepare import prepare_pipeline
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
     cfg = RunConfig(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -109,7 +108,7 @@ def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    _, plan = prepare_pipeline(cfg, topo)  # what the launch below runs (the plan is cached)
+    _, plan = prepare_pipeline(cfg, topo, get_config(args.model))  # what the launch below runs (the plan is cached)
     history = launch_pipeline(cfg, get_config(args.model), topo)
     events = json.load(open(trace))["traceEvents"]
     gbps, exposed = prefetch_stats(events)
@@ -127,7 +126,7 @@ def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
-    from mobius.backend import resolve_topology
+    from mobius.prepare import resolve_topology
     from mobius.launcher import launch_chunked
 
     from chunked_dp.prepare import prepare_chunked
@@ -140,7 +139,7 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    setup = prepare_chunked(cfg, topo).chunked  # what the launch below runs
+    setup = prepare_chunked(cfg, topo, get_config(args.model)).chunked  # what the launch below runs
     history = launch_chunked(cfg, get_config(args.model), topo)
     events = json.load(open(trace))["traceEvents"]
     params = build_model(get_config(args.model), device="meta").num_parameters()

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from mobius.backend import resolve_topology
+from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_pipeline

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mobius.backend import resolve_topology
+from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
 from mobius.launcher import launch_pipeline
 from mobius.models import get_config

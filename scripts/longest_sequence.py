@@ -18,11 +18,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.backend import resolve_topology  # noqa: E402
+from mobius.prepare import plan_on, resolve_topology  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import get_config  # noqa: E402
-from mobius.prepare import plan_on  # noqa: E402
 
 CONFIGS = {
     "Llama-3.1-8B": {

@@ -17,13 +17,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.backend import resolve_topology  # noqa: E402
+from mobius.prepare import plan_on, resolve_topology  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.planner import GB, host_bytes_needed  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
-from mobius.prepare import plan_on  # noqa: E402
 
 LLAMA_70B = {  # Llama-3.1-70B's published config.json
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,

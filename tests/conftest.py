@@ -59,15 +59,15 @@ def run_in_threads(cfg):
     transport, every stream under the order checker: per-step losses and final weights."""
     import threading
 
-    from mobius.backend import resolve_topology
+    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.metrics import Trace
     from mobius.runtime.device import CpuDevice
     from mobius.runtime.inputs import make_data, model_config_for
-    from mobius.prepare import prepare_pipeline
+    from mobius.runtime.inputs import check_model_input
     from mobius.stages.transport import LocalGroup
     from mobius.stages.worker import build_worker
 
-    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
     data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
     group = LocalGroup(cfg.cpu_workers)
     results: dict[int, tuple] = {}

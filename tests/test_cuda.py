@@ -8,14 +8,14 @@ the model's weights so that stages must swap while the next one is prefetched.""
 import pytest
 import torch
 
-from mobius.backend import resolve_topology
+from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_chunked, launch_pipeline
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CUDA_ALLOCATOR_SLACK_BYTES, CUDA_RESERVE_BYTES
-from mobius.prepare import prepare_pipeline
+from mobius.runtime.inputs import check_model_input
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -91,7 +91,7 @@ def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
     """A cap that holds part of the model beside its AdamW state: those stages stay on the GPU and
     are updated there (fused AdamW on CUDA tensors), the others swap; fp32 equals the reference."""
     cfg = config(stages=26, gpu_mem_gb=4.0, recompute="on")
-    _, plan = prepare_pipeline(cfg, resolve_topology(cfg))
+    _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
     assert plan.resident
     history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)

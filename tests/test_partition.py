@@ -307,16 +307,16 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
     --optimizer-lag and LoRA) is an option of mobius.plan, planned through the same call."""
     import json
 
-    from mobius.backend import resolve_topology
+    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.config import parse_train_args
     from mobius.plan import main as plan_main
-    from mobius.prepare import prepare_pipeline
+    from mobius.runtime.inputs import check_model_input
 
     options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]
     plan_main(options + ["--json"])
     printed = json.loads(capsys.readouterr().out)
     cfg = parse_train_args(options + ["--backend", "pipeline"])
-    _, trained = prepare_pipeline(cfg, resolve_topology(cfg))
+    _, trained = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
     assert (printed["bounds"], printed["predicted_step_s"], printed["recompute"]) == ([list(b) for b in trained.bounds],
                                                                 trained.predicted_step_s, trained.recompute)
     plan_main(options[:-4] + ["--json"])  # without the lag and the adapters: another plan

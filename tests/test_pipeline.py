@@ -13,7 +13,7 @@ import torch
 
 from conftest import reference
 
-from mobius.backend import resolve_topology
+from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
 from mobius.launcher import launch_pipeline
 from mobius.models import get_config

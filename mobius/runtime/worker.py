@@ -24,12 +24,12 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from mobius.runtime import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.metrics import StepMetrics, Trace, write_trace
 from mobius.optim import DynamicLossScaler
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
+from mobius.janitor import scratch_dir
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
 from mobius.models import get_config, layer_count
@@ -40,10 +41,9 @@ from mobius.partition.cost import settle, stage_costs
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
+from mobius.runtime.worker import tied_to_launcher
 from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
-from mobius.janitor import scratch_dir
-from mobius.runtime.worker import tied_to_launcher
 from topology import cpu_topology
 
 CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again

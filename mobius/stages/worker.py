@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mobius.runtime import checkpoint as ck
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
@@ -25,6 +24,7 @@ from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
 from mobius.optim import DynamicLossScaler, lr_at
 from mobius.precision import DTYPES
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.spec import RunSpec
