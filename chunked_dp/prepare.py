@@ -27,20 +27,11 @@ ACTIVATION_SHARE = 0.25
 def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> RunSpec:
     """The spec of a chunked run: chunk size, rCache blocks and device-resident chunks searched for
     this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
-    ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it."""
-    if cfg.export:
-        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
-    if cfg.lora_rank:
-        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
-    if cfg.optimizer_lag:
-        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
-    if cfg.precision == "fp16":
-        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
-    if cfg.micro_batches % topo.n:
-        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {topo.n} data-parallel workers")
+    ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it, the options as
+    :func:`mobius.config.validate_for_backend` checked them."""
     cuda = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
-    check_run_inputs(cfg, model_config)
+    check_run_inputs(replace(cfg, precision=precision), model_config)
     # The GPUs' costs from FLOPs and bytes: the prediction, the passes and the emulated timing use them.
     gpu = get_profile(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.seq_len, precision, "analytic")
     per_worker = cfg.micro_batches // topo.n

@@ -349,8 +349,9 @@ CHUNKED_OPTIONS = {"chunk_size": None, "rcache_blocks": None, "offload": "auto",
 BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate", "dilation")
 
 
-def validate_for_backend(cfg: RunConfig, backend: str) -> None:
-    """Options that the chosen backend would ignore are refused, naming the backend they need."""
+def validate_for_backend(cfg: RunConfig, backend: str, workers: int) -> None:
+    """Options that the chosen backend would ignore, or that it does not build, are refused, naming
+    the backend they need; ``workers``: the devices it runs on."""
     flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
     for owner, options in (("pipeline", PIPELINE_OPTIONS), ("chunked", CHUNKED_OPTIONS)):
         if backend == owner:
@@ -359,3 +360,15 @@ def validate_for_backend(cfg: RunConfig, backend: str) -> None:
         if given:
             raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {owner}, "
                              f"and this run uses --backend {backend}")
+    if backend != "chunked":
+        return
+    if cfg.export:
+        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
+    if cfg.lora_rank:
+        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
+    if cfg.optimizer_lag:
+        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
+    if cfg.precision == "fp16":
+        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
+    if cfg.micro_batches % workers:
+        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {workers} data-parallel workers")

@@ -57,7 +57,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.exports()
     exports = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
-    payload = WorkerPayload(cfg, spec, header, inputs, exports, return_weights)
+    payload = WorkerPayload(replace(cfg, precision=spec.precision), spec, header, inputs, exports, return_weights)
     results = launch_workers(topo.n, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
@@ -151,7 +151,8 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
               + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
               + f"\n  why: {setup.reasons}")
-    payload = WorkerPayload(cfg, spec, header, inputs, return_weights=return_weights)
+    payload = WorkerPayload(replace(cfg, precision=spec.precision), spec, header, inputs,
+                            return_weights=return_weights)
     results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     return (history, results[0]["weights"], results) if return_weights else history

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
 from mobius.partition.cost import stage_costs
 from mobius.planner import DoesNotFit, get_profile, make_plan
+from mobius.precision import default_precision
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
@@ -46,11 +48,6 @@ def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
     return backend, topo
 
 
-def default_precision(on_gpus: bool) -> str:
-    """bf16 where GPUs compute (every card we target has it), fp32 on CPU workers."""
-    return "bf16" if on_gpus else "fp32"
-
-
 def resolve_devices(topo: Topology, emulate: bool = False) -> bool:
     """True when real GPUs compute: the topology is this machine's and CUDA works here.  Otherwise
     CPU workers rehearse the topology's devices (``topo.virtual``: the profile is measured on them,
@@ -74,9 +71,9 @@ def reserve_cuda_memory(topo: Topology) -> None:
 
 
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
-    """``--precision`` or the default for the devices; recorded in ``cfg`` (checkpoints keep it)."""
-    cfg.precision = cfg.precision or default_precision(cuda)
-    return cfg.precision
+    """``--precision`` or the default for the devices.  The run's spec carries it; the workers'
+    configuration is given it (:func:`mobius.launcher.launch_workers`), and so are checkpoints."""
+    return cfg.precision or default_precision(cuda)
 
 
 def budgets_of(topo: Topology) -> tuple[int, ...]:
@@ -138,7 +135,7 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     :func:`mobius.runtime.inputs.check_model_input` checked it."""
     cuda = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
-    check_run_inputs(cfg, model_config)
+    check_run_inputs(replace(cfg, precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulate else None
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation), plan

@@ -25,9 +25,8 @@ from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
 from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
-from mobius.precision import DTYPES
+from mobius.precision import DTYPES, default_precision
 from mobius.runtime.device import peak_memory, reset_peak_memory
-
 
 
 class ReferenceTrainer:
@@ -41,8 +40,9 @@ class ReferenceTrainer:
         self.master = {n: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) if self.lag else p
                        for n, p in self.model.named_parameters()}
         self.optimizer = make_adamw(self.master.items(), cfg.lr)
-        self.dtype = DTYPES[cfg.precision]
-        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+        precision = cfg.precision or default_precision(device.type == "cuda")
+        self.dtype = DTYPES[precision]
+        self.scaler = DynamicLossScaler(enabled=precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.trace))
         reset_peak_memory(device)
 

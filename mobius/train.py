@@ -15,6 +15,7 @@ if __name__ == "__main__":
 # ruff: noqa: E402
 import math
 import resource
+from dataclasses import replace
 
 import torch
 
@@ -78,7 +79,7 @@ def check_file_size_limit(cfg: RunConfig, model_config: GPTConfig) -> None:
 def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
                  inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
-    resolve_precision(cfg, device.type == "cuda")
+    cfg = replace(cfg, precision=resolve_precision(cfg, device.type == "cuda"))
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
 
     def restore(ckpt: ck.Checkpoint) -> None:
@@ -128,19 +129,19 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
+    backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
+    validate_for_backend(cfg, backend, topo.n if topo is not None else 1)
     inputs = ck.input_digests(cfg, model_config)
     if cfg.resume:
         ck.check_inputs(cfg, inputs)
     # The data, read and checked before any worker starts; the workers map what this process made.
     batches, held_out = make_data(cfg, model_config)
     if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
-        cfg.steps = max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9))
+        cfg = replace(cfg, steps=max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9)))
     print(f"data: {batches.describe()}; {cfg.steps} steps ({batches.epochs(cfg.steps):.2f} epochs) at peak lr "
           f"{cfg.lr:g}", flush=True)
     if held_out is not None:
         print(f"held out: {held_out.describe()}", flush=True)
-    backend, topo = resolve_backend(cfg)
-    validate_for_backend(cfg, backend)
     # This process holds the data; the workers map one copy of it (the page cache's, shared).
     holders = 1 if backend == "single" else 2
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)

@@ -67,6 +67,7 @@ TRAIN_OPTIONS = [
     (["--backend", "chunked", "--topology", "cpu", "--lora-rank", "4"], "--lora-rank is built for --backend pipeline"),
     (["--backend", "chunked", "--topology", "cpu", "--optimizer-lag", "1"],
      "--optimizer-lag is built for --backend pipeline"),
+    (["--backend", "chunked", "--topology", "cpu", "--precision", "fp16"], "fp16 loss scaling is not built there"),
     (["--emulate"], "--topology auto is this machine"),
     (["--emulate", "--topology", "cpu"], "--emulate rehearses a GPU topology (a preset or file); --topology cpu has"),
     (["--backend", "single", "--stages", "3", "--no-prefetch"],
@@ -278,6 +279,14 @@ def test_hugging_face_directories(hf, arch, change, message, tmp_path, capsys):
     assert message in one_line_exit_2(train_main, ["--model", str(d), "--seq-len", "16", "--steps", "1",
                                                    "--backend", "single", "--no-progress"], capsys)
     assert snapshot(d) == before
+
+
+def test_an_export_the_chunked_backend_does_not_build_is_refused(hf, tmp_path, capsys):
+    model, export = _copy(hf, "gpt2", tmp_path), tmp_path / "tuned"
+    assert "--export is not built for --backend chunked" in one_line_exit_2(
+        train_main, ["--model", str(model), "--backend", "chunked", "--topology", "cpu", "--export", str(export),
+                     "--seq-len", "16", "--steps", "1", "--no-progress"], capsys)
+    assert not export.exists()
 
 
 # ---- the user's files are never replaced ------------------------------------------------------------------
