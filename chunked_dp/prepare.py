@@ -29,7 +29,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
     this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
     ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it, the options as
     :func:`mobius.config.validate_for_backend` checked them."""
-    cuda = resolve_devices(topo, cfg.emulate)
+    cuda, topo = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(replace(cfg, precision=precision), model_config)
     # The GPUs' costs from FLOPs and bytes: the prediction, the passes and the emulated timing use them.

@@ -5,6 +5,7 @@ before any worker starts, into a frozen :class:`RunSpec` handed to every worker 
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import replace
@@ -48,26 +49,28 @@ def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
     return backend, topo
 
 
-def resolve_devices(topo: Topology, emulate: bool = False) -> bool:
-    """True when real GPUs compute: the topology is this machine's and CUDA works here.  Otherwise
-    CPU workers rehearse the topology's devices (``topo.virtual``: the profile is measured on them,
-    unless they ``emulate`` the topology's GPUs)."""
+def resolve_devices(topo: Topology, emulate: bool = False) -> tuple[bool, Topology]:
+    """Whether real GPUs compute (the topology is this machine's and CUDA works here), and the
+    topology as the run's devices see it, a copy: on GPUs without the CUDA reserve; otherwise CPU
+    workers rehearse its devices (``virtual``: the profile is measured on them, unless they
+    ``emulate`` the topology's GPUs)."""
     cuda = not emulate and not topo.virtual and cuda_available()
-    topo.virtual = not cuda
-    if cuda:
-        reserve_cuda_memory(topo)
-    return cuda
+    seen = copy.deepcopy(topo)
+    seen.virtual = not cuda
+    return cuda, reserve_cuda_memory(seen) if cuda else seen
 
 
-def reserve_cuda_memory(topo: Topology) -> None:
-    """On GPUs the plan and the runtime budget only what the CUDA context and libraries leave
-    free (:data:`CUDA_RESERVE_BYTES`); once per topology, recorded in its ``extra``.  CPU workers
+def reserve_cuda_memory(topo: Topology) -> Topology:
+    """``topo`` as a run on its GPUs budgets it (a copy): only what the CUDA context and libraries
+    leave free (:data:`CUDA_RESERVE_BYTES`), taken once, recorded in its ``extra``.  CPU workers
     rehearsing GPUs budget the whole ``--gpu-mem-gb``: the runtime enforces it there itself."""
     if "cuda_reserve_gb" in topo.extra:
-        return
-    topo.extra["cuda_reserve_gb"] = CUDA_RESERVE_BYTES / GB
-    for g in topo.gpus:
+        return topo
+    reserved = copy.deepcopy(topo)
+    reserved.extra["cuda_reserve_gb"] = CUDA_RESERVE_BYTES / GB
+    for g in reserved.gpus:
         g.memory_gb = max(0.0, g.memory_gb - CUDA_RESERVE_BYTES / GB)
+    return reserved
 
 
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
@@ -120,7 +123,7 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
     what ``mobius.plan`` prints, and what every script that plans reports."""
     on_gpus = not topo.virtual and not cfg.emulate  # emulating, CPU workers stand for the GPUs
     if on_gpus:
-        reserve_cuda_memory(topo)
+        topo = reserve_cuda_memory(topo)
     return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
 
 
@@ -133,7 +136,7 @@ def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
 def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> tuple[RunSpec, Plan]:
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
     :func:`mobius.runtime.inputs.check_model_input` checked it."""
-    cuda = resolve_devices(topo, cfg.emulate)
+    cuda, topo = resolve_devices(topo, cfg.emulate)
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(replace(cfg, precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)

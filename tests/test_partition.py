@@ -178,9 +178,10 @@ def test_gpus_are_budgeted_without_the_cuda_reserve_once():
 
     topo = load_preset("8x3090-4+4")
     card = [g.memory_gb for g in topo.gpus]
-    reserve_cuda_memory(topo)
-    reserve_cuda_memory(topo)
-    assert [g.memory_gb for g in topo.gpus] == pytest.approx([c - CUDA_RESERVE_BYTES / 1e9 for c in card])
+    reserved = reserve_cuda_memory(topo)
+    assert reserve_cuda_memory(reserved) is reserved  # taken once
+    assert [g.memory_gb for g in reserved.gpus] == pytest.approx([c - CUDA_RESERVE_BYTES / 1e9 for c in card])
+    assert [g.memory_gb for g in topo.gpus] == card  # the topology it was given is left as it was
 
 
 def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_path, monkeypatch):
