@@ -124,7 +124,7 @@ def test_plan_command_rejects_bad_input_with_one_line():
                         "--gpu-mem-gb", "1", "--no-cache"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "budget" in r.stderr
     r = subprocess.run([sys.executable, "-m", "mobius.plan", "--model", "mobius-51b", "--topology", "topo4",
-                        "--micro-batch-size", "1", "--seq-len", "512", "--json", "--no-cache"],
+                        "--micro-batch-size", "1", "--seq-len", "512", "--json", "--no-cache", "--time-limit", "2"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     import json
