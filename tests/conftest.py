@@ -55,6 +55,28 @@ def reference(cfg, device: str = "cpu", **changes):
     return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
 
 
+def on_threads(fn, ranks) -> None:
+    """``fn(rank)`` for every rank at once, one thread each (the ends of a transport wait for each
+    other); the first error of any of them is raised here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(rank) -> None:
+        try:
+            fn(rank)
+        except BaseException as err:  # re-raised on the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def run_in_threads(cfg):
     """The pipeline of ``cfg`` in this process, one thread per worker linked by an in-process
     transport, every stream under the order checker: per-step losses and final weights."""
@@ -72,30 +94,19 @@ def run_in_threads(cfg):
     data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
     group = LocalGroup(cfg.cpu_workers)
     results: dict[int, tuple] = {}
-    errors: list[BaseException] = []
     building = threading.Lock()  # layers are initialised through torch's global generator
 
     def worker(rank: int) -> None:
+        with building:
+            parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False), data)
         try:
-            with building:
-                parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False),
-                                     data)
-            try:
-                sums = [parts.runner.step(k) for k in range(cfg.steps)]
-                parts.runner.drain()  # every update in the host store (resident stages' too)
-            finally:
-                parts.close()
-            results[rank] = (sums, parts.store.state_dict())
-        except BaseException as err:  # reported by the test thread
-            errors.append(err)
+            sums = [parts.runner.step(k) for k in range(cfg.steps)]
+            parts.runner.drain()  # every update in the host store (resident stages' too)
+        finally:
+            parts.close()
+        results[rank] = (sums, parts.store.state_dict())
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(cfg.cpu_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    on_threads(worker, range(cfg.cpu_workers))
     losses = [sum(results[r][0][k] for r in results) for k in range(cfg.steps)]  # the last stage's worker has it
     weights = {n: w for r in results for n, w in results[r][1].items()}
     if cfg.stages is not None:

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import on_threads
+
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
@@ -109,12 +111,7 @@ def test_the_tied_embedding_sums_both_copies_alike_on_two_workers():
         params[r].grad = grads[r].clone()
     group = LocalGroup(2)
     traffic = {r: Traffic() for r in (0, 1)}
-    threads = [threading.Thread(target=TiedEmbedding(stores[r], plan, group.endpoint(r), traffic[r]).sum_gradients)
-               for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    on_threads(lambda r: TiedEmbedding(stores[r], plan, group.endpoint(r), traffic[r]).sum_gradients(), (0, 1))
     want = grads[0] + grads[1]
     assert torch.equal(params[0].grad, want) and torch.equal(params[1].grad, want)
     assert traffic[0].peer == traffic[1].peer == want.numel() * 4
@@ -175,7 +172,6 @@ def test_activations_reach_the_next_stage_on_either_worker():
     plan = SimpleNamespace(micro_batches=M, gpu_of_stage=lambda s: 0 if s < 2 else 1)
     group = LocalGroup(2)
     got: dict = {}
-    errors: list = []
     traffic = {r: Traffic() for r in (0, 1)}
     want = {m: torch.full(shape, float(m + 1)) for m in range(M)}
 
@@ -197,18 +193,11 @@ def test_activations_reach_the_next_stage_on_either_worker():
                     x = links.to_device(links.recv(1, (1, m, False), shape, torch.float32), "stage input")
                     got[(2, m)] = x.clone()
             links.finish_sends()
-        except BaseException as err:
-            errors.append(err)
         finally:
             links.close()
             device.close()
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    on_threads(worker, (0, 1))
     for m in range(M):
         assert torch.equal(got[(1, m)], want[m]) and torch.equal(got[(2, m)], want[m] * 2)
     size = want[0].numel() * 4

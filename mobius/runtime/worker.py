@@ -176,13 +176,13 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
         dist.init_process_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
         try:
-            return _run(payload, spec, rank, world, build, decide)
+            return _run(payload, rank, world, build, decide)
         finally:
             dist.destroy_process_group()
 
 
-def _run(payload: WorkerPayload, spec: RunSpec | None, rank: int, world: int, build, decide) -> dict:
-    cfg = payload.cfg
+def _run(payload: WorkerPayload, rank: int, world: int, build, decide) -> dict:
+    cfg, spec = payload.cfg, payload.spec
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
         shared = [decide() if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
