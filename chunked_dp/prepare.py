@@ -29,12 +29,13 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
     this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
     ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it, the options as
     :func:`mobius.config.validate_for_backend` checked them."""
-    cuda, topo = resolve_devices(topo, cfg.emulate)
+    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
     precision = resolve_precision(cfg, cuda)
-    check_run_inputs(replace(cfg, precision=precision), model_config)
+    check_run_inputs(cfg.changed(precision=precision), model_config)
     # The GPUs' costs from FLOPs and bytes: the prediction, the passes and the emulated timing use them.
-    gpu = get_profile(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.seq_len, precision, "analytic")
-    per_worker = cfg.micro_batches // topo.n
+    batch = cfg.batch
+    gpu = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, "analytic")
+    per_worker = cfg.batch.micro_batches // topo.n
     capacity = min(g.memory_gb for g in topo.gpus) * 1e9
     group = micro_batches_per_pass(gpu, per_worker, ACTIVATION_SHARE * capacity)
     use = trace_first_use(model_config)
@@ -43,25 +44,25 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
                        cpu_adam_params_per_s=gpu.host.adam_params_per_s)
     except DoesNotFit as err:
         raise InputError(f"--backend chunked: {err}; give more --gpu-mem-gb or a smaller --chunk-size") from None
-    chunk_size = cfg.chunk_size or found.chunk_size
+    chunk_size = cfg.chunked.chunk_size or found.chunk_size
     packed = pack(use, chunk_size, topo.n)
     layer_chunks = chunks_of_layers(packed, use)
     need = max(len(cs) for cs in layer_chunks)
-    n_block = cfg.rcache_blocks or found.n_block
+    n_block = cfg.chunked.rcache_blocks or found.n_block
     if n_block < need:
         raise InputError(f"--rcache-blocks {n_block}: a layer of {cfg.model} spans {need} chunks of "
                          f"{packed[0].size} elements; the rCache needs at least {need} blocks")
-    offload = cfg.offload != "off"
+    offload = cfg.chunked.offload != "off"
     setup = ChunkedSetup(chunk_size=chunk_size, n_chunks=len(packed), n_block=n_block, offload=offload,
-                         device_chunks=0 if cfg.offload == "on" else found.device_chunks, group=group,
+                         device_chunks=0 if cfg.chunked.offload == "on" else found.device_chunks, group=group,
                          reasons=found.reasons())
     predicted = predict(setup, gpu, topo, per_worker, layer_chunks, packed[0].size // topo.n,
                         DTYPES[precision].itemsize)
     timing, emulation = None, None
-    if cfg.emulate:
+    if cfg.emulation.enabled:
         timing = Timing(tuple((layer.fwd_s, layer.bwd_s) for layer in gpu.layers), gpu.host.adam_params_per_s,
                         gpu.host.device_adam_params_per_s)
-        cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
+        cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           precision, "measure")
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
         emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"])

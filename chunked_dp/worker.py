@@ -28,7 +28,8 @@ class ChunkedWorker:
         setup = spec.chunked
         self.engine = ChunkedEngine(model_config_for(cfg), ctx.rank, ctx.world, ctx.device, setup.chunk_size,
                                     setup.n_block, setup.offload, setup.device_chunks, DTYPES[spec.precision],
-                                    cfg.seed, cfg.lr, cfg.steps, ctx.trace, prefetch=cfg.chunk_prefetch,
+                                    cfg.optim.seed, cfg.optim.lr, cfg.optim.steps, ctx.trace,
+                                    prefetch=cfg.chunked.prefetch,
                                     group=setup.group, timing=setup.timing)
         self.batches, self.held_out = ctx.data
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here

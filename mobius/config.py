@@ -7,7 +7,7 @@ import argparse
 import importlib.util
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mobius.config_sources import layered_argv
@@ -26,58 +26,105 @@ DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
 LORA_TARGETS = LORA_MODULES
 
 
-@dataclass
-class RunConfig:
-    topology: str = "auto"
-    backend: str = "auto"
-    model: str = "small"
-    data: str | None = None
-    data_format: str | None = None  # None: detected from the records' fields
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _positive(section, names: tuple[str, ...], options: dict[str, str] | None = None) -> None:
+    """Each of ``names`` (attributes of ``section``) is None or positive; ``options`` names the
+    command-line option of an attribute spelled otherwise."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            what = "positive" if isinstance(value, int) else "a positive finite number"
+            raise InputError(f"{_flag((options or {}).get(name, name))} must be {what}, got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the run trains and evaluates on, and how records become sequences."""
+    path: str | None = None  # --data; None: this Python's stdlib sources
+    format: str | None = None  # --data-format; None: detected from the records' fields
     packing: str = "auto"  # auto (on for examples, text windows for a corpus) | on | off
     train_on_prompt: bool = False  # examples: loss on every token, not only on the answers
     chat_template: str | None = None  # a Jinja file for a model without a chat template of its own
     truncate: bool = True  # an example longer than --seq-len is cut (False: refused)
-    eval_data: str | None = None  # held-out records
+    eval_path: str | None = None  # --eval-data: held-out records
     eval_split: float = 0.0  # or this fraction of --data's records, drawn by the seed
     eval_every: int = 0  # evaluate every N steps (and at the end); 0: at the end only
-    steps: int = 40
-    epochs: float | None = None  # instead of --steps: passes over the training sequences
+
+    def __post_init__(self):
+        if not (math.isfinite(self.eval_split) and 0 <= self.eval_split < 1):
+            raise InputError(f"--eval-split must be at least 0 and below 1, got {self.eval_split}")
+        if self.eval_split and (self.eval_path or not self.path):
+            raise InputError("--eval-split holds out part of --data: give --data, and not --eval-data beside it")
+        if self.eval_every < 0:
+            raise InputError(f"--eval-every must be zero or positive, got {self.eval_every}")
+        if self.eval_every and not (self.eval_path or self.eval_split):
+            raise InputError("--eval-every needs --eval-data PATH or --eval-split FRACTION")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """One optimizer step's tokens: micro_batches x micro_batch_size sequences of seq_len."""
     micro_batch_size: int = 4
     micro_batches: int = 4
     seq_len: int = 128
-    lr: float = 1e-3
+
+    def __post_init__(self):
+        _positive(self, ("micro_batch_size", "micro_batches", "seq_len"))
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batches * self.micro_batch_size * self.seq_len
+
+    def describe(self) -> str:
+        return f"{self.micro_batches}x{self.micro_batch_size} sequences of {self.seq_len} per step"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """How long and how the weights are trained."""
+    steps: int = 40
+    epochs: float | None = None  # instead of --steps: passes over the training sequences
+    lr: float = DEFAULT_LR["preset"]
     seed: int = 0
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
-    metrics: str | None = None
-    tensorboard: str | None = None  # a TensorBoard log directory (a new event file in it)
-    trace: str | None = None
+    optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
+
+    def __post_init__(self):
+        _positive(self, ("steps", "epochs", "lr"))
+        if not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be between 0 and 2**63-1, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run's state is saved and what it continues from."""
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
     resume_with_changes: bool = False  # a resume may change lr, steps, precision, batch shape, data
     stop_after: int | None = None
+
+    def __post_init__(self):
+        _positive(self, ("stop_after",))
+        if self.save_every < 0:
+            raise InputError(f"--save-every must be zero or positive, got {self.save_every}")
+        if self.save_every and not self.save:
+            raise InputError("--save-every needs --save DIR")
+        if self.resume_with_changes and not self.resume:
+            raise InputError("--resume-with-changes needs --resume DIR")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """What the run writes beside its checkpoints."""
+    metrics: str | None = None
+    tensorboard: str | None = None  # a TensorBoard log directory (a new event file in it)
+    trace: str | None = None
     export: str | None = None
     export_merged: str | None = None  # LoRA: a full Hugging Face model with the adapters merged
-    gpu_mem_gb: float | None = None
-    host_adam_gbps: float | None = None  # the planned host's memory bandwidth for its AdamW (analytic profiles)
-    cpu_workers: int = 2
-    recompute: str = "auto"  # auto | on | off
-    partitioner: str = "mip"
-    stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
-    mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
-    prefetch: bool = True  # load the next stage while the current one computes
-    device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
-    emulate: bool = False  # CPU workers stand for the topology's GPUs with emulated links and dilated time
-    dilation: float | None = None  # --emulate: wall seconds per emulated second (None: chosen for the run)
-    lora_rank: int = 0  # >0: train LoRA adapters of this rank on frozen base weights
-    lora_alpha: float | None = None  # None: the rank (scaling 1)
-    lora_dropout: float = 0.0
-    lora_targets: str = ",".join(LORA_TARGETS)
-    optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
-    chunk_size: int | None = None  # chunked backend: elements per chunk (None: searched)
-    rcache_blocks: int | None = None  # chunked backend: rCache blocks (None: searched)
-    offload: str = "auto"  # chunked backend: auto (searched placement) | on (all chunks on the host) | off
-    chunk_prefetch: bool = True  # chunked backend: gather the next layer's chunks while this one computes
     progress: bool = True
 
     def exports(self) -> list[tuple[str, str, bool]]:
@@ -85,13 +132,155 @@ class RunConfig:
         return [(o, d, merged) for o, d, merged in (("--export", self.export, False),
                                                      ("--export-merged", self.export_merged, True)) if d]
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline backend's own choices (Mobius)."""
+    recompute: str = "auto"  # auto | on | off
+    partitioner: str = "mip"
+    stages: int | None = None  # force a stage count (uniform partition); None: the partitioner decides
+    mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
+    prefetch: bool = True  # load the next stage while the current one computes
+    device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
+
+    def __post_init__(self):
+        _positive(self, ("stages",))
+
+
+@dataclass(frozen=True)
+class ChunkedConfig:
+    """The chunked backend's own choices (Elixir, PatrickStar)."""
+    chunk_size: int | None = None  # elements per chunk (None: searched)
+    rcache_blocks: int | None = None  # rCache blocks (None: searched)
+    offload: str = "auto"  # auto (searched placement) | on (all chunks on the host) | off
+    prefetch: bool = True  # gather the next layer's chunks while this one computes
+
+    def __post_init__(self):
+        _positive(self, ("chunk_size", "rcache_blocks"))
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on frozen base weights; rank 0 trains every weight."""
+    rank: int = 0
+    alpha: float | None = None  # None: the rank (scaling 1)
+    dropout: float = 0.0
+    targets: str = ",".join(LORA_TARGETS)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise InputError(f"--lora-rank must be zero or positive, got {self.rank}")
+        if not self.rank:
+            default = {f.name: f.default for f in fields(self)}
+            changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(self, k) != default[k]]
+            if changed:
+                raise InputError(f"{', '.join(changed)} needs --lora-rank R")
+            return
+        _positive(self, ("alpha",), {"alpha": "lora_alpha"})
+        if not 0 <= self.dropout < 1:
+            raise InputError(f"--lora-dropout must be at least 0 and below 1, got {self.dropout}")
+        targets = self.targets.split(",")
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or len(set(targets)) != len(targets):
+            raise InputError(f"--lora-targets {self.targets!r}: give distinct names among {', '.join(LORA_TARGETS)}")
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """--emulate: CPU workers stand for the topology's GPUs with emulated links and dilated time."""
+    enabled: bool = False
+    dilation: float | None = None  # wall seconds per emulated second (None: chosen for the run)
+
+    def __post_init__(self):
+        if self.dilation is not None and not self.enabled:
+            raise InputError("--dilation F needs --emulate")
+        if self.dilation is not None and not (math.isfinite(self.dilation) and self.dilation >= 1):
+            raise InputError(f"--dilation must be a finite number of at least 1, got {self.dilation}")
+
+
+# Where each command-line option lives: option -> (section, attribute).  The command line, a
+# --config file, --print-config and a checkpoint's stored configuration all speak options; the
+# code reads sections.
+SECTIONS = {"data": DataConfig, "batch": BatchConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+            "outputs": OutputConfig, "pipeline": PipelineConfig, "chunked": ChunkedConfig, "lora": LoraConfig,
+            "emulation": EmulationConfig}
+_RENAMED = {"data": ("data", "path"), "data_format": ("data", "format"), "eval_data": ("data", "eval_path"),
+            "chunk_prefetch": ("chunked", "prefetch"), "emulate": ("emulation", "enabled"),
+            "lora_rank": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
+            "lora_targets": ("lora", "targets")}
+OPTIONS: dict[str, tuple[str, str]] = {
+    **{f.name: (section, f.name) for section, kind in reversed(SECTIONS.items()) for f in fields(kind)
+       if (section, f.name) not in _RENAMED.values()},
+    **_RENAMED}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, as the user asked for it: what, where, and a section per concern.  Built once from
+    the command line (:func:`parse_train_args`); each section checks its own values, and this class
+    the checks that span sections.  Frozen: a resolved setting is a new RunConfig (:meth:`changed`)."""
+    topology: str = "auto"
+    backend: str = "auto"
+    model: str = "small"
+    gpu_mem_gb: float | None = None
+    host_adam_gbps: float | None = None  # the planned host's memory bandwidth for its AdamW (analytic profiles)
+    cpu_workers: int = 2
+    data: DataConfig = DataConfig()
+    batch: BatchConfig = BatchConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    outputs: OutputConfig = OutputConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    chunked: ChunkedConfig = ChunkedConfig()
+    lora: LoraConfig = LoraConfig()
+    emulation: EmulationConfig = EmulationConfig()
+
+    def __post_init__(self):
+        _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps"))
+        if self.outputs.export_merged and not self.lora.rank:
+            raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
+        if self.emulation.enabled and self.topology == "auto":
+            raise InputError("--emulate rehearses the GPUs of --topology PRESET|FILE on CPU workers; "
+                             "--topology auto is this machine")
+        if self.emulation.enabled and self.topology == "cpu":
+            raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs "
+                             "to emulate")
+        if self.emulation.enabled and self.backend == "single":
+            raise InputError("--emulate is built for --backend pipeline and chunked, not single")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def of(cls, **options) -> "RunConfig":
+        """A configuration from option names (``micro_batch_size=2``, ``lora_rank=8``), the others at
+        their defaults."""
+        return cls.from_dict(options)
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "RunConfig":
+        """From a mapping of option names; names that are no option (argparse's own) are ignored."""
+        top = {f.name for f in fields(cls)} - set(SECTIONS)
+        sections: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in options.items():
+            if key in OPTIONS:
+                section, attr = OPTIONS[key]
+                sections[section][attr] = value
+        return cls(**{k: v for k, v in options.items() if k in top},
+                   **{name: SECTIONS[name](**values) for name, values in sections.items()})
+
+    def to_dict(self) -> dict:
+        """Every option with its value, as the command line names them."""
+        top = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in SECTIONS}
+        return {**top, **{option: self.option(option) for option in OPTIONS}}
+
+    def option(self, name: str):
+        """The value of one command-line option (``"lora_rank"``, ``"seq_len"``, ``"model"``)."""
+        if name in OPTIONS:
+            section, attr = OPTIONS[name]
+            return getattr(getattr(self, section), attr)
+        return getattr(self, name)
+
+    def changed(self, **options) -> "RunConfig":
+        """This configuration with some options given other values (checked again)."""
+        return RunConfig.from_dict({**self.to_dict(), **options})
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -113,10 +302,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     """Options shared by ``mobius.train`` and ``mobius.plan``."""
-    d = RunConfig()
-    p.add_argument("--topology", default=d.topology,
+    d = RunConfig().to_dict()
+    p.add_argument("--topology", default=d["topology"],
                    help="auto (probe this machine), a preset name, or a topology JSON file")
-    p.add_argument("--model", default=d.model,
+    p.add_argument("--model", default=d["model"],
                    help="a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, OPT, "
                         "Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3)")
     p.add_argument("--lora-rank", type=int, default=0,
@@ -125,13 +314,13 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="dropout on the adapters' input in training (masks seeded per step, micro-batch, layer and "
                         "module: every backend and every recomputation draws the same)")
-    p.add_argument("--lora-targets", default=d.lora_targets,
+    p.add_argument("--lora-targets", default=d["lora_targets"],
                    help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
                         "fc (MLP in; gate and up), fc_out (MLP out)")
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per micro-batch")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches,
+    p.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="sequences per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=d["micro_batches"],
                    help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--gpu-mem-gb", type=float, default=None,
@@ -140,19 +329,19 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="memory bandwidth (GB/s) of the host the plan is for, which bounds its AdamW, when that "
                         "host is not this one (default: the topology's host.memory_bandwidth_gbps, else an assumed "
                         "1e9 parameters/s per GPU)")
-    p.add_argument("--cpu-workers", type=int, default=d.cpu_workers,
+    p.add_argument("--cpu-workers", type=int, default=d["cpu_workers"],
                    help="virtual workers of the CPU topology when no GPU is found")
-    p.add_argument("--recompute", choices=("auto", "on", "off"), default=d.recompute,
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default=d["recompute"],
                    help="recompute stage activations in backward (auto: the plan's memory decides)")
     p.add_argument("--partitioner", choices=("mip", "min", "max", "uniform", "balanced"),
-                   default=d.partitioner, help="how the model is cut into stages")
+                   default=d["partitioner"], help="how the model is cut into stages")
     p.add_argument("--stages", type=int, default=None,
                    help="force this many stages (uniform split) instead of the partitioner's choice")
-    p.add_argument("--mapping", choices=("cross", "sequential"), default=d.mapping,
+    p.add_argument("--mapping", choices=("cross", "sequential"), default=d["mapping"],
                    help="place adjacent stages under different root complexes (cross, Mobius §3.3) or GPUs in order")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="load each stage only when the previous one is released (to see what prefetching gains)")
-    p.add_argument("--device-optimizer", choices=("auto", "off"), default=d.device_optimizer,
+    p.add_argument("--device-optimizer", choices=("auto", "off"), default=d["device_optimizer"],
                    help="auto: the stages whose weights, gradients and AdamW state fit in a GPU's spare memory "
                         "stay there and are updated there, when the plan says the step is faster for it; off: "
                         "every stage swaps and is updated by the host's AdamW")
@@ -162,7 +351,7 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_train_parser() -> argparse.ArgumentParser:
-    d = RunConfig()
+    d = RunConfig().to_dict()
     p = OneLineParser(
         prog="python -m mobius.train",
         description="Fine-tune a language model with the Mobius pipeline (or the reference trainer).",
@@ -174,7 +363,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration, every default included, as YAML, and exit")
     add_model_and_batch_args(p)
-    p.add_argument("--backend", choices=BACKENDS, default=d.backend,
+    p.add_argument("--backend", choices=BACKENDS, default=d["backend"],
                    help="auto: chunked on NVLink topologies, else pipeline; single: plain PyTorch reference")
     p.add_argument("--emulate", action="store_true",
                    help="rehearse --topology's GPUs on CPU workers: emulated PCIe links and root complexes, "
@@ -187,7 +376,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                         "directory of them (default: this Python's stdlib sources)")
     p.add_argument("--data-format", choices=FORMATS, default=None,
                    help="the records' shape (default: detected from their fields)")
-    p.add_argument("--packing", choices=("auto", "on", "off"), default=d.packing,
+    p.add_argument("--packing", choices=("auto", "on", "off"), default=d["packing"],
                    help="on: examples packed into --seq-len sequences, each attending only to itself; off: one "
                         "example per sequence, padded; auto: on for examples, random windows of a text corpus")
     p.add_argument("--train-on-prompt", action="store_true",
@@ -197,18 +386,18 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-truncate", dest="truncate", action="store_false",
                    help="refuse an example longer than --seq-len instead of cutting it")
     p.add_argument("--eval-data", default=None, help="held-out records: loss and perplexity, forward only")
-    p.add_argument("--eval-split", type=float, default=d.eval_split,
+    p.add_argument("--eval-split", type=float, default=d["eval_split"],
                    help="hold out this fraction of --data's records (drawn by --seed) for evaluation")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
+    p.add_argument("--eval-every", type=int, default=d["eval_every"],
                    help="evaluate every N steps, and at the end (0: at the end only)")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"total optimizer steps of the run (default: {d.steps}, or as many as --epochs take)")
+                   help=f"total optimizer steps of the run (default: {d['steps']}, or as many as --epochs take)")
     p.add_argument("--epochs", type=float, default=None,
                    help="instead of --steps: train this many passes over the training sequences")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: {DEFAULT_LR['preset']:g} for a preset, {DEFAULT_LR['full']:g} "
                         f"to fine-tune a Hugging Face model, {DEFAULT_LR['lora']:g} with --lora-rank)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and of the data order")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the weights and of the data order")
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
                    help="write loss, eval loss, learning rate, tokens/s and step time as TensorBoard events here")
@@ -234,88 +423,17 @@ def build_train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(cfg, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and not value > 0:
-            raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
-
-
-def validate_shared(cfg: RunConfig) -> None:
-    """The checks of the options ``mobius.train`` and ``mobius.plan`` share."""
-    _positive(cfg, ("micro_batch_size", "micro_batches", "seq_len", "cpu_workers", "stages"))
-    for name in ("gpu_mem_gb", "host_adam_gbps"):
-        value = getattr(cfg, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise InputError(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
-    _validate_lora(cfg)
-
-
-def _validate_lora(cfg: RunConfig) -> None:
-    if cfg.lora_rank < 0:
-        raise InputError(f"--lora-rank must be zero or positive, got {cfg.lora_rank}")
-    d = RunConfig()
-    if not cfg.lora_rank:
-        changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(cfg, f"lora_{k}") != getattr(d, f"lora_{k}")]
-        if changed:
-            raise InputError(f"{', '.join(changed)} needs --lora-rank R")
-        return
-    if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
-        raise InputError(f"--lora-alpha must be a positive finite number, got {cfg.lora_alpha}")
-    if not 0 <= cfg.lora_dropout < 1:
-        raise InputError(f"--lora-dropout must be at least 0 and below 1, got {cfg.lora_dropout}")
-    targets = cfg.lora_targets.split(",")
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown or len(set(targets)) != len(targets):
-        raise InputError(f"--lora-targets {cfg.lora_targets!r}: give distinct names among {', '.join(LORA_TARGETS)}")
-
-
-def validate(cfg: RunConfig) -> None:
-    """Checks that need no model or data; paths are checked by the run's pre-flight
-    (:func:`mobius.train.check_outputs`), everything loaded where it is loaded."""
-    validate_shared(cfg)
-    _positive(cfg, ("steps", "epochs", "chunk_size", "rcache_blocks", "stop_after"))
-    if cfg.epochs is not None and not math.isfinite(cfg.epochs):
-        raise InputError(f"--epochs must be a positive finite number, got {cfg.epochs}")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise InputError(f"--lr must be a positive finite number, got {cfg.lr}")
-    if not 0 <= cfg.seed < 2**63:
-        raise InputError(f"--seed must be between 0 and 2**63-1, got {cfg.seed}")
-    if cfg.save_every < 0:
-        raise InputError(f"--save-every must be zero or positive, got {cfg.save_every}")
-    if cfg.save_every and not cfg.save:
-        raise InputError("--save-every needs --save DIR")
-    if cfg.export_merged and not cfg.lora_rank:
-        raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
-    if cfg.emulate and cfg.topology == "auto":
-        raise InputError("--emulate rehearses the GPUs of --topology PRESET|FILE on CPU workers; "
-                         "--topology auto is this machine")
-    if cfg.emulate and cfg.topology == "cpu":
-        raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs to emulate")
-    if cfg.emulate and cfg.backend == "single":
-        raise InputError("--emulate is built for --backend pipeline and chunked, not single")
-    if cfg.dilation is not None and not cfg.emulate:
-        raise InputError("--dilation F needs --emulate")
-    if cfg.dilation is not None and not (math.isfinite(cfg.dilation) and cfg.dilation >= 1):
-        raise InputError(f"--dilation must be a finite number of at least 1, got {cfg.dilation}")
-    if cfg.resume_with_changes and not cfg.resume:
-        raise InputError("--resume-with-changes needs --resume DIR")
-    if cfg.data is not None and not Path(cfg.data).exists():
-        raise InputError(f"--data {cfg.data}: no such file or directory")
-    if cfg.eval_data is not None and not Path(cfg.eval_data).exists():
-        raise InputError(f"--eval-data {cfg.eval_data}: no such file or directory")
-    if not (math.isfinite(cfg.eval_split) and 0 <= cfg.eval_split < 1):
-        raise InputError(f"--eval-split must be at least 0 and below 1, got {cfg.eval_split}")
-    if cfg.eval_split and (cfg.eval_data or not cfg.data):
-        raise InputError("--eval-split holds out part of --data: give --data, and not --eval-data beside it")
-    if cfg.eval_every < 0:
-        raise InputError(f"--eval-every must be zero or positive, got {cfg.eval_every}")
-    if cfg.eval_every and not (cfg.eval_data or cfg.eval_split):
-        raise InputError("--eval-every needs --eval-data PATH or --eval-split FRACTION")
-    if cfg.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+def check_paths(cfg: RunConfig) -> None:
+    """What the options name must be there: the inputs, the TensorBoard package.  The values were
+    checked when ``cfg`` was built; the outputs are checked by the run's pre-flight
+    (:func:`mobius.train.check_outputs`)."""
+    for option, path in (("--data", cfg.data.path), ("--eval-data", cfg.data.eval_path)):
+        if path is not None and not Path(path).exists():
+            raise InputError(f"{option} {path}: no such file or directory")
+    if cfg.data.chat_template is not None and not Path(cfg.data.chat_template).is_file():
+        raise InputError(f"--chat-template {cfg.data.chat_template}: no such file")
+    if cfg.outputs.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
-    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
-        raise InputError(f"--chat-template {cfg.chat_template}: no such file")
 
 
 def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) -> RunConfig:
@@ -328,12 +446,12 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     if args.steps is not None and args.epochs is not None:
         raise InputError("give --steps or --epochs, not both")
     if args.steps is None:
-        args.steps = RunConfig.steps
+        args.steps = OptimConfig.steps
     if args.lr is None:
         kind = "lora" if args.lora_rank else "full" if Path(args.model).is_dir() else "preset"
         args.lr = DEFAULT_LR[kind]
     cfg = RunConfig.from_dict(vars(args))
-    validate(cfg)
+    check_paths(cfg)
     if args.print_config:
         import yaml
 
@@ -342,33 +460,34 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     return cfg
 
 
-# Options of one backend, with the value that means "not given".
-PIPELINE_OPTIONS = {"stages": None, "recompute": "auto", "partitioner": "mip", "mapping": "cross", "prefetch": True,
-                    "device_optimizer": "auto"}
-CHUNKED_OPTIONS = {"chunk_size": None, "rcache_blocks": None, "offload": "auto", "chunk_prefetch": True}
-BACKEND_OPTIONS = (*PIPELINE_OPTIONS, *CHUNKED_OPTIONS, "emulate", "dilation")
+# The options a backend owns: a resume on another backend inherits none of them.
+BACKEND_OPTIONS = tuple(option for option, (section, _) in OPTIONS.items()
+                        if section in ("pipeline", "chunked", "emulation"))
 
 
 def validate_for_backend(cfg: RunConfig, backend: str, workers: int) -> None:
     """Options that the chosen backend would ignore, or that it does not build, are refused, naming
     the backend they need; ``workers``: the devices it runs on."""
     flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
-    for owner, options in (("pipeline", PIPELINE_OPTIONS), ("chunked", CHUNKED_OPTIONS)):
+    for owner in ("pipeline", "chunked"):
         if backend == owner:
             continue
-        given = [flag.get(k, f"--{k.replace('_', '-')}") for k, unset in options.items() if getattr(cfg, k) != unset]
+        default = SECTIONS[owner]()
+        given = [flag.get(option, _flag(option)) for option, (section, attr) in OPTIONS.items()
+                 if section == owner and getattr(getattr(cfg, owner), attr) != getattr(default, attr)]
         if given:
             raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {owner}, "
                              f"and this run uses --backend {backend}")
     if backend != "chunked":
         return
-    if cfg.export:
+    if cfg.outputs.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
-    if cfg.lora_rank:
+    if cfg.lora.rank:
         raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
-    if cfg.optimizer_lag:
+    if cfg.optim.optimizer_lag:
         raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
-    if cfg.precision == "fp16":
+    if cfg.optim.precision == "fp16":
         raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
-    if cfg.micro_batches % workers:
-        raise InputError(f"--micro-batches {cfg.micro_batches} is not divisible by the {workers} data-parallel workers")
+    if cfg.batch.micro_batches % workers:
+        raise InputError(f"--micro-batches {cfg.batch.micro_batches} is not divisible by the {workers} "
+                         "data-parallel workers")

@@ -47,17 +47,17 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo, model_config)
     n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.steps)}" if spec.emulation else ""
+    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
     header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
               f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
               + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
-              f"mapping {plan.order}, {cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, "
+              f"mapping {plan.order}, {cfg.batch.describe()}, "
               f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
               f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
     # Each worker writes its stages' tensors into the staging directory of each export.
-    wanted = cfg.exports()
-    exports = [(str(start_export(out, cfg.chat_template)), merged) for _, out, merged in wanted]
-    payload = WorkerPayload(replace(cfg, precision=spec.precision), spec, header, inputs, exports, return_weights)
+    wanted = cfg.outputs.exports()
+    exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
+    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights)
     results = launch_workers(topo.n, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
@@ -141,17 +141,17 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
     step_s = setup.predicted["step"]
-    emulating = f", {spec.emulation.header(step_s, cfg.steps)}" if spec.emulation else ""
+    emulating = f", {spec.emulation.header(step_s, cfg.optim.steps)}" if spec.emulation else ""
     lanes = ", ".join(f"{lane} {seconds_text(s)}" for lane, s in setup.predicted.items() if lane != "step")
     header = (f"mobius: backend chunked on {topo.n} {_devices(spec)}{emulating} ({topo.name}), "
               f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup.chunk_size} elements, "
               f"rCache {setup.n_block} blocks, {setup.chunks_on_device} of {setup.n_chunks} chunks on the device, "
-              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step "
+              f"{cfg.batch.micro_batches}x{cfg.batch.micro_batch_size} sequences of {cfg.batch.seq_len} per step "
               f"({setup.group} per pass), {spec.precision}"
               # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
               + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
               + f"\n  why: {setup.reasons}")
-    payload = WorkerPayload(replace(cfg, precision=spec.precision), spec, header, inputs,
+    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs,
                             return_weights=return_weights)
     results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = [StepMetrics(**m) for m in results[0]["history"]]

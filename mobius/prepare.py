@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import replace
 
 from mobius.config import RunConfig
 from mobius.errors import InputError
@@ -76,7 +75,7 @@ def reserve_cuda_memory(topo: Topology) -> Topology:
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
     """``--precision`` or the default for the devices.  The run's spec carries it; the workers'
     configuration is given it (:func:`mobius.launcher.launch_workers`), and so are checkpoints."""
-    return cfg.precision or default_precision(cuda)
+    return cfg.optim.precision or default_precision(cuda)
 
 
 def budgets_of(topo: Topology) -> tuple[int, ...]:
@@ -93,25 +92,26 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     or recomputed, which leaves the memory to more prefetch and to resident stages
     (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts."""
-    if cfg.emulate:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
+    if cfg.emulation.enabled:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
         plan_options.setdefault("profile_how", "analytic")
 
     def make(recompute: bool) -> Plan:
-        return make_plan(cfg.model, model_config, topo, cfg.micro_batch_size, cfg.micro_batches, cfg.seq_len,
-                         precision, partitioner=cfg.partitioner, recompute=recompute, stages=cfg.stages,
-                         mapping=cfg.mapping, prefetch=cfg.prefetch, optimizer_lag=cfg.optimizer_lag,
-                         device_optimizer=cfg.device_optimizer == "auto", **plan_options)
+        batch, pipe = cfg.batch, cfg.pipeline
+        return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches, batch.seq_len,
+                         precision, partitioner=pipe.partitioner, recompute=recompute, stages=pipe.stages,
+                         mapping=pipe.mapping, prefetch=pipe.prefetch, optimizer_lag=cfg.optim.optimizer_lag,
+                         device_optimizer=pipe.device_optimizer == "auto", **plan_options)
 
-    if cfg.recompute == "on":
+    if cfg.pipeline.recompute == "on":
         return make(recompute=True)
     try:
         kept = make(recompute=False)
     except DoesNotFit as err:
-        if cfg.recompute == "off":
+        if cfg.pipeline.recompute == "off":
             raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
                              "micro-batches, or more memory") from None
         return make(recompute=True)
-    if cfg.recompute == "off":
+    if cfg.pipeline.recompute == "off":
         return kept
     recomputed = make(recompute=True)
     return kept if kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
@@ -121,7 +121,7 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
     """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
     budgets them, or this machine's CPU workers), with the precision and recompute it decides:
     what ``mobius.plan`` prints, and what every script that plans reports."""
-    on_gpus = not topo.virtual and not cfg.emulate  # emulating, CPU workers stand for the GPUs
+    on_gpus = not topo.virtual and not cfg.emulation.enabled  # emulating, CPU workers stand for the GPUs
     if on_gpus:
         topo = reserve_cuda_memory(topo)
     return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
@@ -129,18 +129,18 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
 
 def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """The checkpoint to resume, before any worker starts (the data: :func:`mobius.train.run`)."""
-    if cfg.resume:
+    if cfg.checkpoint.resume:
         ck.open_for_resume(cfg, model_config)
 
 
 def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> tuple[RunSpec, Plan]:
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
     :func:`mobius.runtime.inputs.check_model_input` checked it."""
-    cuda, topo = resolve_devices(topo, cfg.emulate)
+    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
     precision = resolve_precision(cfg, cuda)
-    check_run_inputs(replace(cfg, precision=precision), model_config)
+    check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
-    emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulate else None
+    emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation), plan
 
 
@@ -165,7 +165,7 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
 
     A run expected to take more than :data:`MAX_EMULATED_WALL_S` of wall time is refused in one line
     saying what to change."""
-    cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.micro_batch_size, cfg.seq_len,
+    cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
                       plan.precision, "measure")
     cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
     gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
@@ -187,18 +187,19 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
     crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
     model_factor = EMULATION_MARGIN * crowding * model_ratio
     step_floor = EMULATION_MARGIN * crowding * worker_cpu_s / predicted_step_s
-    if cfg.dilation is not None:
-        if cfg.dilation < step_floor:
-            raise InputError(f"--dilation {cfg.dilation:g} is below what this machine needs for the run "
+    if cfg.emulation.dilation is not None:
+        if cfg.emulation.dilation < step_floor:
+            raise InputError(f"--dilation {cfg.emulation.dilation:g} is below what this machine needs for the run "
                              f"({step_floor:.3g}: a worker's CPU work of a step would outlast the emulated step); "
                              f"give at least {_round_up(step_floor):g}")
-        factor, how = cfg.dilation, "given"
+        factor, how = cfg.emulation.dilation, "given"
     else:
         factor = _round_up(max(model_factor, step_floor))
         how = "chosen for the model" if model_factor >= step_floor else "raised for the busiest worker"
-        wall = factor * predicted_step_s * cfg.steps
+        wall = factor * predicted_step_s * cfg.optim.steps
         if wall > MAX_EMULATED_WALL_S:
-            raise InputError(f"--emulate: {cfg.steps} steps at 1/{factor:g} speed would take about {wall / 3600:.1f} h "
+            raise InputError(f"--emulate: {cfg.optim.steps} steps at 1/{factor:g} speed would take about "
+                             f"{wall / 3600:.1f} h "
                              f"of wall time ({_round_up(factor * predicted_step_s):g} s a step: this machine's "
                              f"CPU is {model_ratio:.3g}x slower than the emulated GPUs on this model); run fewer "
                              "--steps, a larger model or batch, or fix --dilation F")

@@ -34,16 +34,16 @@ class ReferenceTrainer:
         self.cfg = cfg
         self.device = device
         self.batches = batches
-        self.model = build_model(model_config, seed=cfg.seed).to(device)
-        self.lag = cfg.optimizer_lag
+        self.model = build_model(model_config, seed=cfg.optim.seed).to(device)
+        self.lag = cfg.optim.optimizer_lag
         # The weights AdamW steps: the model's own, or with a lag a copy one update ahead of them.
         self.master = {n: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) if self.lag else p
                        for n, p in self.model.named_parameters()}
-        self.optimizer = make_adamw(self.master.items(), cfg.lr)
-        precision = cfg.precision or default_precision(device.type == "cuda")
+        self.optimizer = make_adamw(self.master.items(), cfg.optim.lr)
+        precision = cfg.optim.precision or default_precision(device.type == "cuda")
         self.dtype = DTYPES[precision]
         self.scaler = DynamicLossScaler(enabled=precision == "fp16")
-        self.trace = Trace(enabled=bool(cfg.trace))
+        self.trace = Trace(enabled=bool(cfg.outputs.trace))
         reset_peak_memory(device)
 
     def trained(self) -> dict[str, torch.nn.Parameter]:
@@ -68,14 +68,14 @@ class ReferenceTrainer:
     def step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
         micro = self.batches.step(step)
-        lr = lr_at(step, self.cfg.steps, self.cfg.lr)
+        lr = lr_at(step, self.cfg.optim.steps, self.cfg.optim.lr)
         set_lr(self.optimizer, lr)
         self.model.zero_grad(set_to_none=True)
         total = 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
             tokens, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
-            with self._autocast(), dropout_micro_batch(self.cfg.seed, step, m):
+            with self._autocast(), dropout_micro_batch(self.cfg.optim.seed, step, m):
                 loss = self.model(tokens, layout)  # this micro-batch's share of the step's token mean
             t_bwd = time.perf_counter()
             (loss * self.scaler.scale).backward()

@@ -15,7 +15,6 @@ if __name__ == "__main__":
 # ruff: noqa: E402
 import math
 import resource
-from dataclasses import replace
 
 import torch
 
@@ -42,17 +41,18 @@ from mobius.stages.worker import worker_main
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """Before the first step: every path the run writes is free or provably ours, and none of
     them is an input or another output."""
-    ownership.check_paths({"--data": cfg.data, "--eval-data": cfg.eval_data, "--chat-template": cfg.chat_template,
-                           "--model": model_config.checkpoint, "--resume": cfg.resume},
-                          {"--metrics": (cfg.metrics, "file"), "--trace": (cfg.trace, "file"),
-                           "--tensorboard": (cfg.tensorboard, "dir"),
-                           "--save": (cfg.save, "dir"), "--export": (cfg.export, "dir"),
-                           "--export-merged": (cfg.export_merged, "dir")})
-    ownership.check_output_file("--metrics", cfg.metrics)
-    ownership.check_output_file("--trace", cfg.trace)
+    ownership.check_paths({"--data": cfg.data.path, "--eval-data": cfg.data.eval_path,
+                           "--chat-template": cfg.data.chat_template,
+                           "--model": model_config.checkpoint, "--resume": cfg.checkpoint.resume},
+                          {"--metrics": (cfg.outputs.metrics, "file"), "--trace": (cfg.outputs.trace, "file"),
+                           "--tensorboard": (cfg.outputs.tensorboard, "dir"),
+                           "--save": (cfg.checkpoint.save, "dir"), "--export": (cfg.outputs.export, "dir"),
+                           "--export-merged": (cfg.outputs.export_merged, "dir")})
+    ownership.check_output_file("--metrics", cfg.outputs.metrics)
+    ownership.check_output_file("--trace", cfg.outputs.trace)
     check_file_size_limit(cfg, model_config)
     ck.check_save_target(cfg)
-    for option, out, _ in cfg.exports():
+    for option, out, _ in cfg.outputs.exports():
         check_export_target(model_config, out, option)
 
 
@@ -68,7 +68,7 @@ def check_file_size_limit(cfg: RunConfig, model_config: GPTConfig) -> None:
     if limit == resource.RLIM_INFINITY:
         return
     need = RUNTIME_FILE_BYTES
-    if cfg.save or cfg.exports():
+    if cfg.checkpoint.save or cfg.outputs.exports():
         params = build_model(model_config, device="meta").parameters()
         need = max(need, sum((8 if p.requires_grad else 4) * p.numel() for p in params))
     if limit < need:
@@ -79,7 +79,7 @@ def check_file_size_limit(cfg: RunConfig, model_config: GPTConfig) -> None:
 def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
                  inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
-    cfg = replace(cfg, precision=resolve_precision(cfg, device.type == "cuda"))
+    cfg = cfg.changed(precision=resolve_precision(cfg, device.type == "cuda"))
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
 
     def restore(ckpt: ck.Checkpoint) -> None:
@@ -97,22 +97,22 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
         if trainer.lag:
             files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
                                                    if p.requires_grad}
-        ck.save(cfg.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
+        ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
 
     start = 0
-    if cfg.resume:
-        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.precision)
+    if cfg.checkpoint.resume:
+        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
-              f"{cfg.micro_batches}x{cfg.micro_batch_size} sequences of {cfg.seq_len} per step, {cfg.precision}"
+              f"{cfg.batch.describe()}, {cfg.optim.precision}"
               + (f", resuming at step {start}" if start else ""))
     evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
     with StopRequest() as stop:
         history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
-    if cfg.trace:
-        write_trace(cfg.trace, trainer.trace.collect())
-    for _, out, merged in cfg.exports():
-        staging = start_export(out, cfg.chat_template)
+    if cfg.outputs.trace:
+        write_trace(cfg.outputs.trace, trainer.trace.collect())
+    for _, out, merged in cfg.outputs.exports():
+        staging = start_export(out, cfg.data.chat_template)
         write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
         finish_export(model_config, staging, out, merged)
         print(f"exported to {out}", flush=True)
@@ -121,8 +121,9 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
 
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
-    outputs = {"--save": cfg.save, "--export": cfg.export, "--export-merged": cfg.export_merged,
-               "--metrics": cfg.metrics, "--trace": cfg.trace, "--tensorboard": cfg.tensorboard}
+    out = cfg.outputs
+    outputs = {"--save": cfg.checkpoint.save, "--export": out.export, "--export-merged": out.export_merged,
+               "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard}
     with ownership.output_locks(outputs):  # checked and written by this run alone
         return _run_locked(cfg, model_config)
 
@@ -132,14 +133,15 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
     validate_for_backend(cfg, backend, topo.n if topo is not None else 1)
     inputs = ck.input_digests(cfg, model_config)
-    if cfg.resume:
+    if cfg.checkpoint.resume:
         ck.check_inputs(cfg, inputs)
     # The data, read and checked before any worker starts; the workers map what this process made.
     batches, held_out = make_data(cfg, model_config)
-    if cfg.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
-        cfg = replace(cfg, steps=max(1, math.ceil(cfg.epochs / batches.epochs(1) - 1e-9)))
-    print(f"data: {batches.describe()}; {cfg.steps} steps ({batches.epochs(cfg.steps):.2f} epochs) at peak lr "
-          f"{cfg.lr:g}", flush=True)
+    if cfg.optim.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
+        cfg = cfg.changed(steps=max(1, math.ceil(cfg.optim.epochs / batches.epochs(1) - 1e-9)))
+    steps = cfg.optim.steps
+    print(f"data: {batches.describe()}; {steps} steps ({batches.epochs(steps):.2f} epochs) at peak lr {cfg.optim.lr:g}",
+          flush=True)
     if held_out is not None:
         print(f"held out: {held_out.describe()}", flush=True)
     # This process holds the data; the workers map one copy of it (the page cache's, shared).
@@ -147,7 +149,7 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
     available = available_host_memory()
     if available is not None:
-        check_host_memory(cfg.model, model_config, cfg.precision or "fp32", cfg.optimizer_lag, available,
+        check_host_memory(cfg.model, model_config, cfg.optim.precision or "fp32", cfg.optim.optimizer_lag, available,
                           "this machine (available now)", data_bytes)
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out, inputs)
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv, checkpoint_settings=ck.run_config)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if cfg.exports() or cfg.backend == "chunked" or cfg.epochs is not None:
+        if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None:
             raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
                              "start python -m mobius.train directly for the others")
         worker_main(WorkerPayload(cfg, None, "mobius: pipeline worker (torchrun)"),

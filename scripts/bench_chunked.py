@@ -55,14 +55,14 @@ def median(history) -> float:
 def timing(workers: int, cuda: bool, steps: int) -> list[dict]:
     base = dict(model="small", steps=steps, micro_batch_size=4, micro_batches=4, seq_len=128, progress=False,
                 precision="bf16" if cuda else "fp32")
-    cfg = RunConfig(**base, backend="single")
+    cfg = RunConfig.of(**base, backend="single")
     batches = BatchSource(load_corpus(None), 128, 4, 4, 0)
     ref = ReferenceTrainer(cfg, get_config("small"), batches, torch.device("cuda" if cuda else "cpu"))
     single = median([ref.step(k) for k in range(steps)])
     rows = [{"config": "single", "step_s": single}]
     for offload in ("off", "on"):
-        cfg = RunConfig(**base, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=workers,
-                        offload=offload)
+        cfg = RunConfig.of(**base, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=workers,
+                           offload=offload)
         topo = load_topology("auto") if cuda else cpu_topology(workers)
         history = launch_chunked(cfg, get_config("small"), topo)
         rows.append({"config": f"chunked {topo.n} worker(s), offload {offload}", "step_s": median(history),

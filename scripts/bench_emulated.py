@@ -91,14 +91,14 @@ def predict(options: str, steps: int) -> dict:
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
-    profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.micro_batch_size, cfg.seq_len,
-                          plan.precision, "analytic" if cfg.emulate else "measure")
+    profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
+                          plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                          optimizer_lag=cfg.optimizer_lag, prefetch=plan.prefetch).step_s
+                          optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
-                    plan.recompute, plan.prefetch, layers_only, cfg.optimizer_lag)
+                    plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag)
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
             "predicted_without_runtime_costs_s": est.step_s,
             "factor": spec.emulation.factor if spec.emulation else 1}

@@ -101,10 +101,10 @@ def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -
     from mobius.launcher import launch_pipeline
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
-    cfg = RunConfig(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
-                    steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
-                    seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
-                    stages=args.stages, progress=False, device_optimizer=device_optimizer)
+    cfg = RunConfig.of(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
+                       steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+                       seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
+                       stages=args.stages, progress=False, device_optimizer=device_optimizer)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
@@ -132,10 +132,10 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from chunked_dp.prepare import prepare_chunked
 
     trace = os.path.join(out_dir, "chunked_trace.json")
-    cfg = RunConfig(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
-                    steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
-                    seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
-                    trace=trace, progress=False)
+    cfg = RunConfig.of(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
+                       steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
+                       seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
+                       trace=trace, progress=False)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}

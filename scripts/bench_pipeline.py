@@ -32,9 +32,10 @@ def median_step(history) -> float:
 
 def run_single(cfg: RunConfig, device: torch.device) -> dict:
     model_config = get_config(cfg.model)
-    batches = BatchSource(load_corpus(cfg.data), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    b = cfg.batch
+    batches = BatchSource(load_corpus(cfg.data.path), b.seq_len, b.micro_batch_size, b.micro_batches, cfg.optim.seed)
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
-    history = [trainer.step(k) for k in range(cfg.steps)]
+    history = [trainer.step(k) for k in range(cfg.optim.steps)]
     return {"history": history}
 
 
@@ -59,15 +60,15 @@ def main() -> None:
     rows = []
     device = torch.device("cuda" if args.cuda else "cpu")
     t0 = time.perf_counter()
-    single = run_single(RunConfig(**base, backend="single"), device)
+    single = run_single(RunConfig.of(**base, backend="single"), device)
     single_step = median_step(single["history"])
     rows.append({"config": f"single ({device.type})", "step_s": single_step, "traffic_ratio": None})
     # (workers, recompute): recomputation is what Eq. 1 assumes; without it (the default whenever the
     # activations fit) a lone worker does the reference's arithmetic and shows the swap overhead.
     runs = [(1, "off"), (1, "on")] if args.cuda else [(1, "off"), (1, "on"), (2, "on")]
     for workers, recompute in runs:
-        cfg = RunConfig(**base, backend="pipeline", topology="auto" if args.cuda else "cpu", cpu_workers=workers,
-                        stages=args.stages, recompute=recompute)
+        cfg = RunConfig.of(**base, backend="pipeline", topology="auto" if args.cuda else "cpu", cpu_workers=workers,
+                           stages=args.stages, recompute=recompute)
         history = launch_pipeline(cfg, get_config(args.model), resolve_topology(cfg))
         steady = history[1:] or history
         traffic = statistics.mean(m.h2d_bytes + m.d2h_bytes for m in steady)

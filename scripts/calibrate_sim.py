@@ -58,9 +58,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default="calibrate.json")
     args = ap.parse_args()
-    cfg = RunConfig(model="small", steps=args.steps, micro_batches=4, micro_batch_size=4, seq_len=128, precision="bf16",
-                    backend="pipeline", topology="cpu", cpu_workers=args.workers, stages=args.stages,
-                    recompute=args.recompute, progress=False, device_optimizer="off")  # the simulator's Mobius
+    cfg = RunConfig.of(model="small", steps=args.steps, micro_batches=4, micro_batch_size=4, seq_len=128, precision="bf16",
+                       backend="pipeline", topology="cpu", cpu_workers=args.workers, stages=args.stages,
+                       recompute=args.recompute, progress=False, device_optimizer="off")  # the simulator's Mobius
     history = launch_pipeline(cfg, get_config("small"), resolve_topology(cfg))
     measured = statistics.median(m.step_time_s for m in history[1:])
 

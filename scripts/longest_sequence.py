@@ -42,7 +42,7 @@ STEP = 1024
 
 
 def plans(model_dir: str, topology: str, seq_len: int):
-    cfg = RunConfig(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
+    cfg = RunConfig.of(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
     try:
         topo = resolve_topology(cfg)
         return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", time_limit_s=4.0, use_cache=False)

@@ -35,8 +35,8 @@ TOPOLOGIES = ["8x3090-4+4", "4x4090"]
 
 
 def row(model_dir: str, topology: str, rank: int, args) -> dict:
-    cfg = RunConfig(model=model_dir, topology=topology, micro_batch_size=1, micro_batches=args.micro_batches,
-                    seq_len=args.seq_len, lora_rank=rank, precision="bf16")
+    cfg = RunConfig.of(model=model_dir, topology=topology, micro_batch_size=1, micro_batches=args.micro_batches,
+                       seq_len=args.seq_len, lora_rank=rank, precision="bf16")
     config = model_config_for(cfg)
     topo = resolve_topology(cfg)
     params = list(build_model(config, device="meta").parameters())

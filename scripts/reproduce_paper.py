@@ -51,8 +51,8 @@ def fp32_model_bytes(profile) -> float:
 
 def plan_for(model: str, topo: Topology, profile, time_limit: float):
     """The plan ``mobius.plan`` prints for the paper's settings (its profile, fp16, recomputation)."""
-    cfg = RunConfig(model=model, micro_batch_size=PAPER_MICRO_BATCH[model], micro_batches=topo.n, seq_len=512,
-                    precision="fp16", recompute="on")
+    cfg = RunConfig.of(model=model, micro_batch_size=PAPER_MICRO_BATCH[model], micro_batches=topo.n, seq_len=512,
+                       precision="fp16", recompute="on")
     return plan_on(cfg, get_config(model), topo, profile=profile, use_cache=True, time_limit_s=time_limit)
 
 

@@ -47,11 +47,11 @@ def reference(cfg, device: str = "cpu", **changes):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches, model_config_for
 
-    ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "backend": "single", "precision": cfg.precision or "fp32",
+    ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "backend": "single", "precision": cfg.optim.precision or "fp32",
                                    **changes})
     model_config = model_config_for(ref_cfg)
     trainer = ReferenceTrainer(ref_cfg, model_config, make_batches(ref_cfg, model_config), torch.device(device))
-    losses = [trainer.step(k).loss for k in range(ref_cfg.steps)]
+    losses = [trainer.step(k).loss for k in range(ref_cfg.optim.steps)]
     return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
 
 
@@ -100,15 +100,15 @@ def run_in_threads(cfg):
         with building:
             parts = build_worker(cfg, spec, group.endpoint(rank), CpuDevice(check=True), Trace(enabled=False), data)
         try:
-            sums = [parts.runner.step(k) for k in range(cfg.steps)]
+            sums = [parts.runner.step(k) for k in range(cfg.optim.steps)]
             parts.runner.drain()  # every update in the host store (resident stages' too)
         finally:
             parts.close()
         results[rank] = (sums, parts.store.state_dict())
 
     on_threads(worker, range(cfg.cpu_workers))
-    losses = [sum(results[r][0][k] for r in results) for k in range(cfg.steps)]  # the last stage's worker has it
+    losses = [sum(results[r][0][k] for r in results) for k in range(cfg.optim.steps)]  # the last stage's worker has it
     weights = {n: w for r in results for n, w in results[r][1].items()}
-    if cfg.stages is not None:
-        assert len(plan.bounds) == cfg.stages
+    if cfg.pipeline.stages is not None:
+        assert len(plan.bounds) == cfg.pipeline.stages
     return losses, weights

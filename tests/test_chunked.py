@@ -73,9 +73,9 @@ CASES = [
 
 @pytest.mark.parametrize("workers,chunk,blocks,offload,prefetch", CASES)
 def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
-    cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
-                    micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
-                    chunk_prefetch=prefetch, progress=False)
+    cfg = RunConfig.of(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
+                       micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
+                       chunk_prefetch=prefetch, progress=False)
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     history, weights, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(workers), return_weights=True)
     for m, r in zip(history, ref_losses, strict=True):
@@ -96,9 +96,9 @@ def test_gather_and_reduce_volume_at_rcache_max_and_min():
     per-layer recomputation runs while the layer's chunks are still pinned, so it needs none."""
     volumes, chunks = {}, {}
     for name, blocks in (("max", 64), ("min", 2)):  # 2: the most chunks one layer spans
-        cfg = RunConfig(model="tiny", backend="chunked", topology="cpu", cpu_workers=2, steps=1, micro_batch_size=2,
-                        micro_batches=2, seq_len=32, chunk_size=60_000, rcache_blocks=blocks, offload="off",
-                        progress=False)
+        cfg = RunConfig.of(model="tiny", backend="chunked", topology="cpu", cpu_workers=2, steps=1, micro_batch_size=2,
+                           micro_batches=2, seq_len=32, chunk_size=60_000, rcache_blocks=blocks, offload="off",
+                           progress=False)
         _, _, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(2), return_weights=True)
         c = results[0]["counters"]
         s_bytes = results[0]["chunks"] * results[0]["chunk_size"] * 4  # fp32 compute here: L_c = 4
@@ -141,13 +141,13 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
     from chunked_dp.engine import ChunkedEngine
     from mobius.runtime.device import CpuDevice
 
-    cfg = RunConfig(model="tiny", steps=3, micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, progress=False)
+    cfg = RunConfig.of(model="tiny", steps=3, micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, progress=False)
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     device = CpuDevice(check=True, jitter_ms=1.0)
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
-                           device_chunks=2, compute_dtype=torch.float32, seed=cfg.seed, lr=cfg.lr,
-                           total_steps=cfg.steps, group=2)
-    batches = BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+                           device_chunks=2, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
+                           total_steps=cfg.optim.steps, group=2)
+    batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     try:
         for k, r in enumerate(ref_losses):
             m = engine.step(k, batches)

@@ -20,7 +20,7 @@ def test_config_file_equals_flags_and_the_command_line_wins(tmp_path):
     (tmp_path / "run.yaml").write_text("model: tiny\nseq-len: 32\nmicro_batch_size: 2\nmicro-batches: 2\nsteps: 6\n"
                                        "backend: single\nprogress: false\nlr: 3.0e-3\nseed: 5\n")
     cfg = parse_train_args(["--config", str(tmp_path / "run.yaml"), "--seed", "0"])
-    assert (cfg.model, cfg.seq_len, cfg.micro_batch_size, cfg.lr, cfg.seed, cfg.progress) == \
+    assert (cfg.model, cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.optim.lr, cfg.optim.seed, cfg.outputs.progress) == \
         ("tiny", 32, 2, 3e-3, 0, False)
     train_main(["--config", str(tmp_path / "run.yaml"), "--seed", "0", "--metrics", str(tmp_path / "a.jsonl")])
     train_main(RUN + ["--metrics", str(tmp_path / "b.jsonl")])
@@ -52,12 +52,12 @@ def test_defaults_shown_and_printed(capsys):
 
 
 def test_default_learning_rates_and_epochs(tmp_path):
-    assert parse_train_args(["--model", "tiny"]).lr == 1e-3
-    assert parse_train_args(["--model", "tiny", "--lr", "5e-4"]).lr == 5e-4
+    assert parse_train_args(["--model", "tiny"]).optim.lr == 1e-3
+    assert parse_train_args(["--model", "tiny", "--lr", "5e-4"]).optim.lr == 5e-4
     (tmp_path / "config.json").write_text("{}")  # any directory is a Hugging Face model for the default
-    assert parse_train_args(["--model", str(tmp_path)]).lr == 2e-5
-    assert parse_train_args(["--model", str(tmp_path), "--lora-rank", "8"]).lr == 2e-4
-    assert parse_train_args(["--epochs", "2"]).epochs == 2
+    assert parse_train_args(["--model", str(tmp_path)]).optim.lr == 2e-5
+    assert parse_train_args(["--model", str(tmp_path), "--lora-rank", "8"]).optim.lr == 2e-4
+    assert parse_train_args(["--epochs", "2"]).optim.epochs == 2
 
 
 @pytest.mark.parametrize("content,message", [

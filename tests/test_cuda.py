@@ -24,9 +24,9 @@ STEPS = 5
 
 def reference(cfg: RunConfig):
     """Losses and final weights of the single-device trainer on this GPU, in ``cfg``'s precision."""
-    batches = BatchSource(load_corpus(None), cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed)
+    batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     trainer = ReferenceTrainer(cfg, get_config(cfg.model), batches, torch.device("cuda"))
-    losses = [trainer.step(k).loss for k in range(cfg.steps)]
+    losses = [trainer.step(k).loss for k in range(cfg.optim.steps)]
     return losses, {n: p.detach().cpu() for n, p in trainer.master.items()}
 
 
@@ -55,7 +55,7 @@ def assert_equal_to_reference(cfg: RunConfig, history, weights, tol: float) -> N
     # The pipeline names a tied head weight under both of its layers; the reference once.
     assert set(ref_weights) <= set(weights)
     assert all(n.endswith("lm_head.weight") for n in set(weights) - set(ref_weights))
-    if cfg.precision != "fp32":  # in bf16 AdamW's steps on near-zero gradients differ by whole lr steps
+    if cfg.optim.precision != "fp32":  # in bf16 AdamW's steps on near-zero gradients differ by whole lr steps
         return
     hidden = get_config(cfg.model).hidden
     for name, w in ref_weights.items():
@@ -65,7 +65,7 @@ def assert_equal_to_reference(cfg: RunConfig, history, weights, tol: float) -> N
 def config(**kw) -> RunConfig:
     base = dict(model="gpt2-medium", topology="auto", steps=STEPS, micro_batch_size=2, micro_batches=4, seq_len=64,
                 lr=1e-4, precision="fp32", progress=False, backend="pipeline")
-    return RunConfig(**{**base, **kw})
+    return RunConfig.of(**{**base, **kw})
 
 
 @pytest.mark.parametrize("recompute,lag,cap_gb", [("on", 0, 1.3), ("off", 1, None)])

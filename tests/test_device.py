@@ -97,8 +97,8 @@ def test_device_spans_are_timed_when_the_stream_reaches_them_not_when_issued(dev
 def one_worker(recompute: str, steps: int = 2):
     from mobius.config import RunConfig
 
-    return RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,
-                     micro_batch_size=2, micro_batches=3, recompute=recompute, progress=False)
+    return RunConfig.of(model="tiny", topology="cpu", cpu_workers=1, stages=3, steps=steps, seq_len=32,
+                        micro_batch_size=2, micro_batches=3, recompute=recompute, progress=False)
 
 
 def run_one_worker(cfg) -> list[float]:

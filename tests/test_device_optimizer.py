@@ -22,7 +22,7 @@ from mobius.train import main
 
 
 def tiny(**kw) -> RunConfig:
-    return RunConfig(**{"model": "tiny", "steps": 4, "micro_batches": 4, "micro_batch_size": 2, "seq_len": 32,
+    return RunConfig.of(**{"model": "tiny", "steps": 4, "micro_batches": 4, "micro_batch_size": 2, "seq_len": 32,
                         "lr": 1e-2, "progress": False, "topology": "cpu", "cpu_workers": 2, "stages": 3,
                         "precision": "fp32", **kw})
 
@@ -57,7 +57,7 @@ def test_a_resident_run_resumes_a_checkpoint_and_writes_one(tmp_path):
     9: the losses and weights of one straight run."""
     args = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress", "--steps", "9"]
     pipe = ["--topology", "cpu", "--cpu-workers", "2", "--stages", "3"]
-    cfg = RunConfig(model="tiny", seq_len=32, micro_batch_size=2, steps=9, topology="cpu", cpu_workers=2, stages=3)
+    cfg = RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=9, topology="cpu", cpu_workers=2, stages=3)
     assert prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1].resident
     d, straight = tmp_path / "ck", tmp_path / "straight"
     main(args + ["--backend", "single", "--stop-after", "3", "--save", str(d), "--metrics", str(tmp_path / "a.jsonl")])

@@ -27,8 +27,8 @@ def tied_gpt2(tmp_path_factory) -> str:
 
 
 def config(workers: int, stages: int, steps: int, model: str = "tiny8", **kw) -> RunConfig:
-    return RunConfig(model=model, topology="cpu", cpu_workers=workers, stages=stages, steps=steps, seq_len=SEQ,
-                     micro_batch_size=MBS, micro_batches=M, progress=False, **kw)
+    return RunConfig.of(model=model, topology="cpu", cpu_workers=workers, stages=stages, steps=steps, seq_len=SEQ,
+                        micro_batch_size=MBS, micro_batches=M, progress=False, **kw)
 
 
 def assert_same(got, want) -> None:
@@ -91,5 +91,5 @@ def test_lora_dropout_masks_are_the_references(recompute):
     cfg = config(2, 4, steps=3, recompute=recompute, precision="fp32", lora_rank=4, lora_dropout=0.3)
     got = run_in_threads(cfg)
     assert_same(got, reference(cfg))
-    plain = reference(RunConfig(**{**cfg.to_dict(), "lora_dropout": 0.0}))
+    plain = reference(RunConfig.of(**{**cfg.to_dict(), "lora_dropout": 0.0}))
     assert abs(got[0][1] - plain[0][1]) > 1e-4

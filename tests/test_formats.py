@@ -90,8 +90,8 @@ def test_answer_masks_follow_the_chat_template(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(model)
     data = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
     for on_prompt in (False, True):
-        cfg = RunConfig(model=str(model), data=str(data), seq_len=128, micro_batch_size=1, micro_batches=1,
-                        train_on_prompt=on_prompt)
+        cfg = RunConfig.of(model=str(model), data=str(data), seq_len=128, micro_batch_size=1, micro_batches=1,
+                           train_on_prompt=on_prompt)
         mb = make_batches(cfg, model_config_for(cfg)).step(0)[0]
         targets = mb.targets[0]
         text = tok.decode(targets[targets != IGNORE])

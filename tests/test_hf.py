@@ -79,8 +79,8 @@ def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
-    cfg = RunConfig(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
-                    precision="fp32")
+    cfg = RunConfig.of(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
+                       precision="fp32")
     config = get_config(cfg.model)
     trainer = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
     losses = [trainer.step(k).loss for k in range(3)]
@@ -102,8 +102,8 @@ def test_single_and_pipeline_fine_tune_alike(hf_dirs, arch):
     from mobius.runtime.inputs import make_batches
     from conftest import run_in_threads
 
-    cfg = RunConfig(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=24, lr=1e-2,
-                    precision="fp32", progress=False)
+    cfg = RunConfig.of(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=24, lr=1e-2,
+                       precision="fp32", progress=False)
     config = get_config(cfg.model)
     ref = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
     want = [ref.step(k).loss for k in range(3)]
@@ -137,8 +137,8 @@ def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path
     from mobius.runtime.inputs import make_batches
 
     out = str(tmp_path / "piped")
-    cfg = RunConfig(model=hf_dirs["llama"], backend="pipeline", topology="cpu", cpu_workers=2, stages=4, steps=3,
-                    micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False, export=out)
+    cfg = RunConfig.of(model=hf_dirs["llama"], backend="pipeline", topology="cpu", cpu_workers=2, stages=4, steps=3,
+                       micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False, export=out)
     config = get_config(cfg.model)
     history = launch_pipeline(cfg, config, resolve_topology(cfg))
     ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32", "export": None})
@@ -209,8 +209,8 @@ def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
-    cfg = RunConfig(model=hf_dirs["gpt2"], backend="pipeline", topology="cpu", cpu_workers=1, stages=stages, steps=3,
-                    micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False)
+    cfg = RunConfig.of(model=hf_dirs["gpt2"], backend="pipeline", topology="cpu", cpu_workers=1, stages=stages, steps=3,
+                       micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False)
     config = get_config(cfg.model)
     history = launch_pipeline(cfg, config, resolve_topology(cfg))
     ref = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"}), config,

@@ -56,7 +56,7 @@ def chat_setup(tmp_path_factory):
 def config(setup, data="chat", **kw) -> RunConfig:
     base = dict(model=setup["model"], data=setup[data], steps=3, seq_len=160, micro_batch_size=2, micro_batches=4,
                 lr=1e-2, precision="fp32", progress=False, topology="cpu")
-    return RunConfig(**{**base, **kw})
+    return RunConfig.of(**{**base, **kw})
 
 
 def transformers_losses(cfg: RunConfig) -> list[float]:
@@ -64,11 +64,11 @@ def transformers_losses(cfg: RunConfig) -> list[float]:
     its example id), summing the trained tokens' cross-entropy over the step and dividing by
     their count; our AdamW and schedule."""
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    optimizer = make_adamw(model.named_parameters(), cfg.lr)
+    optimizer = make_adamw(model.named_parameters(), cfg.optim.lr)
     batches = make_batches(cfg, model_config_for(cfg))
     losses = []
-    for step in range(cfg.steps):
-        set_lr(optimizer, lr_at(step, cfg.steps, cfg.lr))
+    for step in range(cfg.optim.steps):
+        set_lr(optimizer, lr_at(step, cfg.optim.steps, cfg.optim.lr))
         micro = batches.step(step)
         total = torch.zeros(())
         examples = 0
@@ -95,7 +95,7 @@ def transformers_losses(cfg: RunConfig) -> list[float]:
 def single_losses(cfg: RunConfig) -> list[float]:
     trainer = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "backend": "single"}), model_config_for(cfg),
                                make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
-    return [trainer.step(k).loss for k in range(cfg.steps)]
+    return [trainer.step(k).loss for k in range(cfg.optim.steps)]
 
 
 def close(a, b) -> bool:
@@ -153,7 +153,7 @@ def test_micro_batch_split_does_not_change_the_step(chat_setup):
         cfg = config(chat_setup, micro_batches=m, micro_batch_size=8 // m)
         trainer = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "backend": "single"}), model_config_for(cfg),
                                    make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
-        losses = [trainer.step(k).loss for k in range(cfg.steps)]
+        losses = [trainer.step(k).loss for k in range(cfg.optim.steps)]
         runs.append((losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
     for losses, weights in runs[1:]:
         assert close(losses, runs[0][0])
@@ -173,7 +173,7 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
                                make_batches(cfg, model_config_for(cfg)), torch.device("cpu"))
     held_out = make_eval_batches(cfg, model_config_for(cfg))
     want_eval = []
-    for k in range(cfg.steps):
+    for k in range(cfg.optim.steps):
         trainer.step(k)
         if k + 1 >= 2:
             want_eval.append(trainer.evaluate(held_out))

@@ -34,13 +34,13 @@ def hf_dirs(tmp_path_factory):
 
 
 def lora_cfg(path: str, **kw) -> RunConfig:
-    return RunConfig(model=path, steps=STEPS, micro_batches=M, micro_batch_size=MBS, seq_len=SEQ, lr=1e-2,
-                     precision="fp32", lora_rank=RANK, lora_alpha=8.0, progress=False, **kw)
+    return RunConfig.of(model=path, steps=STEPS, micro_batches=M, micro_batch_size=MBS, seq_len=SEQ, lr=1e-2,
+                        precision="fp32", lora_rank=RANK, lora_alpha=8.0, progress=False, **kw)
 
 
 def initial_adapters(cfg: RunConfig) -> dict[str, torch.Tensor]:
     config = model_config_for(cfg)
-    model = build_model(config, seed=cfg.seed)
+    model = build_model(config, seed=cfg.optim.seed)
     return adapter_tensors(config, layer_states(dict(model.named_parameters())))
 
 
@@ -63,12 +63,12 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     matrices: every adapter), warm-up + cosine schedule, loss / M per micro-batch."""
     model = peft_model(path, cfg, initial_adapters(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY, fused=True)
+    opt = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY, fused=True)
     batches = make_batches(cfg, model_config_for(cfg))
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.optim.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg.steps, cfg.lr)
+            g["lr"] = lr_at(step, cfg.optim.steps, cfg.optim.lr)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in batches.step(step):
@@ -97,7 +97,7 @@ def test_single_and_pipeline_equal_peft(hf_dirs, arch):
         pipe = lora_cfg(path, topology="cpu", cpu_workers=workers, stages=4, recompute="on")
         losses, weights = run_in_threads(pipe)
         assert losses == pytest.approx(want, rel=1e-5), workers
-        base = dict(build_model(model_config_for(pipe), seed=pipe.seed).named_parameters())
+        base = dict(build_model(model_config_for(pipe), seed=pipe.optim.seed).named_parameters())
         for name, p in base.items():  # the base weights never moved
             if not p.requires_grad:
                 assert torch.equal(weights[name], p.detach()), name

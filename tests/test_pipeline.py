@@ -38,9 +38,9 @@ CASES = [
 def test_pipeline_equals_reference(case, recompute):
     _, model, topology, workers, stages = case
     # Every stage swaps here (the budget would let the planner keep some on their devices).
-    cfg = RunConfig(model=model, topology=topology, cpu_workers=workers, stages=stages, steps=STEPS,
-                    micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, recompute=recompute,
-                    progress=False, backend="pipeline", device_optimizer="off")
+    cfg = RunConfig.of(model=model, topology=topology, cpu_workers=workers, stages=stages, steps=STEPS,
+                       micro_batch_size=2, micro_batches=4, seq_len=32, lr=3e-3, recompute=recompute,
+                       progress=False, backend="pipeline", device_optimizer="off")
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     topo = resolve_topology(cfg)
     history, weights, results = launch_pipeline(cfg, get_config(model), topo, return_weights=True)
@@ -62,8 +62,8 @@ def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch)
     """Many steps, one-layer stages, four workers over gloo, and random sleeps before every job of
     every copy stream (parameters in, activations and gradients out): equal to the reference."""
     monkeypatch.setenv("MOBIUS_STREAM_JITTER_MS", "2")
-    cfg = RunConfig(model="tiny8", topology="topo2+2", cpu_workers=4, stages=10, steps=8, micro_batch_size=2,
-                    micro_batches=3, seq_len=32, lr=3e-3, recompute="off", progress=False, backend="pipeline")
+    cfg = RunConfig.of(model="tiny8", topology="topo2+2", cpu_workers=4, stages=10, steps=8, micro_batch_size=2,
+                       micro_batches=3, seq_len=32, lr=3e-3, recompute="off", progress=False, backend="pipeline")
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     history, weights, _ = launch_pipeline(cfg, get_config("tiny8"), resolve_topology(cfg), return_weights=True)
     for a, b in zip([m.loss for m in history], ref_losses, strict=True):
@@ -75,9 +75,9 @@ def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch)
 def test_budget_below_all_stages_still_trains_within_budget():
     """One worker, six one-layer stages, a budget smaller than the model's weights: stages must swap."""
     budget_gb = 0.0007
-    cfg = RunConfig(model="tiny", topology="cpu", cpu_workers=1, stages=6, steps=3, micro_batch_size=1,
-                    micro_batches=2, seq_len=16, gpu_mem_gb=budget_gb, recompute="on", progress=False,
-                    backend="pipeline")
+    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=1, stages=6, steps=3, micro_batch_size=1,
+                       micro_batches=2, seq_len=16, gpu_mem_gb=budget_gb, recompute="on", progress=False,
+                       backend="pipeline")
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     total_param_bytes = sum(w.numel() * 4 for w in ref_weights.values())
     assert total_param_bytes > budget_gb * 1e9

@@ -25,11 +25,11 @@ def test_accumulating_micro_batches_equals_one_big_batch():
 
 def test_reference_trainer_loss_falls_and_is_deterministic():
     def run():
-        cfg = RunConfig(model="tiny", steps=8, micro_batch_size=2, micro_batches=2, seq_len=32, lr=3e-3,
-                        precision="fp32")
-        batches = BatchSource(load_corpus(None, max_bytes=100_000), 32, 2, 2, cfg.seed)
+        cfg = RunConfig.of(model="tiny", steps=8, micro_batch_size=2, micro_batches=2, seq_len=32, lr=3e-3,
+                           precision="fp32")
+        batches = BatchSource(load_corpus(None, max_bytes=100_000), 32, 2, 2, cfg.optim.seed)
         t = ReferenceTrainer(cfg, get_config("tiny"), batches, torch.device("cpu"))
-        return [t.step(k).loss for k in range(cfg.steps)]
+        return [t.step(k).loss for k in range(cfg.optim.steps)]
 
     a, b = run(), run()
     assert a == b

@@ -160,7 +160,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     from mobius.models import get_config
     from mobius.reference import ReferenceTrainer
 
-    cfg = RunConfig(model="tiny", steps=3, micro_batch_size=2, micro_batches=2, seq_len=32, precision="fp16")
+    cfg = RunConfig.of(model="tiny", steps=3, micro_batch_size=2, micro_batches=2, seq_len=32, precision="fp16")
     t = ReferenceTrainer(cfg, get_config("tiny"), BatchSource(load_corpus(None, 100_000), 32, 2, 2, 0),
                          torch.device("cpu"))
     t.scaler.scale = 3e38  # the scaled loss overflows

@@ -146,21 +146,22 @@ def resume(ckpt: "Checkpoint", restore_state, scaler, precision: str) -> int:
 def check_save_target(cfg) -> None:
     """Pre-flight for ``--save``: a new or empty directory, or the checkpoint this run resumes
     (another run's checkpoint is never replaced), and staging siblings that are ours."""
-    if not cfg.save:
+    if not cfg.checkpoint.save:
         return
-    ownership.check_output_dir_parent("--save", cfg.save)
-    target = Path(cfg.save).resolve()
+    ownership.check_output_dir_parent("--save", cfg.checkpoint.save)
+    target = Path(cfg.checkpoint.save).resolve()
     for role in ("partial", "previous"):
         ownership.check_removable(ownership.sibling(target, role), KIND, "--save")
     has_checkpoint = target.is_dir() and any(target.iterdir())
     if not has_checkpoint:
         return
-    in_place = bool(cfg.resume) and Path(cfg.resume).resolve() == target
+    in_place = bool(cfg.checkpoint.resume) and Path(cfg.checkpoint.resume).resolve() == target
     # Continuing in place, the resume checks every byte against the manifest before training.
     ownership.check_removable(target, KIND, "--save", content=not in_place)
     if not in_place:
-        raise InputError(f"--save {cfg.save}: holds the checkpoint of another run; continue it with --resume "
-                         f"{cfg.save} or save to a new directory")
+        raise InputError(f"--save {cfg.checkpoint.save}: holds the checkpoint of another run; continue it with "
+                         f"--resume "
+                         f"{cfg.checkpoint.save} or save to a new directory")
 
 
 @dataclass
@@ -246,7 +247,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
 
 
 def _setting(cfg, key: str):
-    value = getattr(cfg, key)
+    value = cfg.option(key)
     if key in ("data", "chat_template") and value is not None:
         return str(Path(value).resolve())  # the same file however the path was spelled
     return value
@@ -254,7 +255,7 @@ def _setting(cfg, key: str):
 
 def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set[str]) -> None:
     """The checkpoint must be of this model, hold every tensor a resume needs, and have been taken
-    with this run's settings (unless ``cfg.resume_with_changes``)."""
+    with this run's settings (unless ``cfg.checkpoint.resume_with_changes``)."""
     theirs = ckpt.manifest["model_config"]
     # As the manifest holds it: through JSON, where a tuple (rope scaling, sliding layers) is a list.
     mine = json.loads(json.dumps({k: v for k, v in model_config.items() if k != "checkpoint"}))
@@ -272,16 +273,17 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     changed = [f"--{k.replace('_', '-')} {ckpt.manifest[k]!r} -> {_setting(cfg, k)!r}"
                for k in RUN_SETTINGS if ckpt.manifest[k] != _setting(cfg, k)]
-    if changed and not getattr(cfg, "resume_with_changes", False):
+    if changed and not cfg.checkpoint.resume_with_changes:
         raise CheckpointError(f"--resume {ckpt.directory}: this run changes settings of the checkpoint's run "
                               f"({'; '.join(changed)}); pass --resume-with-changes to apply them")
-    if ckpt.step > cfg.steps:
-        raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is at step {ckpt.step}, beyond --steps {cfg.steps}")
+    if ckpt.step > cfg.optim.steps:
+        raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is at step {ckpt.step}, "
+                              f"beyond --steps {cfg.optim.steps}")
 
 
 def open_for_resume(cfg, model_config) -> Checkpoint:
     """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
-    ckpt = load_checkpoint(cfg.resume)
+    ckpt = load_checkpoint(cfg.checkpoint.resume)
     names = {n for n, p in build_model(model_config, device="meta").named_parameters() if p.requires_grad}
     check_compatible(ckpt, model_config.to_dict(), cfg, names)
     return ckpt
@@ -303,13 +305,13 @@ def input_digests(cfg, model_config) -> dict[str, str]:
     template, and the base weights of a Hugging Face model (LoRA trains on them; a full fine-tune
     starts from them).  Computed once, by the launching process, and only for a run that saves
     or resumes."""
-    if not (cfg.save or cfg.resume):
+    if not (cfg.checkpoint.save or cfg.checkpoint.resume):
         return {}
     found = {}
-    if cfg.data:
-        found["data"] = _tree_digest(Path(cfg.data))
-    if cfg.chat_template:
-        found["chat template"] = _tree_digest(Path(cfg.chat_template))
+    if cfg.data.path:
+        found["data"] = _tree_digest(Path(cfg.data.path))
+    if cfg.data.chat_template:
+        found["chat template"] = _tree_digest(Path(cfg.data.chat_template))
     if model_config.checkpoint:
         found["base weights"] = _tree_digest(Path(model_config.checkpoint), "*.safetensors")
     return found
@@ -318,14 +320,14 @@ def input_digests(cfg, model_config) -> dict[str, str]:
 def check_inputs(cfg, digests: dict[str, str]) -> None:
     """A resume trains from the inputs its checkpoint was trained from, unless the user says
     otherwise (``--resume-with-changes``, which says what changed)."""
-    ckpt = load_checkpoint(cfg.resume, verify=False)
+    ckpt = load_checkpoint(cfg.checkpoint.resume, verify=False)
     recorded = ckpt.manifest.get("inputs")
     recorded = recorded if isinstance(recorded, dict) else {}
     changed = [what for what, digest in digests.items() if what in recorded and recorded[what] != digest]
     if not changed:
         return
     what = " and ".join(changed)
-    if not getattr(cfg, "resume_with_changes", False):
+    if not cfg.checkpoint.resume_with_changes:
         raise CheckpointError(f"--resume {ckpt.directory}: the {what} changed since the checkpoint was written "
                               "(SHA-256 differs); pass --resume-with-changes to train on them as they are now")
     print(f"note: resuming with changed {what} (--resume-with-changes)", flush=True)

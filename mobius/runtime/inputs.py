@@ -24,26 +24,26 @@ from mobius.models.lora import LORA_MODULES, parts
 def model_config_for(cfg: RunConfig) -> GPTConfig:
     """The model a run trains: ``--model``, with LoRA adapters when ``--lora-rank`` is given."""
     config = get_config(cfg.model)
-    if not cfg.lora_rank:
+    if not cfg.lora.rank:
         return config
-    targets = set(cfg.lora_targets.split(","))  # a set: the order they were named in changes nothing
-    return dataclasses.replace(config, lora_rank=cfg.lora_rank, lora_alpha=float(cfg.lora_alpha or cfg.lora_rank),
+    targets = set(cfg.lora.targets.split(","))  # a set: the order they were named in changes nothing
+    return dataclasses.replace(config, lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha or cfg.lora.rank),
                                lora_targets=",".join(t for t in LORA_MODULES if t in targets),
-                               lora_dropout=cfg.lora_dropout)
+                               lora_dropout=cfg.lora.dropout)
 
 
 def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
-    if cfg.seq_len > model_config.context:
-        raise InputError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
+    if cfg.batch.seq_len > model_config.context:
+        raise InputError(f"--seq-len {cfg.batch.seq_len} exceeds {cfg.model}'s context of {model_config.context}")
 
 
 def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
-    if cfg.lora_rank:
+    if cfg.lora.rank:
         for module in model_config.lora_targets.split(","):
             width = min(parts(model_config, module) + [model_config.hidden])
-            if cfg.lora_rank > width:
-                raise InputError(f"--lora-rank {cfg.lora_rank} exceeds the {width} of {cfg.model}'s smallest "
+            if cfg.lora.rank > width:
+                raise InputError(f"--lora-rank {cfg.lora.rank} exceeds the {width} of {cfg.model}'s smallest "
                                  f"'{module}' projection: a rank above it adds nothing but cost")
     check_seq_len(cfg, model_config)
     if model_config.hf_arch and not model_config.checkpoint:
@@ -60,18 +60,19 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
 def _records(cfg: RunConfig) -> tuple[list[Record], list[Record], str]:
     """The run's training and held-out records (``--eval-data``, or ``--eval-split`` of ``--data``
     by a seeded draw) and their format."""
-    records, fmt = read_examples(cfg.data, cfg.data_format)
-    if cfg.eval_data:
-        held_out, eval_fmt = read_examples(cfg.eval_data, cfg.data_format, option="--eval-data")
+    records, fmt = read_examples(cfg.data.path, cfg.data.format)
+    if cfg.data.eval_path:
+        held_out, eval_fmt = read_examples(cfg.data.eval_path, cfg.data.format, option="--eval-data")
         if eval_fmt != fmt:
-            raise InputError(f"--eval-data {cfg.eval_data} holds {eval_fmt} records, --data {cfg.data} {fmt} records")
+            raise InputError(f"--eval-data {cfg.data.eval_path} holds {eval_fmt} records, "
+                             f"--data {cfg.data.path} {fmt} records")
         return records, held_out, fmt
-    if not cfg.eval_split:
+    if not cfg.data.eval_split:
         return records, [], fmt
-    n_eval = math.ceil(cfg.eval_split * len(records))
+    n_eval = math.ceil(cfg.data.eval_split * len(records))
     if n_eval >= len(records):
-        raise InputError(f"--eval-split {cfg.eval_split} of {len(records)} records leaves none to train on")
-    order = np.random.default_rng([cfg.seed, 0xe7a1]).permutation(len(records))
+        raise InputError(f"--eval-split {cfg.data.eval_split} of {len(records)} records leaves none to train on")
+    order = np.random.default_rng([cfg.optim.seed, 0xe7a1]).permutation(len(records))
     held = set(order[:n_eval].tolist())
     return ([r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], fmt)
 
@@ -81,26 +82,33 @@ def make_data(cfg: RunConfig, model_config: GPTConfig) -> tuple[BatchSource | Ex
     and its held-out examples (``--eval-data`` or ``--eval-split``, else None), from one reading
     of the data and one tokenizer and template."""
     tokenizer = tokenizer_for(cfg.model)
-    if cfg.data is None:
+    if cfg.data.path is None:
         corpus = load_corpus(None, tokenizer=tokenizer)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name), None
+        return _windows(cfg, corpus, tokenizer.name), None
     records, held_out, fmt = _records(cfg)
     renderer = None
-    if fmt == "text" and cfg.packing == "auto":  # a corpus: random windows, as in pre-training
-        corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data)
+    if fmt == "text" and cfg.data.packing == "auto":  # a corpus: random windows, as in pre-training
+        corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data.path)
         _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        train = BatchSource(corpus, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, tokenizer.name)
+        train = _windows(cfg, corpus, tokenizer.name)
     else:
-        renderer = renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
+        renderer = renderer_for(cfg.model, cfg.data.chat_template, cfg.data.train_on_prompt)
         packed, describe = _packed(cfg, model_config, records, fmt, tokenizer, renderer)
-        train = ExampleBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.seed, cfg.packing != "off",
-                               describe)
-    if not (cfg.eval_data or cfg.eval_split):
+        train = ExampleBatches(packed, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed,
+                               cfg.data.packing != "off", describe)
+    if not (cfg.data.eval_path or cfg.data.eval_split):
         return train, None
-    renderer = renderer or renderer_for(cfg.model, cfg.chat_template, cfg.train_on_prompt)
+    renderer = renderer or renderer_for(cfg.model, cfg.data.chat_template, cfg.data.train_on_prompt)
     packed, describe = _packed(cfg, model_config, held_out, fmt, tokenizer, renderer)
-    return train, EvalBatches(packed, cfg.micro_batch_size, cfg.micro_batches, cfg.packing != "off", describe)
+    return train, EvalBatches(packed, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.data.packing != "off",
+                              describe)
+
+
+def _windows(cfg: RunConfig, corpus, tokenizer_name: str) -> BatchSource:
+    """Random windows of a text corpus (pre-training style)."""
+    b = cfg.batch
+    return BatchSource(corpus, b.seq_len, b.micro_batch_size, b.micro_batches, cfg.optim.seed, tokenizer_name)
 
 
 def worker_data(cfg: RunConfig, model_config: GPTConfig, shared: dict | None
@@ -122,8 +130,8 @@ def make_eval_batches(cfg: RunConfig, model_config: GPTConfig) -> EvalBatches | 
 
 def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt: str, tokenizer, renderer):
     """Examples rendered with the model's template and packed (or padded) into sequences."""
-    packing = cfg.packing != "off"
-    packed = pack([renderer.render(r) for r in records], cfg.seq_len, packing, cfg.seed, cfg.truncate)
+    packing = cfg.data.packing != "off"
+    packed = pack([renderer.render(r) for r in records], cfg.batch.seq_len, packing, cfg.optim.seed, cfg.data.truncate)
     _check_vocabulary(cfg, model_config, int(packed.tokens.max()), tokenizer.name)
     trained = int((packed.targets >= 0).sum())
     describe = (f"{packed.examples:,} {fmt} examples ({trained:,} trained tokens) "

@@ -21,7 +21,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
               agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True,
               eval_fn: Callable[[int], float] | None = None) -> list[StepMetrics]:
-    """Drive ``step_fn`` from ``start_step`` to ``cfg.steps`` with a progress bar, the metrics file,
+    """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
     evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
     (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
 
@@ -30,21 +30,23 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     """
     if main:
         print(header, flush=True)
-    writer = MetricsWriter(cfg.metrics if main else None, append=start_step > 0)
-    board = TensorBoardLog(cfg.tensorboard if main else None)
+    writer = MetricsWriter(cfg.outputs.metrics if main else None, append=start_step > 0)
+    board = TensorBoardLog(cfg.outputs.tensorboard if main else None)
     history: list[StepMetrics] = []
     t0 = time.perf_counter()
-    bar = tqdm(range(start_step, cfg.steps), disable=not (cfg.progress and main), unit="step", dynamic_ncols=True,
-               file=sys.stdout, initial=start_step, total=cfg.steps)
+    steps, save, save_every = cfg.optim.steps, cfg.checkpoint.save, cfg.checkpoint.save_every
+    bar = tqdm(range(start_step, steps), disable=not (cfg.outputs.progress and main), unit="step", dynamic_ncols=True,
+               file=sys.stdout, initial=start_step, total=steps)
     stopped_at = None
     try:
         for step in bar:
             m = step_fn(step)
-            if not math.isfinite(m.loss) and cfg.precision != "fp16":
-                where = f"; the last checkpoint in {cfg.save} is kept" if cfg.save else ""
-                raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.precision}){where}")
+            if not math.isfinite(m.loss) and cfg.optim.precision != "fp16":
+                where = f"; the last checkpoint in {cfg.checkpoint.save} is kept" if cfg.checkpoint.save else ""
+                raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.optim.precision}){where}")
             done = step + 1
-            if eval_fn is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+            every = cfg.data.eval_every
+            if eval_fn is not None and (done == steps or (every and done % every == 0)):
                 m.eval_loss = eval_fn(done)
                 m.eval_perplexity = math.exp(min(m.eval_loss, 700.0))
                 if main:
@@ -60,14 +62,13 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             bar.set_postfix(loss=f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
                             tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}", **emulated)
             want_stop = (stop is not None and stop.check()) or (
-                cfg.stop_after is not None and done - start_step >= cfg.stop_after)
-            want_save = bool(cfg.save) and (want_stop or done == cfg.steps
-                                            or bool(cfg.save_every and done % cfg.save_every == 0))
+                cfg.checkpoint.stop_after is not None and done - start_step >= cfg.checkpoint.stop_after)
+            want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
             if agree is not None:
                 want_stop, want_save = agree(want_stop, want_save)
             if want_save and save_fn is not None:
                 save_fn(done)
-            if want_stop and done < cfg.steps:
+            if want_stop and done < cfg.optim.steps:
                 stopped_at = done
                 break
     finally:
@@ -88,6 +89,6 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
               f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}",
               flush=True)
     if main and stopped_at is not None:
-        saved = f"checkpoint saved to {cfg.save}; continue with --resume {cfg.save}" if cfg.save else "nothing saved (no --save)"
-        print(f"stopped after step {stopped_at} of {cfg.steps}: {saved}", flush=True)
+        saved = f"checkpoint saved to {save}; continue with --resume {save}" if save else "nothing saved (no --save)"
+        print(f"stopped after step {stopped_at} of {cfg.optim.steps}: {saved}", flush=True)
     return history

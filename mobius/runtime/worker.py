@@ -187,14 +187,14 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decide) -> dict:
         shared = [decide() if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         spec = shared[0]
-        cfg = replace(cfg, precision=spec.precision)
+        cfg = cfg.changed(precision=spec.precision)
         payload = replace(payload, cfg=cfg, spec=spec)
     emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
     # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
     # the sizes its search chose.
     budget = spec.budget_bytes[rank] if spec.backend == "pipeline" else None
     device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), budget, emulation)
-    trace = Trace(enabled=bool(cfg.trace), pid=rank)
+    trace = Trace(enabled=bool(cfg.outputs.trace), pid=rank)
     trace.set_origin(payload.t_origin if payload.t_origin is not None else time.perf_counter())
     # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer.
     share_cpu_cores(world)
@@ -203,9 +203,9 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decide) -> dict:
     try:
         device.start_steps()
         start = 0
-        if cfg.resume:  # the launcher checked it; each file is checked as it is read
-            start = ck.resume(ck.load_checkpoint(cfg.resume, verify=False), backend.restore, backend.scaler,
-                              cfg.precision)
+        if cfg.checkpoint.resume:  # the launcher checked it; each file is checked as it is read
+            start = ck.resume(ck.load_checkpoint(cfg.checkpoint.resume, verify=False), backend.restore, backend.scaler,
+                              cfg.optim.precision)
         stop = install_stop(payload)
 
         def one_step(step: int) -> StepMetrics:
@@ -218,13 +218,13 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decide) -> dict:
         def save(done: int) -> None:
             backend.drain()
             meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.inputs)
-            ck.save(cfg.save, backend.checkpoint_files(done), meta, rank, dist.barrier)
+            ck.save(cfg.checkpoint.save, backend.checkpoint_files(done), meta, rank, dist.barrier)
 
         header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
-        gather_trace(trace, cfg.trace, rank, world)
+        gather_trace(trace, cfg.outputs.trace, rank, world)
         finished = backend.finish()
     finally:
         backend.close()

@@ -92,11 +92,11 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
         fastest = {}
         corpus = load_corpus(None)  # read once; each configuration draws its own batches from it
         for stages, micro_batches in calibration_configs():
-            cfg = RunConfig(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
-                            micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
-                            precision="fp32", progress=False)
+            cfg = RunConfig.of(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
+                               micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
+                               precision="fp32", progress=False)
             spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches))
-            batches = BatchSource(corpus, SEQ_LEN, MICRO_BATCH, micro_batches, cfg.seed)
+            batches = BatchSource(corpus, SEQ_LEN, MICRO_BATCH, micro_batches, cfg.optim.seed)
             parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False),
                                  (batches, None))
             times = []

@@ -66,8 +66,8 @@ class PipelineWorker:
         peak = torch.tensor([memory.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         self.peak_bytes_max = max(self.peak_bytes_max, int(peak.item()))
-        return StepMetrics(step=step, loss=stats[0].item(), lr=lr_at(step, cfg.steps, cfg.lr),
-                           tokens=cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len,
+        return StepMetrics(step=step, loss=stats[0].item(), lr=lr_at(step, cfg.optim.steps, cfg.optim.lr),
+                           tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=int(peak.item()),
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
@@ -149,17 +149,17 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     executor, training on ``data`` (the run's batches and held-out examples).  Between processes
     the transport is gloo; tests run several in threads."""
     plan, rank = spec.plan, transport.rank
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.optim.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
     model_config = model_config_for(cfg)
-    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.seed, cfg.lr,
-                           DTYPES[spec.precision], device, cfg.optimizer_lag)
+    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed, cfg.optim.lr,
+                           DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
-                         cfg.steps, cfg.lr, scaler, transport)
+                         cfg.optim.steps, cfg.optim.lr, scaler, transport)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 
