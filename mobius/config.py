@@ -142,9 +142,10 @@ class PipelineConfig:
     mapping: str = "cross"  # cross (adjacent stages under different root complexes) | sequential
     prefetch: bool = True  # load the next stage while the current one computes
     device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
+    data_parallel: int | None = None  # replicas of the pipeline (None: the nodes under torchrun, else 1)
 
     def __post_init__(self):
-        _positive(self, ("stages",))
+        _positive(self, ("stages", "data_parallel"))
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,12 @@ class RunConfig:
                              "to emulate")
         if self.emulation.enabled and self.backend == "single":
             raise InputError("--emulate is built for --backend pipeline and chunked, not single")
+        replicas = self.pipeline.data_parallel or 1
+        if self.batch.micro_batches % replicas:
+            raise InputError(f"--micro-batches {self.batch.micro_batches} is not divisible by --data-parallel "
+                             f"{replicas}: each replica runs an equal share of the step's micro-batches")
+        if replicas > 1 and self.emulation.enabled:
+            raise InputError("--data-parallel is not built for --emulate yet (one emulated box: --data-parallel 1)")
 
     @classmethod
     def of(cls, **options) -> "RunConfig":
@@ -345,6 +352,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the stages whose weights, gradients and AdamW state fit in a GPU's spare memory "
                         "stay there and are updated there, when the plan says the step is faster for it; off: "
                         "every stage swaps and is updated by the host's AdamW")
+    p.add_argument("--data-parallel", type=int, default=None, metavar="D",
+                   help="D replicas of the pipeline, each on M/D of the step's micro-batches, gradients summed across "
+                        "them and the host AdamW sharded across them (ZeRO-1); default: the number of nodes under "
+                        "torchrun, else 1")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
                         "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")

@@ -25,16 +25,17 @@ from chunked_dp import worker as chunked_worker
 from chunked_dp.prepare import prepare_chunked
 from mobius.config import RunConfig
 from mobius.data.shared import share
-from mobius.errors import shown
+from mobius.errors import InputError, shown
 from mobius.janitor import scratch_dir
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
-from mobius.prepare import prepare_pipeline
+from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.runtime.emulation import create_counters
+from mobius.runtime.inputs import check_model_input
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import WorkerPayload
+from mobius.runtime.worker import Decision, WorkerPayload, outside_torchrun
 from mobius.signals import LauncherSignals
 from mobius.stages import worker as pipeline_worker
 from topology import Topology
@@ -46,19 +47,12 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     ``data``: the run's training and held-out batches, made here and shared with the workers (None:
     each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo, model_config)
-    n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
-    header = (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{emulating} ({topo.name}), model {cfg.model} "
-              f"({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
-              + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
-              f"mapping {plan.order}, {cfg.batch.describe()}, "
-              f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-              f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
+    header = pipeline_header(cfg, model_config, topo, spec)
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.outputs.exports()
     exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights)
-    results = launch_workers(topo.n, pipeline_worker.worker_main, payload, data)
+    results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {out}", flush=True)
@@ -69,6 +63,20 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
             weights.update(r["weights"])
         return history, weights, results
     return history
+
+
+def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
+    """The run's first line: where it runs, the model, the plan and its prediction."""
+    plan = spec.plan
+    n_params = build_model(model_config, device="meta").num_parameters()
+    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
+    replicas = f" x {spec.data_parallel} replicas (ZeRO-1 host AdamW)" if spec.data_parallel > 1 else ""
+    return (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{replicas}{emulating} ({topo.name}), "
+            f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
+            + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
+            f"mapping {plan.order}, {cfg.batch.describe()}, "
+            f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
+            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
 
 
 def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
@@ -123,7 +131,7 @@ def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
     payload = replace(payload, launcher_pid=os.getpid(), stop_file=str(signals.stop.stop_file),
                       started_file=str(signals.started_file))
     try:
-        with signals:
+        with signals, outside_torchrun():
             return elastic_launch(launch, entry)(payload)
     except ChildFailedError as err:
         if signals.aborted:
@@ -160,6 +168,24 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
 
 def running_under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def torchrun_decision(cfg: RunConfig) -> Decision:
+    """Under torchrun each node plans for itself no more: every node describes its devices, rank 0
+    checks that the nodes match and plans one replica's pipeline for that node shape, once."""
+    model_config = check_model_input(cfg)
+    topo = resolve_topology(cfg)  # this node's devices
+
+    def decide(nodes: list[str]) -> tuple[RunSpec, str]:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(nodes)))
+        shapes = {n: shape for n, shape in enumerate(nodes[::local])}
+        if len(set(shapes.values())) > 1:
+            raise InputError("the nodes differ: " + "; ".join(f"node {n} has {s}" for n, s in shapes.items())
+                             + " (every node runs the same pipeline: give them the same GPUs)")
+        spec, _ = prepare_pipeline(cfg, topo, model_config)
+        return spec, pipeline_header(cfg, model_config, topo, spec)
+
+    return Decision(node=topo.shape, decide=decide)
 
 
 def describe_failure(err) -> str:

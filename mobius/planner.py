@@ -58,6 +58,7 @@ PLANS = Cache("plans", "plan")
 # plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
 # parameter (LoRA's base weights) is held once, in the compute dtype.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
+ADAM_STATE_BYTES = 8  # of those: AdamW's two fp32 moments, which data-parallel replicas shard
 
 
 MAPPINGS = {"cross": cross_map, "sequential": sequential_map}
@@ -97,8 +98,11 @@ class DoesNotFit(InputError):
         self.reason = reason
 
 
-def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0) -> int:
-    """What the workers' stage stores hold on the host for this model (all stages together).
+def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0, data_parallel: int = 1,
+                      replicas_here: int = 1) -> int:
+    """What the workers' stage stores hold on the host for this model (all stages together), on a
+    host with ``replicas_here`` of a run's ``data_parallel`` replicas: each holds every weight and
+    gradient, and 1/``data_parallel`` of the AdamW state (:mod:`mobius.stages.replicas`).
     Counted from the three distinct layers (every block has the same parameters), so a config of
     absurd depth is refused at once instead of being built."""
     last = layer_count(config) - 1
@@ -113,10 +117,10 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0)
                 trained += times * p.numel()
             else:
                 frozen += times * p.numel()
-    per_trained = HOST_BYTES_PER_PARAM[precision]
+    per_trained = HOST_BYTES_PER_PARAM[precision] - ADAM_STATE_BYTES + ADAM_STATE_BYTES / data_parallel
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
         per_trained += element_bytes(precision) * (2 if precision == "fp32" else 1)
-    return trained * per_trained + frozen * element_bytes(precision)
+    return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision)))
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
@@ -206,11 +210,11 @@ def _runtime_costs_of(found: dict) -> dict[str, float]:
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
-                      where: str, data_bytes: int = 0) -> None:
+                      where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
     weights, AdamW state, gradients (with ``--optimizer-lag``, the second compute copy) and the data
     every process holds (``data_bytes``, all of them together) must fit in ``available`` bytes."""
-    need = host_bytes_needed(config, precision, optimizer_lag) + data_bytes
+    need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here) + data_bytes
     if need > available:
         raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
                          f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
@@ -258,8 +262,13 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
               time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
               mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
-              device_optimizer: bool = True) -> Plan:
-    check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name)
+              device_optimizer: bool = True, data_parallel: int = 1) -> Plan:
+    """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step).
+    With ``data_parallel`` replicas each host updates 1/D of the parameters (the replicas' gradient
+    sums and weight broadcasts over the network are not in the model yet), and no stage stays
+    resident (its update would need the replicas' sum on the device)."""
+    check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name,
+                      data_parallel=data_parallel)
     # Every worker must own at least one stage, and a stage is at least one layer (checked before
     # any profiling: bad input is refused at once).
     layers = profile.n if profile else layer_count(config)
@@ -272,6 +281,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if stages is not None and stages > layers:
         raise InputError(f"--stages {stages} exceeds the model's {layers} layers")
     profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
+    if data_parallel > 1:
+        profile = replace(profile, host=replace(profile.host,
+                                                adam_params_per_s=profile.host.adam_params_per_s * data_parallel))
+        device_optimizer = False
     place = MAPPINGS[mapping]
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)

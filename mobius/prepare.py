@@ -72,6 +72,22 @@ def reserve_cuda_memory(topo: Topology) -> Topology:
     return reserved
 
 
+def nodes_under_torchrun() -> int:
+    """How many nodes ``torchrun`` started this run on (1 when it did not start it)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 1
+    return int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+
+
+def data_parallel_of(cfg: RunConfig) -> int:
+    """``--data-parallel``, or one replica per node under torchrun (one otherwise)."""
+    replicas = cfg.pipeline.data_parallel or nodes_under_torchrun()
+    if cfg.batch.micro_batches % replicas:
+        raise InputError(f"--micro-batches {cfg.batch.micro_batches} is not divisible by the {replicas} replicas "
+                         "(one per node under torchrun; set --data-parallel D)")
+    return replicas
+
+
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
     """``--precision`` or the default for the devices.  The run's spec carries it; the workers'
     configuration is given it (:func:`mobius.launcher.launch_workers`), and so are checkpoints."""
@@ -95,12 +111,15 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     if cfg.emulation.enabled:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
         plan_options.setdefault("profile_how", "analytic")
 
+    replicas = data_parallel_of(cfg)
+
     def make(recompute: bool) -> Plan:
         batch, pipe = cfg.batch, cfg.pipeline
-        return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches, batch.seq_len,
-                         precision, partitioner=pipe.partitioner, recompute=recompute, stages=pipe.stages,
-                         mapping=pipe.mapping, prefetch=pipe.prefetch, optimizer_lag=cfg.optim.optimizer_lag,
-                         device_optimizer=pipe.device_optimizer == "auto", **plan_options)
+        return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
+                         batch.seq_len, precision, partitioner=pipe.partitioner, recompute=recompute,
+                         stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
+                         optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
+                         data_parallel=replicas, **plan_options)
 
     if cfg.pipeline.recompute == "on":
         return make(recompute=True)
@@ -137,11 +156,15 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
     :func:`mobius.runtime.inputs.check_model_input` checked it."""
     cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
+    if cuda and data_parallel_of(cfg) > nodes_under_torchrun():
+        raise InputError(f"--data-parallel {data_parallel_of(cfg)} on the GPUs of one machine is not built: start one "
+                         "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
-    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation), plan
+    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
+                   data_parallel=data_parallel_of(cfg)), plan
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise

@@ -21,13 +21,13 @@ import torch
 from mobius import ownership
 from mobius.config import RunConfig, parse_train_args, validate_for_backend
 from mobius.errors import InputError, exits_cleanly
-from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun
+from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun, torchrun_decision
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
 from mobius.planner import available_host_memory, check_host_memory
-from mobius.prepare import prepare_pipeline, resolve_backend, resolve_precision, resolve_topology
+from mobius.prepare import data_parallel_of, resolve_backend, resolve_precision
 from mobius.reference import ReferenceTrainer
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
@@ -148,9 +148,10 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     holders = 1 if backend == "single" else 2
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
     available = available_host_memory()
-    if available is not None:
+    if available is not None:  # every replica of the pipeline this machine runs
+        replicas = data_parallel_of(cfg) if backend == "pipeline" else 1
         check_host_memory(cfg.model, model_config, cfg.optim.precision or "fp32", cfg.optim.optimizer_lag, available,
-                          "this machine (available now)", data_bytes)
+                          "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas)
     if backend == "single":
         return train_single(cfg, model_config, batches, held_out, inputs)
     if backend == "chunked":
@@ -166,8 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None:
             raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
                              "start python -m mobius.train directly for the others")
-        worker_main(WorkerPayload(cfg, None, "mobius: pipeline worker (torchrun)"),
-                    decide=lambda: prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[0])
+        worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))
         return
     run(cfg)
 

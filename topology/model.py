@@ -63,6 +63,12 @@ class Topology:
     def n(self) -> int:
         return len(self.gpus)
 
+    def shape(self) -> str:
+        """What a node must share with the others of a multi-node run: its GPUs and how they sit
+        under root complexes (not their PCI addresses or serials)."""
+        gpus = ", ".join(f"{g.name} {g.memory_gb:g} GB on root complex {g.root_complex}" for g in self.gpus)
+        return f"{self.n} {'CPU workers' if self.virtual else 'GPUs'} ({gpus})"
+
     def root_complex_of(self, gpu: int) -> int:
         return self.gpus[gpu].root_complex
 

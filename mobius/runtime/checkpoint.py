@@ -362,8 +362,10 @@ def optimizer_tensors(named_params: dict[str, torch.nn.Parameter], optimizer: to
 
 def restore(ckpt: Checkpoint, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
             aliases: dict[str, str] | None = None) -> None:
-    """Weights and AdamW state for ``named_params``; ``aliases`` maps a tied copy to the stored name."""
+    """Weights for ``named_params``, and AdamW state for those ``optimizer`` updates (under data
+    parallelism, a replica's share; None: none); ``aliases`` maps a tied copy to the stored name."""
     aliases = aliases or {}
+    updated = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer else set()
     with torch.no_grad():
         for name, p in named_params.items():
             stored = aliases.get(name, name)
@@ -372,6 +374,8 @@ def restore(ckpt: Checkpoint, named_params: dict[str, torch.nn.Parameter], optim
                 raise CheckpointError(f"--resume {ckpt.directory}: {stored} has shape {tuple(value.shape)}, "
                                       f"the model has {tuple(p.shape)}")
             p.copy_(value)
+            if id(p) not in updated:
+                continue
             optimizer.state[p] = {"step": ckpt.get(f"step/{stored}").clone(),
                                   "exp_avg": ckpt.get(f"exp_avg/{stored}").clone(),
                                   "exp_avg_sq": ckpt.get(f"exp_avg_sq/{stored}").clone()}

@@ -178,6 +178,7 @@ class RunSpec:
     plan: Plan | None = None  # pipeline
     chunked: ChunkedSetup | None = None  # chunked
     emulation: EmulationSpec | None = None  # --emulate
+    data_parallel: int = 1  # pipeline replicas (mobius.stages.replicas); the plan is one replica's
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
+from mobius.errors import InputError
 from mobius.metrics import StepMetrics, Trace, write_trace
 from mobius.optim import DynamicLossScaler
 from mobius.runtime import checkpoint as ck
@@ -38,7 +39,28 @@ from mobius.runtime.spec import RunSpec
 from mobius.signals import StopRequest
 
 COLLECTIVE_TIMEOUT_S = 60
+# Under torchrun the others wait while rank 0 decides: profiling a model never seen on this machine
+# and code, and solving its partition, may take minutes.
+DECISION_TIMEOUT_S = 3600
 PARENT_POLL_S = 0.5
+
+
+# What torchrun tells the processes it starts: processes we start from inside one of them (the
+# runtime's calibration while rank 0 plans) must rendezvous afresh, not join torchrun's.
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def outside_torchrun():
+    """The environment without torchrun's variables, for as long as this lasts."""
+    saved = {k: v for k, v in os.environ.items() if k in TORCHRUN_ENV or k.startswith("TORCHELASTIC_")}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @dataclass
@@ -163,9 +185,20 @@ def inject_fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBackend], decide=None) -> dict:
+@dataclass
+class Decision:
+    """Under torchrun no launcher decided the run: every process describes its node (``node()``),
+    rank 0 decides from all of them (``decide(nodes)`` -> the spec and the run's header line) and
+    shares its decision, or the one-line error that refused it."""
+
+    node: Callable[[], str]
+    decide: Callable[[list[str]], tuple[RunSpec, str]]
+
+
+def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBackend],
+               decision: Decision | None = None) -> dict:
     """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
-    spec: rank 0 makes it with ``decide()`` and shares it."""
+    spec: it comes from the ``decision``."""
     with tied_to_launcher(payload.launcher_pid):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         spec = payload.spec
@@ -176,23 +209,39 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
         dist.init_process_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
         try:
-            return _run(payload, rank, world, build, decide)
+            return _run(payload, rank, world, build, decision)
         finally:
             dist.destroy_process_group()
 
 
-def _run(payload: WorkerPayload, rank: int, world: int, build, decide) -> dict:
+def decided(decision: Decision, rank: int, world: int) -> tuple[RunSpec, str]:
+    """The spec and header rank 0 decided from every node's description; a refusal is raised on
+    every rank, so each node ends with the same one line."""
+    waiting = dist.new_group(timeout=datetime.timedelta(seconds=DECISION_TIMEOUT_S))
+    nodes = [None] * world
+    dist.all_gather_object(nodes, decision.node(), group=waiting)
+    shared: list = [None]
+    if rank == 0:
+        try:
+            shared[0] = decision.decide(nodes)
+        except InputError as err:
+            shared[0] = err
+    dist.broadcast_object_list(shared, src=0, group=waiting)
+    if isinstance(shared[0], InputError):
+        raise shared[0]
+    return shared[0]
+
+
+def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decision | None) -> dict:
     cfg, spec = payload.cfg, payload.spec
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
-        shared = [decide() if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        spec = shared[0]
+        spec, header = decided(decision, rank, world)
         cfg = cfg.changed(precision=spec.precision)
-        payload = replace(payload, cfg=cfg, spec=spec)
+        payload = replace(payload, cfg=cfg, spec=spec, header=header)
     emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
     # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
     # the sizes its search chose.
-    budget = spec.budget_bytes[rank] if spec.backend == "pipeline" else None
+    budget = spec.budget_bytes[rank % len(spec.budget_bytes)] if spec.backend == "pipeline" else None
     device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), budget, emulation)
     trace = Trace(enabled=bool(cfg.outputs.trace), pid=rank)
     trace.set_origin(payload.t_origin if payload.t_origin is not None else time.perf_counter())

@@ -41,7 +41,7 @@ from mobius.partition.cost import settle, stage_costs
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
-from mobius.runtime.worker import tied_to_launcher
+from mobius.runtime.worker import outside_torchrun, tied_to_launcher
 from mobius.stages.transport import GlooTransport
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
@@ -126,8 +126,9 @@ def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, i
     with scratch_dir("mobius-calibration-") as tmp:
         out = str(Path(tmp) / "times.json")
         parent = os.getpid()
-        context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
-                                     start_method="spawn", join=False)
+        with outside_torchrun():
+            context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
+                                         start_method="spawn", join=False)
         try:
             while not context.join():
                 pass

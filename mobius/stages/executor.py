@@ -59,6 +59,7 @@ from mobius.stages.ops import (
     Op,
     worker_ops,
 )
+from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.stages.working_memory import WorkingMemory
@@ -93,11 +94,14 @@ class _StepState:
 class StageRunner:
     def __init__(self, plan: Plan, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
                  traffic: Traffic, trace: Trace, batches: BatchSource, device: Device, total_steps: int,
-                 peak_lr: float, scaler: DynamicLossScaler, transport: Transport):
+                 peak_lr: float, scaler: DynamicLossScaler, transport: Transport,
+                 replicas: ReplicaGroup | None = None):
         self.plan, self.store, self.prefetcher, self.trace, self.batches = plan, store, prefetcher, trace, batches
         self.device, self.total_steps, self.peak_lr, self.scaler = device, total_steps, peak_lr, scaler
         self.n_stages = len(plan.bounds)
-        self.M = plan.micro_batches
+        self.M = plan.micro_batches  # this replica's share of the step's micro-batches
+        # Data-parallel replicas (mobius.stages.replicas): which share of each step is this one's.
+        self.replica = replicas.layout if replicas is not None else ReplicaLayout()
         mine = plan.stages_of_gpu(transport.rank)
         self.resident = frozenset(plan.resident) & set(mine)
         self.ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, resident=self.resident)
@@ -114,7 +118,7 @@ class StageRunner:
         self.working = WorkingMemory(memory, plan)
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
                                        TiedEmbedding(store, plan, transport, traffic), transport,
-                                       plan.host_costs.get("adam_params_per_s", float("inf")))
+                                       plan.host_costs.get("adam_params_per_s", float("inf")), replicas)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
         # The planner never makes such a plan: these updates need every stage's gradients, or must
         # write the weights the step after next reads (--optimizer-lag).
@@ -127,7 +131,8 @@ class StageRunner:
     def step(self, step: int) -> float:
         """Run step ``step`` by executing this worker's operations (:func:`worker_ops`); returns
         the sum of the losses this worker computed (the last stage's worker: the step's loss)."""
-        st = _StepState(self.batches.step(step), lr_at(step, self.total_steps, self.peak_lr), step)
+        st = _StepState(self.replica.share(self.batches.step(step)), lr_at(step, self.total_steps, self.peak_lr),
+                        step)
         self.store.begin_step(step)
         self._execute(self.ops, st)
         self.optimizer.finish_step(step, st.lr, self.host)
@@ -144,7 +149,7 @@ class StageRunner:
         """The forward pass of ``micro`` (evaluation batches) with the weights step ``next_step``
         would compute with, no autograd and no dropout; returns this worker's loss sum."""
         self.optimizer.drain()  # every update so far is in the weights (resident ones: on the device)
-        st = _StepState(micro, 0.0, next_step, training=False)
+        st = _StepState(self.replica.share(micro), 0.0, next_step, training=False)
         self.store.begin_step(next_step)
         with torch.no_grad():
             self._execute(self.eval_ops, st)
@@ -212,7 +217,9 @@ class StageRunner:
     def _dropout(self, m: int, st: _StepState):
         """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation
         (none in evaluation)."""
-        return dropout_micro_batch(self.batches.seed, st.step, m) if st.training else contextlib.nullcontext()
+        if not st.training:
+            return contextlib.nullcontext()
+        return dropout_micro_batch(self.batches.seed, st.step, self.replica.index * self.M + m)
 
     def _op_compute(self, op: Op, st: _StepState) -> None:
         with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):

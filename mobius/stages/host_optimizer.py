@@ -12,6 +12,10 @@ gradients (the tied embedding's sum, fp16's overflow vote) are issued by
 With ``--optimizer-lag 1`` the next step does not wait for this step's updates: they write the
 compute buffer the step after next reads (:mod:`mobius.swap.store`), and run on while the next
 step computes, off the critical path (the semantics of :mod:`mobius.reference`).
+
+With data-parallel replicas (:mod:`mobius.stages.replicas`) the optimizer thread sums each stage's
+gradients into their owner replicas before the update and broadcasts the owners' weights after it:
+each host steps AdamW for its share of the parameters only.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 from mobius.metrics import Trace
 from mobius.optim import DynamicLossScaler, set_lr
 from mobius.runtime.device import Device, Event, Stream
+from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.swap.memory import DeviceMemory, Traffic
@@ -34,9 +39,9 @@ from mobius.swap.store import HostStageStore, view
 class HostOptimizer:
     def __init__(self, store: HostStageStore, device: Device, memory: DeviceMemory, traffic: Traffic, trace: Trace,
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
-                 adam_params_per_s: float = float("inf")):
+                 adam_params_per_s: float = float("inf"), replicas: ReplicaGroup | None = None):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
-        self.scaler, self.tied, self.transport = scaler, tied, transport
+        self.scaler, self.tied, self.transport, self.replicas = scaler, tied, transport, replicas
         self.lag = store.lag
         self.adam_params_per_s = adam_params_per_s  # the host's rate as planned (emulated GPUs' hosts take this long)
         self.compute = device.compute
@@ -67,7 +72,7 @@ class HostOptimizer:
         """Stage ``s``'s backward of step ``step`` is done: its gradients leave on their own stream
         and the optimizer thread takes over once they are home."""
         host = self.store.stages[s]
-        if host.optimizer is None:  # nothing of this stage trains
+        if not host.trains:
             return
         # Autograd accumulates in place into a gradient that obeys the parameter's layout; should
         # it have replaced one, its values go back into the flat buffer.
@@ -110,24 +115,30 @@ class HostOptimizer:
 
     def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool) -> Event:
         """On the optimizer thread: AdamW with step ``step``'s gradients (unless ``apply`` is off: an
-        fp16 step skipped for overflow), then the compute-dtype copy the step ``step + 1 + lag``
-        reads."""
-        t0 = time.perf_counter()
+        fp16 step skipped for overflow, which every replica skips: the vote is the whole run's), then
+        the compute-dtype copy the step ``step + 1 + lag`` reads."""
         host = self.store.stages[s]
-        if host.optimizer is None:
+        if not host.trains:
             return self.host.record()
-        if apply:
+        if apply and self.replicas is not None:
+            self.replicas.reduce_gradients(host)
+        t0 = time.perf_counter()
+        if apply and host.optimizer is not None:
+            updated = [p for group in host.optimizer.param_groups for p in group["params"]]
             if unscale is not None:
-                for p in host.master_params:
+                for p in updated:
                     p.grad.div_(unscale)
             set_lr(host.optimizer, lr)
-            with self.device.compute_span(host.master_grad.numel() / self.adam_params_per_s):
+            with self.device.compute_span(sum(p.numel() for p in updated) / self.adam_params_per_s):
                 host.optimizer.step()
-        host.optimizer.zero_grad(set_to_none=True)
+        if host.optimizer is not None:
+            host.optimizer.zero_grad(set_to_none=True)
+        self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter())
+        if apply and self.replicas is not None:
+            self.replicas.broadcast_weights(host)
         buffer = self.store.buffer_updated_by(step)
         self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
         self.store.refresh_compute_copy(s, buffer)
-        self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter())
         return self.host.record()
 
     def finish_step(self, step: int, lr: float, host: Stream) -> None:

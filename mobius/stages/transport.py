@@ -40,14 +40,18 @@ class Transport(Protocol):
 
 
 class GlooTransport:
-    def __init__(self):
-        self.rank = dist.get_rank()
+    """The workers of one pipeline replica: ``first`` is the process rank of its worker 0
+    (:mod:`mobius.stages.replicas`); ``rank`` is this worker's place in the replica."""
+
+    def __init__(self, first: int = 0):
+        self.first = first
+        self.rank = dist.get_rank() - first
 
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
-        return dist.isend(buf, dst, tag=tag)
+        return dist.isend(buf, self.first + dst, tag=tag)
 
     def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
-        dist.recv(buf, src, tag=tag)
+        dist.recv(buf, self.first + src, tag=tag)
 
     def any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])

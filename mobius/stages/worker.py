@@ -2,7 +2,8 @@
 its start-up, checkpoints and signals are :mod:`mobius.runtime.worker`'s.
 
 Started by :mod:`mobius.launcher` through torch's elastic launcher, or directly by ``torchrun``
-(then rank 0 makes the plan and broadcasts it).  Activations travel between workers through host
+(then rank 0 makes the plan and broadcasts it).  With ``--data-parallel D`` the run's processes are D
+replicas of the pipeline (:mod:`mobius.stages.replicas`), replica by replica.  Activations travel between workers through host
 memory over gloo: the GPUs of the servers we target have no peer-to-peer path, so device -> host
 -> device is the real route, and gloo moves the host leg.
 """
@@ -28,17 +29,18 @@ from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
+from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, run_worker
 from mobius.stages.executor import StageRunner
+from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
 
 
-def worker_main(payload: WorkerPayload, decide=None) -> dict:
+def worker_main(payload: WorkerPayload, decision: Decision | None = None) -> dict:
     """Entry point of a pipeline worker process (:func:`mobius.runtime.worker.run_worker`)."""
-    return run_worker(payload, PipelineWorker, decide)
+    return run_worker(payload, PipelineWorker, decision)
 
 
 class PipelineWorker:
@@ -46,11 +48,17 @@ class PipelineWorker:
     this worker's stages, their step, their checkpoint shards and exports."""
 
     def __init__(self, ctx: WorkerContext):
-        self.ctx, self.cfg, self.rank = ctx, ctx.cfg, ctx.rank
-        plan = ctx.spec.plan
-        if max(plan.order) >= ctx.world:
-            raise RuntimeError(f"the plan needs {len(plan.order)} workers, but {ctx.world} were started")
-        self.parts = build_worker(ctx.cfg, ctx.spec, GlooTransport(), ctx.device, ctx.trace, ctx.data)
+        self.ctx, self.cfg = ctx, ctx.cfg
+        plan, replicas = ctx.spec.plan, ctx.spec.data_parallel
+        workers = max(plan.order) + 1
+        if workers * replicas != ctx.world:
+            raise RuntimeError(f"the plan needs {workers} workers per replica x {replicas} replicas, but {ctx.world} "
+                               "were started (under torchrun: --nproc-per-node is the workers of one node's plan)")
+        self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, replicas)
+        transport = GlooTransport(first=self.layout.rank_of(0))
+        self.position = transport.rank
+        group = ReplicaGroup.join(self.layout, self.position, ctx.trace) if replicas > 1 else None
+        self.parts = build_worker(ctx.cfg, ctx.spec, transport, ctx.device, ctx.trace, ctx.data, group)
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
@@ -85,14 +93,19 @@ class PipelineWorker:
     def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
         """One shard per stage of this worker: weights, AdamW state and (lagging) the weights the
         next step computes with, by parameter name."""
-        store, files = self.store, {}
+        store, files, layout = self.store, {}, self.layout
         lagged = store.lagged_state(done) if store.lag else {}
+        # Every replica holds the same weights: the first writes them.  Each writes the AdamW state
+        # of the parameters it updates; a checkpoint is read by name, whatever file holds a tensor.
+        part = f"-replica{layout.index}" if layout.count > 1 else ""
         for s, host in store.stages.items():
             named = _stage_state(store, s)
-            files[f"weights-stage{s:04d}.safetensors"] = named
-            files[f"optimizer-stage{s:04d}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
-            if store.lag:
-                files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
+            if layout.index == 0:
+                files[f"weights-stage{s:04d}.safetensors"] = named
+                if store.lag:
+                    files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
+            if host.optimizer is not None:
+                files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
         return files
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
@@ -111,11 +124,11 @@ class PipelineWorker:
     def finish(self) -> dict:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
-        for staging, merged in payload.exports:
+        for staging, merged in payload.exports if self.layout.index == 0 else ():
             for s, host in store.stages.items():
                 write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
                                    layer_states(dict(host.named_params())), merged)
-        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.rank], "peak_bytes_max": self.peak_bytes_max}
+        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max}
         if payload.return_weights:
             out["weights"] = store.state_dict()
         return out
@@ -144,10 +157,12 @@ class WorkerParts:
 
 
 def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: Device, trace: Trace,
-                 data: tuple[BatchSource | ExampleBatches, EvalBatches | None]) -> WorkerParts:
+                 data: tuple[BatchSource | ExampleBatches, EvalBatches | None],
+                 replicas: ReplicaGroup | None = None) -> WorkerParts:
     """The runtime of worker ``transport.rank``: its stages in host memory, the prefetcher, the
-    executor, training on ``data`` (the run's batches and held-out examples).  Between processes
-    the transport is gloo; tests run several in threads."""
+    executor, training on ``data`` (the run's batches and held-out examples), as one of the
+    ``replicas`` (None: the only one).  Between processes the transport is gloo; tests run several in
+    threads."""
     plan, rank = spec.plan, transport.rank
     torch.manual_seed(cfg.optim.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
@@ -155,11 +170,14 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     model_config = model_config_for(cfg)
     store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed, cfg.optim.lr,
                            DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
+    if replicas is not None:  # each parameter's AdamW runs on one replica's host
+        replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
+        store.update_only(replicas.updates)
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
-                         cfg.optim.steps, cfg.optim.lr, scaler, transport)
+                         cfg.optim.steps, cfg.optim.lr, scaler, transport, replicas)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 

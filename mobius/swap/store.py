@@ -81,6 +81,11 @@ class HostStage:
         return [(n, p) for n, p in self.named_params() if p.requires_grad]
 
     @property
+    def trains(self) -> bool:
+        """Whether any weight of the stage trains (its optimizer may still be another replica's)."""
+        return self.master.numel() > 0
+
+    @property
     def master_params(self) -> list[nn.Parameter]:
         return [p for _, p in self.trained()]
 
@@ -124,6 +129,7 @@ class HostStageStore:
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
         self.lag = optimizer_lag
+        self.lr = lr
         n_buffers = optimizer_lag + 1
         same = compute_dtype == torch.float32 and n_buffers == 1
         for s in stages:
@@ -164,6 +170,14 @@ class HostStageStore:
             for b in range(n_buffers):
                 self.refresh_compute_copy(s, b)
         self.begin_step(0)
+
+    def update_only(self, updates) -> None:
+        """This host's AdamW updates only the parameters ``updates(name)`` says (the others are
+        another data-parallel replica's, :mod:`mobius.stages.replicas`): each stage's optimizer is made
+        again over them, or is None where it holds none.  Before the first step."""
+        for st in self.stages.values():
+            mine = [(n, p) for n, p in st.trained() if updates(n)]
+            st.optimizer = make_adamw(mine, self.lr) if mine else None
 
     def begin_step(self, step: int) -> None:
         """Loads of step ``step`` read its compute buffer."""
