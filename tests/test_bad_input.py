@@ -80,6 +80,13 @@ TRAIN_OPTIONS = [
     (["--emulate", "--topology", "topo2+2", "--backend", "single"], "--emulate is built for --backend pipeline"),
     (["--mapping", "diagonal"], "invalid choice: 'diagonal'"),
     (["--dilation", "10"], "--dilation F needs --emulate"),
+    (["--data-parallel", "3"], "--micro-batches 4 is not divisible by --data-parallel 3"),
+    (["--data-parallel", "0"], "--data-parallel must be positive"),
+    (["--data-parallel", "2"], "--data-parallel applies to --backend pipeline, and this run uses --backend single"),
+    (["--backend", "chunked", "--topology", "cpu", "--data-parallel", "2"],
+     "--data-parallel applies to --backend pipeline, and this run uses --backend chunked"),
+    (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--data-parallel", "2"],
+     "--data-parallel is not built for --emulate yet"),
     (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--dilation", "0.5"], "--dilation must be a finite number of at least 1"),
 ]
 

@@ -1,0 +1,110 @@
+"""Data-parallel replicas of the pipeline with the host AdamW sharded across them
+(mobius.stages.replicas): the pure parts in process, the runs as processes, under our launcher and
+under torchrun on two "nodes" of localhost."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY, reference
+from mobius.config import RunConfig
+from mobius.planner import host_bytes_needed
+from mobius.runtime import checkpoint as ck
+from mobius.stages.replicas import ReplicaLayout, owners
+from mobius.models import get_config
+from mobius.train import main
+
+PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "4"]
+
+
+def test_owners_balance_every_replica_and_agree_everywhere():
+    sizes = {f"layers.{i}.{n}": size for i in range(4) for n, size in (("fc", 400), ("proj", 100), ("b", 7))}
+    for count in (1, 2, 3):
+        got = owners(sizes, count)
+        assert got == owners(dict(reversed(sizes.items())), count)  # a function of names and sizes only
+        load = [sum(sizes[n] for n, r in got.items() if r == d) for d in range(count)]
+        assert set(got.values()) == set(range(count)) and max(load) - min(load) <= max(sizes.values())
+
+
+def test_layout_ranks_and_shares():
+    layout = ReplicaLayout.of_rank(5, world=6, count=2)  # 2 replicas of 3 workers: rank 5 is position 2 of replica 1
+    assert (layout.index, layout.workers, layout.rank_of(2), layout.rank_of(0, replica=0)) == (1, 3, 5, 0)
+    assert layout.share(list(range(8))) == [4, 5, 6, 7]
+
+
+def test_host_memory_per_replica_keeps_a_share_of_the_adam_state():
+    config = get_config("mobius-3b")
+    one, two = host_bytes_needed(config, "bf16"), host_bytes_needed(config, "bf16", data_parallel=2)
+    assert one - two == pytest.approx(4 * sum(p.numel() for p in _params(config)), rel=1e-6)  # 8 bytes -> 4
+    assert host_bytes_needed(config, "bf16", data_parallel=2, replicas_here=2) == 2 * two
+
+
+def _params(config):
+    from mobius.models import build_model
+
+    return build_model(config, device="meta").parameters()
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_counts(tmp_path):
+    """D=2 for two steps, its checkpoint resumed on D=1 for one, that one resumed on D=2 again: the
+    losses and final weights of the reference trainer, the AdamW shards written by each replica."""
+    want, weights = reference(RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=4))
+    a, b, c = (str(tmp_path / d) for d in "abc")
+    main(PIPELINE + ["--data-parallel", "2", "--stop-after", "2", "--save", a, "--metrics", a + ".jsonl"])
+    assert {f for f in os.listdir(a) if f.startswith("optimizer-stage0000")} == {
+        "optimizer-stage0000-replica0.safetensors", "optimizer-stage0000-replica1.safetensors"}
+    main(["--resume", a, "--data-parallel", "1", "--stop-after", "1", "--save", b, "--metrics", b + ".jsonl"])
+    main(["--resume", b, "--data-parallel", "2", "--save", c, "--metrics", c + ".jsonl"])
+    got = _losses(a + ".jsonl") + _losses(b + ".jsonl") + _losses(c + ".jsonl")
+    assert got == pytest.approx(want, rel=1e-5)
+    final = ck.load_checkpoint(c)
+    assert final.step == 4
+    for name, w in weights.items():
+        torch.testing.assert_close(final.get(name), w, rtol=1e-5, atol=1e-6)
+
+
+def _die_with_the_test() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _torchrun_nodes(tmp_path, per_node_args):
+    """``torchrun --nnodes 2`` twice on localhost (c10d rendezvous), as two boxes would start it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test",
+                               "-m", "mobius.train"] + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_the_test)
+             for args in per_node_args]
+    try:
+        return [(node.wait(timeout=300), *node.communicate()) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def test_torchrun_two_nodes_train_as_the_reference_and_refuse_nodes_that_differ(tmp_path):
+    want, _ = reference(RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=3))
+    args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "3", "--metrics", "m.jsonl"]
+    ran = _torchrun_nodes(tmp_path, [args, args])
+    assert all(code == 0 for code, _, _ in ran), [err[-1500:] for _, _, err in ran]
+    assert "x 2 replicas (ZeRO-1 host AdamW)" in "".join(out for _, out, _ in ran)  # one replica per node
+    assert _losses(tmp_path / "m.jsonl") == pytest.approx(want, rel=1e-5)
+    # A node with other devices: every node ends with the same one line.
+    ran = _torchrun_nodes(tmp_path, [args, args + ["--gpu-mem-gb", "1"]])
+    for code, _, err in ran:
+        assert code != 0 and "error: the nodes differ: node 0 has 2 CPU workers" in err, err[-1500:]
