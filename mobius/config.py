@@ -226,6 +226,7 @@ class RunConfig:
     gpu_mem_gb: float | None = None
     host_adam_gbps: float | None = None  # the planned host's memory bandwidth for its AdamW (analytic profiles)
     cpu_workers: int = 2
+    network: str | None = None  # between nodes: a preset (25gbe) or GB/s; None: the topology's, else assumed
     data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()
     optim: OptimConfig = OptimConfig()
@@ -356,6 +357,9 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="D replicas of the pipeline, each on M/D of the step's micro-batches, gradients summed across "
                         "them and the host AdamW sharded across them (ZeRO-1); default: the number of nodes under "
                         "torchrun, else 1")
+    p.add_argument("--network", default=None, metavar="NAME|GBPS",
+                   help="the network between the nodes of --data-parallel replicas: 10gbe, 25gbe, 100gbe, ib-hdr, "
+                        "ib-ndr or a bandwidth in GB/s (default: the topology's, else 10gbe assumed)")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
                         "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")

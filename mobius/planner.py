@@ -30,6 +30,7 @@ from mobius.partition.cost import (
     GB,
     check_layers_fit,
     evaluate,
+    replica_update_rate,
     host_traffic_bytes,
     machine_for,
     settle,
@@ -49,7 +50,7 @@ from mobius.precision import element_bytes
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
-from topology import Topology
+from topology import DEFAULT_NETWORK, NETWORKS, Topology
 
 PROFILES = Cache("profiles", "profile")
 RUNTIME_COSTS = Cache("runtime", "runtime calibration")
@@ -264,9 +265,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
               device_optimizer: bool = True, data_parallel: int = 1) -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step).
-    With ``data_parallel`` replicas each host updates 1/D of the parameters (the replicas' gradient
-    sums and weight broadcasts over the network are not in the model yet), and no stage stays
-    resident (its update would need the replicas' sum on the device)."""
+    With ``data_parallel`` replicas each host's optimizer thread sums gradients over the network,
+    updates 1/D of the parameters and broadcasts them (:func:`replica_update_rate`, on ``topo``'s
+    network, else :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident
+    (its update would need the replicas' sum on the device)."""
     check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name,
                       data_parallel=data_parallel)
     # Every worker must own at least one stage, and a stage is at least one layer (checked before
@@ -281,16 +283,19 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if stages is not None and stages > layers:
         raise InputError(f"--stages {stages} exceeds the model's {layers} layers")
     profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
+    network = topo.network or NETWORKS[DEFAULT_NETWORK]
+    host_adam = profile.host.adam_params_per_s
     if data_parallel > 1:
-        profile = replace(profile, host=replace(profile.host,
-                                                adam_params_per_s=profile.host.adam_params_per_s * data_parallel))
+        # The node's workers update their stages at once: each has its share of the one link.
+        rate = replica_update_rate(host_adam, data_parallel, network.bandwidth_gbps * GB / topo.n)
+        profile = replace(profile, host=replace(profile.host, adam_params_per_s=rate))
         device_optimizer = False
     place = MAPPINGS[mapping]
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer])
+                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel])
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
@@ -355,15 +360,20 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
-    floor = step_bounds(stage_costs(profile, bounds, recompute, resident), micro_batches, topo.n,
-                        pcie_bps(topo), profile.host.adam_params_per_s, element_bytes(profile.dtype))
+    costs = stage_costs(profile, bounds, recompute, resident)
+    floor = step_bounds(costs, micro_batches, topo.n, pcie_bps(topo), host_adam * data_parallel,
+                        element_bytes(profile.dtype))
+    if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
+        params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
+        floor["network"] = 2 * 4 * params * (data_parallel - 1) / data_parallel / (network.bandwidth_gbps * GB)
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
                 order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,
                 stages=stage_plans, solver=solver, profile_source=profile.source,
                 baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
-                device_adam_params_per_s=machine.device_adam_params_per_s)
+                device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,
+                network=network.name if data_parallel > 1 else "")
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan

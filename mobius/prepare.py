@@ -19,7 +19,7 @@ from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.spec import Plan, RunSpec
-from topology import Topology, TopologyError, cpu_topology, load_topology
+from topology import Topology, TopologyError, cpu_topology, load_topology, network_of
 
 GB = 10**9
 
@@ -34,6 +34,11 @@ def resolve_topology(cfg: RunConfig) -> Topology:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
     if cfg.host_adam_gbps is not None:
         topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
+    if cfg.network is not None:
+        try:
+            topo.network = network_of(cfg.network)
+        except TopologyError as err:
+            raise InputError(str(err)) from None
     return topo
 
 

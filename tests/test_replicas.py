@@ -108,3 +108,38 @@ def test_torchrun_two_nodes_train_as_the_reference_and_refuse_nodes_that_differ(
     ran = _torchrun_nodes(tmp_path, [args, args + ["--gpu-mem-gb", "1"]])
     for code, _, err in ran:
         assert code != 0 and "error: the nodes differ: node 0 has 2 CPU workers" in err, err[-1500:]
+
+
+def test_network_presets_files_and_the_update_rate_they_give():
+    from mobius.partition.cost import replica_update_rate
+    from topology import TopologyError, load_preset, network_of, topology_from_dict
+
+    assert network_of("25gbe").bandwidth_gbps == 3.125 and network_of("2.5").bandwidth_gbps == 2.5
+    for bad in ("31gbe", "0", "nan"):
+        with pytest.raises(TopologyError):
+            network_of(bad)
+    topo = load_preset("8x4090-4+4")
+    topo.network = network_of("100gbe")
+    again = topology_from_dict(json.loads(json.dumps(topo.to_dict())))
+    assert again.network == topo.network and again.shape() == topo.shape()
+    # One replica: the host's own rate.  Two: AdamW on half the parameters, 2 x 4 bytes x 1/2 on the wire.
+    assert replica_update_rate(1e9, 1, 1e9) == 1e9
+    assert replica_update_rate(1e9, 2, 4e9) == pytest.approx(1 / (1 / 2e9 + 1 / 1e9))
+
+
+def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
+    from mobius.planner import make_plan
+    from topology import load_preset, network_of
+
+    topo = load_preset("4x4090")
+    topo.network = network_of("25gbe")
+    one = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 8, 512, "bf16", time_limit_s=1, use_cache=False,
+                    device_optimizer=False)
+    two = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 4, 512, "bf16", time_limit_s=1, use_cache=False,
+                    data_parallel=2)
+    params = sum(p.numel() for p in _params(get_config("mobius-3b")))
+    assert "network" not in one.lane_floor_s and not two.resident
+    assert two.lane_floor_s["network"] == pytest.approx(2 * 4 * params / 2 / 3.125e9, rel=0.01)
+    assert two.lane_floor_s["host AdamW"] == pytest.approx(one.lane_floor_s["host AdamW"] / 2, rel=0.01)
+    assert two.predicted_step_s >= two.lane_floor_s["network"]
+    assert "replicas: 2, one per node" in two.render() and "over 25 GbE" in two.render()

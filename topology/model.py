@@ -44,6 +44,15 @@ class GPU:
         return int(self.memory_gb * GB)
 
 
+@dataclass(frozen=True)
+class Network:
+    """A node's link to the other nodes of a multi-node run (:mod:`topology.networks`)."""
+
+    name: str
+    bandwidth_gbps: float  # GB/s each way
+    latency_us: float
+
+
 @dataclass
 class Topology:
     name: str
@@ -57,6 +66,7 @@ class Topology:
     # The host's achievable memory bandwidth (GB/s, what ``a += b`` on every core reaches): it bounds
     # the host AdamW every worker's optimizer runs.  None: not known (the planner assumes a rate).
     host_memory_bandwidth_gbps: float | None = None
+    network: Network | None = None  # to the other nodes; None: not stated (a single box)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -139,6 +149,9 @@ class Topology:
         }
         if self.virtual:
             d["virtual"] = True
+        if self.network is not None:
+            d["network"] = {"name": self.network.name, "bandwidth_gbps": self.network.bandwidth_gbps,
+                            "latency_us": self.network.latency_us}
         d.update(self.extra)
         return d
 
@@ -240,11 +253,19 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
             nvlink.append((p[0], p[1]))
     p2p = _get(d, "p2p", bool, "", source, default=False)
     virtual = _get(d, "virtual", bool, "", source, default=False)
-    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual")
+    network = None
+    net = _get(d, "network", dict, "", source, default=None)
+    if net is not None:
+        network = Network(_get(net, "name", str, "network", source, default="network"),
+                          float(_get(net, "bandwidth_gbps", NUMBER, "network", source)),
+                          float(_get(net, "latency_us", NUMBER, "network", source, default=10.0)))
+        if network.bandwidth_gbps <= 0 or network.latency_us < 0:
+            raise TopologyError(f"{source}: key network: bandwidth_gbps must be positive and latency_us not negative")
+    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual", "network")
     return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
                     nvlink=nvlink, p2p=p2p, virtual=virtual,
                     extra={k: v for k, v in d.items() if k not in top_known},
-                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw))
+                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw), network=network)
 
 
 def load_topology_file(path: str | os.PathLike) -> Topology:

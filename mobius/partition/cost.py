@@ -281,6 +281,18 @@ def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, pcie_bp
             "host AdamW": params / (adam_params_per_s * slots)}
 
 
+def replica_update_rate(adam_params_per_s: float, data_parallel: int, network_bps: float) -> float:
+    """Parameters per second of a stage's update on one host's optimizer thread when ``data_parallel``
+    replicas share it (:mod:`mobius.stages.replicas`): the fp32 gradients summed into their owners,
+    AdamW on the 1/D the host owns, the fp32 weights broadcast back, one after the other.  Each sum
+    and broadcast moves (D-1)/D of 4 bytes per parameter each way over the node's network; its
+    latency, a few microseconds per tensor, is left out."""
+    if data_parallel == 1:
+        return adam_params_per_s
+    network_s = 2 * 4 * (data_parallel - 1) / data_parallel / network_bps
+    return 1 / (1 / (adam_params_per_s * data_parallel) + network_s)
+
+
 def human_bytes(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 

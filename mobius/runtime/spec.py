@@ -53,6 +53,9 @@ class Plan:
     # rate that AdamW runs at there (mobius.stages.device_optimizer).
     resident: list[int] = field(default_factory=list)
     device_adam_params_per_s: float = 1e12
+    # Data-parallel replicas of this plan (one per node), and the network between them.
+    data_parallel: int = 1
+    network: str = ""
 
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
@@ -66,7 +69,8 @@ class Plan:
         lanes = ", ".join(f"{k} {v:.3g} s" for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
         helps = {"host AdamW": "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
                  "PCIe": "more micro-batches per step amortise the stage loads",
-                 "compute": "the GPUs themselves are the limit"}[lane]
+                 "compute": "the GPUs themselves are the limit",
+                 "network": "a faster network between the nodes, or fewer replicas with more micro-batches each"}[lane]
         return (f"first-principles floor: {floor:.3g} s/step ({lanes}); predicted {self.predicted_step_s / floor:.2f}x "
                 f"the floor; bound by {lane} ({floor:.3g} of {self.predicted_step_s:.3g} s): {helps}")
 
@@ -118,6 +122,11 @@ class Plan:
         if self.resident:
             lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
                          "(no swap, no gradient offload, no host update)")
+        if self.data_parallel > 1:
+            lines.append(f"replicas: {self.data_parallel}, one per node, each running this plan on "
+                         f"{self.micro_batches} of the step's {self.micro_batches * self.data_parallel} micro-batches; "
+                         f"each host sums gradients and broadcasts weights over {self.network} and updates 1/"
+                         f"{self.data_parallel} of the parameters (ZeRO-1)")
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
         if self.solver.get("chosen") and self.solver["chosen"] != "mip":
             lines.append(f"chosen: the {self.solver['chosen']} partition, within 1% of the fastest and moving the "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import signal
 import threading
 import time
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.errors import InputError
+from mobius.errors import InputError, RunError
 from mobius.metrics import StepMetrics, Trace, write_trace
 from mobius.optim import DynamicLossScaler
 from mobius.runtime import checkpoint as ck
@@ -210,8 +211,29 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
                                 timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
         try:
             return _run(payload, rank, world, build, decision)
+        except (RuntimeError, dist.DistError) as err:
+            lost = lost_peer(err)
+            if lost is None:
+                raise
+            raise RunError(f"worker {rank}: another worker of the run stopped ({lost})") from None
         finally:
             dist.destroy_process_group()
+
+
+# How gloo and the store say that the process at the other end is gone.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe",
+             "Connection refused", "Connection was likely closed")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """What a collective that failed because another worker died said, shortly (None: another
+    failure, a bug to show in full).  Under torchrun that worker may be on another node, whose own
+    line says why it stopped."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if not any(sign in text for sign in PEER_LOST):
+        return None
+    text = re.sub(r"^\[[^\]]*\] ", "", text)  # gloo's source location
+    return text.split(". This is typically")[0][:160]
 
 
 def decided(decision: Decision, rank: int, world: int) -> tuple[RunSpec, str]:

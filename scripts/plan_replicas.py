@@ -1,0 +1,85 @@
+"""Scaling past one box: Llama-3.1-8B on 1, 2 and 4 boxes of 8x RTX 4090 (``8x4090-4+4``), one
+pipeline replica per box, the host AdamW sharded across them (ZeRO-1), for a fixed step of tokens
+(``--micro-batches`` of 1 x ``--seq-len``, split between the replicas), over each network.
+
+For every row: the plan's predicted step (the cost model, ``mobius.plan --data-parallel D``), the
+simulator's step for the same partition (``mobius.sim``, the host lane at the rate the replicas'
+updates run), tokens/s, the speed-up over one box, and the network's share: the seconds of
+gradient sums and weight broadcasts the node's link must carry per step, over the predicted step.
+Everything here is a prediction from config.json alone (analytic profile, bf16), not a measurement.
+
+    python scripts/plan_replicas.py [--micro-batches 64] [--seq-len 2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mobius.config import RunConfig  # noqa: E402
+from mobius.janitor import scratch_dir  # noqa: E402
+from mobius.partition.cost import GB, replica_update_rate  # noqa: E402
+from mobius.planner import get_profile  # noqa: E402
+from mobius.prepare import plan_on, resolve_topology  # noqa: E402
+from mobius.runtime.inputs import model_config_for  # noqa: E402
+from mobius.sim import simulate_mobius  # noqa: E402
+
+LLAMA_8B = {  # Llama-3.1-8B's published config.json
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "hidden_act": "silu"}
+TOPOLOGY = "8x4090-4+4"
+NETWORKS = ("25gbe", "100gbe", "ib-hdr")
+
+
+def row(model_dir: str, boxes: int, network: str, args) -> dict:
+    cfg = RunConfig.of(model=model_dir, topology=TOPOLOGY, micro_batch_size=1, micro_batches=args.micro_batches,
+                       seq_len=args.seq_len, precision="bf16", data_parallel=boxes, network=network)
+    topo = resolve_topology(cfg)
+    plan = plan_on(cfg, model_config_for(cfg), topo, profile_how="analytic", time_limit_s=args.time_limit)
+    profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic")
+    rate = replica_update_rate(profile.host.adam_params_per_s, boxes, topo.network.bandwidth_gbps * GB / topo.n)
+    sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
+                          adam_params_per_s=rate)
+    tokens = args.micro_batches * args.seq_len
+    network_s = plan.lane_floor_s.get("network", 0.0)
+    return {"boxes": boxes, "network": topo.network.name, "micro_batches_per_box": plan.micro_batches,
+            "stages": len(plan.bounds), "recompute": plan.recompute, "predicted_step_s": plan.predicted_step_s,
+            "simulated_step_s": sim.step_s, "tokens_per_s": tokens / plan.predicted_step_s,
+            "network_s": network_s, "network_share": network_s / plan.predicted_step_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--micro-batches", type=int, default=64, help="micro-batches of one sequence per step, all boxes")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    with scratch_dir("mobius-llama-8b-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_8B))
+        rows = [row(tmp, boxes, network, args) for network in NETWORKS for boxes in (1, 2, 4)]
+    tokens = args.micro_batches * args.seq_len
+    print(f"Llama-3.1-8B, {TOPOLOGY} per box, {tokens:,} tokens per step ({args.micro_batches} x 1 x {args.seq_len}), "
+          "bf16; predictions, not measurements")
+    print(f"{'network':>26} {'boxes':>5} {'mb/box':>6} {'stages':>6} {'plan s':>8} {'sim s':>8} {'tok/s':>8} "
+          f"{'speed-up':>8} {'network s':>9} {'share':>6}")
+    for r in rows:
+        one = next(o for o in rows if o["network"] == r["network"] and o["boxes"] == 1)
+        r["speedup"] = one["predicted_step_s"] / r["predicted_step_s"]
+        print(f"{r['network']:>26} {r['boxes']:>5} {r['micro_batches_per_box']:>6} {r['stages']:>6} "
+              f"{r['predicted_step_s']:>8.2f} {r['simulated_step_s']:>8.2f} {r['tokens_per_s']:>8.0f} "
+              f"{r['speedup']:>7.2f}x {r['network_s']:>9.2f} {r['network_share']:>5.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tokens_per_step": tokens, "topology": TOPOLOGY, "rows": rows},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
