@@ -1,11 +1,16 @@
 """What data-parallel replicas save each node, measured: D replicas of the pipeline on this
 machine's CPU workers (each replica standing for a node), against one.
 
-Per replica (= per node): the host AdamW seconds per step, summed over its workers' ``AdamW``
-spans in the run's trace (predicted: 1/D of one replica's), and the resident set of its worker
-processes while steps run (median of 0.2 s samples, grouped by each process's ``RANK``), per
-parameter of the model (predicted to fall by AdamW's 8 bytes x (1 - 1/D): each host keeps the
-moments of its share only).  The losses of every variant are printed beside each other: they must
+Per replica (= per node): the parameters its hosts' AdamW updates per step and their CPU seconds,
+summed over its workers' ``AdamW`` spans in the run's trace (``params``, ``cpu_s``; predicted: 1/D
+of one replica's).  Here every replica's workers share this machine's cores and memory bandwidth,
+which stretches each one's AdamW (memory-bound) beyond what separate nodes would see: the
+parameters are the clean measure, the seconds an upper bound, and the resident set of its
+worker processes while steps run (median of 0.2 s samples) per parameter of the model (predicted
+to fall by AdamW's 8 bytes x (1 - 1/D): each host keeps the moments of its share only).  The RSS
+also holds each worker's torch runtime and its stand-in device memory, whose peak is printed
+beside it.  Give ``--device-optimizer off`` so that no variant
+keeps AdamW state in its (stand-in) device memory.  The losses of every variant are printed beside each other: they must
 agree (the tests hold them to the reference trainer within 1e-5).
 
     python scripts/bench_replicas.py [--replicas 1 2] [--json FILE] -- <mobius.train options>
@@ -28,7 +33,10 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def ranked_rss(root: int) -> dict[int, int]:
-    """Resident bytes of every descendant of ``root`` that is a worker (has ``RANK``), by rank."""
+    """Resident bytes of every worker of the run ``root`` launched, by rank.  The workers are the
+    processes multiprocessing spawned under it; the elastic launcher starts them in rank order, so
+    their process ids sort as their ranks (their ``RANK`` is set after they start, out of
+    ``/proc/PID/environ``'s sight)."""
     children: dict[int, list[int]] = defaultdict(list)
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -36,18 +44,16 @@ def ranked_rss(root: int) -> dict[int, int]:
                 children[int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(d))
             except (OSError, IndexError, ValueError):
                 continue
-    out, todo = {}, list(children[root])
+    workers, todo = [], list(children[root])
     while todo:
         pid = todo.pop()
         todo += children[pid]
         try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
+                workers.append((pid, int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE))
         except (OSError, ValueError, IndexError):
             continue
-        if "RANK" in env and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
-            out[int(env["RANK"])] = rss
-    return out
+    return {rank: rss for rank, (_, rss) in enumerate(sorted(workers))}
 
 
 def run(options: list[str], replicas: int, workers: int, tmp: Path) -> dict:
@@ -71,15 +77,19 @@ def run(options: list[str], replicas: int, workers: int, tmp: Path) -> dict:
     history = [json.loads(line) for line in metrics.read_text().splitlines()]
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    adam = defaultdict(float)
+    adam, updated = defaultdict(float), defaultdict(int)
     for e in events:
         if e.get("ph") == "X" and str(e.get("name", "")).startswith("AdamW "):
-            adam[int(e["pid"]) // workers] += e["dur"] / 1e6
+            adam[int(e["pid"]) // workers] += e["args"]["cpu_s"]
+            updated[int(e["pid"]) // workers] += e["args"]["params"]
     steps = len(history)
+    device = workers * max(m["peak_device_bytes"] for m in history)  # the stand-in GPUs' memory, in the RSS too
     return {"replicas": replicas, "losses": [m["loss"] for m in history],
             "step_s": statistics.median(m["step_time_s"] for m in history[1:]) if steps > 1 else history[0]["step_time_s"],
             "adam_s_per_step": [adam[r] / steps for r in range(replicas)],
+            "adam_params_per_step": [updated[r] / steps for r in range(replicas)],
             "rss_bytes": [statistics.median(samples[r]) for r in range(replicas)] if samples else [],
+            "device_peak_bytes": device,
             "rss_samples": min((len(s) for s in samples.values()), default=0)}
 
 
@@ -100,18 +110,21 @@ def main() -> None:
         rows = [run(args.train, d, cfg.cpu_workers, Path(tmp)) for d in args.replicas]
     base = rows[0]
     print(f"{' '.join(args.train)}: {n_params / 1e6:.1f}M parameters, {cfg.cpu_workers} CPU workers per replica")
-    print(f"{'D':>2} {'AdamW s/step/node':>18} {'x of D=' + str(base['replicas']):>9} {'predicted':>9} "
-          f"{'RSS GB/node':>11} {'B/param':>8} {'drop':>6} {'predicted':>9} {'step s':>7}  losses")
+    print(f"{'D':>2} {'AdamW params/node':>17} {'x':>5} {'AdamW CPU s/node':>16} {'x':>5} {'predicted':>9} "
+          f"{'RSS GB/node':>11} {'device GB':>9} {'B/param':>8} {'drop':>6} {'predicted':>9} {'step s':>7}  losses")
     for r in rows:
         adam = statistics.mean(r["adam_s_per_step"])
         rss = statistics.mean(r["rss_bytes"]) if r["rss_bytes"] else float("nan")
         base_rss = statistics.mean(base["rss_bytes"]) if base["rss_bytes"] else float("nan")
         drop = (base_rss - rss) / n_params
         predicted_drop = 8 * (1 / base["replicas"] - 1 / r["replicas"])
+        params = statistics.mean(r["adam_params_per_step"])
         r.update(adam_ratio=adam / statistics.mean(base["adam_s_per_step"]), rss_bytes_per_param=rss / n_params,
+                 params_ratio=params / statistics.mean(base["adam_params_per_step"]),
                  rss_drop_bytes_per_param=drop, predicted_drop_bytes_per_param=predicted_drop)
-        print(f"{r['replicas']:>2} {adam:>18.3f} {r['adam_ratio']:>9.2f} {base['replicas'] / r['replicas']:>9.2f} "
-              f"{rss / 1e9:>11.2f} {rss / n_params:>8.2f} {drop:>6.2f} {predicted_drop:>9.2f} {r['step_s']:>7.2f}  "
+        print(f"{r['replicas']:>2} {params / 1e6:>16.1f}M {r['params_ratio']:>5.2f} {adam:>16.3f} {r['adam_ratio']:>5.2f} "
+              f"{base['replicas'] / r['replicas']:>9.2f} "
+              f"{rss / 1e9:>11.2f} {r['device_peak_bytes'] / 1e9:>9.2f} {rss / n_params:>8.2f} {drop:>6.2f} {predicted_drop:>9.2f} {r['step_s']:>7.2f}  "
               + " ".join(f"{x:.6f}" for x in r["losses"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"options": args.train, "parameters": n_params, "rows": rows}, indent=1))

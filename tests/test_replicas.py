@@ -11,13 +11,16 @@ import sys
 
 import pytest
 import torch
-
 from conftest import TINY, reference
+
 from mobius.config import RunConfig
-from mobius.planner import host_bytes_needed
-from mobius.runtime import checkpoint as ck
-from mobius.stages.replicas import ReplicaLayout, owners
+from mobius.launcher import launch_pipeline
 from mobius.models import get_config
+from mobius.planner import host_bytes_needed
+from mobius.prepare import resolve_topology
+from mobius.runtime import checkpoint as ck
+from mobius.runtime.inputs import model_config_for
+from mobius.stages.replicas import ReplicaLayout, owners
 from mobius.train import main
 
 PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "4"]
@@ -57,10 +60,17 @@ def _losses(path):
 
 def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_counts(tmp_path):
     """D=2 for two steps, its checkpoint resumed on D=1 for one, that one resumed on D=2 again: the
-    losses and final weights of the reference trainer, the AdamW shards written by each replica."""
-    want, weights = reference(RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=4))
+    losses and final weights of the reference trainer, the AdamW shards written by each replica, and
+    each replica's hosts holding the bytes the pre-flight counts for it."""
+    base = RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=4)
+    want, weights = reference(base)
     a, b, c = (str(tmp_path / d) for d in "abc")
-    main(PIPELINE + ["--data-parallel", "2", "--stop-after", "2", "--save", a, "--metrics", a + ".jsonl"])
+    first = base.changed(topology="cpu", cpu_workers=2, data_parallel=2, stop_after=2, save=a, metrics=a + ".jsonl",
+                         progress=False)
+    _, _, results = launch_pipeline(first, model_config_for(first), resolve_topology(first), return_weights=True)
+    for replica in (0, 1):  # every weight and gradient, half of the AdamW moments (owners balance to a tensor)
+        held = sum(results[replica * 2 + p]["host_bytes"] for p in (0, 1))
+        assert held == pytest.approx(host_bytes_needed(get_config("tiny"), "fp32", data_parallel=2), rel=0.05)
     assert {f for f in os.listdir(a) if f.startswith("optimizer-stage0000")} == {
         "optimizer-stage0000-replica0.safetensors", "optimizer-stage0000-replica1.safetensors"}
     main(["--resume", a, "--data-parallel", "1", "--stop-after", "1", "--save", b, "--metrics", b + ".jsonl"])

@@ -4,16 +4,11 @@ Every process of a run (the command, each worker) reads them through here."""
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import numpy as np
 
 from mobius.config import RunConfig
-from mobius.data import BatchSource, ExampleBatches, load_corpus, pack, read_examples, tokenizer_for
-from mobius.data.corpus import corpus_of
-from mobius.data.examples import renderer_for
+from mobius.data import BatchSource, ExampleBatches
+from mobius.data.build import build_batches
 from mobius.data.packing import EvalBatches
-from mobius.data.records import Record
 from mobius.data.shared import open_shared
 from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
@@ -57,58 +52,9 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
     return model_config
 
 
-def _records(cfg: RunConfig) -> tuple[list[Record], list[Record], str]:
-    """The run's training and held-out records (``--eval-data``, or ``--eval-split`` of ``--data``
-    by a seeded draw) and their format."""
-    records, fmt = read_examples(cfg.data.path, cfg.data.format)
-    if cfg.data.eval_path:
-        held_out, eval_fmt = read_examples(cfg.data.eval_path, cfg.data.format, option="--eval-data")
-        if eval_fmt != fmt:
-            raise InputError(f"--eval-data {cfg.data.eval_path} holds {eval_fmt} records, "
-                             f"--data {cfg.data.path} {fmt} records")
-        return records, held_out, fmt
-    if not cfg.data.eval_split:
-        return records, [], fmt
-    n_eval = math.ceil(cfg.data.eval_split * len(records))
-    if n_eval >= len(records):
-        raise InputError(f"--eval-split {cfg.data.eval_split} of {len(records)} records leaves none to train on")
-    order = np.random.default_rng([cfg.optim.seed, 0xe7a1]).permutation(len(records))
-    held = set(order[:n_eval].tolist())
-    return ([r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], fmt)
-
-
 def make_data(cfg: RunConfig, model_config: GPTConfig) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
-    """The run's training batches (random windows of a text corpus, or packed or padded examples)
-    and its held-out examples (``--eval-data`` or ``--eval-split``, else None), from one reading
-    of the data and one tokenizer and template."""
-    tokenizer = tokenizer_for(cfg.model)
-    if cfg.data.path is None:
-        corpus = load_corpus(None, tokenizer=tokenizer)
-        _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        return _windows(cfg, corpus, tokenizer.name), None
-    records, held_out, fmt = _records(cfg)
-    renderer = None
-    if fmt == "text" and cfg.data.packing == "auto":  # a corpus: random windows, as in pre-training
-        corpus = corpus_of([r.prompt for r in records], tokenizer, cfg.data.path)
-        _check_vocabulary(cfg, model_config, int(corpus.max()), tokenizer.name)
-        train = _windows(cfg, corpus, tokenizer.name)
-    else:
-        renderer = renderer_for(cfg.model, cfg.data.chat_template, cfg.data.train_on_prompt)
-        packed, describe = _packed(cfg, model_config, records, fmt, tokenizer, renderer)
-        train = ExampleBatches(packed, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed,
-                               cfg.data.packing != "off", describe)
-    if not (cfg.data.eval_path or cfg.data.eval_split):
-        return train, None
-    renderer = renderer or renderer_for(cfg.model, cfg.data.chat_template, cfg.data.train_on_prompt)
-    packed, describe = _packed(cfg, model_config, held_out, fmt, tokenizer, renderer)
-    return train, EvalBatches(packed, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.data.packing != "off",
-                              describe)
-
-
-def _windows(cfg: RunConfig, corpus, tokenizer_name: str) -> BatchSource:
-    """Random windows of a text corpus (pre-training style)."""
-    b = cfg.batch
-    return BatchSource(corpus, b.seq_len, b.micro_batch_size, b.micro_batches, cfg.optim.seed, tokenizer_name)
+    """The run's training batches and held-out examples (:func:`mobius.data.build.build_batches`)."""
+    return build_batches(cfg.data, cfg.batch, cfg.optim.seed, cfg.model, model_config.vocab_size)
 
 
 def worker_data(cfg: RunConfig, model_config: GPTConfig, shared: dict | None
@@ -126,22 +72,3 @@ def make_batches(cfg: RunConfig, model_config: GPTConfig) -> BatchSource | Examp
 def make_eval_batches(cfg: RunConfig, model_config: GPTConfig) -> EvalBatches | None:
     """The run's held-out examples, or None (:func:`make_data`)."""
     return make_data(cfg, model_config)[1]
-
-
-def _packed(cfg: RunConfig, model_config: GPTConfig, records: list[Record], fmt: str, tokenizer, renderer):
-    """Examples rendered with the model's template and packed (or padded) into sequences."""
-    packing = cfg.data.packing != "off"
-    packed = pack([renderer.render(r) for r in records], cfg.batch.seq_len, packing, cfg.optim.seed, cfg.data.truncate)
-    _check_vocabulary(cfg, model_config, int(packed.tokens.max()), tokenizer.name)
-    trained = int((packed.targets >= 0).sum())
-    describe = (f"{packed.examples:,} {fmt} examples ({trained:,} trained tokens) "
-                f"{'packed into' if packing else 'padded to'} {packed.tokens.shape[0]:,} sequences"
-                + (f", {packed.truncated} truncated to --seq-len" if packed.truncated else "")
-                + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}")
-    return packed, describe
-
-
-def _check_vocabulary(cfg: RunConfig, model_config: GPTConfig, largest: int, tokenizer: str) -> None:
-    if largest >= model_config.vocab_size:
-        raise InputError(f"model {cfg.model} has a vocabulary of {model_config.vocab_size}, but the data has token "
-                         f"id {largest} ({tokenizer})")

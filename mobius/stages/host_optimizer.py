@@ -122,7 +122,7 @@ class HostOptimizer:
             return self.host.record()
         if apply and self.replicas is not None:
             self.replicas.reduce_gradients(host)
-        t0 = time.perf_counter()
+        t0, cpu0, updated = time.perf_counter(), time.thread_time(), []
         if apply and host.optimizer is not None:
             updated = [p for group in host.optimizer.param_groups for p in group["params"]]
             if unscale is not None:
@@ -133,7 +133,9 @@ class HostOptimizer:
                 host.optimizer.step()
         if host.optimizer is not None:
             host.optimizer.zero_grad(set_to_none=True)
-        self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter())
+        # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
+        self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter(), cpu_s=time.thread_time() - cpu0,
+                        params=sum(p.numel() for p in updated))
         if apply and self.replicas is not None:
             self.replicas.broadcast_weights(host)
         buffer = self.store.buffer_updated_by(step)

@@ -128,7 +128,8 @@ class PipelineWorker:
             for s, host in store.stages.items():
                 write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
                                    layer_states(dict(host.named_params())), merged)
-        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max}
+        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
+               "host_bytes": store.host_bytes()}
         if payload.return_weights:
             out["weights"] = store.state_dict()
         return out

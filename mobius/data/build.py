@@ -1,0 +1,85 @@
+"""From the run's data options to its batches: the records read once (``--data``, held-out records
+from ``--eval-data`` or a seeded ``--eval-split``), one tokenizer and chat template, then random
+windows of a text corpus or examples rendered and packed (or padded) into sequences.
+
+Takes the run's data and batch settings as they are (:class:`mobius.config.DataConfig`,
+:class:`~mobius.config.BatchConfig`), the seed, the model's name and vocabulary size: the data
+package knows nothing else of a run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mobius.data.corpus import BatchSource, corpus_of, load_corpus
+from mobius.data.examples import renderer_for
+from mobius.data.packing import EvalBatches, ExampleBatches, pack
+from mobius.data.records import Record, read_examples
+from mobius.data.tokenizers import tokenizer_for
+from mobius.errors import InputError
+
+
+def build_batches(data, batch, seed: int, model: str, vocab_size: int
+                  ) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
+    """The run's training batches (random windows of a text corpus, or packed or padded examples)
+    and its held-out examples (``--eval-data`` or ``--eval-split``, else None)."""
+    tokenizer = tokenizer_for(model)
+
+    def checked(largest: int) -> None:
+        if largest >= vocab_size:
+            raise InputError(f"model {model} has a vocabulary of {vocab_size}, but the data has token id {largest} "
+                             f"({tokenizer.name})")
+
+    def windows(corpus) -> BatchSource:
+        checked(int(corpus.max()))
+        return BatchSource(corpus, batch.seq_len, batch.micro_batch_size, batch.micro_batches, seed, tokenizer.name)
+
+    def packed(records: list[Record], fmt: str, renderer):
+        """Examples rendered with the model's template and packed (or padded) into sequences."""
+        packing = data.packing != "off"
+        out = pack([renderer.render(r) for r in records], batch.seq_len, packing, seed, data.truncate)
+        checked(int(out.tokens.max()))
+        trained = int((out.targets >= 0).sum())
+        describe = (f"{out.examples:,} {fmt} examples ({trained:,} trained tokens) "
+                    f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
+                    + (f", {out.truncated} truncated to --seq-len" if out.truncated else "")
+                    + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}")
+        return out, describe
+
+    if data.path is None:
+        return windows(load_corpus(None, tokenizer=tokenizer)), None
+    records, held_out, fmt = _records(data, seed)
+    renderer = None
+    if fmt == "text" and data.packing == "auto":  # a corpus: random windows, as in pre-training
+        train = windows(corpus_of([r.prompt for r in records], tokenizer, data.path))
+    else:
+        renderer = renderer_for(model, data.chat_template, data.train_on_prompt)
+        sequences, describe = packed(records, fmt, renderer)
+        train = ExampleBatches(sequences, batch.micro_batch_size, batch.micro_batches, seed, data.packing != "off",
+                               describe)
+    if not (data.eval_path or data.eval_split):
+        return train, None
+    renderer = renderer or renderer_for(model, data.chat_template, data.train_on_prompt)
+    sequences, describe = packed(held_out, fmt, renderer)
+    return train, EvalBatches(sequences, batch.micro_batch_size, batch.micro_batches, data.packing != "off", describe)
+
+
+def _records(data, seed: int) -> tuple[list[Record], list[Record], str]:
+    """The training and held-out records (``--eval-data``, or ``--eval-split`` of ``--data`` by a
+    seeded draw) and their format."""
+    records, fmt = read_examples(data.path, data.format)
+    if data.eval_path:
+        held_out, eval_fmt = read_examples(data.eval_path, data.format, option="--eval-data")
+        if eval_fmt != fmt:
+            raise InputError(f"--eval-data {data.eval_path} holds {eval_fmt} records, --data {data.path} {fmt} records")
+        return records, held_out, fmt
+    if not data.eval_split:
+        return records, [], fmt
+    n_eval = math.ceil(data.eval_split * len(records))
+    if n_eval >= len(records):
+        raise InputError(f"--eval-split {data.eval_split} of {len(records)} records leaves none to train on")
+    order = np.random.default_rng([seed, 0xe7a1]).permutation(len(records))
+    held = set(order[:n_eval].tolist())
+    return ([r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)], fmt)
