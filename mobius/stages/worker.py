@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
+from mobius.errors import InputError
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
@@ -52,8 +53,9 @@ class PipelineWorker:
         plan, replicas = ctx.spec.plan, ctx.spec.data_parallel
         workers = max(plan.order) + 1
         if workers * replicas != ctx.world:
-            raise RuntimeError(f"the plan needs {workers} workers per replica x {replicas} replicas, but {ctx.world} "
-                               "were started (under torchrun: --nproc-per-node is the workers of one node's plan)")
+            raise InputError(f"the plan needs {workers} workers per replica x {replicas} replicas, but {ctx.world} "
+                             "were started (under torchrun: --nproc-per-node is the GPUs of one node, and "
+                             "--data-parallel the nodes)")
         self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, replicas)
         transport = GlooTransport(first=self.layout.rank_of(0))
         self.position = transport.rank
