@@ -13,9 +13,15 @@ from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
 from mobius.partition.profile import Profile
-from mobius.planner import get_profile
 from mobius.precision import DTYPES
-from mobius.prepare import budgets_of, check_run_inputs, emulation_spec, resolve_devices, resolve_precision
+from mobius.prepare import (
+    budgets_of,
+    check_run_inputs,
+    emulation_spec,
+    get_profile,
+    resolve_devices,
+    resolve_precision,
+)
 from mobius.runtime.spec import ChunkedSetup, RunSpec, Timing
 from topology import Topology, cpu_topology
 

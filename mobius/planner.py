@@ -1,25 +1,13 @@
 """Profile -> partition -> cross map: the :class:`Plan` a run executes (and ``mobius.plan`` prints).
 
-Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile, topology, batch settings,
-partitioner); measured profiles are cached by (model, micro-batch, sequence, dtype, device,
-workers) and by what they depend on besides (:func:`measured_on`: this machine's processor, cores
-and memory, the device, torch, and our own code), so a second run with the same settings neither
-profiles nor solves again, and the same command on the same machine plans the same.  A profile is
-measured again when one of those changed, never because one timing was noisy (a busy moment would
-otherwise become the plan); the run says so when it measures.  A measured profile carries what the
-runtime itself costs on this machine (:func:`runtime_costs`).
+The planner takes its profile as data (:func:`mobius.prepare.get_profile` measures or computes it)
+and runs nothing.  Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile,
+topology, batch settings, partitioner), so the same command on the same machine plans the same.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
 from dataclasses import asdict, replace
-from pathlib import Path
-
-import torch
 
 from mobius.cache import Cache, key_of
 from mobius.errors import InputError
@@ -38,22 +26,11 @@ from mobius.partition.cost import (
     step_bounds,
 )
 from mobius.partition.mip import solve_partition
-from mobius.partition.profile import (
-    MAX_TIME_S,
-    Profile,
-    analytic_efficiency,
-    analytic_profile,
-    host_adam_rate,
-    measure_profile,
-)
+from mobius.partition.profile import Profile
 from mobius.precision import element_bytes
-from mobius.runtime.device import cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.spec import Plan, StagePlan
-from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import DEFAULT_NETWORK, NETWORKS, Topology
 
-PROFILES = Cache("profiles", "profile")
-RUNTIME_COSTS = Cache("runtime", "runtime calibration")
 PLANS = Cache("plans", "plan")
 # Host bytes per trained parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient,
 # plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
@@ -126,90 +103,6 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
 COST_MODEL_VERSION = 10
-# Part of every measured profile's key: a profile without the runtime's costs is measured again.
-PROFILE_VERSION = 4
-
-
-def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
-                precision: str, how: str = "auto") -> Profile:
-    """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
-    when the topology is this machine (CPU workers or probed GPUs), else analytic."""
-    if how == "auto":
-        how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
-    if how == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
-        gpu = min(topo.gpus, key=lambda g: g.tflops)
-        return analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
-                                analytic_efficiency(gpu.name)[0],
-                                host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
-    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
-    workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
-    # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
-                  measured_on()])
-    cached = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
-    if cached is not None:
-        return cached
-    print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
-          "this machine and code; cached)", flush=True)
-    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
-                              host_workers=topo.n)
-    profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
-    PROFILES.put(key, profile.to_dict())
-    return profile
-
-
-def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:
-    """What the runtime itself costs on this machine (:mod:`mobius.stages.calibrate`), as
-    :class:`~mobius.partition.profile.HostCosts` fields.  The hand-off of this model's boundary
-    activation from one worker to another: on CPU workers the calibrated hand-off plus what gloo
-    takes longer for this activation than for the calibration's; on GPUs (whose workers hand off
-    through the host alike) gloo's time.  On CPU workers also the runtime's work per micro-batch and
-    per stage switch.  The calibration is made once per machine and threads per worker, then cached.
-    On GPUs that work is the host's, issued while the device computes: it is not measured there,
-    and not charged."""
-    gloo = measure_handoff(max(l.out_bytes for l in profile.layers))
-    if device != "cpu":
-        return {"handoff_s": gloo}
-    threads = cpu_threads_per_worker(workers)
-    key = key_of([CALIBRATION_VERSION, threads, measured_on()])
-    costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
-    if costs is None:
-        costs = measure_runtime_costs(workers)
-        RUNTIME_COSTS.put(key, costs)
-    return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
-
-
-@functools.cache
-def measured_on() -> dict:
-    """What a measurement depends on besides its settings: this machine (processor, cores, memory,
-    GPU), torch, and our code that builds and times the layers and runs the steps."""
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    root = Path(__file__).parent
-    code = hashlib.sha256()
-    for f in sorted([*root.glob("models/*.py"), *root.glob("stages/*.py"), *root.glob("swap/*.py"),
-                     *root.glob("runtime/device/*.py"), root / "partition" / "profile.py"]):
-        code.update(f.name.encode() + f.read_bytes())
-    try:
-        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
-    except (ValueError, OSError, AttributeError):
-        memory_gb = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory_gb, "gpu": cuda_device_name(),
-            "torch": torch.__version__, "code": code.hexdigest()[:16]}
-
-
-def _runtime_costs_of(found: dict) -> dict[str, float]:
-    """A cached calibration: each cost a finite number of seconds, at least zero."""
-    costs = {k: found[k] for k in ("micro_batch_s", "stage_switch_s", "handoff_s")}
-    for k, v in costs.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TIME_S:
-            raise ValueError(f"{k} is {v!r}, not a time")
-    return {k: float(v) for k, v in costs.items()}
-
-
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
                       where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
@@ -258,22 +151,13 @@ def pcie_bps(topo: Topology) -> float:
                for r in topo.root_complexes if groups[r.id])
 
 
-def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
-              seq_len: int, precision: str, partitioner: str = "mip", recompute: bool = True,
-              stages: int | None = None, profile: Profile | None = None, profile_how: str = "auto",
-              time_limit_s: float = 8.0, use_cache: bool = True, with_baselines: bool = False,
-              mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
-              device_optimizer: bool = True, data_parallel: int = 1) -> Plan:
-    """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step).
-    With ``data_parallel`` replicas each host's optimizer thread sums gradients over the network,
-    updates 1/D of the parameters and broadcasts them (:func:`replica_update_rate`, on ``topo``'s
-    network, else :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident
-    (its update would need the replicas' sum on the device)."""
+def check_plannable(model_name: str, config: GPTConfig, topo: Topology, precision: str, stages: int | None = None,
+                    optimizer_lag: int = 0, data_parallel: int = 1) -> None:
+    """What refuses a plan before any profiling: the host memory, and a stage for every worker,
+    each stage at least one layer."""
     check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name,
                       data_parallel=data_parallel)
-    # Every worker must own at least one stage, and a stage is at least one layer (checked before
-    # any profiling: bad input is refused at once).
-    layers = profile.n if profile else layer_count(config)
+    layers = layer_count(config)
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
     if layers < topo.n:
         raise InputError(f"model {model_name} has {layers} layers, fewer than {workers}: every worker needs a "
@@ -282,7 +166,21 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         raise InputError(f"--stages {stages} is fewer than {workers}: every worker needs a stage")
     if stages is not None and stages > layers:
         raise InputError(f"--stages {stages} exceeds the model's {layers} layers")
-    profile = profile or get_profile(model_name, config, topo, micro_batch, seq_len, precision, profile_how)
+
+
+def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
+              seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
+              stages: int | None = None, time_limit_s: float = 8.0, use_cache: bool = True,
+              with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
+              device_optimizer: bool = True, data_parallel: int = 1) -> Plan:
+    """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
+    from ``profile`` (:func:`mobius.profiles.get_profile`).  With ``data_parallel`` replicas each
+    host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
+    broadcasts them (:func:`replica_update_rate`, on ``topo``'s network, else
+    :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident (its update
+    would need the replicas' sum on the device)."""
+    check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel)
+    workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
     network = topo.network or NETWORKS[DEFAULT_NETWORK]
     host_adam = profile.host.adam_params_per_s
     if data_parallel > 1:

@@ -1,27 +1,139 @@
 """Decide once: the topology, the backend, the device kind, the precision, the recompute decision,
-the per-device budgets and the plan (or the chunked configuration) of a run are resolved here,
-before any worker starts, into a frozen :class:`RunSpec` handed to every worker (and shown by
-``mobius.plan``) as it is.  Nothing downstream picks a default of its own."""
+the per-device budgets, the profile and the plan (or the chunked configuration) of a run are
+resolved here, before any worker starts, into a frozen :class:`RunSpec` handed to every worker (and
+shown by ``mobius.plan``) as it is.  Nothing downstream picks a default of its own.
+
+The profile (:func:`get_profile`) is measured on this machine's device, with what the runtime
+itself costs here (:mod:`mobius.stages.calibrate`, measured by running it), or computed from the
+topology's GPUs; the planner takes it as data and runs nothing.  Measured profiles are cached by
+(model, micro-batch, sequence, dtype, device, workers) and by what they depend on besides
+(:func:`measured_on`: this machine's processor, cores and memory, the device, torch, and our own
+code), so a second run with the same settings does not profile again and the same command on the
+same machine plans the same.  A profile is measured again when one of those changed, never because
+one timing was noisy (a busy moment would otherwise become the plan); the run says so when it
+measures."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import math
 import os
+import platform
+from dataclasses import replace
+from pathlib import Path
 
+import torch
+
+from mobius.cache import Cache, key_of
 from mobius.config import RunConfig
 from mobius.errors import InputError
-from mobius.models import GPTConfig
+from mobius.models import GPTConfig, layer_count
 from mobius.partition.cost import stage_costs
-from mobius.planner import DoesNotFit, get_profile, make_plan
+from mobius.partition.profile import (
+    MAX_TIME_S,
+    Profile,
+    analytic_efficiency,
+    analytic_profile,
+    host_adam_rate,
+    measure_profile,
+)
+from mobius.planner import DoesNotFit, check_plannable, make_plan
 from mobius.precision import default_precision
 from mobius.runtime import checkpoint as ck
-from mobius.runtime.device import CUDA_RESERVE_BYTES, cuda_available
+from mobius.runtime.device import CUDA_RESERVE_BYTES, cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.spec import Plan, RunSpec
+from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import Topology, TopologyError, cpu_topology, load_topology, network_of
 
 GB = 10**9
+
+PROFILES = Cache("profiles", "profile")
+RUNTIME_COSTS = Cache("runtime", "runtime calibration")
+# Part of every measured profile's key: a profile without the runtime's costs is measured again.
+PROFILE_VERSION = 4
+
+
+def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
+                precision: str, how: str = "auto") -> Profile:
+    """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
+    when the topology is this machine (CPU workers or probed GPUs), else analytic."""
+    if how == "auto":
+        how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
+    if how == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
+        gpu = min(topo.gpus, key=lambda g: g.tflops)
+        return analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
+                                analytic_efficiency(gpu.name)[0],
+                                host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
+    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
+    workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
+    # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
+    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
+                  measured_on()])
+    cached = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
+    if cached is not None:
+        return cached
+    print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
+          "this machine and code; cached)", flush=True)
+    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
+                              host_workers=topo.n)
+    profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
+    PROFILES.put(key, profile.to_dict())
+    return profile
+
+
+def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:
+    """What the runtime itself costs on this machine (:mod:`mobius.stages.calibrate`), as
+    :class:`~mobius.partition.profile.HostCosts` fields.  The hand-off of this model's boundary
+    activation from one worker to another: on CPU workers the calibrated hand-off plus what gloo
+    takes longer for this activation than for the calibration's; on GPUs (whose workers hand off
+    through the host alike) gloo's time.  On CPU workers also the runtime's work per micro-batch and
+    per stage switch.  The calibration is made once per machine and threads per worker, then cached.
+    On GPUs that work is the host's, issued while the device computes: it is not measured there,
+    and not charged."""
+    gloo = measure_handoff(max(l.out_bytes for l in profile.layers))
+    if device != "cpu":
+        return {"handoff_s": gloo}
+    threads = cpu_threads_per_worker(workers)
+    key = key_of([CALIBRATION_VERSION, threads, measured_on()])
+    costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
+    if costs is None:
+        costs = measure_runtime_costs(workers)
+        RUNTIME_COSTS.put(key, costs)
+    return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
+
+
+@functools.cache
+def measured_on() -> dict:
+    """What a measurement depends on besides its settings: this machine (processor, cores, memory,
+    GPU), torch, and our code that builds and times the layers and runs the steps."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    root = Path(__file__).parent
+    code = hashlib.sha256()
+    for f in sorted([*root.glob("models/*.py"), *root.glob("stages/*.py"), *root.glob("swap/*.py"),
+                     *root.glob("runtime/device/*.py"), root / "partition" / "profile.py"]):
+        code.update(f.name.encode() + f.read_bytes())
+    try:
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError, AttributeError):
+        memory_gb = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory_gb, "gpu": cuda_device_name(),
+            "torch": torch.__version__, "code": code.hexdigest()[:16]}
+
+
+def _runtime_costs_of(found: dict) -> dict[str, float]:
+    """A cached calibration: each cost a finite number of seconds, at least zero."""
+    costs = {k: found[k] for k in ("micro_batch_s", "stage_switch_s", "handoff_s")}
+    for k, v in costs.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TIME_S:
+            raise ValueError(f"{k} is {v!r}, not a time")
+    return {k: float(v) for k, v in costs.items()}
 
 
 def resolve_topology(cfg: RunConfig) -> Topology:
@@ -113,15 +225,16 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     or recomputed, which leaves the memory to more prefetch and to resident stages
     (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts."""
-    if cfg.emulation.enabled:  # the plan of the GPUs emulated: their profile, from FLOPs and bytes
-        plan_options.setdefault("profile_how", "analytic")
-
+    # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
+    how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
     replicas = data_parallel_of(cfg)
+    batch, pipe = cfg.batch, cfg.pipeline
+    check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas)
+    profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how)
 
     def make(recompute: bool) -> Plan:
-        batch, pipe = cfg.batch, cfg.pipeline
         return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
-                         batch.seq_len, precision, partitioner=pipe.partitioner, recompute=recompute,
+                         batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
                          data_parallel=replicas, **plan_options)

@@ -35,12 +35,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.config import parse_train_args
 from mobius.errors import InputError
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planner import MAPPINGS, get_profile
+from mobius.planner import MAPPINGS
+from mobius.prepare import get_profile, prepare_pipeline, resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.sim.schedules import simulate_mobius
 

@@ -22,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mobius.config import RunConfig  # noqa: E402
 from mobius.janitor import scratch_dir  # noqa: E402
 from mobius.partition.cost import GB, replica_update_rate  # noqa: E402
-from mobius.planner import get_profile  # noqa: E402
-from mobius.prepare import plan_on, resolve_topology  # noqa: E402
+from mobius.prepare import get_profile, plan_on, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim import simulate_mobius  # noqa: E402
 

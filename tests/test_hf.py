@@ -174,6 +174,7 @@ def test_tokenizer_json_and_jsonl_data(tmp_path):
 @pytest.mark.parametrize("topology", ["8x3090-4+4", "4x4090"])
 def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topology):
     from mobius.planner import make_plan
+    from mobius.prepare import get_profile
     from topology import load_preset
 
     shapes = {
@@ -194,8 +195,10 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
         (d / "config.json").write_text(json.dumps(cfg))
         t0 = time.perf_counter()
         config = get_config(str(d))
-        plan = make_plan(str(d), config, load_preset(topology), 1, load_preset(topology).n, 1024, "bf16",
-                         use_cache=False, time_limit_s=2)
+        topo = load_preset(topology)
+        profile = get_profile(str(d), config, topo, 1, 1024, "bf16", "analytic")
+        plan = make_plan(str(d), config, topo, 1, topo.n, 1024, "bf16", profile=profile, use_cache=False,
+                         time_limit_s=2)
         elapsed = time.perf_counter() - t0
         assert elapsed < 30 and plan.predicted_step_s > 0
         assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2

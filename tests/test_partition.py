@@ -137,7 +137,7 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
     become the plan), and measured again, saying so, when the machine or our code changed.  The
     runtime's own costs go with every measured profile; its per-micro-batch and per-switch work is
     measured once per machine (its measurement is tested in tests/test_calibrate.py)."""
-    from mobius import planner
+    from mobius import prepare
     from topology import cpu_topology
 
     calibrations, measured = [], []
@@ -146,25 +146,25 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
         calibrations.append(workers)
         return {"micro_batch_s": 1e-4, "stage_switch_s": 2e-4, "handoff_s": 3e-4}
 
-    real_measure = planner.measure_profile
+    real_measure = prepare.measure_profile
 
     def measure(*args, **kwargs):
         measured.append(args[0])
         return real_measure(*args, **kwargs)
 
     monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
-    monkeypatch.setattr(planner, "measure_runtime_costs", calibrate)
-    monkeypatch.setattr(planner, "measure_profile", measure)
+    monkeypatch.setattr(prepare, "measure_runtime_costs", calibrate)
+    monkeypatch.setattr(prepare, "measure_profile", measure)
     config, topo = get_config("tiny"), cpu_topology(2)
-    first = planner.get_profile("tiny", config, topo, 2, 32, "fp32")
+    first = prepare.get_profile("tiny", config, topo, 2, 32, "fp32")
     assert first.extra["workers"] == 2 and first.host.adam_params_per_s > 0
     assert (first.host.micro_batch_s, first.host.stage_switch_s) == (1e-4, 2e-4) and first.host.handoff_s >= 3e-4
     assert "profiling: measuring tiny's layers on this machine's cpu" in capsys.readouterr().out
-    assert planner.get_profile("tiny", config, topo, 2, 32, "fp32") == first and measured == ["tiny"]
+    assert prepare.get_profile("tiny", config, topo, 2, 32, "fp32") == first and measured == ["tiny"]
     assert "profiling" not in capsys.readouterr().out
-    here = planner.measured_on()
-    monkeypatch.setattr(planner, "measured_on", lambda: {**here, "cpu": "another processor"})
-    planner.get_profile("tiny", config, topo, 2, 32, "fp32")
+    here = prepare.measured_on()
+    monkeypatch.setattr(prepare, "measured_on", lambda: {**here, "cpu": "another processor"})
+    prepare.get_profile("tiny", config, topo, 2, 32, "fp32")
     assert measured == ["tiny", "tiny"] and calibrations == [2, 2]
     assert "profiling: measuring tiny's layers" in capsys.readouterr().out
 
@@ -172,8 +172,8 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
 def test_gpus_are_budgeted_without_the_cuda_reserve_once():
     """What the CUDA context and libraries take is kept out of every GPU's budget, once however
     often the topology is resolved (mobius.plan and mobius.train on GPUs both reserve)."""
-    from mobius.runtime.device import CUDA_RESERVE_BYTES
     from mobius.prepare import reserve_cuda_memory
+    from mobius.runtime.device import CUDA_RESERVE_BYTES
     from topology.presets import load_preset
 
     topo = load_preset("8x3090-4+4")
@@ -236,7 +236,7 @@ def test_within_one_percent_the_plan_moving_fewest_bytes_wins():
 
 def test_presets_carry_tensor_core_peaks_and_the_host_bandwidth_sets_the_adam_rate(tmp_path):
     from mobius.partition.profile import ADAM_BYTES_PER_PARAM, analytic_efficiency, host_adam_rate
-    from mobius.planner import get_profile
+    from mobius.prepare import get_profile
     from topology import load_preset, load_topology_file
 
     assert load_preset("4x4090").gpus[0].tflops == 165.2 and load_preset("8x3090-4+4").gpus[0].tflops == 80.0
@@ -283,13 +283,15 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
         assert Path(f"{entry}.bad").read_text() == text
         assert json.loads(entry.read_text())["payload"]["bounds"] == payload["bounds"]  # made again
 
-    monkeypatch.setattr(planner, "measure_runtime_costs", lambda workers: {"micro_batch_s": 1e-4,
-                                                                           "stage_switch_s": 2e-4, "handoff_s": 3e-4})
-    planner.runtime_costs(profile, "cpu", 2)
+    from mobius import prepare
+
+    monkeypatch.setattr(prepare, "measure_runtime_costs", lambda workers: {"micro_batch_s": 1e-4,
+                                                                            "stage_switch_s": 2e-4, "handoff_s": 3e-4})
+    prepare.runtime_costs(profile, "cpu", 2)
     (calibration,) = (tmp_path / "runtime").glob("*.json")
-    planner.RUNTIME_COSTS.put(calibration.stem, {"micro_batch_s": float("nan"), "stage_switch_s": 1e300,
-                                                 "handoff_s": -1})
-    costs = planner.runtime_costs(profile, "cpu", 2)
+    prepare.RUNTIME_COSTS.put(calibration.stem, {"micro_batch_s": float("nan"), "stage_switch_s": 1e300,
+                                                  "handoff_s": -1})
+    costs = prepare.runtime_costs(profile, "cpu", 2)
     assert costs["micro_batch_s"] == 1e-4
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("note: cached runtime calibration ") and "(micro_batch_s is nan, not a time)" in line
@@ -308,9 +310,9 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
     --optimizer-lag and LoRA) is an option of mobius.plan, planned through the same call."""
     import json
 
-    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.config import parse_train_args
     from mobius.plan import main as plan_main
+    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]

@@ -139,14 +139,16 @@ def test_network_presets_files_and_the_update_rate_they_give():
 
 def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
     from mobius.planner import make_plan
+    from mobius.prepare import get_profile
     from topology import load_preset, network_of
 
     topo = load_preset("4x4090")
     topo.network = network_of("25gbe")
-    one = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 8, 512, "bf16", time_limit_s=1, use_cache=False,
-                    device_optimizer=False)
-    two = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 4, 512, "bf16", time_limit_s=1, use_cache=False,
-                    data_parallel=2)
+    profile = get_profile("mobius-3b", get_config("mobius-3b"), topo, 2, 512, "bf16", "analytic")
+    one = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 8, 512, "bf16", profile=profile, time_limit_s=1,
+                    use_cache=False, device_optimizer=False)
+    two = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 4, 512, "bf16", profile=profile, time_limit_s=1,
+                    use_cache=False, data_parallel=2)
     params = sum(p.numel() for p in _params(get_config("mobius-3b")))
     assert "network" not in one.lane_floor_s and not two.resident
     assert two.lane_floor_s["network"] == pytest.approx(2 * 4 * params / 2 / 3.125e9, rel=0.01)
