@@ -85,7 +85,7 @@ def run(options: list[str], replicas: int, workers: int, tmp: Path) -> dict:
     steps = len(history)
     device = workers * max(m["peak_device_bytes"] for m in history)  # the stand-in GPUs' memory, in the RSS too
     return {"replicas": replicas, "losses": [m["loss"] for m in history],
-            "step_s": statistics.median(m["step_time_s"] for m in history[1:]) if steps > 1 else history[0]["step_time_s"],
+            "step_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
             "adam_s_per_step": [adam[r] / steps for r in range(replicas)],
             "adam_params_per_step": [updated[r] / steps for r in range(replicas)],
             "rss_bytes": [statistics.median(samples[r]) for r in range(replicas)] if samples else [],
@@ -122,9 +122,11 @@ def main() -> None:
         r.update(adam_ratio=adam / statistics.mean(base["adam_s_per_step"]), rss_bytes_per_param=rss / n_params,
                  params_ratio=params / statistics.mean(base["adam_params_per_step"]),
                  rss_drop_bytes_per_param=drop, predicted_drop_bytes_per_param=predicted_drop)
-        print(f"{r['replicas']:>2} {params / 1e6:>16.1f}M {r['params_ratio']:>5.2f} {adam:>16.3f} {r['adam_ratio']:>5.2f} "
+        print(f"{r['replicas']:>2} {params / 1e6:>16.1f}M {r['params_ratio']:>5.2f} {adam:>16.3f} "
+              f"{r['adam_ratio']:>5.2f} "
               f"{base['replicas'] / r['replicas']:>9.2f} "
-              f"{rss / 1e9:>11.2f} {r['device_peak_bytes'] / 1e9:>9.2f} {rss / n_params:>8.2f} {drop:>6.2f} {predicted_drop:>9.2f} {r['step_s']:>7.2f}  "
+              f"{rss / 1e9:>11.2f} {r['device_peak_bytes'] / 1e9:>9.2f} "
+              f"{rss / n_params:>8.2f} {drop:>6.2f} {predicted_drop:>9.2f} {r['step_s']:>7.2f}  "
               + " ".join(f"{x:.6f}" for x in r["losses"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"options": args.train, "parameters": n_params, "rows": rows}, indent=1))

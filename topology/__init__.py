@@ -4,5 +4,6 @@ from topology.model import GPU, Network, RootComplex, Topology, TopologyError, l
 from topology.networks import DEFAULT_NETWORK, NETWORKS, network_of
 from topology.presets import cpu_topology, load_preset, load_topology, preset_names
 
-__all__ = ["DEFAULT_NETWORK", "GPU", "NETWORKS", "Network", "RootComplex", "network_of", "Topology", "TopologyError", "cpu_topology", "load_preset", "load_topology",
+__all__ = ["DEFAULT_NETWORK", "GPU", "NETWORKS", "Network", "RootComplex", "network_of",
+           "Topology", "TopologyError", "cpu_topology", "load_preset", "load_topology",
            "load_topology_file", "preset_names", "topology_from_dict"]

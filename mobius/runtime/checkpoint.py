@@ -160,8 +160,7 @@ def check_save_target(cfg) -> None:
     ownership.check_removable(target, KIND, "--save", content=not in_place)
     if not in_place:
         raise InputError(f"--save {cfg.checkpoint.save}: holds the checkpoint of another run; continue it with "
-                         f"--resume "
-                         f"{cfg.checkpoint.save} or save to a new directory")
+                         f"--resume {cfg.checkpoint.save} or save to a new directory")
 
 
 @dataclass

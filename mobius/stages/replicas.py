@@ -94,7 +94,8 @@ class ReplicaGroup:
         t0 = time.perf_counter()
         for name, p in host.trained():
             dist.reduce(p.grad, dst=self._root(name), op=dist.ReduceOp.SUM, group=self.group)
-        self.trace.span(f"reduce {host.index}", "replicas", t0, time.perf_counter(), bytes=host.master_grad.numel() * 4)
+        self.trace.span(f"reduce {host.index}", "replicas", t0, time.perf_counter(),
+                        bytes=host.master_grad.numel() * 4)
 
     def broadcast_weights(self, host: HostStage) -> None:
         """Every replica's master weights of stage ``host`` as their owners updated them."""

@@ -2,10 +2,10 @@
 its start-up, checkpoints and signals are :mod:`mobius.runtime.worker`'s.
 
 Started by :mod:`mobius.launcher` through torch's elastic launcher, or directly by ``torchrun``
-(then rank 0 makes the plan and broadcasts it).  With ``--data-parallel D`` the run's processes are D
-replicas of the pipeline (:mod:`mobius.stages.replicas`), replica by replica.  Activations travel between workers through host
-memory over gloo: the GPUs of the servers we target have no peer-to-peer path, so device -> host
--> device is the real route, and gloo moves the host leg.
+(then rank 0 makes the plan and broadcasts it).  With ``--data-parallel D`` the run's processes
+are D replicas of the pipeline (:mod:`mobius.stages.replicas`), replica by replica.  Activations
+travel between workers through host memory over gloo: the GPUs of the servers we target have no
+peer-to-peer path, so device -> host -> device is the real route, and gloo moves the host leg.
 """
 
 from __future__ import annotations
