@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def _die_with_the_test() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _torchrun_nodes(tmp_path, per_node_args):
+def _torchrun_nodes(tmp_path, per_node_args, per_node_env=({}, {})):
     """``torchrun --nnodes 2`` twice on localhost (c10d rendezvous), as two boxes would start it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,9 +98,9 @@ def _torchrun_nodes(tmp_path, per_node_args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test",
-                               "-m", "mobius.train"] + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_the_test)
-             for args in per_node_args]
+                               "-m", "mobius.train"] + args, cwd=tmp_path, env={**env, **extra},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_the_test)
+             for args, extra in zip(per_node_args, per_node_env)]
     try:
         return [(node.wait(timeout=300), *node.communicate()) for node in nodes]
     finally:
@@ -155,3 +156,24 @@ def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
     assert two.lane_floor_s["host AdamW"] == pytest.approx(one.lane_floor_s["host AdamW"] / 2, rel=0.01)
     assert two.predicted_step_s >= two.lane_floor_s["network"]
     assert "replicas: 2, one per node" in two.render() and "over 25 GbE" in two.render()
+
+
+def test_a_worker_killed_on_one_node_ends_every_node_with_one_line_each(tmp_path):
+    tag = f"mobius-test-{os.getpid()}"
+    args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "50"]
+    ran = _torchrun_nodes(tmp_path, [args, args], ({"MOBIUS_TEST_TAG": tag}, {"MOBIUS_TEST_TAG": tag,
+                                                                             "MOBIUS_FAULT": "3:1"}))
+    assert all(code != 0 for code, _, _ in ran)
+    ours = [line for _, _, err in ran for line in err.splitlines() if line.startswith("error: ")]
+    # Every surviving worker, on both nodes, says in one line that another one stopped; no traceback of ours.
+    assert len(ours) == 3 and all("another worker of the run stopped" in line for line in ours), ours
+    time.sleep(1)
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _has_tag(pid, tag)]
+
+
+def _has_tag(pid: str, tag: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return tag.encode() in f.read()
+    except OSError:
+        return False
