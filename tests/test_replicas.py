@@ -108,18 +108,30 @@ def _torchrun_nodes(tmp_path, per_node_args, per_node_env=({}, {})):
             node.kill()
 
 
-def test_torchrun_two_nodes_train_as_the_reference_and_refuse_nodes_that_differ(tmp_path):
+def test_torchrun_two_nodes_train_as_the_reference(tmp_path):
     want, _ = reference(RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=3))
     args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "3", "--metrics", "m.jsonl"]
     ran = _torchrun_nodes(tmp_path, [args, args])
     assert all(code == 0 for code, _, _ in ran), [err[-1500:] for _, _, err in ran]
     assert "x 2 replicas (ZeRO-1 host AdamW)" in "".join(out for _, out, _ in ran)  # one replica per node
     assert _losses(tmp_path / "m.jsonl") == pytest.approx(want, rel=1e-5)
-    # A node with other devices: every node ends with the same one line.
-    ran = _torchrun_nodes(tmp_path, [args, args + ["--gpu-mem-gb", "1"]])
-    for code, _, err in ran:
-        assert code != 0 and "error: the nodes differ: node 0 has 2 CPU workers" in err, err[-1500:]
 
+
+def test_nodes_that_differ_are_refused_in_one_line(monkeypatch):
+    """Rank 0's decision from every process's description of its node (one per node of
+    LOCAL_WORLD_SIZE processes); under torchrun the refusal is raised on every rank
+    (:func:`mobius.runtime.worker.decided`)."""
+    from mobius.config import parse_train_args
+    from mobius.errors import InputError
+    from mobius.launcher import torchrun_decision
+    from topology import cpu_topology
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    decision = torchrun_decision(parse_train_args(TINY + ["--topology", "cpu", "--cpu-workers", "2"]))
+    other = cpu_topology(2, memory_gb=1).shape()
+    with pytest.raises(InputError, match=r"the nodes differ: node 0 has 2 CPU workers \(.*\); node 1 has 2 CPU "
+                                         r"workers \(.* 1 GB"):
+        decision.decide([decision.node()] * 2 + [other] * 2)
 
 def test_network_presets_files_and_the_update_rate_they_give():
     from mobius.partition.cost import replica_update_rate
