@@ -210,7 +210,7 @@ _RENAMED = {"data": ("data", "path"), "data_format": ("data", "format"), "eval_d
             "lora_rank": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
             "lora_targets": ("lora", "targets")}
 OPTIONS: dict[str, tuple[str, str]] = {
-    **{f.name: (section, f.name) for section, kind in reversed(SECTIONS.items()) for f in fields(kind)
+    **{f.name: (section, f.name) for section, kind in SECTIONS.items() for f in fields(kind)
        if (section, f.name) not in _RENAMED.values()},
     **_RENAMED}
 
