@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,21 +21,8 @@ from mobius.prepare import plan_on, resolve_topology  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.errors import InputError  # noqa: E402
 from mobius.models import get_config  # noqa: E402
+from published_models import CONFIGS, model_dir  # noqa: E402
 
-CONFIGS = {
-    "Llama-3.1-8B": {
-        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "tie_word_embeddings": False, "hidden_act": "silu"},
-    "Qwen2.5-32B": {
-        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
-        "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu"},
-}
 TOPOLOGIES = ["4x4090", "8x3090-4+4"]
 STEP = 1024
 
@@ -68,15 +54,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, config in CONFIGS.items():
-            d = Path(tmp) / name
-            d.mkdir()
-            (d / "config.json").write_text(json.dumps(config))
+    for name in ("Llama-3.1-8B", "Qwen2.5-32B"):
+        context = CONFIGS[name]["max_position_embeddings"]
+        with model_dir(name) as d:
             for topology in TOPOLOGIES:
-                seq, plan = longest(str(d), topology, config["max_position_embeddings"])
-                rows.append({"model": name, "topology": topology, "longest_seq_len": seq,
-                             "context": config["max_position_embeddings"],
+                seq, plan = longest(d, topology, context)
+                rows.append({"model": name, "topology": topology, "longest_seq_len": seq, "context": context,
                              "stages": len(plan.bounds) if plan else 0,
                              "recompute": plan.recompute if plan else None,
                              "predicted_step_s": plan.predicted_step_s if plan else None})

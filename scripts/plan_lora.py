@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,14 +22,8 @@ from mobius.errors import InputError  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.planner import GB, host_bytes_needed  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
+from published_models import model_dir  # noqa: E402
 
-LLAMA_70B = {  # Llama-3.1-70B's published config.json
-    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "hidden_act": "silu"}
 TOPOLOGIES = ["8x3090-4+4", "4x4090"]
 
 
@@ -59,8 +52,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--json", default="plan_lora.json")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mobius-70b-") as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_70B))
+    with model_dir("Llama-3.1-70B") as tmp:
         rows = [row(tmp, t, r, args) for t in TOPOLOGIES for r in (0, args.rank)]
     print(f"Llama-3.1-70B (config.json only), bf16, {args.micro_batches} micro-batches of 1x{args.seq_len}; "
           "planner predictions")

@@ -20,19 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mobius.config import RunConfig  # noqa: E402
-from mobius.janitor import scratch_dir  # noqa: E402
 from mobius.partition.cost import GB, replica_update_rate  # noqa: E402
 from mobius.prepare import get_profile, plan_on, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim import simulate_mobius  # noqa: E402
+from published_models import model_dir  # noqa: E402
 
-LLAMA_8B = {  # Llama-3.1-8B's published config.json
-    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "hidden_act": "silu"}
 TOPOLOGY = "8x4090-4+4"
 NETWORKS = ("25gbe", "100gbe", "ib-hdr")
 
@@ -61,8 +54,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    with scratch_dir("mobius-llama-8b-") as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_8B))
+    with model_dir("Llama-3.1-8B") as tmp:
         rows = [row(tmp, boxes, network, args) for network in NETWORKS for boxes in (1, 2, 4)]
     tokens = args.micro_batches * args.seq_len
     print(f"Llama-3.1-8B, {TOPOLOGY} per box, {tokens:,} tokens per step ({args.micro_batches} x 1 x {args.seq_len}), "

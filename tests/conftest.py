@@ -55,28 +55,6 @@ def reference(cfg, device: str = "cpu", **changes):
     return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
 
 
-def on_threads(fn, ranks) -> None:
-    """``fn(rank)`` for every rank at once, one thread each (the ends of a transport wait for each
-    other); the first error of any of them is raised here."""
-    import threading
-
-    errors: list[BaseException] = []
-
-    def run(rank) -> None:
-        try:
-            fn(rank)
-        except BaseException as err:  # re-raised on the test's thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def run_in_threads(cfg):
     """The pipeline of ``cfg`` in this process, one thread per worker linked by an in-process
     transport, every stream under the order checker: per-step losses and final weights."""
@@ -87,7 +65,7 @@ def run_in_threads(cfg):
     from mobius.runtime.device import CpuDevice
     from mobius.runtime.inputs import make_data, model_config_for
     from mobius.runtime.inputs import check_model_input
-    from mobius.stages.transport import LocalGroup
+    from mobius.stages.transport import LocalGroup, on_threads
     from mobius.stages.worker import build_worker
 
     spec, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import on_threads
-
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
@@ -19,7 +17,7 @@ from mobius.runtime.device import CpuDevice
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
 from mobius.stages.tied import TiedEmbedding
-from mobius.stages.transport import LocalGroup
+from mobius.stages.transport import LocalGroup, on_threads
 from mobius.stages.working_memory import WorkingMemory
 from mobius.swap.memory import DeviceBudgetError, DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher

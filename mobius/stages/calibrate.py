@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import statistics
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +41,7 @@ from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
 from mobius.runtime.worker import outside_torchrun, tied_to_launcher
-from mobius.stages.transport import GlooTransport
+from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
 
@@ -228,7 +227,7 @@ def measure_handoff(nbytes: int) -> float:
     def join(rank: int) -> None:
         groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
 
-    _together(join)
+    on_threads(join, (0, 1))
     bufs = [torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))]
     one_way = []
 
@@ -244,24 +243,5 @@ def measure_handoff(nbytes: int) -> float:
                 pg.recv([buf], 0, i).wait()
                 pg.send([buf], 0, i).wait()
 
-    _together(echo)
+    on_threads(echo, (0, 1))
     return statistics.median(one_way[1:])
-
-
-def _together(fn) -> None:
-    """``fn(0)`` and ``fn(1)`` on two threads at once (each end of a gloo pair waits for the other)."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            fn(rank)
-        except BaseException as err:  # re-raised on the caller's thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]

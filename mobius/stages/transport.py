@@ -107,3 +107,23 @@ class LocalTransport:
             g._votes.clear()
         g._barrier.wait()
         return result
+
+
+def on_threads(fn, ranks) -> None:
+    """``fn(rank)`` for every rank at once, one thread each (the ends of a transport wait for each
+    other); the first error of any of them is raised here, on the caller's thread."""
+    errors: list[BaseException] = []
+
+    def run(rank) -> None:
+        try:
+            fn(rank)
+        except BaseException as err:  # re-raised on the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

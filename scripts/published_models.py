@@ -1,0 +1,36 @@
+"""Published ``config.json`` values of the models the planning scripts plan (nothing is
+downloaded), and a directory holding one, as ``--model`` takes it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from mobius.janitor import scratch_dir
+
+_LLAMA_3_1 = {
+    "model_type": "llama", "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "hidden_act": "silu"}
+CONFIGS = {
+    "Llama-3.1-8B": {**_LLAMA_3_1, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32},
+    "Llama-3.1-70B": {**_LLAMA_3_1, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64},
+    "Qwen2.5-32B": {
+        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+
+@contextlib.contextmanager
+def model_dir(name: str):
+    """A directory (ours, removed afterwards) holding model ``name``'s ``config.json``."""
+    with scratch_dir(f"mobius-{name}-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(CONFIGS[name]))
+        yield tmp
