@@ -46,8 +46,8 @@ from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer, build_model
-from mobius.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 from mobius.runtime.device import Device, Event
+from mobius.runtime.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 from mobius.runtime.spec import Timing
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.

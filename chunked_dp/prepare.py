@@ -12,8 +12,8 @@ from chunked_dp.search import DoesNotFit, search
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig
+from mobius.models.precision import DTYPES
 from mobius.partition.profile import Profile
-from mobius.precision import DTYPES
 from mobius.prepare import (
     budgets_of,
     check_run_inputs,

@@ -7,10 +7,10 @@ import torch
 
 from chunked_dp.engine import ChunkedEngine
 from mobius.metrics import StepMetrics
-from mobius.optim import DynamicLossScaler
-from mobius.precision import DTYPES
+from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
+from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from mobius.config_sources import layered_argv
 from mobius.data.records import FORMATS
 from mobius.errors import InputError, shown
-from mobius.precision import PRECISIONS
 from mobius.models.lora import LORA_MODULES
+from mobius.models.precision import PRECISIONS
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 # Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
@@ -253,8 +253,6 @@ class RunConfig:
         if self.batch.micro_batches % replicas:
             raise InputError(f"--micro-batches {self.batch.micro_batches} is not divisible by --data-parallel "
                              f"{replicas}: each replica runs an equal share of the step's micro-batches")
-        if replicas > 1 and self.emulation.enabled:
-            raise InputError("--data-parallel is not built for --emulate yet (one emulated box: --data-parallel 1)")
 
     @classmethod
     def of(cls, **options) -> "RunConfig":

@@ -13,12 +13,12 @@ from mobius.cache import Cache, key_of
 from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
+from mobius.models.precision import element_bytes
 from mobius.partition.baselines import BASELINES, uniform_bounds
 from mobius.partition.cost import (
     GB,
     check_layers_fit,
     evaluate,
-    replica_update_rate,
     host_traffic_bytes,
     machine_for,
     settle,
@@ -27,9 +27,8 @@ from mobius.partition.cost import (
 )
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
-from mobius.precision import element_bytes
 from mobius.runtime.spec import Plan, StagePlan
-from topology import DEFAULT_NETWORK, NETWORKS, Topology
+from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
 # Host bytes per trained parameter (mobius.swap.store): fp32 master + AdamW m and v + fp32 gradient,
@@ -102,7 +101,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 10
+COST_MODEL_VERSION = 11
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
                       where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
@@ -168,6 +167,16 @@ def check_plannable(model_name: str, config: GPTConfig, topo: Topology, precisio
         raise InputError(f"--stages {stages} exceeds the model's {layers} layers")
 
 
+def replica_profile(profile: Profile, topo: Topology, data_parallel: int) -> Profile:
+    """``profile`` as the host of one of ``data_parallel`` replicas on ``topo``'s nodes sees it: it
+    updates 1/D of each stage and exchanges the stage's gradients and weights with the other
+    replicas over the node's network (:func:`~mobius.partition.cost.host_updates`)."""
+    if data_parallel == 1:
+        return profile
+    network_bps = assumed_network(topo).bandwidth_gbps * GB
+    return replace(profile, host=replace(profile.host, replicas=data_parallel, network_bps=network_bps))
+
+
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, time_limit_s: float = 8.0, use_cache: bool = True,
@@ -176,17 +185,15 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
     from ``profile`` (:func:`mobius.profiles.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
-    broadcasts them (:func:`replica_update_rate`, on ``topo``'s network, else
+    broadcasts them (:func:`replica_profile`, on ``topo``'s network, else
     :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident (its update
     would need the replicas' sum on the device)."""
     check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel)
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
-    network = topo.network or NETWORKS[DEFAULT_NETWORK]
+    network = assumed_network(topo)
     host_adam = profile.host.adam_params_per_s
     if data_parallel > 1:
-        # The node's workers update their stages at once: each has its share of the one link.
-        rate = replica_update_rate(host_adam, data_parallel, network.bandwidth_gbps * GB / topo.n)
-        profile = replace(profile, host=replace(profile.host, adam_params_per_s=rate))
+        profile = replica_profile(profile, topo, data_parallel)
         device_optimizer = False
     place = MAPPINGS[mapping]
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))

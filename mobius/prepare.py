@@ -30,6 +30,7 @@ from mobius.cache import Cache, key_of
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig, layer_count
+from mobius.models.precision import default_precision
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import (
     MAX_TIME_S,
@@ -40,13 +41,12 @@ from mobius.partition.profile import (
     measure_profile,
 )
 from mobius.planner import DoesNotFit, check_plannable, make_plan
-from mobius.precision import default_precision
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import CUDA_RESERVE_BYTES, cpu_threads_per_worker, cuda_available, cuda_device_name
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
-from topology import Topology, TopologyError, cpu_topology, load_topology, network_of
+from topology import Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
 
 GB = 10**9
 
@@ -316,16 +316,18 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     for c, st in zip(cpu_stages, plan.stages):
         work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
             + 2 * cpu.host.stage_switch_s
-    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s)
+    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel)
 
 
 def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cpu_s: float,
-                   predicted_step_s: float) -> EmulationSpec:
+                   predicted_step_s: float, replicas: int = 1) -> EmulationSpec:
     """The emulated links of ``topo`` and the dilation (see :func:`emulation_for`), for a backend
     whose layers take ``model_ratio`` times as long on this machine's CPU as on the emulated GPUs,
     whose busiest worker's CPU work of a step is ``worker_cpu_s``, and whose step is predicted at
-    ``predicted_step_s`` of emulated time."""
-    crowding = max(1.0, topo.n / (os.cpu_count() or 1))  # workers per core when all compute at once
+    ``predicted_step_s`` of emulated time; ``replicas`` boxes of ``topo`` on its network."""
+    network = assumed_network(topo)
+    # workers per core when all compute at once
+    crowding = max(1.0, topo.n * replicas / (os.cpu_count() or 1))
     model_factor = EMULATION_MARGIN * crowding * model_ratio
     step_floor = EMULATION_MARGIN * crowding * worker_cpu_s / predicted_step_s
     if cfg.emulation.dilation is not None:
@@ -348,7 +350,8 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          link_bps=tuple(g.link_bandwidth_gbps * 1e9 for g in topo.gpus),
                          root_complex=tuple(g.root_complex for g in topo.gpus),
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
-                         counters="", how=how)  # the launcher makes the counters file
+                         counters="", how=how,  # the launcher makes the counters file
+                         replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB)
 
 
 def _round_up(x: float) -> float:

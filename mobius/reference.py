@@ -3,7 +3,7 @@
 It defines "correct" for every other backend: same data order, same micro-batching (gradients
 accumulated over ``--micro-batches`` micro-batches, each loss its share of the step's mean over
 trained tokens, :mod:`mobius.models.layout`), same AdamW
-and schedule (:mod:`mobius.optim`).
+and schedule (:mod:`mobius.runtime.optim`).
 
 ``--optimizer-lag 1`` defines the lagged update every backend reproduces: AdamW steps a master copy
 of the weights, and the weights step k+1 computes with are the master weights *before* step k's
@@ -24,9 +24,9 @@ from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
-from mobius.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
-from mobius.precision import DTYPES, default_precision
+from mobius.models.precision import DTYPES, default_precision
 from mobius.runtime.device import peak_memory, reset_peak_memory
+from mobius.runtime.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
 
 
 class ReferenceTrainer:

@@ -164,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv, checkpoint_settings=ck.run_config)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None:
-            raise InputError("under torchrun only the pipeline backend runs, without --export or --epochs; "
-                             "start python -m mobius.train directly for the others")
+        if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None \
+                or cfg.emulation.enabled:
+            raise InputError("under torchrun only the pipeline backend runs, without --export, --epochs or --emulate "
+                             "(several boxes emulate on one machine: --emulate --data-parallel D); start "
+                             "python -m mobius.train directly for the others")
         worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))
         return
     run(cfg)

@@ -17,7 +17,7 @@ needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
-``--optimizer-lag`` 0/1; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
+``--optimizer-lag`` 0/1; two boxes of ``8x3090-4+4`` as data-parallel replicas over 25 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
 small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
     python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
@@ -39,7 +39,7 @@ from mobius.config import parse_train_args
 from mobius.errors import InputError
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planner import MAPPINGS
+from mobius.planner import MAPPINGS, replica_profile
 from mobius.prepare import get_profile, prepare_pipeline, resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.sim.schedules import simulate_mobius
@@ -49,6 +49,7 @@ PAIR = "--topology topo2+2 --model small --gpu-mem-gb 0.05"
 SMALL_BLOCKS = "--topology topo2+2 --model small --gpu-mem-gb 0.1 --micro-batch-size 8"
 LARGE_BLOCKS = "--topology topo2+2 --model gpt2 --gpu-mem-gb 0.8 --micro-batch-size 2"
 PARTITIONERS = ("mip", "min", "max", "balanced")
+REPLICA_BOX = "--topology 8x3090-4+4 --model tiny8 --gpu-mem-gb 0.05"
 
 REHEARSAL = "--topology auto"  # the default run (model small, 2 CPU workers), at least 8 steps
 # Layers that cost little, in many stages and micro-batches: the runtime's own work is much of the step.
@@ -61,6 +62,11 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
                 ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
     "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
+    # The step's micro-batches on one box, and on two over 25 GbE, each box updating half of the
+    # parameters (the network is most of their step).  A small model: 16 workers share this
+    # machine's cores, so the dilation is high and an emulated millisecond lasts 20 wall seconds.
+    "replicas": [("1 x 8x3090-4+4", REPLICA_BOX),
+                 ("2 x 8x3090-4+4 over 25gbe", f"{REPLICA_BOX} --data-parallel 2 --network 25gbe")],
     "partition": [(f"small blocks {p}", f"{SMALL_BLOCKS} --partitioner {p}") for p in PARTITIONERS]
     + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
 }
@@ -93,6 +99,7 @@ def predict(options: str, steps: int) -> dict:
     spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
+    profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.

@@ -38,7 +38,7 @@ import torch
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.models import build_model, get_config
-from mobius.optim import make_adamw
+from mobius.runtime.optim import make_adamw
 
 PLAIN_CANDIDATES = ["mobius-8b", "mobius-3b", "gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2", "small"]
 
@@ -97,8 +97,8 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 # ---- the systems --------------------------------------------------------------------------------
 
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
-    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.launcher import launch_pipeline
+    from mobius.prepare import prepare_pipeline, resolve_topology
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
     cfg = RunConfig.of(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -126,10 +126,9 @@ def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
 
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
-    from mobius.prepare import resolve_topology
-    from mobius.launcher import launch_chunked
-
     from chunked_dp.prepare import prepare_chunked
+    from mobius.launcher import launch_chunked
+    from mobius.prepare import resolve_topology
 
     trace = os.path.join(out_dir, "chunked_trace.json")
     cfg = RunConfig.of(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,

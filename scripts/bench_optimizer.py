@@ -1,4 +1,4 @@
-"""CPU AdamW throughput on the same tensors: ours (``mobius.optim.make_adamw``) against torch's
+"""CPU AdamW throughput on the same tensors: ours (``mobius.runtime.optim.make_adamw``) against torch's
 per-tensor loop (``foreach=False``, what Mobius used before), torch's ``foreach`` and DeepSpeed's
 ``DeepSpeedCPUAdam`` (when ``deepspeed`` imports; its CPU op compiles on first use, minutes).
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.optim import BETAS, WEIGHT_DECAY, make_adamw  # noqa: E402
+from mobius.runtime.optim import BETAS, WEIGHT_DECAY, make_adamw  # noqa: E402
 
 BYTES_PER_PARAM = 28
 

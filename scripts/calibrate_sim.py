@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
 from mobius.launcher import launch_pipeline
 from mobius.models import get_config
-from mobius.optim import make_adamw
 from mobius.partition.profile import measure_profile
+from mobius.prepare import resolve_topology
+from mobius.runtime.optim import make_adamw
 from mobius.runtime.spec import Plan
 from mobius.sim import simulate_mobius
 from topology.presets import cpu_topology

@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from published_models import model_dir  # noqa: E402
+
 from mobius.config import RunConfig  # noqa: E402
-from mobius.partition.cost import GB, replica_update_rate  # noqa: E402
+from mobius.planner import replica_profile  # noqa: E402
 from mobius.prepare import get_profile, plan_on, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim import simulate_mobius  # noqa: E402
-from published_models import model_dir  # noqa: E402
 
 TOPOLOGY = "8x4090-4+4"
 NETWORKS = ("25gbe", "100gbe", "ib-hdr")
@@ -36,9 +37,8 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
     topo = resolve_topology(cfg)
     plan = plan_on(cfg, model_config_for(cfg), topo, profile_how="analytic", time_limit_s=args.time_limit)
     profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic")
-    rate = replica_update_rate(profile.host.adam_params_per_s, boxes, topo.network.bandwidth_gbps * GB / topo.n)
-    sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                          adam_params_per_s=rate)
+    sim = simulate_mobius(replica_profile(profile, topo, boxes), plan.bounds, topo, plan.order, plan.micro_batches,
+                          plan.recompute)
     tokens = args.micro_batches * args.seq_len
     network_s = plan.lane_floor_s.get("network", 0.0)
     return {"boxes": boxes, "network": topo.network.name, "micro_batches_per_box": plan.micro_batches,

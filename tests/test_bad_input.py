@@ -12,12 +12,11 @@ import pytest
 import torch
 from conftest import SINGLE, TINY, one_line_exit_2
 
-from mobius.runtime import checkpoint as ck
 from mobius import ownership
 from mobius.plan import main as plan_main
+from mobius.runtime import checkpoint as ck
 from mobius.train import main as train_main
 from topology.__main__ import main as topology_main
-
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -85,8 +84,6 @@ TRAIN_OPTIONS = [
     (["--data-parallel", "2"], "--data-parallel applies to --backend pipeline, and this run uses --backend single"),
     (["--backend", "chunked", "--topology", "cpu", "--data-parallel", "2"],
      "--data-parallel applies to --backend pipeline, and this run uses --backend chunked"),
-    (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--data-parallel", "2"],
-     "--data-parallel is not built for --emulate yet"),
     (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--dilation", "0.5"], "--dilation must be a finite number of at least 1"),
 ]
 

@@ -22,12 +22,15 @@ FACTOR = 40.0  # wall seconds per emulated second: 1 MB at 1 GB/s = 1 ms emulate
 MB = 10**6
 
 
-def links(tmp_path, root_complex=(0, 0, 1), link_bps=1e9, rc_bps=1e9) -> list[EmulatedLinks]:
+def links(tmp_path, root_complex=(0, 0, 1), link_bps=1e9, rc_bps=1e9, boxes=1,
+          network_bps=0.0) -> list[EmulatedLinks]:
+    """The emulated links of ``boxes`` boxes of GPUs hanging off ``root_complex``, worker by worker."""
     path = str(tmp_path / "counters")
-    create_counters(path, len(root_complex))
+    create_counters(path, len(root_complex) * boxes)
     spec = EmulationSpec("test", FACTOR, (link_bps,) * len(root_complex), tuple(root_complex),
-                         {str(r): rc_bps for r in set(root_complex)}, path)
-    return [EmulatedLinks(spec, rank) for rank in range(len(root_complex))]
+                         {str(r): rc_bps for r in set(root_complex)}, path, replicas=boxes, network="net",
+                         network_bps=network_bps)
+    return [EmulatedLinks(spec, rank) for rank in range(len(root_complex) * boxes)]
 
 
 def emulated_s(fn) -> float:
@@ -65,6 +68,20 @@ def test_workers_under_one_root_complex_share_it_across_emulators(tmp_path):
     apart = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[2].transfer(MB, "h2d", lambda: None),
                     lambda: w[1].transfer(MB, "d2h", lambda: None))
     assert apart == pytest.approx([1e-3, 1e-3, 1e-3], rel=0.25)
+
+
+def test_each_box_has_its_own_root_complexes_and_shares_its_network(tmp_path):
+    """Two boxes of two GPUs on one root complex: box 1's copies do not slow box 0's; a box's
+    exchanges with the other boxes share its network (1 MB at 0.5 GB/s: 2 ms alone, 4 ms for two
+    at once), and the other box's exchanges do not take from it."""
+    w = links(tmp_path, root_complex=(0, 0), boxes=2, network_bps=0.5e9)
+    apart = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[2].transfer(MB, "h2d", lambda: None))
+    assert apart == pytest.approx([1e-3, 1e-3], rel=0.25)
+    assert emulated_s(lambda: w[0].exchange(MB)) == pytest.approx(2e-3, rel=0.25)
+    one_box = at_once(lambda: w[0].exchange(MB), lambda: w[1].exchange(MB))
+    assert one_box == pytest.approx([4e-3, 4e-3], rel=0.25)
+    two_boxes = at_once(lambda: w[0].exchange(MB), lambda: w[2].exchange(MB))
+    assert two_boxes == pytest.approx([2e-3, 2e-3], rel=0.25)
 
 
 def test_the_gpu_link_caps_a_transfer_below_its_share(tmp_path):
@@ -204,9 +221,9 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     sequential mapping, with and without prefetching, emulate at one factor; --dilation fixes it,
     below what a worker's CPU work of a step needs it is refused, and a run whose wall time would be
     absurd is refused naming what to change."""
-    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.config import parse_train_args
     from mobius.errors import InputError
+    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     common = ["--model", "tiny8", "--topology", "topo2+2", "--emulate", "--steps", "4", "--micro-batches", "6"]

@@ -11,15 +11,15 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from make_tiny_chat_model import make_tiny_chat_model  # noqa: E402
 from conftest import run_in_threads  # noqa: E402
+from make_tiny_chat_model import make_tiny_chat_model  # noqa: E402
 
 from mobius.config import RunConfig  # noqa: E402
 from mobius.launcher import launch_chunked, launch_pipeline  # noqa: E402
 from mobius.models import IGNORE, get_config  # noqa: E402
-from mobius.optim import lr_at, make_adamw, set_lr  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
 from mobius.runtime.inputs import make_batches, make_data, make_eval_batches, model_config_for  # noqa: E402
+from mobius.runtime.optim import lr_at, make_adamw, set_lr  # noqa: E402
 from topology import cpu_topology  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

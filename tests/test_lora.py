@@ -14,13 +14,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mobius.runtime import checkpoint as ck  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import build_model  # noqa: E402
 from mobius.models.adapters import adapter_tensors, layer_states  # noqa: E402
-from mobius.optim import BETAS, WEIGHT_DECAY, lr_at  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
+from mobius.runtime import checkpoint as ck  # noqa: E402
 from mobius.runtime.inputs import make_batches, model_config_for  # noqa: E402
+from mobius.runtime.optim import BETAS, WEIGHT_DECAY, lr_at  # noqa: E402
 from mobius.train import main  # noqa: E402
 
 STEPS, M, MBS, SEQ, RANK = 4, 2, 2, 16, 4
@@ -146,8 +146,8 @@ def test_a_resume_notices_changed_base_weights_and_data(hf_dirs, tmp_path, capsy
     bytes under the same paths is refused in one line, or goes on under --resume-with-changes."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
     from conftest import one_line_exit_2
+    from safetensors.torch import load_file, save_file
 
     model, data, saved = tmp_path / "model", tmp_path / "data.txt", tmp_path / "ck"
     shutil.copytree(hf_dirs["gpt2"], model)

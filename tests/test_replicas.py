@@ -170,6 +170,38 @@ def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
     assert "replicas: 2, one per node" in two.render() and "over 25 GbE" in two.render()
 
 
+def test_the_node_network_serves_its_workers_exchanges_one_at_a_time():
+    """Two workers, one stage each, gradients home at 0 and 1 s; each exchange takes 2 s alone on
+    the network and AdamW 1 s.  Worker 1's sum waits for worker 0's (the link is busy until 2 s);
+    worker 0's broadcast, ready at 3 s, waits for worker 1's sum (until 4 s)."""
+    from mobius.partition.cost import host_updates
+
+    updated = host_updates(home=[0.0, 1.0], adam=[1.0, 1.0], exchange=[2.0, 2.0], n=2, resident=[False, False])
+    assert updated == [6.0, 8.0]
+    # One replica: each thread's updates one after another, nothing on the network.
+    assert host_updates([0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0] * 3, 2, [False] * 3) == [2.0, 2.0, 1.0]
+
+
+def test_cost_model_and_simulator_share_the_network_alike():
+    """tiny8 on two boxes of 8x3090-4+4 over 25 GbE: the network bounds the step; the cost model
+    (exchanges queued on the node's link) and the simulator (fair sharing) agree."""
+    from mobius.planner import make_plan, replica_profile
+    from mobius.prepare import get_profile
+    from mobius.sim import simulate_mobius
+    from topology import load_preset, network_of
+
+    topo = load_preset("8x3090-4+4")
+    topo.network = network_of("25gbe")
+    for g in topo.gpus:
+        g.memory_gb = 0.05
+    profile = get_profile("tiny8", get_config("tiny8"), topo, 4, 128, "fp32", "analytic")
+    plan = make_plan("tiny8", get_config("tiny8"), topo, 4, 2, 128, "fp32", profile=profile, time_limit_s=1,
+                     use_cache=False, data_parallel=2)
+    replica = replica_profile(profile, topo, 2)
+    sim = simulate_mobius(replica, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute).step_s
+    assert plan.lane_floor_s["network"] < plan.predicted_step_s == pytest.approx(sim, rel=0.05)
+
+
 def test_a_worker_killed_on_one_node_ends_every_node_with_one_line_each(tmp_path):
     tag = f"mobius-test-{os.getpid()}"
     args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "50"]

@@ -12,8 +12,8 @@ import torch
 
 from mobius.metrics import Trace
 from mobius.models import get_config
-from mobius.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
 from mobius.runtime.device import CpuDevice
+from mobius.runtime.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
 from mobius.stages.tied import TiedEmbedding

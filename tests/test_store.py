@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mobius.models import build_model, get_config
+from mobius.models.precision import DTYPES
 from mobius.planner import host_bytes_needed
-from mobius.precision import DTYPES
 from mobius.runtime.device import CpuDevice
 from mobius.swap.store import HostStageStore
 

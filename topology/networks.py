@@ -32,3 +32,8 @@ def network_of(spec: str) -> Network:
     if not (math.isfinite(gbps) and gbps > 0):
         raise TopologyError(f"--network must be a preset or a positive bandwidth in GB/s, got {spec!r}")
     return Network(f"{gbps:g} GB/s", gbps, NETWORKS[DEFAULT_NETWORK].latency_us)
+
+
+def assumed_network(topo) -> Network:
+    """The network a plan for several of ``topo``'s nodes assumes: the topology's, else the default."""
+    return topo.network or NETWORKS[DEFAULT_NETWORK]

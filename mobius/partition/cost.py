@@ -56,12 +56,13 @@ other candidate.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field, replace
 
 from mobius.errors import InputError
+from mobius.models.precision import element_bytes
 from mobius.partition.profile import HostCosts, Profile
-from mobius.precision import element_bytes
 
 GB = 1e9
 
@@ -78,6 +79,8 @@ class Machine:
     stage_switch_s: float = 0.0  # device time between two passes of one slot (the runtime's own work)
     adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
     device_adam_params_per_s: float = math.inf  # AdamW on a device, for the stages kept resident there
+    replicas: int = 1  # data-parallel replicas: each host updates 1/replicas of every stage
+    network_bps: float = math.inf  # the node's network to the other replicas, shared by its workers
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
@@ -102,6 +105,13 @@ class Machine:
     @property
     def n(self) -> int:
         return len(self.bandwidth)
+
+    @property
+    def update_params_per_s(self) -> float:
+        """Parameters per second of a host update as the MIP charges it (a linear term per stage):
+        with replicas, the exchanges on the node's link shared by all of its workers at once, a
+        bound :func:`evaluate` refines by queueing them."""
+        return replica_update_rate(self.adam_params_per_s, self.replicas, self.network_bps / self.n)
 
     def _or_bandwidth(self, per_slot: tuple[float, ...], slot: int) -> float:
         """A per-slot rate, or the slot's ``bandwidth`` where the machine has none (a hand-made one)."""
@@ -211,7 +221,52 @@ def on_device(st: list[StageCost], machine: Machine) -> list[StageCost]:
 
 
 def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
-    return c.grad_bytes / element_bytes / machine.adam_params_per_s
+    """Host AdamW of stage ``c`` on one worker: its share of the parameters, with replicas."""
+    return c.grad_bytes / element_bytes / machine.replicas / machine.adam_params_per_s
+
+
+def exchange_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
+    """One of stage ``c``'s two exchanges between replicas (its fp32 gradients summed into their
+    owners, or the owners' fp32 weights broadcast), alone on the node's network: (D-1)/D of its
+    4 bytes per parameter, as a bandwidth-optimal reduce or broadcast moves."""
+    if machine.replicas == 1:
+        return 0.0
+    return 4 * c.grad_bytes / element_bytes * (machine.replicas - 1) / machine.replicas / machine.network_bps
+
+
+def host_updates(home: list[float], adam: list[float], exchange: list[float], n: int,
+                 resident: list[bool]) -> list[float]:
+    """When each stage's host update is done.  Each worker's optimizer thread takes its stages one at
+    a time in the order their gradients come home (backward order): with replicas, its gradients'
+    sum over the network, AdamW on its share, the weights' broadcast.  The node's network carries
+    one exchange at a time at its full rate, first come first served (as fair sharing finishes the
+    last at the same time); a resident stage is updated on its device, done when "home"."""
+    s_count = len(home)
+    updated = list(home)
+    mine = [[j for j in range(s_count - 1, -1, -1) if j % n == k and not resident[j]] for k in range(n)]
+    if not any(exchange):
+        for k in range(n):
+            free = 0.0
+            for j in mine[k]:
+                updated[j] = free = max(home[j], free) + adam[j]
+        return updated
+    # (ready, order, worker, position in its list, broadcast?) of the exchanges that may start
+    waiting = [(home[m[0]], k, k, 0, False) for k, m in enumerate(mine) if m]
+    heapq.heapify(waiting)
+    network_free, order = 0.0, n
+    while waiting:
+        ready, _, k, i, broadcast = heapq.heappop(waiting)
+        j = mine[k][i]
+        done = max(ready, network_free) + exchange[j]
+        network_free = done
+        if not broadcast:
+            heapq.heappush(waiting, (done + adam[j], order, k, i, True))
+        else:
+            updated[j] = done
+            if i + 1 < len(mine[k]):
+                heapq.heappush(waiting, (max(home[mine[k][i + 1]], done), order, k, i + 1, False))
+        order += 1
+    return updated
 
 
 def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True,
@@ -402,6 +457,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
                         + handoff)
             tb[j][m] = t
     adam = [0.0 if c.resident else adam_s(c, machine, elt) for c in st]
+    exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
     # Gradients on the host: each stage's leave once its backward is done, through its link; the
     # offloads of the GPUs under one root complex queue for its bandwidth in backward order.  A
     # resident stage's are "home" once its device has updated it.
@@ -431,17 +487,10 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
                 copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k), "activation gradient"))
         copies.append((k, "d2h", home[j] - c.offloaded_bytes / machine.link_bps(k), home[j], "gradients"))
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
-        per_thread = [sum(adam[j] for j in range(k, s_count, n)) for k in range(n)]  # each worker's optimizer
-        return StepEstimate(max(home + per_thread), True, compute_only, pf, pb, copies=copies)
-    # Each worker's optimizer thread updates its stages one at a time, in the order their
-    # gradients come home (backward order): stage j's update waits for its gradients and for the
-    # worker's previous host update (resident stages are updated on their device instead).
-    updated, thread = [0.0] * s_count, [0.0] * n
-    for j in range(s_count - 1, -1, -1):
-        if st[j].resident:
-            updated[j] = home[j]
-        else:
-            updated[j] = thread[j % n] = max(home[j], thread[j % n]) + adam[j]
+        # each worker's optimizer, and the node's network for all of them
+        per_thread = [sum(adam[j] + 2 * exchange[j] for j in range(k, s_count, n)) for k in range(n)]
+        return StepEstimate(max(home + per_thread + [2 * sum(exchange)]), True, compute_only, pf, pb, copies=copies)
+    updated = host_updates(home, adam, exchange, n, [c.resident for c in st])
     return StepEstimate(max(updated), True, compute_only, pf, pb, copies=copies)
 
 
@@ -545,7 +594,8 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
     rc_of = [topo.root_complex_of(mapping.order[k]) for k in range(n)]
     host = host or HostCosts()
     return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.stage_switch_s,
-                   host.adam_params_per_s, host.device_adam_params_per_s, optimizer_lag,
+                   host.adam_params_per_s, host.device_adam_params_per_s, host.replicas, host.network_bps,
+                   optimizer_lag,
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
                    rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),

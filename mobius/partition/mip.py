@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from mobius.models.precision import element_bytes
 from mobius.partition.cost import GB, Machine, evaluate
 from mobius.partition.profile import Profile
-from mobius.precision import element_bytes
 
 
 class _WarmStartHiGHS(pulp.HiGHS):
@@ -98,7 +98,7 @@ def _serial_bound_s(profile: Profile, machine: Machine, micro_batches: int, reco
                            + 5 * x.out_bytes / slowest)
         total += (micro_batches * per_micro_batch + 2 * machine.stage_switch_s
                   + (2 * x.param_bytes + 2 * x.trained_bytes) / slowest
-                  + x.trained_bytes / elt / machine.adam_params_per_s)
+                  + x.trained_bytes / elt / machine.update_params_per_s)
     return total
 
 
@@ -192,7 +192,7 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             prob += spared[j] <= big * last[j]
         Bd = [Bd[j] - spared[j] for j in range(K)]
     grad = [pulp.lpSum(g[r] * cnt(r, j) for r in range(R)) for j in range(K)]  # GB
-    adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.adam_params_per_s) for j in range(K)]
+    adam = [grad[j] * (GB / element_bytes(profile.dtype) / machine.update_params_per_s) for j in range(K)]
 
     Wf = [S[j] + w[j] + 2 * act_in(j) for j in range(K)]
     kept = [pulp.lpSum(bw_work[r] * cnt(r, j) for r in range(R)) + 2 * act_in(j) + 2 * act[j] for j in range(K)]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mobius.models import GPTConfig, build_layer, build_model, layer_count
-from mobius.precision import DTYPES
+from mobius.models.precision import DTYPES
 from mobius.runtime.device import (
     cpu_threads_per_worker,
     memory_allocated,
@@ -82,6 +82,11 @@ class HostCosts:
     # AdamW on the device that computes (the stages kept resident there): a GPU's, or on CPU
     # workers their own cores', the host's rate
     device_adam_params_per_s: float = GPU_ADAM_PARAMS_PER_S
+    # Data-parallel replicas (:mod:`mobius.stages.replicas`): each host updates 1/replicas of the
+    # parameters and exchanges every stage's gradients and weights with the others over its node's
+    # network (bytes/s each way, shared by the node's workers; unused with one replica).
+    replicas: int = 1
+    network_bps: float = 0.0
 
 
 @dataclass
@@ -158,7 +163,8 @@ class Profile:
                     raise ValueError(f"{layer.name}: {key} is {value!r}, not a byte count")
         for key, value in asdict(self.host).items():
             rate = key.endswith("adam_params_per_s")
-            if not _number(value, positive=rate, most=MAX_AMOUNT if rate else MAX_TIME_S):
+            most = MAX_AMOUNT if rate or key in ("network_bps", "replicas") else MAX_TIME_S
+            if not _number(value, positive=rate or key == "replicas", most=most):
                 raise ValueError(f"host cost {key} is {value!r}")
         return self
 

@@ -14,6 +14,10 @@ emulated step time.
   equally, *across worker processes*, and a GPU's own link caps its transfers (shared between its
   concurrent transfers of that direction).  The active transfers are counted in a small shared
   file, one slot per (worker, direction), written only by the worker that owns it.
+* With data-parallel replicas (``--data-parallel D``) the workers emulate D such boxes, replica by
+  replica, each box's root complexes its own.  What the replicas exchange (the gradients summed
+  into their owners, the weights broadcast back: :mod:`mobius.stages.replicas`) crosses the box's
+  network, shared by the box's workers' exchanges in flight, after the real collective.
 
 Real tensors still flow: the losses equal an unemulated run's.
 """
@@ -27,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-DIRECTIONS = ("h2d", "d2h")
+DIRECTIONS = ("h2d", "d2h", "net")  # "net": a box's network to the other boxes
 SLICE_S = 0.002  # wall seconds between re-reads of the sharing (the fluid model's time step)
 
 
@@ -42,6 +46,9 @@ class EmulationSpec:
     rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
     counters: str  # the shared file of active-transfer counters (made by the launcher)
     how: str = ""  # how the factor was decided (mobius.prepare.emulation_for)
+    replicas: int = 1  # boxes emulated, each with the GPUs above: worker w of box d is rank d * len(link_bps) + w
+    network: str = ""  # between the boxes (replicas > 1)
+    network_bps: float = 0.0  # each box's share of it, bytes per emulated second each way
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +60,8 @@ class EmulationSpec:
     def header(self, predicted_step_s: float, steps: int) -> str:
         """What the run emulates, at which factor, and the wall time that implies."""
         wall = self.factor * predicted_step_s
-        return (f"emulating {self.topology} at 1/{self.factor:g} speed ({self.how}; about {_duration(wall)} of wall "
+        boxes = f"{self.replicas} x {self.topology} over {self.network}" if self.replicas > 1 else self.topology
+        return (f"emulating {boxes} at 1/{self.factor:g} speed ({self.how}; about {_duration(wall)} of wall "
                 f"time a step, {_duration(wall * steps)} for {steps} steps)")
 
 
@@ -68,16 +76,23 @@ def create_counters(path: str, workers: int) -> None:
 
 
 class EmulatedLinks:
-    """One worker's emulated GPU: its link, its root complex and the clock dilation."""
+    """One worker's emulated GPU: its link, its root complex, its box's network and the clock
+    dilation."""
 
     def __init__(self, spec: EmulationSpec, rank: int):
         self.spec, self.rank, self.factor = spec, rank, spec.factor
         n = len(spec.link_bps)
-        self._counts = torch.from_file(spec.counters, shared=True, size=n * len(DIRECTIONS), dtype=torch.int32)
-        rc = spec.root_complex[rank]
-        self._peers = [w for w in range(n) if spec.root_complex[w] == rc]
-        self._link = spec.link_bps[rank]
-        self._rc = float(spec.rc_bps[str(rc)])
+        self._counts = torch.from_file(spec.counters, shared=True, size=n * spec.replicas * len(DIRECTIONS),
+                                       dtype=torch.int32)
+        box, gpu = divmod(rank, n)
+        rc = spec.root_complex[gpu]
+        box_workers = [box * n + w for w in range(n)]
+        self._peers = {"h2d": [r for r in box_workers if spec.root_complex[r % n] == rc]}
+        self._peers["d2h"] = self._peers["h2d"]
+        self._peers["net"] = box_workers
+        self._cap = {"h2d": spec.link_bps[gpu], "d2h": spec.link_bps[gpu], "net": float("inf")}
+        self._shared = {"h2d": float(spec.rc_bps[str(rc)]), "d2h": float(spec.rc_bps[str(rc)]),
+                        "net": spec.network_bps}
         self._lock = threading.Lock()  # this worker's streams share its slots
         self._thread = threading.local()  # wall seconds this thread spent in transfers
 
@@ -87,8 +102,8 @@ class EmulatedLinks:
     def _rate(self, direction: str) -> float:
         """Bytes per emulated second a transfer of ours gets now."""
         mine = max(1, int(self._counts[self._slot(self.rank, direction)]))
-        sharing = max(1, sum(int(self._counts[self._slot(w, direction)]) for w in self._peers))
-        return min(self._link / mine, self._rc / sharing)
+        sharing = max(1, sum(int(self._counts[self._slot(w, direction)]) for w in self._peers[direction]))
+        return min(self._cap[direction] / mine, self._shared[direction] / sharing)
 
     def transfer(self, nbytes: int, direction: str, copy) -> None:
         """Run ``copy()`` (the real copy) and return when ``nbytes`` would have crossed the link."""
@@ -112,6 +127,11 @@ class EmulatedLinks:
             with self._lock:
                 self._counts[slot] -= 1
             self._thread.in_transfers = self._in_transfers() + time.perf_counter() - began
+
+    def exchange(self, nbytes: int) -> None:
+        """Return when ``nbytes`` would have crossed the box's network (a collective between the
+        replicas has just run for real: its wait for the slowest replica is not network time)."""
+        self.transfer(nbytes, "net", lambda: None)
 
     def _in_transfers(self) -> float:
         return getattr(self._thread, "in_transfers", 0.0)

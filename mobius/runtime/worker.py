@@ -30,12 +30,12 @@ from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.errors import InputError, RunError
 from mobius.metrics import StepMetrics, Trace, write_trace
-from mobius.optim import DynamicLossScaler
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
+from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.spec import RunSpec
 from mobius.signals import StopRequest
 

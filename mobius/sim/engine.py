@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 EPS = 1e-12
 
 COMPUTE, H2D, D2H, CPU = "compute", "h2d", "d2h", "cpu"
+NET = "net"  # an exchange between data-parallel replicas over the node's network (bytes)
 DELAY = "delay"  # a latency: takes its time, holds no resource
+TRANSFERS = (H2D, D2H, NET)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Link:
     gpu_bw: dict[int, float]  # bytes/s per GPU link (each direction)
     rc_of: dict[int, int]
     rc_bw: dict[int, float]  # bytes/s per root complex (each direction)
+    network_bw: float = 0.0  # bytes/s of the node's network, shared by its exchanges in flight (if any)
 
 
 @dataclass
@@ -125,7 +128,12 @@ class Simulator:
     def _assign_rates(self, active: list[Task]) -> None:
         per_gpu: dict[tuple[int, str], int] = defaultdict(int)
         groups: dict[tuple[int, str], list[Task]] = defaultdict(list)
+        exchanges = [t for t in active if t.kind == NET]
+        for t in exchanges:
+            t.rate = self.link.network_bw / len(exchanges)
         for t in active:
+            if t.kind == NET:
+                continue
             per_gpu[(t.gpu, t.kind)] += 1
             groups[(self.link.rc_of[t.gpu], t.kind)].append(t)
 
@@ -163,7 +171,7 @@ class Simulator:
                 if busy[key] is not None or not q:
                     continue
                 kind = key[0]
-                if kind in (H2D, D2H):
+                if kind in TRANSFERS:
                     candidates = [i for i in q if ready(i)]
                     pick = min(candidates, key=lambda i: (tasks[i].priority, i)) if candidates else None
                 else:
@@ -177,11 +185,11 @@ class Simulator:
             if not active:
                 stuck = [t.name for t in tasks if not done[t.id]][:5]
                 raise RuntimeError(f"simulation deadlock at t={now:.6f}s; waiting: {stuck}")
-            self._assign_rates([t for t in active if t.kind in (H2D, D2H)])
+            self._assign_rates([t for t in active if t.kind in TRANSFERS])
             # Next completion.
             horizon = float("inf")
             for t in active:
-                if t.kind in (H2D, D2H):
+                if t.kind in TRANSFERS:
                     if t.remaining <= EPS:
                         horizon = now
                     elif t.rate > 0:
@@ -194,7 +202,7 @@ class Simulator:
             now = horizon
             for t in active:
                 complete = False
-                if t.kind in (H2D, D2H):
+                if t.kind in TRANSFERS:
                     t.remaining -= t.rate * dt
                     complete = t.remaining <= max(EPS, 1e-9 * t.work)
                 else:

@@ -20,13 +20,13 @@ All three use the same profile and topology:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
-from mobius.precision import element_bytes
-from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
+from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 
 # GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.
 GPU_HBM_BPS = 0.9e12
@@ -55,7 +55,9 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     parameters arrive on a copy stream of their own; activations and gradients leave on copy
     streams of their own, sharing the link while both are in flight; an activation
     reaches the next worker ``profile.host.handoff_s`` after it reached the host.  AdamW runs at
-    ``adam_params_per_s`` (default: the profile's host rate).  With ``optimizer_lag`` the CPU
+    ``adam_params_per_s`` (default: the profile's host rate); with data-parallel replicas
+    (``profile.host.replicas``) on 1/D of each stage, between the sum of its gradients and the
+    broadcast of its weights, which share the node's network.  With ``optimizer_lag`` the CPU
     updates of a step run on while the next step computes: the step ends when its device work and
     gradient offloads do, unless a worker's optimizer thread needs longer than that for its
     stages' updates.  Without ``prefetch`` a stage's load starts once the previous one is done."""
@@ -70,7 +72,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     elt = element_bytes(profile.dtype)
     host = profile.host
     adam_params_per_s = adam_params_per_s or host.adam_params_per_s
-    link = link_for(topo)
+    link = replace(link_for(topo), network_bw=host.network_bps)
     sim = Simulator(link)
     F = [[None] * M for _ in range(S)]
     B = [[None] * M for _ in range(S)]
@@ -128,6 +130,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                 act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, gpu[j + 1], host.handoff_s, (out,))
 
     # Backward.
+    optimizer: dict[int, int] = {}  # with replicas: each optimizer thread's last exchange
     for j in range(S - 1, -1, -1):
         prio = S + (S - 1 - j)
         if j + n >= S:
@@ -141,16 +144,26 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             for m in range(M):
                 backward(j, m, [*load_b[j], begin, grad_in[(j, m)]])
         off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio, "gradients")
-        sim.add(f"AdamW S{j}", CPU, gpu[j], st[j].grad_bytes / elt / adam_params_per_s, (off,))
+        adam = st[j].grad_bytes / elt / host.replicas / adam_params_per_s
+        if host.replicas == 1:
+            sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (off,))
+            continue
+        # The optimizer thread: the sum into the owners, AdamW on this host's share, the broadcast.
+        exchanged = 4 * st[j].grad_bytes / elt * (host.replicas - 1) / host.replicas
+        summed = sim.add(f"sum S{j}", NET, gpu[j], exchanged, (off, optimizer.get(gpu[j])), prio, "network")
+        updated = sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (summed,))
+        optimizer[gpu[j]] = sim.add(f"broadcast S{j}", NET, gpu[j], exchanged, (updated,), prio, "network")
     r = sim.run()
     if not optimizer_lag:
         return SimOutcome("mobius", r.step_s, result=r)
-    device_end = max((t.end for t in r.tasks if t.kind not in (CPU, DELAY)), default=0.0)
-    optimizer_busy: dict[int, float] = {}
+    device_end = max((t.end for t in r.tasks if t.kind not in (CPU, NET, DELAY)), default=0.0)
+    optimizer_busy: dict[int, float] = {}  # each optimizer thread's work, its exchanges alone on the network
     for t in r.tasks:
-        if t.kind == CPU:
-            optimizer_busy[t.gpu] = optimizer_busy.get(t.gpu, 0.0) + t.work
-    return SimOutcome("mobius", max(device_end, *optimizer_busy.values(), 0.0), result=r)
+        if t.kind in (CPU, NET):
+            optimizer_busy[t.gpu] = optimizer_busy.get(t.gpu, 0.0) + (t.work if t.kind == CPU else
+                                                                      t.work / host.network_bps)
+    network = sum(t.work for t in r.tasks if t.kind == NET) / host.network_bps if host.replicas > 1 else 0.0
+    return SimOutcome("mobius", max(device_end, network, *optimizer_busy.values(), 0.0), result=r)
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:

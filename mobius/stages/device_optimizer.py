@@ -12,7 +12,7 @@ comes back, and the host's optimizer thread is spared the stage.
 The device master weights and AdamW state start from the host stage store's (a fresh run's, or a
 resumed checkpoint's) at the stage's first update, and go back to it (:meth:`sync_to_host`) before
 a checkpoint, an export or the final weights are read: those are the same files, whichever stages
-were resident.  The optimizer is :func:`mobius.optim.make_adamw`'s, as on the host, so CPU workers
+were resident.  The optimizer is :func:`mobius.runtime.optim.make_adamw`'s, as on the host, so CPU workers
 give the host path's numbers to the bit.
 """
 
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from mobius.metrics import Trace
-from mobius.optim import make_adamw, set_lr
 from mobius.runtime.device import Device
+from mobius.runtime.optim import make_adamw, set_lr
 from mobius.swap.memory import DeviceMemory
 from mobius.swap.store import HostStageStore, view
 

@@ -39,8 +39,8 @@ from mobius.data import BatchSource
 from mobius.metrics import Trace
 from mobius.models import TokenLayout, run_layers
 from mobius.models.lora import dropout_micro_batch
-from mobius.optim import DynamicLossScaler, lr_at
 from mobius.runtime.device import Device, Event
+from mobius.runtime.optim import DynamicLossScaler, lr_at
 from mobius.runtime.spec import Plan
 from mobius.stages.device_optimizer import DeviceOptimizer
 from mobius.stages.host_optimizer import HostOptimizer

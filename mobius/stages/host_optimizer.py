@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from mobius.metrics import Trace
-from mobius.optim import DynamicLossScaler, set_lr
 from mobius.runtime.device import Device, Event, Stream
+from mobius.runtime.optim import DynamicLossScaler, set_lr
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mobius.metrics import Trace
+from mobius.runtime.device import Device
 from mobius.swap.store import HostStage
 
 
@@ -63,12 +64,12 @@ class ReplicaGroup:
     replicas: gradients summed into their owners, updated weights broadcast from them (gloo, on
     host tensors, from the optimizer thread; the main thread's messages use the default group)."""
 
-    def __init__(self, layout: ReplicaLayout, position: int, group, trace: Trace):
-        self.layout, self.position, self.group, self.trace = layout, position, group, trace
+    def __init__(self, layout: ReplicaLayout, position: int, group, device: Device, trace: Trace):
+        self.layout, self.position, self.group, self.device, self.trace = layout, position, group, device, trace
         self.owner: dict[str, int] = {}
 
     @classmethod
-    def join(cls, layout: ReplicaLayout, position: int, trace: Trace) -> "ReplicaGroup":
+    def join(cls, layout: ReplicaLayout, position: int, device: Device, trace: Trace) -> "ReplicaGroup":
         """Every process of the run calls this, in the same order: one group per pipeline position
         (torch.distributed makes each group with every rank taking part)."""
         mine = None
@@ -76,7 +77,7 @@ class ReplicaGroup:
             group = dist.new_group([layout.rank_of(p, d) for d in range(layout.count)])
             if p == position:
                 mine = group
-        return cls(layout, position, mine, trace)
+        return cls(layout, position, mine, device, trace)
 
     def assign(self, sizes: dict[str, int]) -> None:
         """The owners of this position's trained parameters (``sizes``: elements by name)."""
@@ -89,11 +90,18 @@ class ReplicaGroup:
     def _root(self, name: str) -> int:
         return self.layout.rank_of(self.position, self.owner[name])
 
+    def network_bytes(self, host: HostStage) -> int:
+        """What one replica's network carries each way for one collective over stage ``host``'s fp32
+        tensors: (D-1)/D of them, as a bandwidth-optimal reduce or broadcast does
+        (:func:`mobius.partition.cost.exchange_s`)."""
+        return host.master_grad.numel() * 4 * (self.layout.count - 1) // self.layout.count
+
     def reduce_gradients(self, host: HostStage) -> None:
         """Sum stage ``host``'s master gradients over the replicas into each parameter's owner."""
         t0 = time.perf_counter()
         for name, p in host.trained():
             dist.reduce(p.grad, dst=self._root(name), op=dist.ReduceOp.SUM, group=self.group)
+        self.device.network_time(self.network_bytes(host))
         self.trace.span(f"reduce {host.index}", "replicas", t0, time.perf_counter(),
                         bytes=host.master_grad.numel() * 4)
 
@@ -102,4 +110,5 @@ class ReplicaGroup:
         t0 = time.perf_counter()
         for name, p in host.trained():
             dist.broadcast(p.data, src=self._root(name), group=self.group)
+        self.device.network_time(self.network_bytes(host))
         self.trace.span(f"broadcast {host.index}", "replicas", t0, time.perf_counter(), bytes=host.master.numel() * 4)

@@ -24,11 +24,11 @@ from mobius.errors import InputError
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
-from mobius.optim import DynamicLossScaler, lr_at
-from mobius.precision import DTYPES
+from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
+from mobius.runtime.optim import DynamicLossScaler, lr_at
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, run_worker
 from mobius.stages.executor import StageRunner
@@ -59,7 +59,7 @@ class PipelineWorker:
         self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, replicas)
         transport = GlooTransport(first=self.layout.rank_of(0))
         self.position = transport.rank
-        group = ReplicaGroup.join(self.layout, self.position, ctx.trace) if replicas > 1 else None
+        group = ReplicaGroup.join(self.layout, self.position, ctx.device, ctx.trace) if replicas > 1 else None
         self.parts = build_worker(ctx.cfg, ctx.spec, transport, ctx.device, ctx.trace, ctx.data, group)
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from mobius.models import GPTConfig, build_layer
-from mobius.optim import make_adamw
 from mobius.runtime.device import Device
+from mobius.runtime.optim import make_adamw
 
 
 @dataclass

@@ -115,6 +115,10 @@ class Device:
         ``emulated_s`` (:mod:`mobius.runtime.emulation`); nothing on real devices."""
         return nullcontext()
 
+    def network_time(self, nbytes: int) -> None:
+        """A collective between data-parallel replicas that moved ``nbytes`` over this box's
+        network has just run: emulated boxes take their network's time for it; nothing otherwise."""
+
     def timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The copy a CPU-side stream performs (emulated devices take their links' time)."""
         _copy_pieces(dst, src)

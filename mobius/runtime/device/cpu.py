@@ -137,6 +137,10 @@ class CpuDevice(Device):
     def compute_span(self, emulated_s: float):
         return nullcontext() if self.emulation is None else self.emulation.compute_span(emulated_s)
 
+    def network_time(self, nbytes: int) -> None:
+        if self.emulation is not None:
+            self.emulation.exchange(nbytes)
+
     def start_steps(self) -> None:
         # Only now: while the stage store is built, the fp32 layers it copies from must go back
         # to the kernel, not stay in the heap.  MOBIUS_KEEP_FREED_MEMORY=0 turns the policy off
