@@ -42,7 +42,13 @@ from mobius.partition.profile import (
 )
 from mobius.planner import DoesNotFit, check_plannable, make_plan
 from mobius.runtime import checkpoint as ck
-from mobius.runtime.device import CUDA_RESERVE_BYTES, cpu_threads_per_worker, cuda_available, cuda_device_name
+from mobius.runtime.device import (
+    CUDA_RESERVE_BYTES,
+    cpu_threads_per_worker,
+    cuda_available,
+    cuda_device_name,
+    usable_cores,
+)
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
@@ -123,7 +129,7 @@ def measured_on() -> dict:
         memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
     except (ValueError, OSError, AttributeError):
         memory_gb = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory_gb, "gpu": cuda_device_name(),
+    return {"cpu": cpu, "cores": usable_cores(), "memory_gb": memory_gb, "gpu": cuda_device_name(),
             "torch": torch.__version__, "code": code.hexdigest()[:16]}
 
 
@@ -327,7 +333,7 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
     ``predicted_step_s`` of emulated time; ``replicas`` boxes of ``topo`` on its network."""
     network = assumed_network(topo)
     # workers per core when all compute at once
-    crowding = max(1.0, topo.n * replicas / (os.cpu_count() or 1))
+    crowding = max(1.0, topo.n * replicas / usable_cores())
     model_factor = EMULATION_MARGIN * crowding * model_ratio
     step_floor = EMULATION_MARGIN * crowding * worker_cpu_s / predicted_step_s
     if cfg.emulation.dilation is not None:

@@ -13,7 +13,11 @@ beside it.  Give ``--device-optimizer off`` so that no variant
 keeps AdamW state in its (stand-in) device memory.  The losses of every variant are printed beside each other: they must
 agree (the tests hold them to the reference trainer within 1e-5).
 
-    python scripts/bench_replicas.py [--replicas 1 2] [--json FILE] -- <mobius.train options>
+With ``--cores-per-node K`` each variant runs on K cores per replica, so that each node's workers
+(and their thread counts) have the same cores at every D, as separate nodes would; the memory bus
+is still this machine's.
+
+    python scripts/bench_replicas.py [--replicas 1 2] [--cores-per-node K] [--json FILE] -- <mobius.train options>
 """
 
 from __future__ import annotations
@@ -56,14 +60,16 @@ def ranked_rss(root: int) -> dict[int, int]:
     return {rank: rss for rank, (_, rss) in enumerate(sorted(workers))}
 
 
-def run(options: list[str], replicas: int, workers: int, tmp: Path) -> dict:
+def run(options: list[str], replicas: int, workers: int, tmp: Path, cores_per_node: int | None) -> dict:
     metrics, trace = tmp / f"m{replicas}.jsonl", tmp / f"t{replicas}.json"
     # CPU workers keep freed memory, as CUDA's caching allocator does; off here, so their RSS is what
     # they hold (see scripts/measure_host_memory.py).
     env = {**os.environ, "MOBIUS_KEEP_FREED_MEMORY": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "mobius.train", *options, "--data-parallel", str(replicas),
                              "--metrics", str(metrics), "--trace", str(trace), "--no-progress"],
-                            stdout=subprocess.DEVNULL, env=env)
+                            stdout=subprocess.DEVNULL, env=env,
+                            preexec_fn=None if cores_per_node is None else
+                            lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:replicas * cores_per_node]))
     samples: dict[int, list[int]] = defaultdict(list)
     while proc.poll() is None:
         if metrics.is_file() and metrics.stat().st_size:
@@ -96,6 +102,9 @@ def run(options: list[str], replicas: int, workers: int, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--cores-per-node", type=int, default=None, metavar="K",
+                   help="run each variant on K cores per replica (the first D*K cores of this process's), so "
+                        "that a node's optimizer has the same cores at every D; default: every variant on all")
     p.add_argument("--json", default=None)
     p.add_argument("train", nargs="+", help="mobius.train options (after --), CPU workers")
     args = p.parse_args()
@@ -105,11 +114,16 @@ def main() -> None:
     from mobius.runtime.inputs import model_config_for
 
     cfg = parse_train_args(args.train)
+    if args.cores_per_node is not None and not 0 < max(args.replicas) * args.cores_per_node <= len(
+            os.sched_getaffinity(0)):
+        raise SystemExit(f"--cores-per-node {args.cores_per_node} x {max(args.replicas)} replicas is more than "
+                         f"this process's {len(os.sched_getaffinity(0))} cores")
     n_params = build_model(model_config_for(cfg), device="meta").num_parameters()
     with tempfile.TemporaryDirectory(prefix="mobius-replicas-") as tmp:
-        rows = [run(args.train, d, cfg.cpu_workers, Path(tmp)) for d in args.replicas]
+        rows = [run(args.train, d, cfg.cpu_workers, Path(tmp), args.cores_per_node) for d in args.replicas]
     base = rows[0]
-    print(f"{' '.join(args.train)}: {n_params / 1e6:.1f}M parameters, {cfg.cpu_workers} CPU workers per replica")
+    cores = f", {args.cores_per_node} cores per replica" if args.cores_per_node else ""
+    print(f"{' '.join(args.train)}: {n_params / 1e6:.1f}M parameters, {cfg.cpu_workers} CPU workers per replica{cores}")
     print(f"{'D':>2} {'AdamW params/node':>17} {'x':>5} {'AdamW CPU s/node':>16} {'x':>5} {'predicted':>9} "
           f"{'RSS GB/node':>11} {'device GB':>9} {'B/param':>8} {'drop':>6} {'predicted':>9} {'step s':>7}  losses")
     for r in rows:

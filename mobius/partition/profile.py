@@ -32,6 +32,7 @@ from mobius.runtime.device import (
     peak_memory,
     reset_peak_memory,
     time_per_call,
+    usable_cores,
 )
 
 # The fraction of a GPU's tensor-core peak (the topology's ``tflops``) the analytic model expects a
@@ -271,7 +272,7 @@ def worker_conditions(device: torch.device, workers: int, busy_work=None):
             busy_work()
 
     others = [threading.Thread(target=keep_busy, daemon=True)
-              for _ in range(min(workers, os.cpu_count() or 1) - 1)] if busy_work else []
+              for _ in range(min(workers, usable_cores()) - 1)] if busy_work else []
     for t in others:
         t.start()
     try:

@@ -168,6 +168,15 @@ class CpuDevice(Device):
             s.close()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or ``taskset``'s share, not
+    every core of the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cpu_threads_per_worker(workers: int) -> int:
-    """The cores of one of ``workers`` workers sharing this machine's."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    """The cores of one of ``workers`` workers sharing this process's."""
+    return max(1, usable_cores() // max(1, workers))
