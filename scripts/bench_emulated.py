@@ -17,8 +17,9 @@ needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
-``--optimizer-lag`` 0/1; two boxes of ``8x3090-4+4`` as data-parallel replicas over 25 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a
-small-block and a large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
+``--optimizer-lag`` 0/1; one box of ``8x3090-4+4`` against two as data-parallel replicas over 25
+GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
+large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
     python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
 """

@@ -82,6 +82,9 @@ def test_each_box_has_its_own_root_complexes_and_shares_its_network(tmp_path):
     assert one_box == pytest.approx([4e-3, 4e-3], rel=0.25)
     two_boxes = at_once(lambda: w[0].exchange(MB), lambda: w[2].exchange(MB))
     assert two_boxes == pytest.approx([2e-3, 2e-3], rel=0.25)
+    # What the replicas' collectives charge goes through the device layer (nothing on real devices).
+    assert emulated_s(lambda: CpuDevice(check=False, emulation=w[3]).network_time(MB)) == pytest.approx(2e-3, rel=0.25)
+    assert emulated_s(lambda: CpuDevice(check=False).network_time(MB)) < 1e-4
 
 
 def test_the_gpu_link_caps_a_transfer_below_its_share(tmp_path):

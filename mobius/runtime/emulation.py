@@ -48,7 +48,7 @@ class EmulationSpec:
     how: str = ""  # how the factor was decided (mobius.prepare.emulation_for)
     replicas: int = 1  # boxes emulated, each with the GPUs above: worker w of box d is rank d * len(link_bps) + w
     network: str = ""  # between the boxes (replicas > 1)
-    network_bps: float = 0.0  # each box's share of it, bytes per emulated second each way
+    network_bps: float = 0.0  # each box's link to it, bytes per emulated second each way
 
     def to_dict(self) -> dict:
         return asdict(self)
