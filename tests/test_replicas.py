@@ -60,9 +60,10 @@ def _losses(path):
 
 
 def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_counts(tmp_path):
-    """D=2 for two steps, its checkpoint resumed on D=1 for one, that one resumed on D=2 again: the
-    losses and final weights of the reference trainer, the AdamW shards written by each replica, and
-    each replica's hosts holding the bytes the pre-flight counts for it."""
+    """D=2 for two steps, its checkpoint resumed on D=1 for one, that one resumed on D=2 again, on
+    two emulated boxes of one GPU: the losses and final weights of the reference trainer, the AdamW
+    shards written by each replica, each replica's hosts holding the bytes the pre-flight counts for
+    it, and the emulated boxes' step no shorter than their network's share of it."""
     base = RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=4)
     want, weights = reference(base)
     a, b, c = (str(tmp_path / d) for d in "abc")
@@ -75,9 +76,14 @@ def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_c
     assert {f for f in os.listdir(a) if f.startswith("optimizer-stage0000")} == {
         "optimizer-stage0000-replica0.safetensors", "optimizer-stage0000-replica1.safetensors"}
     main(["--resume", a, "--data-parallel", "1", "--stop-after", "1", "--save", b, "--metrics", b + ".jsonl"])
-    main(["--resume", b, "--data-parallel", "2", "--save", c, "--metrics", c + ".jsonl"])
+    # A dilation well above this machine's floor for the run (about 50), far below the model's (20000).
+    main(["--resume", b, "--data-parallel", "2", "--save", c, "--metrics", c + ".jsonl", "--topology", "1xh100",
+          "--emulate", "--dilation", "1000", "--network", "10gbe"])
     got = _losses(a + ".jsonl") + _losses(b + ".jsonl") + _losses(c + ".jsonl")
     assert got == pytest.approx(want, rel=1e-5)
+    # Each step's sums and broadcasts: 8 bytes per parameter x 1/2 over 1.25 GB/s.
+    network_s = 8 * sum(p.numel() for p in _params(get_config("tiny"))) / 2 / 1.25e9
+    assert json.loads(open(c + ".jsonl").read().splitlines()[-1])["emulated_step_s"] >= network_s
     final = ck.load_checkpoint(c)
     assert final.step == 4
     for name, w in weights.items():
