@@ -19,6 +19,7 @@ from mobius.partition.cost import (
     GB,
     check_layers_fit,
     evaluate,
+    exchanged_bytes,
     host_traffic_bytes,
     machine_for,
     settle,
@@ -270,7 +271,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                         element_bytes(profile.dtype))
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
-        floor["network"] = 2 * 4 * params * (data_parallel - 1) / data_parallel / (network.bandwidth_gbps * GB)
+        floor["network"] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
                 order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,

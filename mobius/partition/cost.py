@@ -80,7 +80,7 @@ class Machine:
     adam_params_per_s: float = math.inf  # host AdamW rate of one worker's optimizer thread
     device_adam_params_per_s: float = math.inf  # AdamW on a device, for the stages kept resident there
     replicas: int = 1  # data-parallel replicas: each host updates 1/replicas of every stage
-    network_bps: float = math.inf  # the node's network to the other replicas, shared by its workers
+    network_bps: float = 0.0  # the node's network to the other replicas, shared by its workers
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
@@ -225,13 +225,18 @@ def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
     return c.grad_bytes / element_bytes / machine.replicas / machine.adam_params_per_s
 
 
+def exchanged_bytes(params: float, replicas: int) -> float:
+    """What one replica's network carries each way for one exchange over ``params`` trained
+    parameters (their fp32 gradients summed into their owners, or the owners' fp32 weights
+    broadcast): (D-1)/D of 4 bytes each, as a bandwidth-optimal reduce or broadcast moves."""
+    return 4 * params * (replicas - 1) / replicas
+
+
 def exchange_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
-    """One of stage ``c``'s two exchanges between replicas (its fp32 gradients summed into their
-    owners, or the owners' fp32 weights broadcast), alone on the node's network: (D-1)/D of its
-    4 bytes per parameter, as a bandwidth-optimal reduce or broadcast moves."""
+    """One of stage ``c``'s two exchanges between replicas, alone on the node's network."""
     if machine.replicas == 1:
         return 0.0
-    return 4 * c.grad_bytes / element_bytes * (machine.replicas - 1) / machine.replicas / machine.network_bps
+    return exchanged_bytes(c.grad_bytes / element_bytes, machine.replicas) / machine.network_bps
 
 
 def host_updates(home: list[float], adam: list[float], exchange: list[float], n: int,
@@ -244,12 +249,6 @@ def host_updates(home: list[float], adam: list[float], exchange: list[float], n:
     s_count = len(home)
     updated = list(home)
     mine = [[j for j in range(s_count - 1, -1, -1) if j % n == k and not resident[j]] for k in range(n)]
-    if not any(exchange):
-        for k in range(n):
-            free = 0.0
-            for j in mine[k]:
-                updated[j] = free = max(home[j], free) + adam[j]
-        return updated
     # (ready, order, worker, position in its list, broadcast?) of the exchanges that may start
     waiting = [(home[m[0]], k, k, 0, False) for k, m in enumerate(mine) if m]
     heapq.heapify(waiting)
@@ -344,7 +343,7 @@ def replica_update_rate(adam_params_per_s: float, data_parallel: int, network_bp
     latency, a few microseconds per tensor, is left out."""
     if data_parallel == 1:
         return adam_params_per_s
-    network_s = 2 * 4 * (data_parallel - 1) / data_parallel / network_bps
+    network_s = 2 * exchanged_bytes(1, data_parallel) / network_bps
     return 1 / (1 / (adam_params_per_s * data_parallel) + network_s)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import stage_costs
+from mobius.partition.cost import exchanged_bytes, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 
@@ -149,7 +149,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (off,))
             continue
         # The optimizer thread: the sum into the owners, AdamW on this host's share, the broadcast.
-        exchanged = 4 * st[j].grad_bytes / elt * (host.replicas - 1) / host.replicas
+        exchanged = exchanged_bytes(st[j].grad_bytes / elt, host.replicas)
         summed = sim.add(f"sum S{j}", NET, gpu[j], exchanged, (off, optimizer.get(gpu[j])), prio, "network")
         updated = sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (summed,))
         optimizer[gpu[j]] = sim.add(f"broadcast S{j}", NET, gpu[j], exchanged, (updated,), prio, "network")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mobius.metrics import Trace
+from mobius.partition.cost import exchanged_bytes
 from mobius.runtime.device import Device
 from mobius.swap.store import HostStage
 
@@ -91,10 +92,8 @@ class ReplicaGroup:
         return self.layout.rank_of(self.position, self.owner[name])
 
     def network_bytes(self, host: HostStage) -> int:
-        """What one replica's network carries each way for one collective over stage ``host``'s fp32
-        tensors: (D-1)/D of them, as a bandwidth-optimal reduce or broadcast does
-        (:func:`mobius.partition.cost.exchange_s`)."""
-        return host.master_grad.numel() * 4 * (self.layout.count - 1) // self.layout.count
+        """What one replica's network carries each way for one collective over stage ``host``."""
+        return int(exchanged_bytes(host.master_grad.numel(), self.layout.count))
 
     def reduce_gradients(self, host: HostStage) -> None:
         """Sum stage ``host``'s master gradients over the replicas into each parameter's owner."""
