@@ -59,7 +59,7 @@ GB = 10**9
 PROFILES = Cache("profiles", "profile")
 RUNTIME_COSTS = Cache("runtime", "runtime calibration")
 # Part of every measured profile's key: a profile without the runtime's costs is measured again.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,

@@ -53,7 +53,7 @@ TRAIN_OPTIONS = [
      "--stages 2 is fewer than the 3 CPU workers"),
     (["--backend", "chunked", "--topology", "cpu", "--cpu-workers", "3"], "not divisible by the 3 data-parallel"),
     (["--backend", "pipeline", "--topology", "cpu", "--cpu-workers", "1", "--recompute", "off", "--gpu-mem-gb", "0.003"],
-     "--recompute off: worker 0 would hold 10 MiB (its stages' saved activations for all 4 micro-batches"),
+     "--recompute off: worker 0 would hold 7 MiB (its stages' saved activations for all 4 micro-batches"),
     (["--lora-rank", "-1"], "--lora-rank must be zero or positive, got -1"),
     (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R"),
     (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive finite number, got nan"),

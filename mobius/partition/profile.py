@@ -34,6 +34,7 @@ from mobius.runtime.device import (
     time_per_call,
     usable_cores,
 )
+from mobius.swap.memory import SavedStorages
 
 # The fraction of a GPU's tensor-core peak (the topology's ``tflops``) the analytic model expects a
 # training step to reach.  Measured where we have measured: on an H100 (989.4 TFLOPS dense BF16)
@@ -231,17 +232,15 @@ def trained_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward (CPU working-memory accounting)."""
+    """Counts the bytes autograd saves for backward as the runtime does (CPU working-memory
+    accounting): :class:`~mobius.swap.memory.SavedStorages`."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         self.total = 0
-        self._seen: set[int] = set()
+        self._saved = SavedStorages([layer])
 
     def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key not in self._seen and not isinstance(t, torch.nn.Parameter):
-            self._seen.add(key)
-            self.total += t.untyped_storage().nbytes()
+        self.total += self._saved.new_bytes(t)
         return t
 
     @staticmethod
@@ -368,7 +367,7 @@ def _measure_layer(config: GPTConfig, index: int, b: int, t: int, dtype: torch.d
     n = layer_count(config)
     fwd_s, fwd_bwd_s = time_layer(config, index, b, t, dtype, device, repeats, workers)
 
-    counter = _SavedBytes()
+    counter = _SavedBytes(layer)
     if device.type == "cuda":
         reset_peak_memory(device)
         base = memory_allocated(device)

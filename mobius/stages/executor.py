@@ -243,7 +243,7 @@ class StageRunner:
         else:
             if x.is_floating_point():
                 x.requires_grad_(True)
-            with self.working.saved_activations() as ledger, self._dropout(m, st):
+            with self.working.saved_activations(st.layers) as ledger, self._dropout(m, st):
                 out = run_layers(st.layers, x, layout)
             st.kept[(s, m)] = (x, out, ledger, self.working.memory.phase)
         if s == self.n_stages - 1:
@@ -260,7 +260,7 @@ class StageRunner:
         x = self.links.to_device(x_host, "recompute input", recycle=False)
         if x.is_floating_point():
             x.requires_grad_(True)
-        with self.working.saved_activations() as ledger, self.device.compute_span(self._emulated_s(s, "forward")), \
+        with self.working.saved_activations(st.layers) as ledger, self.device.compute_span(self._emulated_s(s, "forward")), \
                 self._dropout(m, st):
             out = run_layers(st.layers, x, self._layout(s, m, st))
         st.kept[(s, m)] = (x, out, ledger, x_phase)

@@ -6,19 +6,20 @@
   W_{j-N}``, enforced at run time); at the end the memory it really used is remembered, and the
   next step reserves at least that.
 * :meth:`WorkingMemory.saved_activations`: what autograd saves while a forward runs is accounted,
-  each storage once however often it is saved (the profiler counts the same way, so plan and
-  runtime agree), in a :class:`Ledger` released when backward has consumed it.
+  each storage once however often it is saved and never the stage's weights
+  (:class:`~mobius.swap.memory.SavedStorages`, as the profiler counts, so plan and runtime agree),
+  in a :class:`Ledger` released when backward has consumed it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from mobius.runtime.spec import Plan
-from mobius.swap.memory import DeviceMemory
+from mobius.swap.memory import DeviceMemory, SavedStorages
 
 
 class Ledger:
@@ -53,19 +54,16 @@ class WorkingMemory:
             self._seen[(s, backward)] = max(self._seen.get((s, backward), 0), used)
 
     @contextmanager
-    def saved_activations(self):
-        """Within: what autograd saves is accounted in the yielded :class:`Ledger`."""
+    def saved_activations(self, layers: Iterable[torch.nn.Module]):
+        """Within: what autograd saves while ``layers`` run is accounted in the yielded :class:`Ledger`."""
         ledger = Ledger()
         memory = self.memory
-        seen: set[int] = set()
+        saved = SavedStorages(layers)
 
         def pack(t: torch.Tensor):
-            if not isinstance(t, nn.Parameter):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    phase = memory.allocate(storage.nbytes(), "saved activations")
-                    ledger.entries.append((storage.nbytes(), phase))
+            nbytes = saved.new_bytes(t)
+            if nbytes:
+                ledger.entries.append((nbytes, memory.allocate(nbytes, "saved activations")))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -16,7 +16,10 @@ Two kinds of users share it:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 
 class DeviceBudgetError(RuntimeError):
@@ -102,6 +105,27 @@ class DeviceMemory:
     def reset_peak(self) -> None:
         with self._cond:
             self.peak = self.used
+
+
+class SavedStorages:
+    """What autograd saves for backward, in bytes: each storage once, however often it is saved,
+    and never the storage of the modules' own weights.  A linear layer saves its weight for
+    backward as ``weight.t()``, a view of the weight (of the stage's flat buffer, at run time): those
+    bytes are the stage's parameters, already accounted, and counting them again as activations
+    doubled a GPT-2 block's saved bytes per micro-batch.  The profiler and the runtime both count
+    this way, so plan and runtime agree, and with analytic profiles
+    (:meth:`mobius.models.gpt.Block.working_bytes`)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module] = ()):
+        self._seen = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
+
+    def new_bytes(self, t: torch.Tensor) -> int:
+        """The bytes ``t`` adds to what is saved (0: its storage is a weight or already counted)."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._seen:
+            return 0
+        self._seen.add(storage.data_ptr())
+        return storage.nbytes()
 
 
 @dataclass
