@@ -4,26 +4,38 @@ Part 1 prints, for Elixir's Table 6 models (GPT2-4b/10b/15b/20b, tied embeddings
 and on one 40 GB A100: the searched chunk size, number of chunks, rCache blocks and the fraction
 of chunks kept (with their AdamW) on the device.  Part 2 runs the chunked backend and the reference
 trainer here and compares step times (``--cuda``: on this machine's GPUs, with prefetch as built).
+Part 3 (``--emulate TOPOLOGY``, instead of parts 1 and 2) runs the chunked engine and the pipeline
+on that emulated box, both at one dilation (the larger either needs), for each ``--gpu-mem-gb``:
+each backend's predicted and measured emulated step, and chunked over pipeline.
 
     python scripts/bench_chunked.py [--json bench_chunked.json] [--workers 2] [--cuda]
+    python scripts/bench_chunked.py --emulate 1xh100 [--gpu-mem-gb 0.3 0.5] [--steps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from chunked_dp.chunks import trace_first_use
+from chunked_dp.prepare import prepare_chunked
 from chunked_dp.search import search
-from mobius.config import RunConfig
+from mobius.config import RunConfig, parse_train_args
 from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_chunked
 from mobius.models import GPTConfig, get_config
+from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.reference import ReferenceTrainer
+from mobius.runtime.inputs import check_model_input
 from topology import cpu_topology, load_preset, load_topology
 from topology.model import GPU, RootComplex, Topology
 
@@ -73,6 +85,47 @@ def timing(workers: int, cuda: bool, steps: int) -> list[dict]:
     return rows
 
 
+EMULATED = "--model small --steps {steps} --gpu-mem-gb {mem} --emulate --backend {backend} --topology {topology}"
+
+
+def emulated(topology: str, memories: list[float], steps: int) -> list[dict]:
+    """Per memory budget: the chunked engine and the pipeline on one emulated ``topology``, each
+    predicted (its own model: the plan, or the chunked setup's lanes) and measured (the median
+    emulated step after the first), both at the dilation the slower-to-emulate of the two needs."""
+    rows = []
+    for mem in memories:
+        options = {b: EMULATED.format(steps=steps, mem=mem, backend=b, topology=topology) for b in ("chunked", "pipeline")}
+        predicted, factor = {}, 0.0
+        for backend, line in options.items():
+            cfg = parse_train_args(shlex.split(line))
+            topo, model = resolve_topology(cfg), check_model_input(cfg)
+            if backend == "chunked":
+                spec = prepare_chunked(cfg, topo, model)
+                predicted[backend] = spec.chunked.predicted["step"]
+            else:
+                spec, plan = prepare_pipeline(cfg, topo, model)
+                predicted[backend] = plan.predicted_step_s
+            factor = max(factor, spec.emulation.factor)
+        measured = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = Path(tmp) / "metrics.jsonl"
+            for backend, line in options.items():
+                subprocess.run([sys.executable, "-m", "mobius.train", *shlex.split(line), "--dilation", str(factor),
+                                "--metrics", str(metrics), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+                steps_s = [json.loads(r)["emulated_step_s"] for r in metrics.read_text().splitlines()]
+                measured[backend] = statistics.median(steps_s[1:])
+                metrics.unlink()
+        row = {"gpu_mem_gb": mem, "dilation": factor,
+               **{f"{b}_{k}_s": v for k, d in (("predicted", predicted), ("measured", measured)) for b, v in d.items()}}
+        rows.append(row)
+        print(f"{topology} at {mem} GB, 1/{factor:.0f}: chunked predicted {predicted['chunked'] * 1e3:.2f} ms, measured "
+              f"{measured['chunked'] * 1e3:.2f} | pipeline predicted {predicted['pipeline'] * 1e3:.2f}, measured "
+              f"{measured['pipeline'] * 1e3:.2f} | chunked / pipeline: predicted "
+              f"{predicted['chunked'] / predicted['pipeline']:.2f}x, measured {measured['chunked'] / measured['pipeline']:.2f}x",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench_chunked.json")
@@ -80,8 +133,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--activation-gb", type=float, default=4.0, help="activation memory per GPU for A.1")
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--emulate", metavar="TOPOLOGY", help="part 3 only: chunked against the pipeline on this emulated box")
+    p.add_argument("--gpu-mem-gb", type=float, nargs="+", default=[0.3, 0.5], help="part 3's memory budgets")
     args = p.parse_args()
-    rows = {"search": search_table(args.activation_gb), "timing": timing(args.workers, args.cuda, args.steps)}
+    if args.emulate:
+        rows = {"emulated": emulated(args.emulate, args.gpu_mem_gb, args.steps)}
+    else:
+        rows = {"search": search_table(args.activation_gb), "timing": timing(args.workers, args.cuda, args.steps)}
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
 
