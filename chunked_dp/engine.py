@@ -46,7 +46,7 @@ from chunked_dp.chunks import Chunk, chunks_of_layers, pack, trace_first_use
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer, build_model
-from mobius.runtime.device import Device, Event
+from mobius.runtime.device import WITHIN_DEVICE, Device, Event
 from mobius.runtime.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
 from mobius.runtime.spec import Timing
 
@@ -207,7 +207,8 @@ class ChunkedEngine:
         self.counters.gather_bytes += block.numel() * block.element_size()
         self.counters.peer += self.shard * block.element_size() * (self.world - 1)
         if self.on_device[k] and self.world == 1:
-            self.dev.compute.copy(block, self.compute_shards[k], name=f"rCache block of chunk {k}")
+            self.dev.compute.copy(block, self.compute_shards[k], name=f"rCache block of chunk {k}",
+                                  direction=WITHIN_DEVICE)
             self.inflight[k] = ("copied", None, None)
         elif self.on_device[k]:
             work = _all_gather(block, self.compute_shards[k], async_op=ahead)

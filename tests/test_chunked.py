@@ -162,6 +162,35 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
         device.close()
 
 
+def test_one_emulated_gpu_holding_every_chunk_sends_nothing_over_its_link(one_rank_group, tmp_path):
+    """One emulated GPU with every chunk on it and a 4-block rCache: each gather copies a device
+    shard into a block, device memory to device memory, so a step crosses no PCIe link (a gather
+    timed as a host-to-device copy made the emulated step 1.8x its prediction)."""
+    from chunked_dp.engine import ChunkedEngine
+    from mobius.runtime.device import CpuDevice
+    from mobius.runtime.emulation import EmulatedLinks, EmulationSpec, create_counters
+
+    path = str(tmp_path / "counters")
+    create_counters(path, 1)
+    links = EmulatedLinks(EmulationSpec("one GPU", 1.0, (1e12,), (0,), {"0": 1e12}, path), 0)
+    crossed = []
+    through = links.transfer
+    links.transfer = lambda nbytes, direction, copy: (crossed.append(direction), through(nbytes, direction, copy))
+    device = CpuDevice(check=True, emulation=links)
+    cfg = RunConfig.of(model="tiny", steps=1, micro_batch_size=2, micro_batches=2, seq_len=32, progress=False)
+    engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=False,
+                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
+                           total_steps=1, group=2)
+    batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
+    try:
+        m = engine.step(0, batches)
+        assert len(engine.chunks) > 4 and m.h2d_bytes == m.d2h_bytes == 0
+        assert crossed == []
+    finally:
+        engine.close()
+        device.close()
+
+
 def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_the_bound():
     from chunked_dp.prepare import micro_batches_per_pass, pass_activation_bytes, predict
     from mobius.runtime.spec import ChunkedSetup

@@ -116,7 +116,7 @@ class DeviceOptimizer:
         for s, resident in self._stages.items():
             host = self.store.stages[s]
             source = resident.master if resident.master is not None else resident.weights[host.frozen.numel():]
-            self.compute.copy(host.master, source, name=f"host master of resident stage {s}")
+            self.compute.copy(host.master, source, name=f"host master of resident stage {s}", direction="d2h")
             self.compute.writes(host.compute, name=f"host weights of resident stage {s}")
             self.compute.record().synchronize()
             self.store.refresh_compute_copy(s)

@@ -23,7 +23,7 @@ exactly the bugs that on a GPU corrupt a tensor silently.  The runtime declares 
 writes (``stream.reads``/``writes``); copies declare theirs.
 """
 
-from mobius.runtime.device.base import COPY_CHUNK_BYTES, Device, Event, Stream, chunked
+from mobius.runtime.device.base import COPY_CHUNK_BYTES, WITHIN_DEVICE, Device, Event, Stream, chunked
 from mobius.runtime.device.checker import StreamOrderError
 from mobius.runtime.device.cpu import CpuDevice, cpu_threads_per_worker, usable_cores
 from mobius.runtime.device.cuda import (
@@ -43,7 +43,7 @@ from mobius.runtime.device.cuda import (
 __all__ = ["COPY_CHUNK_BYTES", "CUDA_ALLOCATOR_SLACK_BYTES", "CUDA_RESERVE_BYTES", "CpuDevice", "CudaDevice", "Device",
            "Event", "Stream", "StreamOrderError", "chunked", "cpu_threads_per_worker", "cuda_available",
            "cuda_device_name", "memory_allocated", "open_device", "peak_memory", "reset_peak_memory", "rng_states",
-           "set_rng_states", "time_per_call", "usable_cores"]
+           "set_rng_states", "time_per_call", "usable_cores", "WITHIN_DEVICE"]
 
 
 def open_device(use_cuda: bool, local_rank: int = 0, memory_cap_bytes: int | None = None, emulation=None) -> Device:

@@ -11,6 +11,7 @@ import torch
 from mobius.runtime.device.checker import Clock, StreamChecker
 
 COPY_CHUNK_BYTES = 64 * 2**20  # host<->device copies of flat buffers go in pieces of this size
+WITHIN_DEVICE = "device"  # a copy's direction when both tensors are in device memory
 
 
 
@@ -45,7 +46,7 @@ class Stream:
 
     def __init__(self, device: "Device", name: str, direction: str = "h2d"):
         self.device, self.name = device, name
-        self.direction = direction  # of its copies: "h2d" or "d2h" (the compute stream's are h2d)
+        self.direction = direction  # of its copies by default: "h2d" or "d2h" (the compute stream's are h2d)
         self.clock = Clock(next(Stream._ids))
         self._reads: list[torch.Tensor] = []
         self._writes: list[torch.Tensor] = []
@@ -77,11 +78,13 @@ class Stream:
         self.clock.merge(event.vector)
         self._wait(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str | None = None) -> None:
-        """``dst.copy_(src)`` on this stream (chunked for large flat buffers)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str | None = None, direction: str | None = None) -> None:
+        """``dst.copy_(src)`` on this stream (chunked for large flat buffers), across the link in
+        the stream's direction unless ``direction`` says otherwise (``WITHIN_DEVICE``: both
+        tensors in device memory, no link crossed)."""
         self.reads(src, name=None)
         self.writes(dst, name=name)
-        self._copy(dst, src)
+        self._copy(dst, src, direction or self.direction)
 
     def record(self) -> Event:
         raise NotImplementedError
@@ -89,7 +92,7 @@ class Stream:
     def _wait(self, event: Event) -> None:
         raise NotImplementedError
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -120,7 +123,8 @@ class Device:
         network has just run: emulated boxes take their network's time for it; nothing otherwise."""
 
     def timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The copy a CPU-side stream performs (emulated devices take their links' time)."""
+        """The copy a CPU-side stream performs (emulated devices take their links' time for
+        copies that cross one)."""
         _copy_pieces(dst, src)
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -32,7 +32,7 @@ class _CudaStream(Stream):
         else:  # an event of a host thread: already passed when it was handed over
             event._done.wait()
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
         with torch.cuda.stream(self.cuda):
             for d, s in chunked(dst, src):
                 d.copy_(s, non_blocking=True)
