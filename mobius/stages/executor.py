@@ -260,8 +260,8 @@ class StageRunner:
         x = self.links.to_device(x_host, "recompute input", recycle=False)
         if x.is_floating_point():
             x.requires_grad_(True)
-        with self.working.saved_activations(st.layers) as ledger, self.device.compute_span(self._emulated_s(s, "forward")), \
-                self._dropout(m, st):
+        with self.working.saved_activations(st.layers) as ledger, \
+                self.device.compute_span(self._emulated_s(s, "forward")), self._dropout(m, st):
             out = run_layers(st.layers, x, self._layout(s, m, st))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host

@@ -40,10 +40,10 @@ from mobius.runtime.device.cuda import (
     time_per_call,
 )
 
-__all__ = ["COPY_CHUNK_BYTES", "CUDA_ALLOCATOR_SLACK_BYTES", "CUDA_RESERVE_BYTES", "CpuDevice", "CudaDevice", "Device",
-           "Event", "Stream", "StreamOrderError", "chunked", "cpu_threads_per_worker", "cuda_available",
-           "cuda_device_name", "memory_allocated", "open_device", "peak_memory", "reset_peak_memory", "rng_states",
-           "set_rng_states", "time_per_call", "usable_cores", "WITHIN_DEVICE"]
+__all__ = ["COPY_CHUNK_BYTES", "CUDA_ALLOCATOR_SLACK_BYTES", "CUDA_RESERVE_BYTES", "WITHIN_DEVICE", "CpuDevice",
+           "CudaDevice", "Device", "Event", "Stream", "StreamOrderError", "chunked", "cpu_threads_per_worker",
+           "cuda_available", "cuda_device_name", "memory_allocated", "open_device", "peak_memory", "reset_peak_memory",
+           "rng_states", "set_rng_states", "time_per_call", "usable_cores"]
 
 
 def open_device(use_cuda: bool, local_rank: int = 0, memory_cap_bytes: int | None = None, emulation=None) -> Device:
