@@ -22,6 +22,7 @@ from mobius.partition.cost import (
     exchanged_bytes,
     host_traffic_bytes,
     machine_for,
+    recomputation_s,
     settle,
     stage_costs,
     step_bounds,
@@ -102,7 +103,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 
 # Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 11
+COST_MODEL_VERSION = 12
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
                       where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
@@ -278,6 +279,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                 stages=stage_plans, solver=solver, profile_source=profile.source,
                 baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
+                recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,
                 network=network.name if data_parallel > 1 else "")
     if use_cache:

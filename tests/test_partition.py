@@ -202,6 +202,9 @@ def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_pat
     assert one_stage < two_stages
     plan = planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile)
     assert len(plan.bounds) >= 2 and plan.partitioner == "mip"
+    # Every stage but the head's recomputes: the header says how much of the compute floor that is.
+    assert plan.recomputation_s == pytest.approx(2 * sum(la.fwd_s for la in profile.layers[:plan.bounds[-1][0]]) / 2)
+    assert f"of which recomputation {plan.recomputation_s:.3g} s" in plan.bound_summary()
     machine = Machine((5e9, 5e9), (10**9, 10**9), handoff_s=10.0, micro_batch_s=1.0)
     assert len(exhaustive_optimum(profile, machine, 2)[1]) == 2
 
@@ -210,7 +213,7 @@ def test_host_traffic_and_the_first_principles_floor_by_hand():
     """Two 1-layer stages on one slot: loads 2 x S (forward) + S (the first again for backward),
     one boundary's activation and its gradient down and up for each micro-batch (plus the input
     again when recomputing), the gradients down; each lane's floor is its work over its capacity."""
-    from mobius.partition.cost import StageCost, host_traffic_bytes, step_bounds
+    from mobius.partition.cost import StageCost, host_traffic_bytes, recomputation_s, step_bounds
 
     a, s, g = 100, 1000, 4000  # boundary activation, stage bytes, gradient bytes (fp32: 1000 params)
     stages = [StageCost(0, 1, s, 1.0, 2.0, a, 0, 0, 0, g), StageCost(1, 2, s, 1.0, 2.0, 0, a, 0, 0, g)]
@@ -222,6 +225,8 @@ def test_host_traffic_and_the_first_principles_floor_by_hand():
     assert host_traffic_bytes(three, 3, 1) == 5 * s + 3 * (4 * a + 4 * a + a) + 3 * g
     floor = step_bounds(stages, 3, 1, pcie_bps=100.0, adam_params_per_s=500.0, element_bytes=4)
     assert floor == {"compute": 3 * (3.0 + 3.0), "PCIe": (3 * s + 12 * a + 2 * g) / 100.0, "host AdamW": 2000 / 500.0}
+    # The first stage recomputing: its forward again, three micro-batches over two GPUs.
+    assert recomputation_s(stages, 3, 2) == 0.0 and recomputation_s(recomputed, 3, 2) == 3 * 1.0 / 2
 
 
 def test_within_one_percent_the_plan_moving_fewest_bytes_wins():

@@ -335,6 +335,12 @@ def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, pcie_bp
             "host AdamW": params / (adam_params_per_s * slots)}
 
 
+def recomputation_s(stages: list[StageCost], micro_batches: int, slots: int) -> float:
+    """Of the compute floor: the forwards the recomputing stages run again in backward, spread over
+    the GPUs (what the memory that forces recomputation costs)."""
+    return micro_batches * sum(c.fwd_s for c in stages if c.recomputed) / slots
+
+
 def replica_update_rate(adam_params_per_s: float, data_parallel: int, network_bps: float) -> float:
     """Parameters per second of a stage's update on one host's optimizer thread when ``data_parallel``
     replicas share it (:mod:`mobius.stages.replicas`): the fp32 gradients summed into their owners,

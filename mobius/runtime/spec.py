@@ -49,6 +49,7 @@ class Plan:
     prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
     host_costs: dict = field(default_factory=dict)  # the HostCosts the prediction assumed
     lane_floor_s: dict = field(default_factory=dict)  # first-principles floor of each lane's work, seconds
+    recomputation_s: float = 0.0  # of the compute floor: the forwards the recomputing stages redo
     # Stages kept on their GPUs with their optimizer state, updated there (never swapped), and the
     # rate that AdamW runs at there (mobius.stages.device_optimizer).
     resident: list[int] = field(default_factory=list)
@@ -66,10 +67,13 @@ class Plan:
     def bound_summary(self) -> str:
         """The first-principles floor beside the prediction, what bounds the step and what would help."""
         lane, floor = max(self.lane_floor_s.items(), key=lambda kv: kv[1])
-        lanes = ", ".join(f"{k} {v:.3g} s" for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
+        lanes = ", ".join(f"{k} {v:.3g} s" + (f" of which recomputation {self.recomputation_s:.3g} s"
+                                               if k == "compute" and self.recomputation_s else "")
+                          for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
         helps = {"host AdamW": "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
                  "PCIe": "more micro-batches per step amortise the stage loads",
-                 "compute": "the GPUs themselves are the limit",
+                 "compute": "the GPUs themselves are the limit" + (
+                     ", and the recomputation their memory forces" if self.recomputation_s else ""),
                  "network": "a faster network between the nodes, or fewer replicas with more micro-batches each"}[lane]
         return (f"first-principles floor: {floor:.3g} s/step ({lanes}); predicted {self.predicted_step_s / floor:.2f}x "
                 f"the floor; bound by {lane} ({floor:.3g} of {self.predicted_step_s:.3g} s): {helps}")
