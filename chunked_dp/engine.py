@@ -117,10 +117,10 @@ class ChunkedEngine:
         # chunk -> its gather under way: ("copy", event, device shard) or ("gather", work, device shard)
         self.inflight: dict[int, tuple] = {}
         # Gradients on their way to the host: two page-locked staging buffers, used in turn; each
-        # remembers the optimizer job that last read it.
+        # remembers when the optimizer thread last finished reading it (before that chunk's AdamW).
         offloaded = not all(self.on_device)
         self.staging = [device.host_buffer(self.shard, compute_dtype) for _ in range(2 if offloaded else 0)]
-        self._staging_job: list[Future | None] = [None] * len(self.staging)
+        self._staging_free: list[Future | None] = [None] * len(self.staging)
         self._next_staging = 0
         self._host_jobs: list[Future] = []  # this step's optimizer-thread jobs
         self._block_read_out: dict[int, Event] = {}  # block -> the copy of the gradient it holds to the host
@@ -305,8 +305,8 @@ class ChunkedEngine:
         self.counters.d2h += mine.numel() * mine.element_size()
         slot = self._next_staging
         self._next_staging = 1 - slot
-        if self._staging_job[slot] is not None:  # its previous gradient must have been added first
-            self.grads_out.wait(self._staging_job[slot].result())
+        if self._staging_free[slot] is not None:  # its previous gradient must have been added first
+            self.grads_out.wait(self._staging_free[slot].result())
         self.grads_out.wait(self.dev.compute.record())
         begin = self.grads_out.record() if self.trace.enabled else None
         self.grads_out.copy(self.staging[slot], mine, name=f"gradient staging {slot}")
@@ -316,18 +316,25 @@ class ChunkedEngine:
                                    bytes=mine.numel() * mine.element_size())
         if block is not None and mine is flat:  # the block's next gather must wait for this copy
             self._block_read_out[block] = arrived
-        job = self._pool.submit(self._gradient_home, k, slot, arrived, last)
-        self._staging_job[slot] = job
-        self._host_jobs.append(job)
+        freed: Future = Future()
+        self._staging_free[slot] = freed
+        self._host_jobs.append(self._pool.submit(self._gradient_home, k, slot, arrived, last, freed))
 
-    def _gradient_home(self, k: int, slot: int, arrived: Event, last: bool) -> Event:
-        """On the optimizer thread: add the staged gradient to the master gradient; after the
-        step's last pass, update the chunk."""
-        self.host.wait(arrived)
-        t0 = time.perf_counter()
-        self.host.reads(self.staging[slot])
-        self.master_grad[k].add_(self.staging[slot])
-        self.trace.span(f"gradient of chunk {k} into fp32", "optimizer", t0, time.perf_counter())
+    def _gradient_home(self, k: int, slot: int, arrived: Event, last: bool, freed: Future) -> Event:
+        """On the optimizer thread: add the staged gradient to the master gradient and hand the
+        staging buffer back (``freed``), so that the next gradient's copy home and the backward
+        that issues it do not wait for this chunk's AdamW; after the step's last pass, update the
+        chunk."""
+        try:
+            self.host.wait(arrived)
+            t0 = time.perf_counter()
+            self.host.reads(self.staging[slot])
+            self.master_grad[k].add_(self.staging[slot])
+            self.trace.span(f"gradient of chunk {k} into fp32", "optimizer", t0, time.perf_counter())
+            freed.set_result(self.host.record())
+        except BaseException as err:  # whoever waits for the buffer must not wait forever
+            freed.set_exception(err)
+            raise
         if last:
             self._update(k, self.host)
         return self.host.record()
