@@ -107,18 +107,39 @@ def predict(setup: ChunkedSetup, profile: Profile, topo: Topology, per_worker: i
     * h2d: each pass gathers the offloaded chunks it misses in the rCache (Belady over one pass's
       accesses) over the GPU's share of its root complex;
     * d2h: each pass sends every offloaded chunk's gradient shard home;
-    * host AdamW: the offloaded shards at the host's rate.  Updates start as chunks finish backward,
-      so the host's work overlaps backward but not forward."""
+    * host AdamW: the offloaded shards at the host's rate.  Updates start in the step's last pass,
+      once the first offloaded chunk's gradient is home (:func:`_first_update_s`): the host's work
+      overlaps the rest of that backward, nothing before it."""
     passes = per_worker // setup.group
     off = setup.n_chunks - setup.chunks_on_device
     misses, _ = count_replacements(step_access_order(layer_chunks), setup.n_block, "belady")
     off_misses = misses * off / setup.n_chunks
     link = min(topo.host_bandwidth_share(i, topo.n) for i in range(topo.n)) * 1e9
     shard_bytes = shard * dtype_bytes
-    forward = per_worker * sum(layer.fwd_s for layer in profile.layers)
     compute = per_worker * _pass_s(profile) + setup.chunks_on_device * shard / profile.host.device_adam_params_per_s
     h2d = passes * off_misses * shard_bytes / link
     d2h = passes * off * shard_bytes / link
     host_adam = off * shard / profile.host.adam_params_per_s
+    first = _first_update_s(profile, layer_chunks, setup, passes) + shard_bytes / link if off else 0.0
     return {"compute": compute, "h2d": h2d, "d2h": d2h, "host AdamW": host_adam,
-            "step": max(compute, h2d, d2h, forward + host_adam)}
+            "step": max(compute, h2d, d2h, first + host_adam)}
+
+
+def _first_update_s(profile: Profile, layer_chunks: list[list[int]], setup: ChunkedSetup, passes: int) -> float:
+    """Compute before the first offloaded chunk is reduced in the step's last pass: every earlier
+    pass, the last one's forward, and its backward (from the last layer) down to that chunk's
+    first user.  Chunks past the first ``chunks_on_device`` in first-use order are offloaded."""
+    users = [0] * setup.n_chunks
+    for chunks in layer_chunks:
+        for k in chunks:
+            users[k] += 1
+    backward = 0.0
+    for i in range(len(layer_chunks) - 1, -1, -1):
+        layer = profile.layers[i]
+        backward += layer.fwd_s + layer.bwd_s  # the recomputed forward, then the backward
+        for k in layer_chunks[i]:
+            users[k] -= 1
+        if any(users[k] == 0 and k >= setup.chunks_on_device for k in layer_chunks[i]):
+            break
+    forward = sum(layer.fwd_s for layer in profile.layers)
+    return setup.group * ((passes - 1) * _pass_s(profile) + forward + backward)

@@ -1,6 +1,7 @@
 """chunked_dp: replacement policies, chunk packing, the search, and equivalence with the reference."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -162,6 +163,43 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
         device.close()
 
 
+def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_group):
+    """Every chunk offloaded, the host's AdamW slow (0.1 s a chunk): backward reduces each chunk and
+    sends its gradient home as soon as its layers are done.  The two staging buffers are handed back
+    once a gradient is added to its fp32 master, not after that chunk's AdamW, so the third chunk's
+    gradient is on its way before the first chunk's update ends (before, backward stalled there)."""
+    from chunked_dp.engine import ChunkedEngine
+    from mobius.runtime.device import CpuDevice
+
+    cfg = RunConfig.of(model="tiny", steps=1, micro_batch_size=2, micro_batches=2, seq_len=32, progress=False)
+    device = CpuDevice(check=True)
+    engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
+                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
+                           total_steps=1, group=2)
+    reduced, updated = [], {}
+    reduce, update = engine._reduce, engine._update
+
+    def slow_update(k, stream):
+        time.sleep(0.1)
+        update(k, stream)
+        updated[k] = time.perf_counter()
+
+    def noted_reduce(k, last):
+        reduce(k, last)
+        reduced.append((k, time.perf_counter()))
+
+    engine._update, engine._reduce = slow_update, noted_reduce
+    batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
+    try:
+        engine.step(0, batches)
+        assert len(reduced) >= 3 and sorted(updated) == sorted(k for k, _ in reduced)
+        (first, _), _, (_, third_at) = reduced[:3]
+        assert third_at < updated[first]
+    finally:
+        engine.close()
+        device.close()
+
+
 def test_one_emulated_gpu_holding_every_chunk_sends_nothing_over_its_link(one_rank_group, tmp_path):
     """One emulated GPU with every chunk on it and a 4-block rCache: each gather copies a device
     shard into a block, device memory to device memory, so a step crosses no PCIe link (a gather
@@ -191,8 +229,33 @@ def test_one_emulated_gpu_holding_every_chunk_sends_nothing_over_its_link(one_ra
         device.close()
 
 
+def test_the_host_updates_start_once_the_first_offloaded_gradient_is_reduced():
+    """tiny's six layers (embedding, four blocks, the head tied to the embedding), by hand: backward
+    runs from the head, and the host's first update waits for the first offloaded chunk whose last
+    user has run backward, after every earlier pass and the last pass's forward."""
+    from chunked_dp.prepare import _first_update_s, _pass_s
+    from mobius.partition.profile import analytic_profile
+    from mobius.runtime.spec import ChunkedSetup
+
+    profile = analytic_profile("tiny", get_config("tiny"), 2, 16, 0.05, "fp32")
+    f = [la.fwd_s for la in profile.layers]
+    b = [la.bwd_s for la in profile.layers]
+
+    def back(lo: int) -> float:  # backward (each layer recomputed first) from the head down to layer lo
+        return sum(f[i] + b[i] for i in range(lo, 6))
+
+    tied = [[0], [1], [1], [2], [2], [0]]  # chunk 0: embedding and head; 1: blocks 1-2; 2: blocks 3-4
+    for device_chunks in (1, 2):  # chunk 2 (and 1) offloaded: chunk 2 is done at block 3, chunk 0 only at the end
+        setup = ChunkedSetup(100, 3, 2, True, device_chunks, group=2)
+        assert _first_update_s(profile, tied, setup, 1) == pytest.approx(2 * (sum(f) + back(3)))
+    swapped = [[0], [2], [2], [1], [1], [0]]  # the offloaded chunk 2 holds blocks 1-2: its update waits longer
+    setup = ChunkedSetup(100, 3, 2, True, 2, group=2)
+    assert _first_update_s(profile, swapped, setup, 1) == pytest.approx(2 * (sum(f) + back(1)))
+    assert _first_update_s(profile, swapped, setup, 3) == pytest.approx(2 * (2 * _pass_s(profile) + sum(f) + back(1)))
+
+
 def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_the_bound():
-    from chunked_dp.prepare import micro_batches_per_pass, pass_activation_bytes, predict
+    from chunked_dp.prepare import _first_update_s, micro_batches_per_pass, pass_activation_bytes, predict
     from mobius.runtime.spec import ChunkedSetup
     from mobius.partition.profile import analytic_profile
 
@@ -213,6 +276,8 @@ def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_th
     # offloaded: two passes send every gradient home twice; the host's AdamW takes every parameter
     assert p_off["d2h"] == pytest.approx(2 * len(chunks) * chunks[0].size * 2 / (topo.host_bandwidth_share(0, 1) * 1e9))
     assert p_off["host AdamW"] == pytest.approx(len(chunks) * chunks[0].size / 1e9)
-    forward = 8 * sum(la.fwd_s for la in profile.layers)  # the host's updates overlap backward only
-    assert p_off["step"] == max(p_off["compute"], p_off["h2d"], p_off["d2h"], forward + p_off["host AdamW"])
+    # the host's updates start in the last pass, once the first offloaded gradient is home
+    shard_s = chunks[0].size * 2 / (topo.host_bandwidth_share(0, 1) * 1e9)
+    first = _first_update_s(profile, layer_chunks, offloaded, 2) + shard_s
+    assert p_off["step"] == max(p_off["compute"], p_off["h2d"], p_off["d2h"], first + p_off["host AdamW"])
     assert p_res["h2d"] == p_res["d2h"] == p_res["host AdamW"] == 0 and p_res["step"] == p_res["compute"]
