@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from chunked_dp.cache import count_replacements
@@ -129,10 +130,7 @@ def _first_update_s(profile: Profile, layer_chunks: list[list[int]], setup: Chun
     """Compute before the first offloaded chunk is reduced in the step's last pass: every earlier
     pass, the last one's forward, and its backward (from the last layer) down to that chunk's
     first user.  Chunks past the first ``chunks_on_device`` in first-use order are offloaded."""
-    users = [0] * setup.n_chunks
-    for chunks in layer_chunks:
-        for k in chunks:
-            users[k] += 1
+    users = Counter(k for chunks in layer_chunks for k in chunks)
     backward = 0.0
     for i in range(len(layer_chunks) - 1, -1, -1):
         layer = profile.layers[i]
