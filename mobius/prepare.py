@@ -221,7 +221,8 @@ def budgets_of(topo: Topology) -> tuple[int, ...]:
     return tuple(int(g.memory_gb * GB) for g in topo.gpus)
 
 
-def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, **plan_options) -> Plan:
+def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
+             **plan_options) -> Plan:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained.
 
@@ -230,13 +231,15 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
     or recomputed, which leaves the memory to more prefetch and to resident stages
     (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
-    refused here, before any worker starts."""
+    refused here, before any worker starts.  ``profile``: plan from this one (a script's own
+    figures) instead of the one measured or computed for ``topo``."""
     # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
     how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
     replicas = data_parallel_of(cfg)
     batch, pipe = cfg.batch, cfg.pipeline
     check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas)
-    profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how)
+    if profile is None:
+        profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how)
 
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,

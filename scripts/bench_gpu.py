@@ -150,15 +150,23 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
 
 @contextlib.contextmanager
 def single_rank_group():
+    """A process group of this process alone, with the variables a launcher would have set (DeepSpeed
+    reads LOCAL_RANK and the others from the environment, not from the group); the environment is
+    given back as it was."""
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
+    launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 300), "RANK": "0",
+                "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    before = {k: os.environ.get(k) for k in launcher}
+    os.environ.update({k: v for k, v in launcher.items() if before[k] is None})
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
 
 
 def _train_loop(model, optimizer, args, device, autocast_dtype) -> list[float]:

@@ -69,6 +69,48 @@ def test_mip_equals_exhaustive_optimum(seed):
     assert result.objective_s >= best * (1 - 1e-9)  # the exhaustive optimum is a true lower bound
 
 
+@pytest.fixture
+def public_pulp_only(monkeypatch):
+    """The MIP built with a PuLP that has only the public API (tests/pulp_public_api.py)."""
+    import pulp_public_api
+
+    from mobius.partition import highs, mip
+
+    monkeypatch.setattr(mip, "pulp", pulp_public_api)
+    monkeypatch.setattr(highs, "pulp", pulp_public_api)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3, 6, 11])
+def test_the_mip_needs_only_pulps_public_api(seed, public_pulp_only):
+    test_mip_equals_exhaustive_optimum(seed)
+
+
+def test_the_warm_start_reaches_highs_and_bounds_the_answer(public_pulp_only, monkeypatch):
+    """The partition given as the warm start is handed to HiGHS (its integer variables, through
+    ``setSolution``) and the answer is never worse than it."""
+    import highspy
+
+    from mobius.partition import highs
+    from mobius.partition.mip import _integer_start
+
+    starts = []
+
+    class Recording(highspy.Highs):
+        def setSolution(self, n, index, value):
+            starts.append((n, list(index), list(value)))
+            return super().setSolution(n, index, value)
+
+    monkeypatch.setattr(highs.highspy, "Highs", Recording)
+    profile = random_profile(random.Random(4), 12)
+    machine = Machine((10e9,) * 2, (6e9,) * 2)
+    worst = BASELINES["max"](profile, machine, 2)
+    result = solve_partition(profile, machine, 2, time_limit_s=60, warm_start=worst)
+    expected = _integer_start(worst, profile.runs(), profile.n)
+    assert len(starts) == 1 and starts[0][0] == len(expected) and sorted(starts[0][2]) == sorted(expected.values())
+    assert result.objective_s <= evaluate(profile, worst, machine, 2).step_s
+    assert result.objective_s == pytest.approx(exhaustive_optimum(profile, machine, 2)[0], rel=GAP)
+
+
 def test_mip_never_worse_than_baselines_and_beats_max_stage():
     prof = analytic_profile("mobius-8b", get_config("mobius-8b"), 2, 512, 40.0)
     machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)

@@ -21,48 +21,15 @@ what it depends on).  Units: seconds and GB, so coefficients stay within a few o
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import pulp
 
 from mobius.models.precision import element_bytes
+from mobius.partition import highs
 from mobius.partition.cost import GB, Machine, evaluate
 from mobius.partition.profile import Profile
-
-
-class _WarmStartHiGHS(pulp.HiGHS):
-    """pulp's HiGHS interface plus a starting incumbent (HiGHS completes the continuous part)."""
-
-    def __init__(self, start: dict[str, float], **kwargs):
-        super().__init__(**kwargs)
-        self.start = start
-
-    def callSolver(self, lp):
-        if self.start:
-            index = [v.index for v in lp.variables() if v.name in self.start]
-            value = [self.start[v.name] for v in lp.variables() if v.name in self.start]
-            lp.solverModel.setSolution(len(index), np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
-        super().callSolver(lp)
-
-
-@contextlib.contextmanager
-def _native_stdout_silenced():
-    """HiGHS (1.16) prints its banner from C++ when pulp creates a solver, whatever ``msg`` says:
-    our stdout (``mobius.plan --json``, the run's header) must carry only what we print."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _integer_start(bounds: list[tuple[int, int]], runs: list[tuple[int, int]], K: int) -> dict[str, float]:
@@ -299,27 +266,21 @@ def solve_partition(profile: Profile, machine: Machine, micro_batches: int, reco
             prob += step >= upd[j]
     prob += step
     start = _integer_start(warm_start, runs, K) if warm_start and len(warm_start) <= K else {}
-    solver = _WarmStartHiGHS(start, msg=False, timeLimit=time_limit_s, gapRel=gap)
     t0 = time.perf_counter()
-    with _native_stdout_silenced():
-        prob.solve(solver)
+    solved = highs.solve(prob, start, time_limit_s, gap)
     solve_s = time.perf_counter() - t0
-    # pulp reports a time-limited solve with an incumbent as "Optimal"; ask HiGHS itself.
-    highs = prob.solverModel
-    status = highs.modelStatusToString(highs.getModelStatus())
-    gap_reached = highs.getInfo().mip_gap
-    if y[0][K - 1].value() is None:
-        return MipResult([], float("inf"), status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
+    sizes = (solved.n_variables, solved.n_constraints)
+    if solved.values is None:
+        return MipResult([], float("inf"), solved.status, solve_s, solved.gap, *sizes)
 
     # Stage j ends after sum_r y[r][j] layers (runs are consumed in order).
     bounds, done = [], 0
     for j in range(K):
-        cum = sum(round(y[r][j].value()) for r in range(R))
+        cum = sum(round(solved.values[y[r][j].name]) for r in range(R))
         if cum > done:
             bounds.append((done, cum))
             done = cum
     if done != L:  # HiGHS proved it infeasible (it leaves values that are no partition)
-        return MipResult([], float("inf"), status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
+        return MipResult([], float("inf"), solved.status, solve_s, solved.gap, *sizes)
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
-    return MipResult(bounds, est.step_s, status, solve_s, gap_reached, prob.numVariables(), prob.numConstraints())
-
+    return MipResult(bounds, est.step_s, solved.status, solve_s, solved.gap, *sizes)

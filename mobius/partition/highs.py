@@ -1,0 +1,101 @@
+"""A PuLP model solved by HiGHS, each through its public API only.
+
+PuLP builds the model (variables, expressions, constraints); its documented export,
+``LpProblem.toDict()`` (the same layout in PuLP 3 and 4), is handed to ``highspy.Highs`` column by
+column and row by row.  We own the solver object, so the warm start (``setSolution`` with the
+integer variables of a known partition), the status HiGHS reached and its MIP gap are asked of
+HiGHS itself.  PuLP's own HiGHS interface is not used: in PuLP 3 it takes no warm start, and the
+solver model and column indices it keeps are private (PuLP 4 removed the ``index`` the first
+version of this code read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pulp  # before highspy: PuLP 4 loads highspy's C++ runtime globally first, or HiGHS's run crashes
+
+import highspy  # noqa: E402,I001
+
+
+@dataclass
+class Solved:
+    values: dict[str, float] | None  # by variable name; None where HiGHS found no feasible point
+    status: str  # HiGHS's own words: "Optimal", "Time limit reached", "Infeasible", ...
+    gap: float  # the relative MIP gap HiGHS reached
+    n_variables: int
+    n_constraints: int
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS prints its banner from C++ when a solver is created, whatever its options say: our
+    stdout (``mobius.plan --json``, the run's header) must carry only what we print."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float, gap: float) -> Solved:
+    """Minimise ``problem`` from the incumbent ``start`` (values of some of its variables, by name;
+    HiGHS completes the rest or drops it if it is infeasible)."""
+    model = problem.toDict()
+    if model["parameters"]["sense"] != pulp.LpMinimize:
+        raise ValueError("solve minimises; the problem maximises")
+    variables, constraints = model["variables"], model["constraints"]
+    column = {v["name"]: j for j, v in enumerate(variables)}
+    n = len(variables)
+    cost = np.zeros(n)
+    for c in model["objective"]["coefficients"]:
+        cost[column[c["name"]]] = c["value"]
+    inf = highspy.kHighsInf
+    binary = [v["cat"] == "Binary" for v in variables]
+    lower = np.array([(0.0 if b else -inf) if v["lowBound"] is None else v["lowBound"]
+                      for v, b in zip(variables, binary)], dtype=np.float64)
+    upper = np.array([(1.0 if b else inf) if v["upBound"] is None else v["upBound"]
+                      for v, b in zip(variables, binary)], dtype=np.float64)
+    integer = np.array([j for j, v in enumerate(variables) if v["cat"] in ("Integer", "Binary")], dtype=np.int32)
+
+    # Each constraint reads sum(coefficients) + constant (sense) 0.
+    starts, index, value, row_lo, row_hi = [], [], [], [], []
+    for c in constraints:
+        starts.append(len(index))
+        for term in c["coefficients"]:
+            if term["value"]:
+                index.append(column[term["name"]])
+                value.append(term["value"])
+        rhs = -c["constant"]
+        row_lo.append(rhs if c["sense"] in (pulp.LpConstraintGE, pulp.LpConstraintEQ) else -inf)
+        row_hi.append(rhs if c["sense"] in (pulp.LpConstraintLE, pulp.LpConstraintEQ) else inf)
+
+    with _native_stdout_silenced():
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", float(time_limit_s))
+    highs.setOptionValue("mip_rel_gap", float(gap))
+    highs.addCols(n, cost, lower, upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    if len(integer):
+        highs.changeColsIntegrality(len(integer), integer,
+                                    np.full(len(integer), int(highspy.HighsVarType.kInteger), np.uint8))
+    highs.addRows(len(constraints), np.array(row_lo, np.float64), np.array(row_hi, np.float64), len(index),
+                  np.array(starts, np.int32), np.array(index, np.int32), np.array(value, np.float64))
+    known = [(column[name], x) for name, x in start.items() if name in column]
+    if known:
+        highs.setSolution(len(known), np.array([j for j, _ in known], np.int32),
+                          np.array([x for _, x in known], np.float64))
+    with _native_stdout_silenced():
+        highs.run()
+    info = highs.getInfo()
+    found = int(info.primal_solution_status) == int(highspy.SolutionStatus.kSolutionStatusFeasible)
+    values = dict(zip(column, highs.getSolution().col_value)) if found else None
+    return Solved(values, highs.modelStatusToString(highs.getModelStatus()), info.mip_gap, n, len(constraints))
