@@ -10,6 +10,10 @@ each backend's predicted and measured emulated step, and chunked over pipeline.
 
     python scripts/bench_chunked.py [--json bench_chunked.json] [--workers 2] [--cuda]
     python scripts/bench_chunked.py --emulate 1xh100 [--gpu-mem-gb 0.3 0.5] [--steps 3]
+    python scripts/bench_chunked.py --smoke     # seconds: one Table 6 model, the ``tiny`` model timed
+
+``--smoke``: part 1 for GPT2-4b alone, part 2 on the ``tiny`` model (2 steps of 2x2x32 tokens,
+offload on only).
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ ELIXIR_TABLE6 = {"GPT2-4b": (3072, 32, 24), "GPT2-10b": (4096, 48, 32), "GPT2-15
 ONE_A100 = Topology("1xA100-40GB", 512, [RootComplex(0, 25.0)], [GPU(0, "A100-SXM4-40GB", 40, 312, 0, 25.0)])
 
 
-def search_table(activation_gb: float) -> list[dict]:
+def search_table(activation_gb: float, models: list[str] = list(ELIXIR_TABLE6)) -> list[dict]:
     rows = []
-    for name, (h, layers, heads) in ELIXIR_TABLE6.items():
+    for name in models:
+        h, layers, heads = ELIXIR_TABLE6[name]
         config = GPTConfig(50257, 1024, layers, h, heads, bias=True, tie_embeddings=True)
         t0 = time.perf_counter()
         trace = trace_first_use(config)
@@ -64,22 +69,25 @@ def median(history) -> float:
     return statistics.median(m.step_time_s for m in history[1:])
 
 
-def timing(workers: int, cuda: bool, steps: int) -> list[dict]:
-    base = dict(model="small", steps=steps, micro_batch_size=4, micro_batches=4, seq_len=128, progress=False,
-                precision="bf16" if cuda else "fp32")
+def timing(workers: int, cuda: bool, steps: int, model: str = "small", shape: tuple[int, int, int] = (4, 4, 128),
+           offloads: tuple[str, ...] = ("off", "on")) -> list[dict]:
+    micro_batch, micro_batches, seq_len = shape
+    base = dict(model=model, steps=steps, micro_batch_size=micro_batch, micro_batches=micro_batches, seq_len=seq_len,
+                progress=False, precision="bf16" if cuda else "fp32")
     cfg = RunConfig.of(**base, backend="single")
-    batches = BatchSource(load_corpus(None), 128, 4, 4, 0)
-    ref = ReferenceTrainer(cfg, get_config("small"), batches, torch.device("cuda" if cuda else "cpu"))
+    batches = BatchSource(load_corpus(None), seq_len, micro_batch, micro_batches, 0)
+    ref = ReferenceTrainer(cfg, get_config(model), batches, torch.device("cuda" if cuda else "cpu"))
     single = median([ref.step(k) for k in range(steps)])
     rows = [{"config": "single", "step_s": single}]
-    for offload in ("off", "on"):
+    for offload in offloads:
         cfg = RunConfig.of(**base, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=workers,
                            offload=offload)
         topo = load_topology("auto") if cuda else cpu_topology(workers)
-        history = launch_chunked(cfg, get_config("small"), topo)
+        history = launch_chunked(cfg, get_config(model), topo)
         rows.append({"config": f"chunked {topo.n} worker(s), offload {offload}", "step_s": median(history),
                      "h2d_mb": history[-1].h2d_bytes / 1e6, "peer_mb": history[-1].peer_bytes / 1e6})
-    print(f"\nsmall, {base['precision']}, 4x4x128 tokens per step, median of steps 1..{steps - 1}")
+    print(f"\n{model}, {base['precision']}, {micro_batches}x{micro_batch}x{seq_len} tokens per step, "
+          f"median of steps 1..{steps - 1}")
     for r in rows:
         print(f"{r['config']:<34} {r['step_s']:7.3f} s  ({r['step_s'] / single - 1:+.0%} vs single)")
     return rows
@@ -126,7 +134,7 @@ def emulated(topology: str, memories: list[float], steps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench_chunked.json")
     p.add_argument("--workers", type=int, default=2)
@@ -135,8 +143,12 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--emulate", metavar="TOPOLOGY", help="part 3 only: chunked against the pipeline on this emulated box")
     p.add_argument("--gpu-mem-gb", type=float, nargs="+", default=[0.3, 0.5], help="part 3's memory budgets")
-    args = p.parse_args()
-    if args.emulate:
+    p.add_argument("--smoke", action="store_true", help="GPT2-4b searched, the tiny model timed")
+    args = p.parse_args(argv)
+    if args.smoke:
+        rows = {"search": search_table(args.activation_gb, ["GPT2-4b"]),
+                "timing": timing(args.workers, args.cuda, 2, "tiny", (2, 2, 32), ("on",))}
+    elif args.emulate:
         rows = {"emulated": emulated(args.emulate, args.gpu_mem_gb, args.steps)}
     else:
         rows = {"search": search_table(args.activation_gb), "timing": timing(args.workers, args.cuda, args.steps)}

@@ -22,6 +22,7 @@ GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a s
 large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
     python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
+    python scripts/bench_emulated.py --smoke    # one row: the tiny model on topo2+2, 2 steps (seconds)
 """
 
 from __future__ import annotations
@@ -120,22 +121,30 @@ def measure(options: str, steps: int, metrics: Path) -> list[float]:
     return [json.loads(line)[key] for line in metrics.read_text().splitlines()]
 
 
-def main() -> None:
+SMOKE_TABLES = {"smoke": [("topo2+2 tiny", "--topology topo2+2 --model tiny --gpu-mem-gb 0.05 --seq-len 32 "
+                                           "--micro-batch-size 2")]}
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
     p.add_argument("--only", choices=tuple(TABLES), action="append", help="run only these tables")
     p.add_argument("--match", action="append", help="run only the rows whose name contains this")
     p.add_argument("--json", default="bench_emulated.json")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one row, the tiny model on topo2+2, 2 steps")
+    args = p.parse_args(argv)
+    tables = SMOKE_TABLES if args.smoke else TABLES
+    if args.smoke:
+        args.steps, args.only = 2, None
     results: dict[str, dict] = {}
     measured: dict[str, list[float]] = {}  # by options: a row that repeats another's run reuses it
     with tempfile.TemporaryDirectory(prefix="mobius-bench-") as tmp:
-        for table in args.only or TABLES:
+        for table in args.only or tables:
             print(f"\n{table}")
             print(f"{'configuration':<28} {'stages':>6} {'1/F':>6} {'predicted ms':>12} {'simulated ms':>12} "
                   f"{'measured ms':>11} {'pred/meas':>9}")
             predicted = {}
-            for name, options in TABLES[table]:
+            for name, options in tables[table]:
                 if args.match and not any(m in name for m in args.match):
                     continue
                 try:
@@ -144,7 +153,7 @@ def main() -> None:
                     print(f"{name:<28} not run: {err}", flush=True)
             # One dilation for the rows of a table: variants compared are measured under one factor.
             factor = max((row["factor"] for row in predicted.values()), default=1)
-            for name, options in TABLES[table]:
+            for name, options in tables[table]:
                 if name not in predicted:
                     continue
                 row = predicted[name]

@@ -6,6 +6,7 @@ step time (the first two steps of each run, warm-up, excluded) and its ratio to 
 
     python scripts/bench_interleaved.py --variant "lag 0=" --variant "lag 1=--optimizer-lag 1" \\
         [--rounds 3] [--json FILE] -- --model small --steps 12
+    python scripts/bench_interleaved.py --smoke   # one round of the lags on the tiny model (seconds)
 """
 
 from __future__ import annotations
@@ -27,13 +28,23 @@ def run(options: list[str], metrics: Path) -> list[float]:
     return [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][2:]
 
 
-def main() -> None:
+SMOKE = {"variants": ["lag 0=", "lag 1=--optimizer-lag 1"],
+         "common": ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "3", "--backend",
+                    "single"]}
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", action="append", required=True, help="NAME=OPTIONS (OPTIONS may be empty)")
+    p.add_argument("--variant", action="append", help="NAME=OPTIONS (OPTIONS may be empty)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default="bench_interleaved.json")
+    p.add_argument("--smoke", action="store_true", help="one round of --optimizer-lag 0 and 1 on the tiny model")
     p.add_argument("common", nargs="*", help="mobius.train options every variant shares (after --)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.variant, args.common, args.rounds = SMOKE["variants"], SMOKE["common"], 1
+    if not args.variant:
+        p.error("give at least one --variant NAME=OPTIONS")
     variants = dict(v.split("=", 1) for v in args.variant)
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="mobius-bench-") as tmp:

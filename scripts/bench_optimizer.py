@@ -7,7 +7,9 @@ writes weight and moments back, 28 bytes per fp32 parameter; the bandwidth is me
 a three-stream ``add`` over buffers far larger than the caches.  Implementations alternate within
 each repeat, so a noisy machine slows them alike.
 
-    python scripts/bench_optimizer.py [--params 64e6] [--threads 1 2] [--json out.json]
+    python scripts/bench_optimizer.py [--params 64e6] [--threads 1 2] [--json out.json] [--smoke]
+
+``--smoke``: 1M parameters, one thread, one repeat, DeepSpeed left out (its op compiles for minutes).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def memory_bandwidth(n: int = 64 * 2**20, repeats: int = 7) -> float:
     return 3 * 4 * n / best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=64e6, help="parameters updated per step (past the caches)")
     ap.add_argument("--tensors", type=int, default=16)
@@ -88,18 +90,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="1M parameters, one thread, one repeat, no DeepSpeed")
+    args = ap.parse_args(argv)
+    implementations = dict(IMPLEMENTATIONS)
+    if args.smoke:
+        args.params, args.threads, args.steps, args.repeats = 1e6, [1], 1, 1
+        del implementations["DeepSpeedCPUAdam"]
     n = int(args.params)
 
     available = {}
-    for name, make in IMPLEMENTATIONS.items():
+    for name, make in implementations.items():
         try:
             make(tensors(1024, 2))
             available[name] = make
         except Exception as err:  # deepspeed missing, or its op failed to build
             print(f"skipping {name}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
 
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(2**20, 2) if args.smoke else memory_bandwidth()
     bound = bandwidth / BYTES_PER_PARAM
     rows = []
     for threads in args.threads:

@@ -4,7 +4,9 @@ Prints, per (model, topology): MIP solve time, stage count and predicted step ti
 minimum-stage, maximum-stage and time-balanced baselines (analytic profile, fp16, Table 3
 micro-batch sizes, M = number of GPUs micro-batches, cross mapping).  Writes the rows as JSON.
 
-    python scripts/bench_partition.py [--json out.json] [--time-limit 8]
+    python scripts/bench_partition.py [--json out.json] [--time-limit 8] [--smoke]
+
+``--smoke``: mobius-3b on topo2+2 alone, the MIP stopped at 1 s.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ MODELS = ["mobius-3b", "mobius-8b", "mobius-15b", "mobius-51b"]
 TOPOLOGIES = ["topo2+2", "8x3090-4+4"]
 
 
-def run(time_limit: float) -> list[dict]:
+def run(time_limit: float, models: list[str] = MODELS, topologies: list[str] = TOPOLOGIES) -> list[dict]:
     rows = []
-    for topo_name in TOPOLOGIES:
+    for topo_name in topologies:
         topo = load_preset(topo_name)
-        for model in MODELS:
+        for model in models:
             profile = analytic_profile(model, get_config(model), PAPER_MICRO_BATCH[model], 512, topo.gpus[0].tflops)
             machine = machine_for(topo, cross_map(topo, 2 * topo.n))
             m = topo.n
@@ -55,13 +57,17 @@ def run(time_limit: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench_partition.json")
     p.add_argument("--time-limit", type=float, default=8.0)
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one model on one topology")
+    args = p.parse_args(argv)
     print(f"{'model':>10} {'topology':>11} | MIP: solve time, stages, predicted step | baselines: stages, step")
-    rows = run(args.time_limit)
+    if args.smoke:
+        rows = run(min(args.time_limit, 1.0), MODELS[:1], TOPOLOGIES[:1])
+    else:
+        rows = run(args.time_limit)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
     slowest = max(r["mip_wall_s"] for r in rows)

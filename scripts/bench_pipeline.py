@@ -5,7 +5,9 @@ For ``small`` in bf16 (mixed precision, as in the paper): the reference trainer,
 step divided by the model's fp32 parameter bytes (the paper's "model size"; its Eq. 1 predicts
 about 1.5 with recomputation, and it measured 1.8 for Mobius and 7.3 for DeepSpeed).
 
-    python scripts/bench_pipeline.py [--steps 6] [--stages 4] [--json bench_pipeline.json] [--cuda]
+    python scripts/bench_pipeline.py [--steps 6] [--stages 4] [--json bench_pipeline.json] [--cuda] [--smoke]
+
+``--smoke``: the ``tiny`` model, 2 steps of 2x2x32 tokens, the reference and 2 workers only.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def run_single(cfg: RunConfig, device: torch.device) -> dict:
     return {"history": history}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=6)
@@ -50,7 +52,10 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--cuda", action="store_true", help="run on this machine's GPUs (topology auto)")
     p.add_argument("--json", default="bench_pipeline.json")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, the reference and 2 workers")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.steps, args.micro_batches, args.micro_batch_size, args.seq_len = "tiny", 2, 2, 2, 32
     if args.cuda and not torch.cuda.is_available():
         raise SystemExit("error: --cuda given but CUDA is not available")
 
@@ -66,6 +71,8 @@ def main() -> None:
     # (workers, recompute): recomputation is what Eq. 1 assumes; without it (the default whenever the
     # activations fit) a lone worker does the reference's arithmetic and shows the swap overhead.
     runs = [(1, "off"), (1, "on")] if args.cuda else [(1, "off"), (1, "on"), (2, "on")]
+    if args.smoke:
+        runs = runs[-1:]
     for workers, recompute in runs:
         cfg = RunConfig.of(**base, backend="pipeline", topology="auto" if args.cuda else "cpu", cpu_workers=workers,
                            stages=args.stages, recompute=recompute)

@@ -18,6 +18,7 @@ With ``--cores-per-node K`` each variant runs on K cores per replica, so that ea
 is still this machine's.
 
     python scripts/bench_replicas.py [--replicas 1 2] [--cores-per-node K] [--json FILE] -- <mobius.train options>
+    python scripts/bench_replicas.py --smoke    # two replicas of the tiny model, 2 steps (seconds)
 """
 
 from __future__ import annotations
@@ -99,15 +100,24 @@ def run(options: list[str], replicas: int, workers: int, tmp: Path, cores_per_no
             "rss_samples": min((len(s) for s in samples.values()), default=0)}
 
 
-def main() -> None:
+SMOKE = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--topology", "cpu",
+         "--device-optimizer", "off"]
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cores-per-node", type=int, default=None, metavar="K",
                    help="run each variant on K cores per replica (the first D*K cores of this process's), so "
                         "that a node's optimizer has the same cores at every D; default: every variant on all")
     p.add_argument("--json", default=None)
-    p.add_argument("train", nargs="+", help="mobius.train options (after --), CPU workers")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="two replicas of the tiny model, 2 steps")
+    p.add_argument("train", nargs="*", help="mobius.train options (after --), CPU workers")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.train, args.replicas = SMOKE, [2]
+    if not args.train:
+        p.error("give the mobius.train options after --")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mobius.config import parse_train_args
     from mobius.models import build_model

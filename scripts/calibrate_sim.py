@@ -5,7 +5,9 @@ then feeds the simulator what this machine measures: the per-layer profile (with
 worker gets), the host<->"device" copy bandwidth of a CPU worker (memcpy), and CPU AdamW speed.
 Prints measured and predicted step times.
 
-    python scripts/calibrate_sim.py [--workers 1] [--recompute on] [--json calibrate.json]
+    python scripts/calibrate_sim.py [--workers 1] [--recompute on] [--json calibrate.json] [--smoke]
+
+``--smoke``: the ``tiny`` model, 2 stages, 2 steps of 2x2x32 tokens.
 """
 
 from __future__ import annotations
@@ -50,34 +52,41 @@ def adamw_params_per_s(n: int = 4_000_000) -> float:
     return 3 * p.numel() / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--recompute", default="on", choices=("on", "off"))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default="calibrate.json")
-    args = ap.parse_args()
-    cfg = RunConfig.of(model="small", steps=args.steps, micro_batches=4, micro_batch_size=4, seq_len=128, precision="bf16",
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 stages, 2 steps")
+    args = ap.parse_args(argv)
+    model, micro_batches, micro_batch, seq_len = "small", 4, 4, 128
+    if args.smoke:
+        model, micro_batches, micro_batch, seq_len = "tiny", 2, 2, 32
+        args.stages, args.steps = 2, 2
+    cfg = RunConfig.of(model=model, steps=args.steps, micro_batches=micro_batches, micro_batch_size=micro_batch,
+                       seq_len=seq_len, precision="bf16",
                        backend="pipeline", topology="cpu", cpu_workers=args.workers, stages=args.stages,
                        recompute=args.recompute, progress=False, device_optimizer="off")  # the simulator's Mobius
-    history = launch_pipeline(cfg, get_config("small"), resolve_topology(cfg))
+    history = launch_pipeline(cfg, get_config(model), resolve_topology(cfg))
     measured = statistics.median(m.step_time_s for m in history[1:])
 
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     torch.set_num_threads(threads)
-    profile = measure_profile("small", get_config("small"), 4, 128, "bf16", repeats=3)
-    bw = memcpy_gbps()
-    adam = adamw_params_per_s()
+    profile = measure_profile(model, get_config(model), micro_batch, seq_len, "bf16", repeats=3)
+    bw = memcpy_gbps(2**20 if args.smoke else 256 * 2**20)
+    adam = adamw_params_per_s(10**5 if args.smoke else 4_000_000)
     topo = cpu_topology(args.workers)
     for g in topo.gpus:
         g.link_bandwidth_gbps = bw
     topo.root_complexes[0].host_bandwidth_gbps = bw  # one memory system: shared like a root complex
     from mobius.planner import make_plan
 
-    plan: Plan = make_plan("small", get_config("small"), topo, 4, 4, 128, "bf16", recompute=args.recompute == "on",
-                           stages=args.stages, profile=profile, use_cache=False, device_optimizer=False)
-    sim = simulate_mobius(profile, plan.bounds, topo, plan.order, 4, recompute=args.recompute == "on",
+    plan: Plan = make_plan(model, get_config(model), topo, micro_batch, micro_batches, seq_len, "bf16",
+                           recompute=args.recompute == "on", stages=args.stages, profile=profile, use_cache=False,
+                           device_optimizer=False)
+    sim = simulate_mobius(profile, plan.bounds, topo, plan.order, micro_batches, recompute=args.recompute == "on",
                           adam_params_per_s=adam)
     err = sim.step_s / measured - 1
     print(f"workers {args.workers}, {args.stages} stages, recompute {args.recompute}: measured step {measured:.3f} s, "

@@ -6,7 +6,9 @@ The models' published ``config.json`` values are written to a temporary director
 is downloaded.  The numbers are what the cost model and the planner admit (predictions of the
 plan, not measurements on the GPUs).
 
-    python scripts/longest_sequence.py [--json out.json]
+    python scripts/longest_sequence.py [--json out.json] [--smoke]
+
+``--smoke``: Llama-3.1-8B on one server, sequences up to 8192 tokens, the MIP stopped at 1 s.
 """
 
 from __future__ import annotations
@@ -27,21 +29,21 @@ TOPOLOGIES = ["4x4090", "8x3090-4+4"]
 STEP = 1024
 
 
-def plans(model_dir: str, topology: str, seq_len: int):
+def plans(model_dir: str, topology: str, seq_len: int, time_limit_s: float):
     cfg = RunConfig.of(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
     try:
         topo = resolve_topology(cfg)
-        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", time_limit_s=4.0, use_cache=False)
+        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", time_limit_s=time_limit_s, use_cache=False)
     except InputError:
         return None
 
 
-def longest(model_dir: str, topology: str, context: int):
+def longest(model_dir: str, topology: str, context: int, time_limit_s: float = 4.0):
     """Binary search over multiples of STEP: (longest seq that plans, its plan) or (0, None)."""
     lo, hi, best = 0, context // STEP, None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        plan = plans(model_dir, topology, mid * STEP)
+        plan = plans(model_dir, topology, mid * STEP, time_limit_s)
         if plan is not None:
             lo, best = mid, plan
         else:
@@ -49,16 +51,17 @@ def longest(model_dir: str, topology: str, context: int):
     return lo * STEP, best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="one model on one server, up to 8192 tokens")
+    args = ap.parse_args(argv)
     rows = []
-    for name in ("Llama-3.1-8B", "Qwen2.5-32B"):
-        context = CONFIGS[name]["max_position_embeddings"]
+    for name in ("Llama-3.1-8B",) if args.smoke else ("Llama-3.1-8B", "Qwen2.5-32B"):
+        context = 8192 if args.smoke else CONFIGS[name]["max_position_embeddings"]
         with model_dir(name) as d:
-            for topology in TOPOLOGIES:
-                seq, plan = longest(d, topology, context)
+            for topology in TOPOLOGIES[:1] if args.smoke else TOPOLOGIES:
+                seq, plan = longest(d, topology, context, 1.0 if args.smoke else 4.0)
                 rows.append({"model": name, "topology": topology, "longest_seq_len": seq, "context": context,
                              "stages": len(plan.bounds) if plan else 0,
                              "recompute": plan.recompute if plan else None,

@@ -10,6 +10,7 @@ their policy of keeping freed memory in the heap (which mimics the CUDA caching 
 otherwise keep freed stand-in device slabs in the RSS.
 
     python scripts/measure_host_memory.py [--json FILE] -- <mobius.train options>
+    python scripts/measure_host_memory.py --smoke    # the tiny model on 2 CPU workers, 3 steps (seconds)
 """
 
 from __future__ import annotations
@@ -51,11 +52,19 @@ def tree_rss(root: int) -> tuple[int, int]:
     return total, workers
 
 
-def main() -> None:
+SMOKE = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "3", "--topology", "cpu"]
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="host_memory.json")
-    p.add_argument("train", nargs="+", help="mobius.train options (after --)")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="the tiny model on 2 CPU workers, 3 steps")
+    p.add_argument("train", nargs="*", help="mobius.train options (after --)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.train = SMOKE
+    if not args.train:
+        p.error("give the mobius.train options after --")
     from mobius.config import parse_train_args
     from mobius.models import build_model
     from mobius.runtime.inputs import model_config_for

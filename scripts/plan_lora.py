@@ -5,7 +5,9 @@ For each topology and mode: the host memory the stage stores need (``mobius.plan
 host_bytes_needed``) against what the preset states, and, when it fits, the plan's stages and
 predicted step time.  Everything here is a planner prediction, not a measurement.
 
-    python scripts/plan_lora.py [--rank 16] [--seq-len 4096] [--micro-batches 8] [--json out.json]
+    python scripts/plan_lora.py [--rank 16] [--seq-len 4096] [--micro-batches 8] [--json out.json] [--smoke]
+
+``--smoke``: one topology, the MIP stopped at 1 s.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def row(model_dir: str, topology: str, rank: int, args) -> dict:
            "trained_params": sum(p.numel() for p in params if p.requires_grad),
            "host_gb_needed": host_bytes_needed(config, "bf16") / GB, "host_gb_preset": topo.host_memory_gb}
     try:
-        plan = plan_on(cfg, config, topo, profile_how="analytic", time_limit_s=8.0, use_cache=False)
+        plan = plan_on(cfg, config, topo, profile_how="analytic", time_limit_s=args.time_limit, use_cache=False)
     except InputError as err:
         return {**out, "plan": None, "why": str(err)}
     return {**out, "plan": {"stages": len(plan.bounds), "recompute": plan.recompute, "partitioner": plan.partitioner,
@@ -45,15 +47,19 @@ def row(model_dir: str, topology: str, rank: int, args) -> dict:
                             "tokens_per_s": args.micro_batches * args.seq_len / plan.predicted_step_s}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
     p.add_argument("--json", default="plan_lora.json")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one topology, 1 s per MIP")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.time_limit = min(args.time_limit, 1.0)
     with model_dir("Llama-3.1-70B") as tmp:
-        rows = [row(tmp, t, r, args) for t in TOPOLOGIES for r in (0, args.rank)]
+        rows = [row(tmp, t, r, args) for t in TOPOLOGIES[:1 if args.smoke else None] for r in (0, args.rank)]
     print(f"Llama-3.1-70B (config.json only), bf16, {args.micro_batches} micro-batches of 1x{args.seq_len}; "
           "planner predictions")
     print(f"{'topology':>11} {'mode':>10} {'trained':>9} {'host GB need/have':>18} {'stages':>6} "

@@ -8,7 +8,9 @@ updates run), tokens/s, the speed-up over one box, and the network's share: the 
 gradient sums and weight broadcasts the node's link must carry per step, over the predicted step.
 Everything here is a prediction from config.json alone (analytic profile, bf16), not a measurement.
 
-    python scripts/plan_replicas.py [--micro-batches 64] [--seq-len 2048] [--json out.json]
+    python scripts/plan_replicas.py [--micro-batches 64] [--seq-len 2048] [--json out.json] [--smoke]
+
+``--smoke``: 1 and 2 boxes over one network, 8 micro-batches, the MIP stopped at 1 s.
 """
 
 from __future__ import annotations
@@ -47,15 +49,20 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
             "network_s": network_s, "network_share": network_s / plan.predicted_step_s}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batches", type=int, default=64, help="micro-batches of one sequence per step, all boxes")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="1 and 2 boxes over one network, 8 micro-batches")
+    args = ap.parse_args(argv)
+    networks, boxes_of = NETWORKS, (1, 2, 4)
+    if args.smoke:
+        networks, boxes_of = NETWORKS[-1:], (1, 2)
+        args.micro_batches, args.time_limit = 8, min(args.time_limit, 1.0)
     with model_dir("Llama-3.1-8B") as tmp:
-        rows = [row(tmp, boxes, network, args) for network in NETWORKS for boxes in (1, 2, 4)]
+        rows = [row(tmp, boxes, network, args) for network in networks for boxes in boxes_of]
     tokens = args.micro_batches * args.seq_len
     print(f"Llama-3.1-8B, {TOPOLOGY} per box, {tokens:,} tokens per step ({args.micro_batches} x 1 x {args.seq_len}), "
           "bf16; predictions, not measurements")

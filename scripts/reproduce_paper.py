@@ -16,7 +16,9 @@ Profiles are analytic (fp16 on RTX 3090 Ti: 40 TFLOPS at 50% MFU), micro-batch s
 Table 3, M = number of GPUs micro-batches per step, recomputation on (as in the paper); each plan
 is the one ``mobius.plan`` makes for those settings (with the memory CUDA itself takes reserved).
 
-    python scripts/reproduce_paper.py [--out paper_repro] [--time-limit 3]
+    python scripts/reproduce_paper.py [--out paper_repro] [--time-limit 3] [--smoke]
+
+``--smoke``: every figure for mobius-3b alone, on one 4-GPU topology and 2 and 4 GPUs (seconds).
 """
 
 from __future__ import annotations
@@ -94,21 +96,24 @@ def subset_topology(base: Topology, k: int) -> Topology:
     return topology_from_dict(d, d["name"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="paper_repro")
     p.add_argument("--time-limit", type=float, default=3.0, help="MIP time limit per plan (s)")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one model, one topology, 2 and 4 GPUs: seconds")
+    args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profiles = {m: profile_for(m) for m in MODELS}
+    models = MODELS[:1] if args.smoke else MODELS
+    topologies = ["topo2+2"] if args.smoke else ["topo4", "topo2+2", "topo1+3"]
+    profiles = {m: profile_for(m) for m in models}
     figures: dict[str, list[dict]] = {}
 
     # Fig. 5, 6, 8: Mobius vs DeepSpeed vs GPipe on three 4-GPU topologies.
     fig5, cdf_rows = [], []
-    for topo_name in ["topo4", "topo2+2", "topo1+3"]:
+    for topo_name in topologies:
         topo = load_preset(topo_name)
-        for model in MODELS:
+        for model in models:
             prof = profiles[model]
             plan = plan_for(model, topo, prof, args.time_limit)
             mo = simulate_mobius(prof, plan.bounds, topo, plan.order, topo.n)
@@ -121,10 +126,10 @@ def main() -> None:
                          "mobius_traffic_x": mo.traffic_bytes / size, "deepspeed_traffic_x": ds.traffic_bytes / size,
                          "mobius_exposed_s": mo.result.exposed_transfer_s(),
                          "deepspeed_exposed_s": ds.result.exposed_transfer_s()})
-            if topo_name == "topo4" and model == "mobius-8b":
+            if (topo_name, model) == (topologies[0], "mobius-3b" if args.smoke else "mobius-8b"):
                 for system, res in (("mobius", mo.result), ("deepspeed", ds.result)):
                     cdf_rows += [{"system": system, "bytes": b, "gbps": bw} for b, bw in res.achieved_bandwidths()]
-                with open(out / "fig8_timeline_mobius-8b_topo4.json", "w") as f:
+                with open(out / f"fig8_timeline_{model}_{topo_name}.json", "w") as f:
                     json.dump({"traceEvents": mo.result.chrome_trace()}, f)
     figures["fig5_fig6_fig8"] = fig5
     figures["fig7_bandwidth_cdf"] = cdf_rows
@@ -132,7 +137,7 @@ def main() -> None:
     # Fig. 9: MIP vs min-/max-stage partitions, simulated (Topo 2+2).
     fig9 = []
     topo = load_preset("topo2+2")
-    for model in MODELS:
+    for model in models:
         prof = profiles[model]
         plan = plan_for(model, topo, prof, args.time_limit)
         machine = machine_for(topo, cross_map(topo, 2 * topo.n))
@@ -148,7 +153,7 @@ def main() -> None:
     # Fig. 10: cross vs sequential mapping, 8 GPUs, 4 per root complex.
     fig10 = []
     topo = load_preset("8x3090-4+4")
-    for model in MODELS:
+    for model in models:
         prof = profiles[model]
         plan = plan_for(model, topo, prof, args.time_limit)
         cross = simulate_mobius(prof, plan.bounds, topo, list(cross_map(topo, len(plan.bounds)).order), topo.n)
@@ -160,13 +165,14 @@ def main() -> None:
     # Fig. 14: 2 -> 8 GPUs.
     fig14 = []
     base = load_preset("8x3090-4+4")
-    prof = profiles["mobius-8b"]
-    for k in (2, 4, 6, 8):
+    scaled = models[0] if args.smoke else "mobius-8b"
+    prof = profiles[scaled]
+    for k in (2, 4) if args.smoke else (2, 4, 6, 8):
         topo = subset_topology(base, k)
-        plan = plan_for("mobius-8b", topo, prof, args.time_limit)
+        plan = plan_for(scaled, topo, prof, args.time_limit)
         mo = simulate_mobius(prof, plan.bounds, topo, plan.order, topo.n)
         ds = simulate_zero3_offload(prof, topo, topo.n)
-        tokens = topo.n * PAPER_MICRO_BATCH["mobius-8b"] * 512
+        tokens = topo.n * PAPER_MICRO_BATCH[scaled] * 512
         fig14.append({"gpus": k, "mobius_tokens_per_s": tokens / mo.step_s, "deepspeed_tokens_per_s": tokens / ds.step_s})
     figures["fig14_scaling"] = fig14
 
@@ -197,8 +203,10 @@ def _plots(out: Path, figures: dict) -> None:
         print("matplotlib not installed: CSV only (pip install .[plots] for PNGs)")
         return
     fig5 = figures["fig5_fig6_fig8"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=False)
-    for ax, topo in zip(axes, ["topo4", "topo2+2", "topo1+3"]):
+    topologies = list(dict.fromkeys(r["topology"] for r in fig5))
+    fig, axes = plt.subplots(1, len(topologies), figsize=(4.4 * len(topologies), 3.6), squeeze=False)
+    axes = axes[0]
+    for ax, topo in zip(axes, topologies):
         rows = [r for r in fig5 if r["topology"] == topo]
         x = range(len(rows))
         ax.bar([i - 0.27 for i in x], [r["mobius_s"] for r in rows], 0.27, label="Mobius")

@@ -4,7 +4,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # make_tiny_chat_model
 
+import atexit  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# The suite's own caches, made fresh for each run and removed after it: nothing under the user's
+# home is read or written, and no measurement an earlier run left (a runtime calibration taken on
+# a busy machine, say) decides a test.  Set before anything imports mobius (mobius.cache reads it
+# once); worker processes inherit it.
+_SCRATCH = tempfile.mkdtemp(prefix="mobius-tests-")
+_OWNER = os.getpid()  # a forked child exiting through atexit must not remove it under the suite
+atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_SCRATCH, ignore_errors=True))
+os.environ["MOBIUS_CACHE"] = os.path.join(_SCRATCH, "mobius")
+os.environ["HF_HOME"] = os.path.join(_SCRATCH, "huggingface")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_SCRATCH, "cache")
+os.environ["MPLCONFIGDIR"] = os.path.join(_SCRATCH, "matplotlib")
 
 # Every run in the tests goes through the stream-order checker of the CPU device layer
 # (mobius.runtime.device), pipeline workers included (they inherit the environment).

@@ -56,8 +56,10 @@ other candidate.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from mobius.errors import InputError
@@ -505,6 +507,30 @@ STREAM_OF = {"upload": "compute", "upload backward": "compute", "load": "params"
              "activation gradient": "activations", "gradients": "gradients"}
 
 
+class _Overlap:
+    """Sum over a set of intervals of their overlap with any ``[a, b]``, in O(log n): the integral of
+    how many intervals cover t is F(t) = sum over starts before t of (t - start) less the same over
+    ends, read off sorted starts and ends and their prefix sums."""
+
+    def __init__(self, spans: list[tuple[float, float]]):
+        self.starts, self.ends = sorted(a for a, _ in spans), sorted(b for _, b in spans)
+        self.start_sums, self.end_sums = _prefix(self.starts), _prefix(self.ends)
+
+    def _integral(self, t: float) -> float:
+        i, j = bisect.bisect_left(self.starts, t), bisect.bisect_left(self.ends, t)
+        return (t * i - self.start_sums[i]) - (t * j - self.end_sums[j])
+
+    def with_(self, a: float, b: float) -> float:
+        return self._integral(b) - self._integral(a)
+
+
+def _prefix(xs: list[float]) -> list[float]:
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
 def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ...]]:
     """Per slot, bytes/s of its forward and backward compute-stream uploads, forward activations and
     backward activation gradients beside the other copies of ``est``'s schedule: PCIe (and
@@ -514,25 +540,24 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
     its copies, by time."""
     n = machine.n
     link = [machine.link_bps(k) for k in range(n)]
-    spans = {"h2d": [], "d2h": []}
+    by_stream: dict[tuple[str, int, str], list[tuple[float, float]]] = defaultdict(list)
     for slot, d, a, b, kind in est.copies:
         if b > a:
-            spans[d].append((slot, a, b, STREAM_OF[kind]))
+            by_stream[d, slot, STREAM_OF[kind]].append((a, b))
+    overlap = {key: _Overlap(spans) for key, spans in by_stream.items()}
+    streams = {d: sorted({stream for d2, _, stream in by_stream if d2 == d}) for d in ("h2d", "d2h")}
     out = {}
     for kind, d, name in (("upload", "h2d", "upload"), ("upload backward", "h2d", "upload_backward"),
                           ("activation", "d2h", "d2h_forward"), ("activation gradient", "d2h", "d2h_backward")):
         ideal, slowed = [0.0] * n, [0.0] * n
+        mine = STREAM_OF[kind]
         for slot, _, a, b, k in est.copies:
             if k != kind or b <= a:
                 continue
-            peers = machine.root_complex_slots(slot)
-            own = rc = 0.0
-            for s2, a2, b2, stream in spans[d]:
-                if s2 in peers and not (s2 == slot and stream == STREAM_OF[kind]):
-                    share = max(0.0, min(b, b2) - max(a, a2)) / (b - a)
-                    rc += share
-                    if s2 == slot:
-                        own += share
+            own = sum(overlap[d, slot, s].with_(a, b) for s in streams[d] if s != mine and (d, slot, s) in overlap)
+            others = sum(overlap[d, s2, s].with_(a, b) for s2 in machine.root_complex_slots(slot) if s2 != slot
+                         for s in streams[d] if (d, s2, s) in overlap)
+            own, rc = own / (b - a), (own + others) / (b - a)
             ideal[slot] += b - a
             slowed[slot] += (b - a) * max(1 + own, (1 + rc) * link[slot] / machine.rc_bps(slot), 1.0)
         out[name] = tuple(link[k] * ideal[k] / slowed[k] if slowed[k] else link[k] for k in range(n))

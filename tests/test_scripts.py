@@ -1,0 +1,109 @@
+"""Every script under scripts/ runs in its smoke mode (seconds, a tiny model or plan) and writes
+what it reports: a refactor that breaks one fails here, not in front of the person who runs it.
+Scripts run in this process (their ``main(argv)``), so each costs its own work and no
+interpreter start; those that train start their workers as a user's run would.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, argv: list[str]):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """Each script writes into its own directory, and leaves torch's thread count as it found it."""
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)
+
+
+def read(path) -> dict | list:
+    return json.loads(Path(path).read_text())
+
+
+def test_every_script_has_a_smoke_test():
+    tested = {p.stem for p in SCRIPTS.glob("*.py")} - {"published_models"}  # a module the plan scripts import
+    here = Path(__file__).read_text()
+    untested = sorted(name for name in tested if f'run_script("{name}"' not in here
+                      and name != "bench_gpu")  # its smoke mode: tests/test_bench_gpu.py
+    assert untested == []
+
+
+def test_make_tiny_chat_model(tmp_path):
+    run_script("make_tiny_chat_model", ["chat"])
+    assert read(tmp_path / "chat" / "config.json")["model_type"] == "llama"
+    assert (tmp_path / "chat" / "tokenizer.json").is_file()
+
+
+def test_reproduce_paper(tmp_path, capsys):
+    run_script("reproduce_paper", ["--smoke", "--out", "repro", "--time-limit", "1"])
+    fig5 = (tmp_path / "repro" / "fig5_fig6_fig8.csv").read_text().splitlines()
+    assert fig5[0].startswith("topology,model,stages,mobius_s,deepspeed_s") and len(fig5) == 2
+    summary = read(tmp_path / "repro" / "summary.json")
+    assert summary["speedup_range"][0] > 1  # the simulated Mobius beats the simulated ZeRO-3 offload
+    assert len((tmp_path / "repro" / "fig14_scaling.csv").read_text().splitlines()) == 3  # 2 and 4 GPUs
+    assert "fig10_mapping" in capsys.readouterr().out
+
+
+def test_plan_scripts():
+    run_script("bench_partition", ["--smoke", "--json", "partition.json"])
+    (row,) = read("partition.json")
+    assert row["mip_le_best_baseline"] and row["mip_stages"] >= 2
+    run_script("longest_sequence", ["--smoke", "--json", "longest.json"])
+    (row,) = read("longest.json")
+    assert 1024 <= row["longest_seq_len"] <= 8192 and row["stages"] >= 4
+    run_script("plan_lora", ["--smoke", "--json", "lora.json"])
+    full, lora = read("lora.json")
+    assert lora["trained_params"] < full["trained_params"] / 100 and lora["plan"]["predicted_step_s"] > 0
+    run_script("plan_replicas", ["--smoke", "--json", "replicas.json"])
+    one, two = read("replicas.json")["rows"]
+    assert (one["boxes"], two["boxes"]) == (1, 2) and two["network_s"] > 0 and two["speedup"] > 1
+
+
+def test_bench_optimizer():
+    run_script("bench_optimizer", ["--smoke", "--json", "adam.json"])
+    rows = {r["implementation"]: r for r in read("adam.json")}
+    assert "DeepSpeedCPUAdam" not in rows and rows["mobius (make_adamw)"]["params_per_s"] > 0
+
+
+def test_training_benches():
+    """The benches that train: the pipeline, the chunked engine, the simulator's calibration."""
+    run_script("bench_pipeline", ["--smoke", "--json", "pipeline.json"])
+    single, pipeline = read("pipeline.json")["rows"]
+    assert single["step_s"] > 0 and pipeline["config"].startswith("pipeline 2w") and pipeline["h2d_bytes"] > 0
+    run_script("bench_chunked", ["--smoke", "--json", "chunked.json"])
+    out = read("chunked.json")
+    assert [r["topology"] for r in out["search"]] == ["dgx-a100", "1xA100-40GB"]
+    assert out["timing"][1]["config"].endswith("offload on") and out["timing"][1]["step_s"] > 0
+    run_script("calibrate_sim", ["--smoke", "--json", "calibrate.json"])
+    out = read("calibrate.json")
+    assert out["measured_step_s"] > 0 and out["simulated_step_s"] > 0
+
+
+def test_benches_of_whole_runs():
+    """The benches that run ``python -m mobius.train`` as a user would, emulated or not."""
+    run_script("bench_interleaved", ["--smoke", "--json", "interleaved.json"])
+    out = read("interleaved.json")
+    assert set(out["median_step_s"]) == {"lag 0", "lag 1"} and all(len(t) == 1 for t in out["step_times"].values())
+    run_script("bench_emulated", ["--smoke", "--json", "emulated.json"])
+    (row,) = read("emulated.json")["rows"].values()
+    assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["factor"] > 1
+    run_script("bench_replicas", ["--smoke", "--json", "replicas.json"])
+    (row,) = read("replicas.json")["rows"]
+    assert row["replicas"] == 2 and all(p > 0 for p in row["adam_params_per_step"])
+    run_script("measure_host_memory", ["--smoke", "--json", "memory.json"])
+    out = read("memory.json")
+    assert out["rss_peak_bytes"] > 0 and out["device_peak_bytes_per_worker"] > 0
