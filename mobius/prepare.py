@@ -359,7 +359,7 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          link_bps=tuple(g.link_bandwidth_gbps * 1e9 for g in topo.gpus),
                          root_complex=tuple(g.root_complex for g in topo.gpus),
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
-                         counters="", how=how,  # the launcher makes the counters file
+                         counters="", how=how, floor=step_floor,  # the launcher makes the counters file
                          replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB)
 
 

@@ -1,7 +1,7 @@
 """chunked_dp: replacement policies, chunk packing, the search, and equivalence with the reference."""
 
 import random
-import time
+import threading
 
 import pytest
 import torch
@@ -164,8 +164,8 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
 
 
 def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_group):
-    """Every chunk offloaded, the host's AdamW slow (0.1 s a chunk): backward reduces each chunk and
-    sends its gradient home as soon as its layers are done.  The two staging buffers are handed back
+    """Every chunk offloaded, the host's AdamW held back: backward reduces each chunk and sends its
+    gradient home as soon as its layers are done.  The two staging buffers are handed back
     once a gradient is added to its fp32 master, not after that chunk's AdamW, so the third chunk's
     gradient is on its way before the first chunk's update ends (before, backward stalled there)."""
     from chunked_dp.engine import ChunkedEngine
@@ -176,25 +176,30 @@ def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_gr
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
                            device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
                            total_steps=1, group=2)
-    reduced, updated = [], {}
+    events = []  # ("reduced" | "updated", chunk), in the order they happened
+    three_reduced = threading.Event()
     reduce, update = engine._reduce, engine._update
 
-    def slow_update(k, stream):
-        time.sleep(0.1)
+    def held_update(k, stream):
+        # The host's update waits until backward has reduced three chunks: a backward that waited
+        # for an update would stall here, and the wait's minute would end in the wrong order.
+        three_reduced.wait(60)
         update(k, stream)
-        updated[k] = time.perf_counter()
+        events.append(("updated", k))
 
     def noted_reduce(k, last):
         reduce(k, last)
-        reduced.append((k, time.perf_counter()))
+        events.append(("reduced", k))
+        if sum(e == "reduced" for e, _ in events) == 3:
+            three_reduced.set()
 
-    engine._update, engine._reduce = slow_update, noted_reduce
+    engine._update, engine._reduce = held_update, noted_reduce
     batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     try:
         engine.step(0, batches)
-        assert len(reduced) >= 3 and sorted(updated) == sorted(k for k, _ in reduced)
-        (first, _), _, (_, third_at) = reduced[:3]
-        assert third_at < updated[first]
+        reduced = [k for e, k in events if e == "reduced"]
+        assert len(reduced) >= 3 and sorted(k for e, k in events if e == "updated") == sorted(reduced)
+        assert events.index(("reduced", reduced[2])) < events.index(("updated", reduced[0]))
     finally:
         engine.close()
         device.close()

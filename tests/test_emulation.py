@@ -39,62 +39,77 @@ def emulated_s(fn) -> float:
     return (time.perf_counter() - t0) / FACTOR
 
 
-def at_once(*fns) -> list[float]:
-    """Emulated seconds each of ``fns`` took, all started together on threads."""
-    out = [0.0] * len(fns)
+def held_open(link: EmulatedLinks, direction: str):
+    """A transfer of ``link`` in flight until the returned function is called (its real copy waits)."""
+    entered, release = threading.Event(), threading.Event()
 
-    def run(i: int) -> None:
-        out[i] = emulated_s(fns[i])
+    def copy() -> None:
+        entered.set()
+        release.wait(60)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
+    t = threading.Thread(target=link.transfer, args=(1, direction, copy))
+    t.start()
+    assert entered.wait(60)
+
+    def done() -> None:
+        release.set()
         t.join()
-    return out
+    return done
+
+
+def rate_beside(link: EmulatedLinks, direction: str, *others: tuple[EmulatedLinks, str]) -> float:
+    """The rate ``link``'s transfer in ``direction`` gets while each of ``others`` has one in flight."""
+    releases = [held_open(w, d) for w, d in others]
+    seen = []
+    try:
+        link.transfer(1, direction, lambda: seen.append(link.rate(direction)))
+    finally:
+        for release in releases:
+            release()
+    return seen[0]
 
 
 def test_a_transfer_alone_takes_bytes_over_bandwidth(tmp_path):
+    """1 MB at 1 GB/s: 1 ms emulated, never less (it sleeps), and not 10x more even on a busy machine."""
     w = links(tmp_path)
-    assert emulated_s(lambda: w[0].transfer(MB, "h2d", lambda: None)) == pytest.approx(1e-3, rel=0.25)
+    assert 0.99e-3 <= emulated_s(lambda: w[0].transfer(MB, "h2d", lambda: None)) < 1e-2
 
 
 def test_workers_under_one_root_complex_share_it_across_emulators(tmp_path):
     """Workers 0 and 1 hang off root complex 0: two transfers at once each get half of it; worker 2
     (root complex 1) and transfers in the other direction are not slowed."""
     w = links(tmp_path)
-    shared = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[1].transfer(MB, "h2d", lambda: None))
-    assert shared == pytest.approx([2e-3, 2e-3], rel=0.25)
-    apart = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[2].transfer(MB, "h2d", lambda: None),
-                    lambda: w[1].transfer(MB, "d2h", lambda: None))
-    assert apart == pytest.approx([1e-3, 1e-3, 1e-3], rel=0.25)
+    assert rate_beside(w[0], "h2d") == 1e9
+    assert rate_beside(w[0], "h2d", (w[1], "h2d")) == 0.5e9
+    assert rate_beside(w[1], "h2d", (w[0], "h2d")) == 0.5e9
+    assert rate_beside(w[0], "h2d", (w[2], "h2d"), (w[1], "d2h")) == 1e9
 
 
 def test_each_box_has_its_own_root_complexes_and_shares_its_network(tmp_path):
     """Two boxes of two GPUs on one root complex: box 1's copies do not slow box 0's; a box's
-    exchanges with the other boxes share its network (1 MB at 0.5 GB/s: 2 ms alone, 4 ms for two
-    at once), and the other box's exchanges do not take from it."""
+    exchanges with the other boxes share its network (0.5 GB/s alone, half each for two at once),
+    and the other box's exchanges do not take from it."""
     w = links(tmp_path, root_complex=(0, 0), boxes=2, network_bps=0.5e9)
-    apart = at_once(lambda: w[0].transfer(MB, "h2d", lambda: None), lambda: w[2].transfer(MB, "h2d", lambda: None))
-    assert apart == pytest.approx([1e-3, 1e-3], rel=0.25)
-    assert emulated_s(lambda: w[0].exchange(MB)) == pytest.approx(2e-3, rel=0.25)
-    one_box = at_once(lambda: w[0].exchange(MB), lambda: w[1].exchange(MB))
-    assert one_box == pytest.approx([4e-3, 4e-3], rel=0.25)
-    two_boxes = at_once(lambda: w[0].exchange(MB), lambda: w[2].exchange(MB))
-    assert two_boxes == pytest.approx([2e-3, 2e-3], rel=0.25)
+    assert rate_beside(w[0], "h2d", (w[2], "h2d")) == 1e9
+    assert rate_beside(w[0], "net") == 0.5e9
+    assert rate_beside(w[0], "net", (w[1], "net")) == 0.25e9
+    assert rate_beside(w[0], "net", (w[2], "net"), (w[3], "net")) == 0.5e9
     # What the replicas' collectives charge goes through the device layer (nothing on real devices).
-    assert emulated_s(lambda: CpuDevice(check=False, emulation=w[3]).network_time(MB)) == pytest.approx(2e-3, rel=0.25)
-    assert emulated_s(lambda: CpuDevice(check=False).network_time(MB)) < 1e-4
+    charged = []
+    w[3].exchange = charged.append
+    CpuDevice(check=False, emulation=w[3]).network_time(MB)
+    CpuDevice(check=False).network_time(MB)
+    assert charged == [MB]
 
 
 def test_the_gpu_link_caps_a_transfer_below_its_share(tmp_path):
     w = links(tmp_path, root_complex=(0,), link_bps=0.5e9, rc_bps=1e9)
-    assert emulated_s(lambda: w[0].transfer(MB, "h2d", lambda: None)) == pytest.approx(2e-3, rel=0.25)
+    assert rate_beside(w[0], "h2d") == 0.5e9
 
 
 def test_compute_lasts_the_gpu_time_and_compute_stream_copies_come_on_top(tmp_path):
     """A micro-batch whose emulated GPU time is 2 ms takes 2 ms however fast the CPU is; its input's
-    copy on the compute stream (1 MB, 1 ms) adds to it, as on a GPU."""
+    copy on the compute stream (1 MB, 1 ms) adds to it, as on a GPU: 3 ms, never less."""
     w = links(tmp_path, root_complex=(0,))
     device = CpuDevice(check=False, emulation=w[0])
 
@@ -102,7 +117,7 @@ def test_compute_lasts_the_gpu_time_and_compute_stream_copies_come_on_top(tmp_pa
         with device.compute_span(2e-3):
             w[0].transfer(MB, "h2d", lambda: None)
 
-    assert emulated_s(step) == pytest.approx(3e-3, rel=0.25)
+    assert 0.99 * 3e-3 <= emulated_s(step) < 3e-2
     with device.compute_span(0.0):
         pass  # nothing to pad
 
@@ -130,12 +145,17 @@ def test_copies_within_the_device_cross_no_link(tmp_path):
     from mobius.runtime.device import WITHIN_DEVICE
 
     w = links(tmp_path, root_complex=(0,))
+    crossed = []
+    through = w[0].transfer
+    w[0].transfer = lambda nbytes, direction, copy: (crossed.append((nbytes, direction)), through(nbytes, direction, copy))
     device = CpuDevice(check=True, emulation=w[0])
     src = torch.arange(MB // 4, dtype=torch.float32)
     dst = device.empty(MB // 4, torch.float32)
-    assert emulated_s(lambda: device.compute.copy(dst, src)) == pytest.approx(1e-3, rel=0.25)
+    device.compute.copy(dst, src)
+    assert crossed == [(MB, "h2d")]
     dst.zero_()
-    assert emulated_s(lambda: device.compute.copy(dst, src, direction=WITHIN_DEVICE)) < 2e-4
+    device.compute.copy(dst, src, direction=WITHIN_DEVICE)
+    assert crossed == [(MB, "h2d")]
     assert torch.equal(dst, src)
     device.close()
 

@@ -4,7 +4,6 @@ fine-tuning through every backend.  ``transformers`` is a test extra, never a ru
 import glob
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -193,14 +192,12 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps(cfg))
-        t0 = time.perf_counter()
         config = get_config(str(d))
         topo = load_preset(topology)
         profile = get_profile(str(d), config, topo, 1, 1024, "bf16", "analytic")
         plan = make_plan(str(d), config, topo, 1, topo.n, 1024, "bf16", profile=profile, use_cache=False,
                          time_limit_s=2)
-        elapsed = time.perf_counter() - t0
-        assert elapsed < 30 and plan.predicted_step_s > 0
+        assert plan.predicted_step_s > 0
         assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2
 
 

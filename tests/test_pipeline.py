@@ -6,7 +6,6 @@ checks several things at once: per-step losses, final weights and the traffic co
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -88,13 +87,12 @@ def test_budget_below_all_stages_still_trains_within_budget():
         assert abs(a - b) / abs(b) < 1e-5
 
 
-def test_killed_worker_ends_the_run_quickly_with_its_rank():
+def test_killed_worker_ends_the_run_with_its_rank():
+    """Worker 1 is killed in step 1 of a run of a million steps: the run ends there, naming it (a
+    launcher that waited for the surviving worker would run for hours and meet the timeout)."""
     env = {**os.environ, "MOBIUS_FAULT": "1:1"}
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "mobius.train", "--model", "tiny", "--topology", "cpu",
-                        "--cpu-workers", "2", "--steps", "4", "--seq-len", "32", "--micro-batch-size", "2",
-                        "--stages", "4", "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
-    elapsed = time.monotonic() - t0
+                        "--cpu-workers", "2", "--steps", "1000000", "--seq-len", "32", "--micro-batch-size", "2",
+                        "--stages", "4", "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0
-    assert elapsed < 60
     assert "error: worker 1 failed: Signal 9" in r.stderr

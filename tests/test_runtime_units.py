@@ -47,7 +47,7 @@ def test_a_prefetch_waits_for_what_the_running_stage_reserved():
     prefetch.start()
     assert not done.wait(0.3)  # 2 MiB beside the reservation: not enough
     memory.set_compute_reserve(0)  # the pass ended: its reservation is released
-    assert done.wait(5)
+    assert done.wait(60)
     prefetch.join()
     assert memory.used == 5 * MiB and memory.peak <= memory.budget
 

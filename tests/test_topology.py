@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -90,11 +89,9 @@ def test_cross_mapping_topo2_2_separates_every_adjacent_pair():
     assert sorted(m.order) == [0, 1, 2, 3]
 
 
-def test_cross_mapping_8_gpus_beats_sequential_fast():
+def test_cross_mapping_8_gpus_beats_sequential():
     topo = load_preset("8x3090-4+4")
-    t0 = time.perf_counter()
     cross = cross_map(topo, 16)
-    elapsed = time.perf_counter() - t0
     seq = sequential_map(topo, 16)
     assert cross.contention < seq.contention
     assert cross.contention == pytest.approx(contention(topo, cross.order, 16))

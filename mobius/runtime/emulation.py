@@ -46,6 +46,7 @@ class EmulationSpec:
     rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
     counters: str  # the shared file of active-transfer counters (made by the launcher)
     how: str = ""  # how the factor was decided (mobius.prepare.emulation_for)
+    floor: float = 0.0  # the least factor this machine allows the run: its busiest worker's CPU work fits a step
     replicas: int = 1  # boxes emulated, each with the GPUs above: worker w of box d is rank d * len(link_bps) + w
     network: str = ""  # between the boxes (replicas > 1)
     network_bps: float = 0.0  # each box's link to it, bytes per emulated second each way
@@ -99,7 +100,7 @@ class EmulatedLinks:
     def _slot(self, worker: int, direction: str) -> int:
         return worker * len(DIRECTIONS) + DIRECTIONS.index(direction)
 
-    def _rate(self, direction: str) -> float:
+    def rate(self, direction: str) -> float:
         """Bytes per emulated second a transfer of ours gets now."""
         mine = max(1, int(self._counts[self._slot(self.rank, direction)]))
         sharing = max(1, sum(int(self._counts[self._slot(w, direction)]) for w in self._peers[direction]))
@@ -112,7 +113,7 @@ class EmulatedLinks:
         with self._lock:
             self._counts[slot] += 1
         try:
-            last, rate = time.perf_counter(), self._rate(direction)
+            last, rate = time.perf_counter(), self.rate(direction)
             copy()
             remaining = float(nbytes)
             while True:  # each slice at the rate the sharing gave at its start
@@ -121,7 +122,7 @@ class EmulatedLinks:
                 last = now
                 if remaining <= 0:
                     return
-                rate = self._rate(direction)
+                rate = self.rate(direction)
                 time.sleep(min(remaining / rate * self.factor, SLICE_S))
         finally:
             with self._lock:
