@@ -295,6 +295,7 @@ def test_an_export_the_chunked_backend_does_not_build_is_refused(hf, tmp_path, c
 
 # ---- the user's files are never replaced ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_outputs_never_replace_the_users_files(hf, tmp_path, capsys):
     """Each class of output collision is refused before training, and every file is unchanged."""
     model = _copy(hf, "gpt2", tmp_path)

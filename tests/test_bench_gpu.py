@@ -3,9 +3,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_gpu_smoke_runs_every_system_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--json", str(out)],
@@ -25,6 +28,7 @@ def test_bench_gpu_smoke_runs_every_system_on_cpu(tmp_path):
     assert chunked["predicted_step_s"] > 0 and "host AdamW" in chunked["predicted_lane_floor_s"]
 
 
+@pytest.mark.slow
 def test_bench_gpu_sweeps_tokens_per_step(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--sweep", "--systems",

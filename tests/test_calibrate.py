@@ -23,6 +23,7 @@ def test_the_fit_finds_the_costs_the_runs_were_made_of():
         assert fitted[c] == pytest.approx(measured[c], rel=0.02)
 
 
+@pytest.mark.slow
 def test_the_calibration_runs_two_worker_processes_on_the_real_runtime():
     """Every configuration runs, one stage per worker and one stage per layer, over gloo."""
     times = calibrate.time_calibration_runs(threads=1, steps=2)

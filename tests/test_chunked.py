@@ -72,6 +72,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,chunk,blocks,offload,prefetch", CASES)
 def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
     cfg = RunConfig.of(model="tiny", backend="chunked", topology="cpu", cpu_workers=workers, steps=4, micro_batch_size=2,
@@ -89,6 +90,7 @@ def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
         assert results[0]["counters"]["prefetched"] > 0
 
 
+@pytest.mark.slow
 def test_gather_and_reduce_volume_at_rcache_max_and_min():
     """Elixir Table 1.  rCache-max moves 2·L_c·S per step: each chunk is gathered once and reduced
     once, like ZeRO-2.  rCache-min gathers again in backward every chunk not resident when forward
@@ -109,6 +111,7 @@ def test_gather_and_reduce_volume_at_rcache_max_and_min():
     assert volumes["min"] == (pytest.approx(3.0 - 2 / chunks["min"]), pytest.approx(1.0))
 
 
+@pytest.mark.slow
 def test_chunked_checkpoint_resumes_exactly_on_another_backend(tmp_path):
     from mobius.train import main
 

@@ -34,6 +34,7 @@ def test_resident_stages_are_loaded_once_and_updated_on_the_device():
                                                                                                    RELEASE]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["on", "off"])
 def test_resident_stages_train_as_the_reference_to_the_bit(recompute):
     """fp32 on 2 CPU workers: stages updated on the device give the reference's losses and weights
@@ -51,6 +52,7 @@ def test_resident_stages_train_as_the_reference_to_the_bit(recompute):
         assert all(torch.equal(bf16[0][1][n], w) for n, w in bf16[1][1].items())
 
 
+@pytest.mark.slow
 def test_a_resident_run_resumes_a_checkpoint_and_writes_one(tmp_path):
     """The reference saves at step 3; the pipeline, with resident stages, takes its weights and
     AdamW moments onto the device, trains to step 6 and saves; the reference resumes that to step

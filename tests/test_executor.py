@@ -46,6 +46,7 @@ def test_workers_in_threads_equal_the_reference(workers, stages, recompute):
     assert_same(run_in_threads(cfg), reference(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,stages", [(2, 4), (3, 6)])
 def test_tied_embedding_exchanged_between_workers(tied_gpt2, workers, stages):
     """The token table (stage 0) and the LM head (last stage) on different workers: their gradients
@@ -69,6 +70,7 @@ def test_fp16_overflow_vote_in_threads():
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,workers,stages", [("tiny8", 2, 4), ("tied", 2, 4), ("tiny8", 3, 3)])
 def test_optimizer_lag_equals_its_reference(tied_gpt2, model, workers, stages):
     """--optimizer-lag 1: step k+1 computes with the weights before step k's update, on every

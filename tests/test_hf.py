@@ -93,6 +93,7 @@ def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     assert not torch.allclose(reference_logits(hf_dirs[arch], tokens), ours, atol=1e-3)  # it did change
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
 def test_single_and_pipeline_fine_tune_alike(hf_dirs, arch):
     """Full fine-tuning (fp32): the reference and pipelines of 2 and 4 workers (threads), at a
@@ -129,6 +130,7 @@ def test_packed_examples_see_only_themselves_through_a_sliding_window(hf_dirs):
         torch.testing.assert_close(packed[:, 13:], model.logits(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):
     from mobius.prepare import resolve_topology
     from mobius.launcher import launch_pipeline
@@ -170,6 +172,7 @@ def test_tokenizer_json_and_jsonl_data(tmp_path):
         load_corpus(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["8x3090-4+4", "4x4090"])
 def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topology):
     from mobius.planner import make_plan
@@ -201,6 +204,7 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
         assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 3])
 def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     """Both copies of the tied table in one stage (1) or in different stages of one worker (3)."""

@@ -163,6 +163,7 @@ def test_micro_batch_split_does_not_change_the_step(chat_setup):
             torch.testing.assert_close(w, runs[0][1][name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(chat_setup):
     """The workers as processes (data, masks and positions derived in each worker): pipeline and
     chunked on 2 CPU workers equal transformers; their held-out losses (--eval-split, after steps
@@ -187,6 +188,7 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
         assert close([m.eval_loss for m in history[1:]], want_eval), backend
 
 
+@pytest.mark.slow
 def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
     """The job done: a tiny Llama fine-tuned on an instruction set (parity of a number), exported,
     answers prompts it never saw with transformers' generate and stops at the end of its turn."""

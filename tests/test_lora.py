@@ -81,6 +81,7 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_single_and_pipeline_equal_peft(hf_dirs, arch):
     from conftest import run_in_threads
@@ -103,6 +104,7 @@ def test_single_and_pipeline_equal_peft(hf_dirs, arch):
                 assert torch.equal(weights[name], p.detach()), name
 
 
+@pytest.mark.slow
 def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
     """A pipeline run (2 workers) exports the adapter and the merged model; PEFT's model with our
     adapter, the merged model and ours give the same logits; untouched tensors are the input's."""
@@ -170,6 +172,7 @@ def test_a_resume_notices_changed_base_weights_and_data(hf_dirs, tmp_path, capsy
     assert ck.load_checkpoint(saved).step == 4
 
 
+@pytest.mark.slow
 def test_lora_checkpoint_resumes_exactly(hf_dirs, tmp_path):
     path, a, b = hf_dirs["gpt2"], tmp_path / "a", tmp_path / "b"
     args = ["--model", path, "--backend", "single", "--steps", "6", "--micro-batches", "2", "--micro-batch-size", "2",

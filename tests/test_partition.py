@@ -111,6 +111,7 @@ def test_the_warm_start_reaches_highs_and_bounds_the_answer(public_pulp_only, mo
     assert result.objective_s == pytest.approx(exhaustive_optimum(profile, machine, 2)[0], rel=GAP)
 
 
+@pytest.mark.slow
 def test_mip_never_worse_than_baselines_and_beats_max_stage():
     prof = analytic_profile("mobius-8b", get_config("mobius-8b"), 2, 512, 40.0)
     machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)
@@ -128,6 +129,7 @@ def test_balanced_bounds_minimise_the_largest_part():
     assert bounds == [(0, 3), (3, 4), (4, 6)]
 
 
+@pytest.mark.slow
 def test_layer_similarity_profiles_mobius_3b_with_three_layers(tmp_path):
     prof = measure_profile("mobius-3b", get_config("mobius-3b"), micro_batch=1, seq_len=8, repeats=1)
     assert prof.n == 66 and prof.distinct_measured == 3
@@ -161,6 +163,7 @@ def test_layer_too_big_for_the_gpu_names_layer_bytes_and_budget():
         check_layers_fit(prof, Machine((13e9,), (10**9,)))
 
 
+@pytest.mark.slow
 def test_plan_command_rejects_bad_input_with_one_line():
     r = subprocess.run([sys.executable, "-m", "mobius.plan", "--model", "mobius-51b", "--topology", "topo4",
                         "--gpu-mem-gb", "1", "--no-cache"], capture_output=True, text=True)

@@ -32,6 +32,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["on", "off"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_pipeline_equals_reference(case, recompute):
@@ -57,6 +58,7 @@ def test_pipeline_equals_reference(case, recompute):
     assert all(m.peer_bytes > 0 for m in history) == (workers > 1)
 
 
+@pytest.mark.slow
 def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch):
     """Many steps, one-layer stages, four workers over gloo, and random sleeps before every job of
     every copy stream (parameters in, activations and gradients out): equal to the reference."""
@@ -71,6 +73,7 @@ def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch)
         assert rel(w, ref_weights[name].detach()) < 1e-5, name
 
 
+@pytest.mark.slow
 def test_budget_below_all_stages_still_trains_within_budget():
     """One worker, six one-layer stages, a budget smaller than the model's weights: stages must swap."""
     budget_gb = 0.0007
@@ -87,6 +90,7 @@ def test_budget_below_all_stages_still_trains_within_budget():
         assert abs(a - b) / abs(b) < 1e-5
 
 
+@pytest.mark.slow
 def test_killed_worker_ends_the_run_with_its_rank():
     """Worker 1 is killed in step 1 of a run of a million steps: the run ends there, naming it (a
     launcher that waited for the surviving worker would run for hours and meet the timeout)."""

@@ -43,6 +43,7 @@ def test_stop_after_then_resume_equals_straight_run_bitwise(tmp_path, lag):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_resumes_on_single_backend(tmp_path):
     """Per-stage shards from 2 workers are reassembled by name by another backend."""
     d = tmp_path / "pipe"
@@ -55,6 +56,7 @@ def test_pipeline_checkpoint_resumes_on_single_backend(tmp_path):
         assert abs(x - y) / y < 1e-5
 
 
+@pytest.mark.slow
 def test_lagged_checkpoints_move_between_backends(tmp_path):
     """--optimizer-lag 1: the pipeline's checkpoint (master weights plus the weights the next step
     computes with) resumes on single and single's on the pipeline, as one straight run."""
@@ -227,6 +229,7 @@ def _wait_for_step(metrics: Path, step: int, timeout: float = PATIENCE_S) -> Non
     raise AssertionError("the run did not reach the step")
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
     p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000",
                        "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
@@ -239,6 +242,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
     assert step == sum(1 for _ in open(tmp_path / "m.jsonl"))
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     # `small` steps take about a second, so the second signal lands while the first is being honoured.
     p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000", "--save", "ck",
@@ -255,6 +259,7 @@ def test_second_signal_exits_at_once(tmp_path):
     assert not (tmp_path / "ck").exists()  # nothing saved
 
 
+@pytest.mark.slow
 def test_killed_worker_leaves_no_orphans(tmp_path):
     """Worker 2 of a run of a million steps is killed in step 2: the run ends with one line naming
     it, and no process of the run is left."""
@@ -320,6 +325,7 @@ def _gone(tag: str, scratch: Path, within: float = PATIENCE_S) -> bool:
     return not _tagged(tag) and not any(scratch.iterdir())
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
     """Killed while training: the workers remove the launcher's temporary directories and die."""
     tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
@@ -331,6 +337,7 @@ def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
     assert _gone(tag, scratch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
     """The first plan on a machine calibrates the runtime with two worker processes.  SIGTERM then
@@ -348,6 +355,7 @@ def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
     assert _gone(tag, scratch)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group, workers still importing torch included."""
     tag = uuid.uuid4().hex
@@ -362,6 +370,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     assert _none_left(tag)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_outputs_is_refused_before_it_trains(tmp_path):
     """While a run writes --save (and --metrics), another run given them is refused in one line;
     the first carries on and saves."""

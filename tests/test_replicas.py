@@ -59,6 +59,7 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_counts(tmp_path):
     """D=2 for two steps, its checkpoint resumed on D=1 for one, that one resumed on D=2 again, on
     two emulated boxes of one GPU: the losses and final weights of the reference trainer, the AdamW
@@ -118,6 +119,7 @@ def _torchrun_nodes(tmp_path, per_node_args, per_node_env=({}, {})):
             node.kill()
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_train_as_the_reference(tmp_path):
     want, _ = reference(RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=3))
     args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "3", "--metrics", "m.jsonl"]
@@ -160,6 +162,7 @@ def test_network_presets_files_and_the_update_rate_they_give():
     assert replica_update_rate(1e9, 2, 4e9) == pytest.approx(1 / (1 / 2e9 + 1 / 1e9))
 
 
+@pytest.mark.slow
 def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
     from mobius.planner import make_plan
     from mobius.prepare import get_profile
@@ -212,6 +215,7 @@ def test_cost_model_and_simulator_share_the_network_alike():
     assert plan.lane_floor_s["network"] < plan.predicted_step_s == pytest.approx(sim, rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_on_one_node_ends_every_node_with_one_line_each(tmp_path):
     tag = f"mobius-test-{os.getpid()}"
     args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "50"]

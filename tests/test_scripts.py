@@ -48,6 +48,7 @@ def test_make_tiny_chat_model(tmp_path):
     assert (tmp_path / "chat" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_reproduce_paper(tmp_path, capsys):
     run_script("reproduce_paper", ["--smoke", "--out", "repro", "--time-limit", "1"])
     fig5 = (tmp_path / "repro" / "fig5_fig6_fig8.csv").read_text().splitlines()
@@ -58,6 +59,7 @@ def test_reproduce_paper(tmp_path, capsys):
     assert "fig10_mapping" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_scripts():
     run_script("bench_partition", ["--smoke", "--json", "partition.json"])
     (row,) = read("partition.json")
@@ -79,6 +81,7 @@ def test_bench_optimizer():
     assert "DeepSpeedCPUAdam" not in rows and rows["mobius (make_adamw)"]["params_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_training_benches():
     """The benches that train: the pipeline, the chunked engine, the simulator's calibration."""
     run_script("bench_pipeline", ["--smoke", "--json", "pipeline.json"])
@@ -93,6 +96,7 @@ def test_training_benches():
     assert out["measured_step_s"] > 0 and out["simulated_step_s"] > 0
 
 
+@pytest.mark.slow
 def test_benches_of_whole_runs():
     """The benches that run ``python -m mobius.train`` as a user would, emulated or not."""
     run_script("bench_interleaved", ["--smoke", "--json", "interleaved.json"])
