@@ -102,8 +102,11 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision)))
 
 
-# Part of every cached plan's key: a plan made by an older cost model is made again, not reused.
-COST_MODEL_VERSION = 12
+# Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
+# planner) is made again, not reused.
+COST_MODEL_VERSION = 13
+
+
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
                       where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
@@ -226,25 +229,42 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     first = min(runnable(baselines), key=lambda name: settled_of[name][1].step_s)
     baselines, settled_of = candidates(settled_of[first][0])
     times = {name: est.step_s for name, (_, est) in settled_of.items()}
+
+    def finished(bounds):
+        """What a partition becomes in the plan: the mapping searched for its stage count, the stages
+        kept resident, and its step under its own schedule's contention."""
+        placed = place(topo, len(bounds))
+        resident = ()
+        if device_optimizer and not optimizer_lag and precision != "fp16":
+            # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
+            # would cost a pass over every pair of copies); the choice is then settled once.
+            rates, _ = settled(bounds, placed)
+            resident = resident_stages(profile, bounds, lambda r: evaluate(profile, bounds, rates, micro_batches,
+                                                                            recompute, r), tied_stages(config, bounds))
+        return (placed, resident, *settled(bounds, placed, resident))
+
     solver: dict = {}
     if stages is not None:
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
-        # The MIP sees the copy rates as constants, those of the best baseline's schedule; its answer
-        # is then timed under its own contention, and kept if it is faster.  (Solving again on the
-        # rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md.)
+        # The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
+        # again on the rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md).
+        # Its answer and every baseline are then finished as the plan would be (mapped, resident
+        # stages chosen, timed under their own contention) and the fastest is kept: the MIP's plan is
+        # never slower than one --partitioner could have given.
         best = min(runnable(baselines), key=times.get)
-        bounds = baselines[best]
         result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
-                                 warm_start=bounds)
+                                 warm_start=baselines[best])
         solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
                   "variables": result.n_variables, "constraints": result.n_constraints}
         found = {name: baselines[name] for name in runnable(baselines)}
         if result.bounds:
             found["mip"] = result.bounds
-        steps = {**times, "mip": settled(result.bounds)[1].step_s} if result.bounds else times
+        done = {name: finished(b) for name, b in found.items()}
+        steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
         bounds, solver["chosen"] = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n,
                                                                 recompute)
+        times.update((name, t) for name, t in steps.items() if name != "mip")  # as the plans they would be
     else:
         bounds = baselines[partitioner]
     if len(bounds) < topo.n:
@@ -253,16 +273,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
-    # The mapping was searched for an assumed stage count; redo it for the real one.
-    placed = place(topo, len(bounds))
-    resident = ()
-    if device_optimizer and not optimizer_lag and precision != "fp16":
-        # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
-        # would cost a pass over every pair of copies); the choice is then settled once.
-        rates, _ = settled(bounds, placed)
-        resident = resident_stages(profile, bounds, lambda r: evaluate(profile, bounds, rates, micro_batches,
-                                                                        recompute, r), tied_stages(config, bounds))
-    machine, est = settled(bounds, placed, resident)
+    placed, resident, machine, est = done[solver["chosen"]] if "chosen" in solver else finished(bounds)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)

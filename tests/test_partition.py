@@ -1,7 +1,9 @@
+import json
 import random
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -389,3 +391,33 @@ def test_a_cached_profile_is_checked_for_range_not_for_positivity():
             broken.checked(broken.n)
     with pytest.raises(ValueError, match="it has 6 layers, the model 7"):
         profile.checked(7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_root_complex,setting", [(2, ["--host-adam-gbps", "5"]), (3, ["--gpu-mem-gb", "8"]),
+                                                      (4, ["--gpu-mem-gb", "8"])])
+def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_complex, setting):
+    """On boxes of two root complexes with 2, 3 and 4 GPUs each, with a slow host or little GPU
+    memory (where the MIP's own answer, chosen before resident stages and its own mapping, lost to
+    min, balanced or uniform by up to 1.6x): --partitioner mip plans no slower than any of them,
+    each timed as the plan --partitioner would make of it."""
+    from mobius.config import parse_train_args
+    from mobius.prepare import plan_on, resolve_topology
+    from mobius.runtime.inputs import check_model_input
+
+    box = json.loads((Path(__file__).parents[1] / "topology" / "presets" / "topo2+2.json").read_text())
+    gpu = box["gpus"][0]
+    box["gpus"] = [dict(gpu, index=i, root_complex=i // per_root_complex) for i in range(2 * per_root_complex)]
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(box))
+
+    def plan(partitioner):
+        cfg = parse_train_args(["--model", "mobius-3b", "--topology", str(path), "--partitioner", partitioner,
+                                "--recompute", "off", *setting])
+        return plan_on(cfg, check_model_input(cfg), resolve_topology(cfg), time_limit_s=1, use_cache=False,
+                       with_baselines=True)
+
+    mip = plan("mip")
+    assert {"min", "balanced", "uniform"} <= set(mip.baselines)
+    assert mip.predicted_step_s <= min(mip.baselines.values()) * (1 + 1e-9), mip.baselines
+    assert plan("balanced").predicted_step_s == pytest.approx(mip.baselines["balanced"], rel=1e-9)
