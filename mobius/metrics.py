@@ -27,6 +27,10 @@ class StepMetrics:
     loss_scale: float = 1.0  # fp16 dynamic loss scale after this step
     skipped_steps: int = 0  # fp16 steps skipped for overflow so far
     emulated_step_s: float | None = None  # --emulate: the step time on the emulated GPUs (wall / dilation)
+    # Pipeline: the busiest worker's host AdamW seconds in the step (emulated: on the emulated host),
+    # and the parameters per second the hosts' AdamW steps updated (all workers' together).
+    host_adam_s: float | None = None
+    host_adam_params_per_s: float | None = None
     eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
     eval_perplexity: float | None = None
 

@@ -50,6 +50,7 @@ from mobius.runtime.device import (
     usable_cores,
 )
 from mobius.runtime.emulation import EmulationSpec
+from mobius.runtime.plan_check import HOST_RATES, host_rate_key
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
@@ -58,8 +59,9 @@ GB = 10**9
 
 PROFILES = Cache("profiles", "profile")
 RUNTIME_COSTS = Cache("runtime", "runtime calibration")
-# Part of every measured profile's key: a profile without the runtime's costs is measured again.
-PROFILE_VERSION = 5
+# Part of every measured profile's key: a profile measured by older code (without the runtime's
+# costs, or with the host AdamW rate timed on a cache-sized tensor) is measured again.
+PROFILE_VERSION = 6
 
 
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
@@ -78,16 +80,33 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
     key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
                   measured_on()])
-    cached = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
-    if cached is not None:
-        return cached
-    print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
-          "this machine and code; cached)", flush=True)
-    profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
-                              host_workers=topo.n)
-    profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
-    PROFILES.put(key, profile.to_dict())
-    return profile
+    profile = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
+    if profile is None:
+        print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
+              "this machine and code; cached)", flush=True)
+        profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
+                                  host_workers=topo.n)
+        profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
+        PROFILES.put(key, profile.to_dict())
+    return with_measured_host_rate(profile, topo.n)
+
+
+def with_measured_host_rate(profile: Profile, workers: int) -> Profile:
+    """``profile`` with the host AdamW rate a run on this machine measured (with ``workers``
+    workers) where its plan's was off (:mod:`mobius.runtime.plan_check`): a run is a better
+    measurement than the profiler's timing of one tensor."""
+    def rate_of(entry: dict) -> float:
+        rate = float(entry["adam_params_per_s"])
+        if not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"the rate {rate} is not a positive number")
+        return rate
+
+    measured = HOST_RATES.get(host_rate_key(measured_on(), workers), rate_of)
+    if measured is None or measured == profile.host.adam_params_per_s:
+        return profile
+    print(f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this machine measured "
+          f"(timed at {profile.host.adam_params_per_s / 1e6:,.0f})", flush=True)
+    return replace(profile, host=replace(profile.host, adam_params_per_s=measured))
 
 
 def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:
@@ -290,8 +309,9 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
+    rate_key = "" if emulation else host_rate_key(measured_on(), topo.n)
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
-                   data_parallel=data_parallel_of(cfg)), plan
+                   data_parallel=data_parallel_of(cfg), host_rate_key=rate_key), plan
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise

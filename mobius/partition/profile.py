@@ -34,6 +34,7 @@ from mobius.runtime.device import (
     time_per_call,
     usable_cores,
 )
+from mobius.runtime.optim import adamw
 from mobius.swap.memory import SavedStorages
 
 # The fraction of a GPU's tensor-core peak (the topology's ``tflops``) the analytic model expects a
@@ -283,12 +284,19 @@ def worker_conditions(device: torch.device, workers: int, busy_work=None):
         torch.set_num_threads(threads_before)
 
 
-def measure_adam_rate(workers: int, numel: int = 2**21, repeats: int = 5) -> float:
-    """Parameters per second of one worker's fused AdamW step on the host, with its share of the
-    cores when ``workers`` workers (CPU workers, or one process per GPU) share them."""
+# The tensor the host AdamW rate is timed on: a stage's size, not a cache's.  Weights, gradients and
+# both moments of 2**24 fp32 parameters are 256 MB, past any CPU's caches, as the optimizer
+# thread's stages are; on 2**21 (32 MB, a few ms a step) an H100 host's rate was timed at a
+# fourteenth of what its optimizer thread then did.
+ADAM_TIMING_NUMEL = 2**24
+
+
+def measure_adam_rate(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int = 3) -> float:
+    """Parameters per second of one worker's AdamW step on the host (the runtime's own, fused), with
+    its share of the cores when ``workers`` workers (CPU workers, or one process per GPU) share them."""
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
-    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    opt = adamw([{"params": [p], "weight_decay": 0.0}], lr=1e-3)
     opt.step()
     cpu = torch.device("cpu")
     with worker_conditions(cpu, workers):

@@ -14,19 +14,21 @@ from tqdm import tqdm
 from mobius.config import RunConfig
 from mobius.errors import RunError
 from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog, seconds_text
+from mobius.runtime.plan_check import PlanCheck
 from mobius.signals import StopRequest
 
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
               agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True,
-              eval_fn: Callable[[int], float] | None = None) -> list[StepMetrics]:
+              eval_fn: Callable[[int], float] | None = None, check: PlanCheck | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
     evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
     (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
 
     ``agree`` makes every pipeline worker take the same stop/save decision; only ``main`` prints.
-    Every worker evaluates at the same steps: the decision depends on the step alone.
+    Every worker evaluates at the same steps: the decision depends on the step alone.  ``check``
+    compares the first steps with the plan (:mod:`mobius.runtime.plan_check`).
     """
     if main:
         print(header, flush=True)
@@ -52,6 +54,8 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
                 if main:
                     bar.write(f"eval after step {done}: loss {m.eval_loss:.4f}, perplexity {m.eval_perplexity:.2f}")
             history.append(m)
+            for line in check.after(history) if check is not None and main else ():
+                bar.write(line)
             writer.write(m)
             board.write(m)
             evaluated = [h.eval_loss for h in history if h.eval_loss is not None]

@@ -192,6 +192,9 @@ class RunSpec:
     chunked: ChunkedSetup | None = None  # chunked
     emulation: EmulationSpec | None = None  # --emulate
     data_parallel: int = 1  # pipeline replicas (mobius.stages.replicas); the plan is one replica's
+    # The cache entry where the run keeps the host AdamW rate it measures when its plan was off
+    # (mobius.runtime.plan_check); empty where the host is not this machine's own (emulated).
+    host_rate_key: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

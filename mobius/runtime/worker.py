@@ -36,6 +36,7 @@ from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.optim import DynamicLossScaler
+from mobius.runtime.plan_check import HOST_RATES, PlanCheck
 from mobius.runtime.spec import RunSpec
 from mobius.signals import StopRequest
 
@@ -284,7 +285,17 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             m = backend.step(step)
             if emulation is not None:
                 m.emulated_step_s = m.step_time_s / emulation.factor
+                if m.host_adam_s is not None:
+                    m.host_adam_s /= emulation.factor
+                if m.host_adam_params_per_s is not None:
+                    m.host_adam_params_per_s *= emulation.factor
             return m
+
+        def keep_rate(params_per_s: float) -> None:
+            if spec.host_rate_key:
+                HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
+
+        check = PlanCheck(spec.plan, keep_rate) if rank == 0 and spec.plan is not None else None
 
         def save(done: int) -> None:
             backend.drain()
@@ -293,7 +304,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
 
         header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
-                            main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None)
+                            main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None, check=check)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
         gather_trace(trace, cfg.outputs.trace, rank, world)
         finished = backend.finish()

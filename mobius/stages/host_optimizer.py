@@ -20,6 +20,7 @@ each host steps AdamW for its share of the parameters only.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -51,6 +52,8 @@ class HostOptimizer:
         self._to_master_jobs: list[Future] = []  # this step's
         self._updates: dict[int, list[Future]] = {}  # step -> its update jobs
         self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
+        self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
+        self._busy_lock = threading.Lock()
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> tuple[torch.Tensor, int]:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
@@ -129,8 +132,13 @@ class HostOptimizer:
                 for p in updated:
                     p.grad.div_(unscale)
             set_lr(host.optimizer, lr)
-            with self.device.compute_span(sum(p.numel() for p in updated) / self.adam_params_per_s):
+            numel = sum(p.numel() for p in updated)
+            began = time.perf_counter()
+            with self.device.compute_span(numel / self.adam_params_per_s):
                 host.optimizer.step()
+            with self._busy_lock:
+                self._busy[0] += time.perf_counter() - began
+                self._busy[1] += numel
         if host.optimizer is not None:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
@@ -142,6 +150,13 @@ class HostOptimizer:
         self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
         self.store.refresh_compute_copy(s, buffer)
         return self.host.record()
+
+    def take_busy(self) -> tuple[float, int]:
+        """Wall seconds of the AdamW steps this worker's optimizer thread ran since the last call,
+        and the parameters they updated: what the run compares with its plan's host AdamW lane."""
+        with self._busy_lock:
+            busy, self._busy = tuple(self._busy), [0.0, 0]
+        return busy
 
     def finish_step(self, step: int, lr: float, host: Stream) -> None:
         """Every offload of step ``step`` has been issued.  The updates that need every stage's

@@ -71,16 +71,19 @@ class PipelineWorker:
         memory.reset_peak()
         t0 = time.perf_counter()
         loss = self.parts.runner.step(step)
-        stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer], dtype=torch.float64)
+        adam_s, adam_params = self.parts.runner.optimizer.take_busy()
+        stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer, adam_s, adam_params], dtype=torch.float64)
         dist.all_reduce(stats)  # the loss: the last stage's worker computed it
-        peak = torch.tensor([memory.peak], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self.peak_bytes_max = max(self.peak_bytes_max, int(peak.item()))
+        most = torch.tensor([memory.peak, adam_s], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.peak_bytes_max = max(self.peak_bytes_max, int(most[0].item()))
         return StepMetrics(step=step, loss=stats[0].item(), lr=lr_at(step, cfg.optim.steps, cfg.optim.lr),
                            tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
-                           peer_bytes=int(stats[3]), peak_device_bytes=int(peak.item()),
-                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
+                           peer_bytes=int(stats[3]), peak_device_bytes=int(most[0].item()),
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
+                           host_adam_s=most[1].item(),
+                           host_adam_params_per_s=stats[5].item() / stats[4].item() if stats[4] > 0 else None)
 
     def evaluate(self, done: int) -> float:
         held_out = self.parts.held_out
