@@ -8,11 +8,14 @@ state exceeds the cap and whose host state fits:
 * chunked_dp with offload;
 * PyTorch FSDP2 (``fully_shard`` per layer) with ``CPUOffloadPolicy``;
 * DeepSpeed ZeRO-3 with parameter and optimizer offload, when ``deepspeed`` can be imported;
-* plain PyTorch without offload, uncapped, on the largest preset that fits: the 100% line.
+* plain PyTorch without offload, uncapped, on the same model (each block recomputed in backward
+  where its activations would not fit otherwise, said in the row): the 100% line.
 
-Per system: tokens/s, model TFLOPS (8 x tokens x parameters per step, Elixir-000 Eq. 1), peak GPU
-memory and, for Mobius, the achieved host->device GB/s during stage prefetch against the pinned
-bandwidth measured in the same run, and the fraction of prefetch time not overlapped by compute.
+Every system trains the same model on the same batches at one ``--lr``, and the table prints each
+one's first losses beside plain PyTorch's.  Per system: tokens/s, model TFLOPS (8 x tokens x
+parameters per step, Elixir-000 Eq. 1), peak GPU memory and, for Mobius, the achieved host->device
+GB/s during stage prefetch against the pinned bandwidth measured in the same run, the fraction of
+prefetch time not overlapped by compute, and each lane's busy seconds per step beside the plan's.
 
     python scripts/bench_gpu.py [--gpu-mem-gb 24] [--model mobius-3b] [--json bench_gpu.json]
     python scripts/bench_gpu.py --sweep          # at users' batch sizes: 4k, 32k, 128k tokens a step, seq 512, 2048
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -38,9 +42,10 @@ import torch
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.models import build_model, get_config
+from mobius.models.precision import DTYPES
 from mobius.runtime.optim import make_adamw
 
-PLAIN_CANDIDATES = ["mobius-8b", "mobius-3b", "gpt2-xl", "gpt2-large", "gpt2-medium", "gpt2", "small"]
+FIRST_LOSSES = 3  # each system's first step losses, printed beside plain PyTorch's
 
 
 def model_tflops(tokens_per_s: float, params: int) -> float:
@@ -66,13 +71,36 @@ def prefetch_stats(events: list[dict]) -> tuple[float, float]:
     return gbps, exposed / max(1e-9, sum(e["dur"] for e in loads))
 
 
-def busy_s_per_step(events: list[dict], steps: int) -> dict[str, float]:
-    """Seconds per step each lane of the trace was busy (device-timed on the device's lanes), the
-    mean over all ``steps``: what a step is made of, e.g. compute against the host's AdamW."""
-    busy: dict[str, float] = {}
+def busy_s_per_step(events: list[dict]) -> dict[str, float]:
+    """Seconds each lane of the trace was busy in a step (device-timed on the device's lanes): per
+    step after the first (the warm-up, which ``steady`` leaves out of the step time too), the union
+    of the lane's spans within the step's window, so overlapping spans count once and a lane never
+    exceeds its step; the median over those steps, as the step time is.  With several workers, the
+    busiest worker's lane."""
+    steps = [e for e in events if e["tid"] == "step"]  # every worker marks its steps; one worker's suffice
+    first = min((e["pid"] for e in steps), default=None)
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps if e["pid"] == first)
+    windows = windows[1:] or windows
+    spans: dict[tuple, list[tuple[float, float]]] = {}
     for e in events:
-        busy[e["tid"]] = busy.get(e["tid"], 0.0) + e["dur"] / 1e6 / steps
+        if e["tid"] != "step":
+            spans.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    busy: dict[str, float] = {}
+    for (_, lane), intervals in spans.items():
+        per_step = statistics.median(_union_within(intervals, a, b) for a, b in windows) / 1e6 if windows else 0.0
+        busy[lane] = max(busy.get(lane, 0.0), per_step)
     return busy
+
+
+def _union_within(intervals: list[tuple[float, float]], a: float, b: float) -> float:
+    """Length of the union of ``intervals`` inside ``[a, b]``."""
+    total, reach = 0.0, a
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, b)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
 
 
 def pinned_h2d_gbps(cuda: bool) -> float:
@@ -104,7 +132,7 @@ def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -
     cfg = RunConfig.of(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
                        steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                        seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
-                       stages=args.stages, progress=False, device_optimizer=device_optimizer)
+                       stages=args.stages, progress=False, device_optimizer=device_optimizer, lr=args.lr)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
@@ -116,8 +144,9 @@ def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -
     name = "mobius pipeline" + (" (host AdamW only)" if device_optimizer == "off" else "")
     return row(name, args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
                max(m.peak_device_bytes for m in history), prefetch_h2d_gbps=gbps, prefetch_not_overlapped=exposed,
-               busy_s_per_step=busy_s_per_step(events, len(history)), predicted_step_s=plan.predicted_step_s,
-               predicted_lane_floor_s=plan.lane_floor_s, stages=len(plan.bounds), resident=len(plan.resident))
+               busy_s_per_step=busy_s_per_step(events), predicted_step_s=plan.predicted_step_s,
+               predicted_lane_floor_s=plan.lane_floor_s, stages=len(plan.bounds), resident=len(plan.resident),
+               losses=[m.loss for m in history[:FIRST_LOSSES]])
 
 
 def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
@@ -134,7 +163,7 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     cfg = RunConfig.of(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
                        steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                        seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
-                       trace=trace, progress=False)
+                       trace=trace, progress=False, lr=args.lr)
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
@@ -144,8 +173,9 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     params = build_model(get_config(args.model), device="meta").num_parameters()
     predicted = dict(setup.predicted)
     return row("chunked_dp offload", args.model, history[0].tokens, steady([m.step_time_s for m in history]), params,
-               max(m.peak_device_bytes for m in history), busy_s_per_step=busy_s_per_step(events, len(history)),
-               predicted_step_s=predicted.pop("step"), predicted_lane_floor_s=predicted)
+               max(m.peak_device_bytes for m in history), busy_s_per_step=busy_s_per_step(events),
+               predicted_step_s=predicted.pop("step"), predicted_lane_floor_s=predicted,
+               losses=[m.loss for m in history[:FIRST_LOSSES]])
 
 
 @contextlib.contextmanager
@@ -169,24 +199,28 @@ def single_rank_group():
                 os.environ.pop(k, None)
 
 
-def _train_loop(model, optimizer, args, device, autocast_dtype) -> list[float]:
+def _train_loop(model, optimizer, args, device, autocast_dtype) -> tuple[list[float], list[float]]:
+    """Seconds and mean micro-batch loss of each step."""
     batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
-    times = []
+    times, losses = [], []
     for step in range(args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        total = 0.0
         for mb in batches.step(step):
             ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
             with ctx:
                 loss = model(mb.tokens.to(device), mb.targets.to(device))
             (loss / args.micro_batches).backward()
+            total += loss.item() / args.micro_batches
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+        losses.append(total)
+    return times, losses
 
 
 def _cap(args, cuda: bool) -> None:
@@ -216,12 +250,13 @@ def run_fsdp2(args, cuda: bool, out_dir: str) -> dict:
         fully_shard(model, **kwargs)
         if not cuda:
             model.to(device)
-        optimizer = make_adamw(model.named_parameters(), 1e-5)
-        times = _train_loop(model, optimizer, args, device, None)
+        optimizer = make_adamw(model.named_parameters(), args.lr)
+        times, losses = _train_loop(model, optimizer, args, device, None)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     note = "CPUOffloadPolicy, bf16 params" if cuda else "no offload: CPUOffloadPolicy needs an accelerator"
-    return row("fsdp2", args.model, tokens, steady(times), model.num_parameters(), peak, note=note)
+    return row("fsdp2", args.model, tokens, steady(times), model.num_parameters(), peak, note=note,
+               losses=losses[:FIRST_LOSSES])
 
 
 def run_deepspeed(args, cuda: bool, out_dir: str) -> dict:
@@ -239,47 +274,64 @@ def run_deepspeed(args, cuda: bool, out_dir: str) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}},
     }
     with single_rank_group():
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(config, seed=0)
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
         batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
-        times = []
+        times, losses = [], []
         for step in range(args.steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            total = 0.0
             for mb in batches.step(step):
                 loss = engine(mb.tokens.cuda(), mb.targets.cuda())
                 engine.backward(loss)
                 engine.step()
+                total += loss.item() / args.micro_batches
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            losses.append(total)
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     params = build_model(config, device="meta").num_parameters()
-    return row("deepspeed zero-3 offload", args.model, tokens, steady(times), params, torch.cuda.max_memory_allocated())
+    return row("deepspeed zero-3 offload", args.model, tokens, steady(times), params, torch.cuda.max_memory_allocated(),
+               losses=losses[:FIRST_LOSSES])
 
 
 def run_plain(args, cuda: bool, out_dir: str) -> dict:
-    """Plain PyTorch, no offload, uncapped: the largest preset whose training state fits."""
+    """Plain PyTorch on the model under test, uncapped, no offload: the 100% line.  Where its
+    activations would not fit beside the training state (16 bytes a parameter), each block
+    recomputes its forward in backward (activation checkpointing), and the row says so."""
     device = torch.device("cuda" if cuda else "cpu")
+    config = get_config(args.model)
+    model = build_model(config, seed=0)
+    note = ""
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0)
-        free = torch.cuda.mem_get_info()[0]
-        act = args.micro_batch_size * args.seq_len
-        pick = next(n for n in PLAIN_CANDIDATES if get_config(n).runnable and
-                    build_model(get_config(n), device="meta").num_parameters() * 16 + act * get_config(n).hidden
-                    * get_config(n).n_layer * 40 < 0.9 * free)
+        dtype = DTYPES[args.precision]
+        activations = sum(layer.working_bytes(args.micro_batch_size, args.seq_len, dtype) for layer in model.layers)
+        if model.num_parameters() * 16 + activations > 0.9 * torch.cuda.mem_get_info()[0]:
+            checkpoint_blocks(model)
+            note = "activation checkpointing"
         torch.cuda.reset_peak_memory_stats()
-    else:
-        pick = args.model
-    model = build_model(get_config(pick), seed=0).to(device)
-    optimizer = make_adamw(model.named_parameters(), 1e-5)
-    times = _train_loop(model, optimizer, args, device, torch.bfloat16 if cuda else None)
+    model = model.to(device)
+    optimizer = make_adamw(model.named_parameters(), args.lr)
+    times, losses = _train_loop(model, optimizer, args, device, torch.bfloat16 if cuda else None)
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return row("plain pytorch (100% line)", pick, tokens, steady(times), model.num_parameters(), peak)
+    return row("plain pytorch (100% line)", args.model, tokens, steady(times), model.num_parameters(), peak,
+               note=note, losses=losses[:FIRST_LOSSES])
+
+
+def checkpoint_blocks(model) -> None:
+    """Each transformer block recomputes its forward in backward (torch.utils.checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        if layer.kind == "block":
+            layer.forward = functools.partial(lambda f, *a: checkpoint(f, *a, use_reentrant=False), layer.forward)
 
 
 # The 100% line first: time on a GPU is short, and the baselines that offload are slow.
@@ -298,6 +350,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--stages", type=int, default=None, help="force the pipeline's stage count")
     p.add_argument("--precision", default=None)
+    p.add_argument("--lr", type=float, default=1e-5, help="every system's peak learning rate")
     p.add_argument("--json", default="bench_gpu.json")
     p.add_argument("--sweep", action="store_true",
                    help="every system at each --sweep-seq and --sweep-tokens (tokens per optimizer step)")
@@ -383,6 +436,10 @@ def bench(args, cuda: bool, out_dir: str, wanted: list[str], pinned: float) -> d
     for r in rows:
         if "busy_s_per_step" in r:
             print(f"{r['system']}: {lanes_text(r)}")
+    for r in rows:  # the systems train alike: same model, batches and lr
+        if r.get("losses"):
+            print(f"{r['system']}: first losses {' '.join(f'{x:.4f}' for x in r['losses'])}"
+                  + (f" (plain: {' '.join(f'{x:.4f}' for x in plain['losses'])})" if plain and r is not plain else ""))
     return {"device": device, "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
             "micro_batches": args.micro_batches, "tokens_per_step": tokens, "rows": rows}
 
@@ -395,7 +452,7 @@ def lanes_text(r: dict) -> str:
     unmeasured = ", ".join(f"{lane} {s:.3f}" for lane, s in sorted(floors.items()) if lane not in r["busy_s_per_step"])
     where = f"{r['resident']} of {r['stages']} stages resident; " if "stages" in r else ""
     return (f"{where}step {r['step_s']:.3f} s measured, {r['predicted_step_s']:.3f} s predicted; seconds busy "
-            f"per step by lane (mean of the run's steps): {lanes}" + (f"; predicted, no lane: {unmeasured}"
+            f"per step by lane (median of the steps after the first): {lanes}" + (f"; predicted, no lane: {unmeasured}"
                                                                        if unmeasured else ""))
 
 

@@ -282,7 +282,9 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
 
         def one_step(step: int) -> StepMetrics:
             inject_fault(rank, step)
+            began = time.perf_counter()
             m = backend.step(step)
+            trace.span(f"step {step}", "step", began, time.perf_counter())  # the window the lanes are read in
             if emulation is not None:
                 m.emulated_step_s = m.step_time_s / emulation.factor
                 if m.host_adam_s is not None:
