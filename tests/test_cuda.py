@@ -88,12 +88,22 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
 
 
 def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
-    """A cap that holds part of the model beside its AdamW state: those stages stay on the GPU and
-    are updated there (fused AdamW on CUDA tensors), the others swap; fp32 equals the reference."""
+    """A cap that holds part of the model beside its AdamW state, on a host whose AdamW is slow (as
+    a run on it measured: a cached rate of 1M parameters/s), so keeping stages on the GPU pays by
+    construction: those stages stay there and are updated there (fused AdamW on CUDA tensors), the
+    others swap; fp32 equals the reference."""
+    from mobius.prepare import measured_on
+    from mobius.runtime.plan_check import HOST_RATES, host_rate_key
+
     cfg = config(stages=26, gpu_mem_gb=4.0, recompute="on")
-    _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
-    assert plan.resident
-    history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+    key = host_rate_key(measured_on(), resolve_topology(cfg).n)
+    HOST_RATES.put(key, {"adam_params_per_s": 1e6})
+    try:
+        _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+        assert plan.resident and plan.host_costs["adam_params_per_s"] == 1e6
+        history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+    finally:
+        HOST_RATES.path(key).unlink(missing_ok=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
