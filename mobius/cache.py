@@ -102,7 +102,10 @@ class Cache:
         path = self.path(key)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with open(self.directory / f".{key}.lock", "w") as lock:
+            # Never through a link, never truncated: a lock file replaced by a link to a file of the
+            # user's must not touch that file (O_NOFOLLOW refuses it).
+            lock = os.open(self.directory / f".{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
                 try:
@@ -110,6 +113,8 @@ class Cache:
                     os.replace(tmp, path)
                 finally:
                     tmp.unlink(missing_ok=True)
+            finally:
+                os.close(lock)
         except OSError as err:
             _say_once(f"cannot write the {self.kind} cache under {shown(CACHE_DIR)} ({err.strerror}); "
                       "going on without it")

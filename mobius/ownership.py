@@ -24,12 +24,15 @@ import hashlib
 import json
 import os
 import shutil
+import stat
+import sys
 from pathlib import Path
 
 from mobius.checks import read_json
 from mobius.errors import InputError, RunError
 
 MARKER = ".mobius-owned.json"
+LOCK_TAG = b"mobius output lock\n"  # what a lock file of ours holds (an empty one: an older Mobius's)
 
 
 def sibling(target: str | os.PathLike, role: str) -> Path:
@@ -56,8 +59,17 @@ def seal(directory: Path, known_digests: dict[str, str] | None = None) -> None:
     ``known_digests``: SHA-256s just computed for the same bytes (a checkpoint's manifest)."""
     kind = owner_kind(directory)
     known = known_digests or {}
-    files = {f.name: known.get(f.name) or sha256_of(f) for f in sorted(directory.iterdir()) if f.name != MARKER}
-    (directory / MARKER).write_text(json.dumps({"kind": kind, "files": files}))
+    entries = [f for f in sorted(directory.iterdir()) if f.name != MARKER]
+    files = {f.name: known.get(f.name) or sha256_of(f) for f in entries}
+    # Size and modification time beside each digest: what a save checks before removing the previous
+    # version's files, without reading them again (the bytes were hashed when they were written).
+    stats = {f.name: _stat_of(f) for f in entries}
+    (directory / MARKER).write_text(json.dumps({"kind": kind, "files": files, "stat": stats}))
+
+
+def _stat_of(path: Path) -> list[int]:
+    st = path.lstat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 def _marker(directory: Path) -> dict | None:
@@ -163,8 +175,42 @@ def swap_into_place(staging: Path, final: str | os.PathLike, kind: str,
         else:
             final.rmdir()
     os.replace(staging, final)
-    if previous.exists():  # what ``final`` held a moment ago: proven ours before the run, parked by us
-        shutil.rmtree(previous)
+    if previous.exists():  # what ``final`` held a moment ago: ours, and whatever the user put there since
+        _clear_previous(previous, final)
+
+
+def _clear_previous(previous: Path, final: Path) -> None:
+    """Remove from ``previous`` the files it lists as ours and move everything else (a note the user
+    wrote into the directory while the run trained) into ``final``, saying so: nothing is removed
+    that we did not write.  A name ``final`` already holds keeps the user's file beside ours."""
+    marker = _marker(previous) or {}
+    listed, stats = marker.get("files") or {}, marker.get("stat") or {}
+    for name, digest in listed.items():
+        path = previous / name
+        try:
+            same = _stat_of(path) == stats[name] if name in stats else _unchanged(path, digest)
+        except OSError:
+            continue
+        if same and path.is_file() and not path.is_symlink():
+            path.unlink()
+    (previous / MARKER).unlink(missing_ok=True)
+    kept = []
+    for _ in range(2):  # a second pass for what appeared during the first
+        for entry in sorted(previous.iterdir()):
+            target, n = final / entry.name, 1
+            while target.exists() or target.is_symlink():
+                target, n = final / f"{entry.name}.user-{n}", n + 1
+            os.replace(entry, target)
+            kept.append(target.name)
+    previous.rmdir()
+    new = [name for name in kept if (final, name) not in _announced]  # each file said once a run
+    _announced.update((final, name) for name in new)
+    if new:
+        print(f"note: {final}: kept {len(new)} file(s) Mobius did not write ({', '.join(new[:3])}"
+              f"{', ...' if len(new) > 3 else ''})", file=sys.stderr, flush=True)
+
+
+_announced: set[tuple[Path, str]] = set()
 
 
 # ---- one run per output ----------------------------------------------------------------------------
@@ -183,23 +229,28 @@ def output_locks(outputs: dict[str, str | None]):
             lock = sibling(path, "lock")
             if any(lock == mine for _, mine in held):
                 continue  # two options naming one path: the pre-flight refuses the overlap
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link (a dangling one would create a file elsewhere)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as err:
                 raise InputError(f"{option} {path}: cannot create its lock {lock}: {err.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or os.pread(fd, len(LOCK_TAG) + 1, 0) not in (b"", LOCK_TAG):
+                os.close(fd)
+                raise InputError(f"{option} {path}: {lock} exists and is not a lock Mobius made; refusing to "
+                                 "use or remove it: move it away")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
                 raise InputError(f"{option} {path}: another run is writing it (it holds {lock}); "
                                  "refusing to start a second one") from None
+            os.pwrite(fd, LOCK_TAG, 0)
             held.append((fd, lock))
         yield
     finally:
         for fd, lock in reversed(held):
             with contextlib.suppress(OSError):
-                os.unlink(lock)  # while still held: a run waiting for it finds it gone and makes its own
-            os.close(fd)
+                os.unlink(lock)  # ours (made or proven ours above), while still held: a run waiting for it
+            os.close(fd)         # finds it gone and makes its own
 
 
 # ---- inputs and outputs must not coincide ------------------------------------------------------

@@ -405,6 +405,52 @@ def test_output_locks_in_one_process(tmp_path):
 
 
 
+def test_a_lock_name_that_is_not_our_lock_is_refused_and_left_alone(tmp_path):
+    """A file of the user's with our lock's name is neither used nor removed; a dangling link with
+    that name creates nothing where it points; a stale empty lock of ours (a killed run's) is reused."""
+    from mobius.errors import InputError
+
+    lock = tmp_path / ".out.mobius-lock"
+    lock.write_text("my notes")
+    with pytest.raises(InputError, match="is not a lock Mobius made"):
+        with ownership.output_locks({"--save": str(tmp_path / "out")}):
+            pass
+    assert lock.read_text() == "my notes"
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InputError, match="cannot create its lock"):
+        with ownership.output_locks({"--save": str(tmp_path / "out")}):
+            pass
+    assert not (tmp_path / "elsewhere").exists()
+    lock.unlink()
+    lock.write_bytes(b"")
+    with ownership.output_locks({"--save": str(tmp_path / "out")}):
+        assert lock.read_bytes() == ownership.LOCK_TAG
+    assert not lock.exists()
+
+
+def test_a_file_the_user_writes_into_an_output_between_saves_survives_the_next(tmp_path, capsys):
+    """Each save (and export) swaps a complete directory in; what the user wrote into the previous
+    version meanwhile, and a file of ours they edited, are moved into the new one, not removed."""
+    out = tmp_path / "ck"
+    for version, note in enumerate((None, "notes.txt", None, None)):
+        staging = ownership.fresh_dir(ownership.sibling(out, "partial"), "checkpoint")
+        (staging / "weights.bin").write_bytes(bytes([version]) * 1000)
+        (staging / "manifest.json").write_text(f"version {version}")
+        if version == 2:  # the user edits one of our files of version 1 (a different size)
+            (out / "manifest.json").write_text("the user's own words")
+        ownership.swap_into_place(staging, out, "checkpoint")
+        if note:
+            (out / note).write_text("mine")
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "manifest.json").read_text() == "version 3"
+    assert (out / "manifest.json.user-1").read_text() == "the user's own words"
+    assert (out / "weights.bin").read_bytes() == bytes([3]) * 1000
+    assert not ownership.sibling(out, "previous").exists()
+    assert capsys.readouterr().err.splitlines() == [  # said once, not at every save after
+        f"note: {out.resolve()}: kept 2 file(s) Mobius did not write (manifest.json.user-1, notes.txt)"]
+
+
 def test_a_run_in_the_callers_process_gives_its_signal_handlers_back(tmp_path):
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     main(TINY + ["--backend", "single", "--steps", "1"])
