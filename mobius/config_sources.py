@@ -8,6 +8,8 @@ value (types, choices) the same way whatever its source, and the last word wins.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 
 from mobius.errors import InputError
@@ -19,31 +21,55 @@ PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard",
                  "export_merged", "topology", "model")
 
 
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 8  # a mapping of settings holds single values: no deep nesting is ever needed
+
+
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
 
 
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Each switch by its own name (``no_progress`` for ``--no-progress``)."""
+    return {o.lstrip("-").replace("-", "_"): a for a in parser._actions
+            if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)) for o in a.option_strings}
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def tokens_of(parser: argparse.ArgumentParser, settings: dict, source: str) -> list[str]:
-    """``settings`` (option names with ``_`` or ``-``) as command-line tokens for ``parser``."""
-    actions = _actions(parser)
+    """``settings`` (option names with ``_`` or ``-``) as command-line tokens for ``parser``.  A
+    switch goes by its option's name or its flag's (``progress: false`` or ``no-progress: true``);
+    YAML's on/off (read as booleans) are on/off again for options that take them."""
+    actions, flags = _actions(parser), _flags(parser)
     out: list[str] = []
     for key, value in settings.items():
         dest = str(key).replace("-", "_")
         action = actions.get(dest)
+        if action is None and dest in flags:  # the switch's own name: true means the flag is given
+            action = flags[dest]
+            if not isinstance(value, bool):
+                raise InputError(f"{source}: {_shown(key)} must be true or false, got {_shown(value)}")
+            value = action.default if not value else not action.default
         if action is None or dest in ("config", "print_config"):
-            raise InputError(f"{source}: unknown setting {key!r} (the settings are the options of "
+            raise InputError(f"{source}: unknown setting {_shown(key)} (the settings are the options of "
                              "python -m mobius.train, e.g. lr or micro-batch-size)")
         if value is None:
             continue
         flag = action.option_strings[0]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
-                raise InputError(f"{source}: {key!r} must be true or false, got {value!r}")
+                raise InputError(f"{source}: {_shown(key)} must be true or false, got {_shown(value)}")
             if value == (not action.default):  # the flag turns the default around
                 out.append(flag)
             continue
+        if isinstance(value, bool) and action.choices and {"on", "off"} <= set(action.choices):
+            value = "on" if value else "off"
         if isinstance(value, (dict, list, bool)):
-            raise InputError(f"{source}: {key!r} must be a single value, got {value!r}")
+            raise InputError(f"{source}: {_shown(key)} must be a single value, got {_shown(value)}")
         out += [flag, str(value)]
     return out
 
@@ -52,10 +78,25 @@ def read_yaml(path: str) -> dict:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+            raise InputError(f"--config {path}: not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise InputError(f"--config {path}: cannot read it ({err.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"--config {path}: larger than {MAX_CONFIG_BYTES // 1024} KiB; a file of settings is a "
+                         "few lines")
+    try:
+        text = raw.decode("utf-8")
+        depth = 0  # read as events first: aliases (which can expand without bound) and deep nesting refused
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise InputError(f"--config {path}: YAML aliases (*name) are not accepted in a settings file")
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > MAX_CONFIG_DEPTH:
+                raise InputError(f"--config {path}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+        data = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as err:
         raise InputError(f"--config {path}: not valid YAML ({str(err).splitlines()[0][:120]})") from None
     if data is None:

@@ -77,3 +77,25 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, content, message):
 def test_steps_and_epochs_together_are_refused(capsys):
     assert "give --steps or --epochs, not both" in one_line_exit_2(train_main, ["--steps", "3", "--epochs", "1"],
                                                                     capsys)
+
+
+def test_a_config_that_is_no_regular_file_or_unbounded_is_refused_at_once(tmp_path, capsys):
+    """A FIFO would block for ever, an alias bomb expands without bound: both refused in one line,
+    before anything is read or expanded; a bad value is echoed short."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    assert "not a regular file" in one_line_exit_2(train_main, ["--config", str(tmp_path / "fifo.yaml")], capsys)
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    assert "aliases" in one_line_exit_2(train_main, ["--config", str(tmp_path / "bomb.yaml")], capsys)
+    (tmp_path / "long.yaml").write_text(f"lr: [{'1, ' * 100000}1]\n")
+    message = one_line_exit_2(train_main, ["--config", str(tmp_path / "long.yaml")], capsys)
+    assert "'lr' must be a single value" in message and len(message) < 300
+
+
+def test_yaml_takes_the_switches_by_their_own_names_and_on_off_as_written(tmp_path):
+    (tmp_path / "run.yaml").write_text("model: tiny\nno-progress: true\npacking: off\nrecompute: on\n")
+    cfg = parse_train_args(["--config", str(tmp_path / "run.yaml")])
+    assert cfg.outputs.progress is False and cfg.data.packing == "off" and cfg.pipeline.recompute == "on"

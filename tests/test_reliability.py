@@ -120,6 +120,18 @@ def test_truncated_manifest_is_refused(saved):
         ck.load_checkpoint(saved)
 
 
+@pytest.mark.parametrize("step", [2.5, -1, "2", True])
+def test_a_checkpoint_step_that_is_no_step_count_is_refused(saved, step):
+    """Even with the manifest's digest recomputed (it proves integrity, not origin)."""
+    m = saved / "manifest.json"
+    manifest = json.loads(m.read_text())
+    manifest["step"] = step
+    manifest["digest"] = ck.manifest_digest(manifest)
+    m.write_text(json.dumps(manifest))
+    with pytest.raises(ck.CheckpointError, match="step must be a non-negative integer"):
+        ck.load_checkpoint(saved)
+
+
 def test_checkpoint_of_another_model_is_refused(saved, capsys):
     code, err = run_cli(["--model", "tiny8", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress",
                          "--backend", "single", "--steps", "4", "--resume", str(saved)], capsys)

@@ -218,6 +218,10 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
     for key in ("step", "model_config", *RUN_SETTINGS):
         if key not in manifest:
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} lacks {key!r}")
+    step = manifest["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # 2.5 would resume with the wrong data
+        raise CheckpointError(f"--resume {directory}: {d / MANIFEST}: step must be a non-negative integer, got "
+                              f"{str(step)[:40]!r}")
     index: dict[str, Path] = {}
     verified: set = set()
     from safetensors import safe_open
