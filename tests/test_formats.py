@@ -193,3 +193,25 @@ def test_sentencepiece_only_directory_trains_through_transformers(tmp_path, caps
     train_main(["--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.txt"), "--backend", "single",
                 "--steps", "2", "--seq-len", "16", "--micro-batch-size", "2", "--no-progress"])
     assert "; tokenizer tokenizer.model of m" in capsys.readouterr().out
+
+
+def test_a_datasets_directory_naming_a_file_outside_it_is_refused(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [RECORDS["alpaca"]]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "outside"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    state = tmp_path / "saved" / "state.json"
+    d = json.loads(state.read_text())
+    arrow = d["_data_files"][0]["filename"]
+    d["_data_files"][0]["filename"] = f"../outside/{arrow}"
+    state.write_text(json.dumps(d))
+    with pytest.raises(InputError, match="outside the directory; refusing to read it"):
+        read_examples(tmp_path / "saved")
+
+
+def test_jsonl_records_end_at_newlines_only(tmp_path):
+    """U+2028 and a form feed inside a JSON string are text, not line ends."""
+    record = {**RECORDS["alpaca"], "output": "one\u2028two\x0cthree"}
+    (tmp_path / "d.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\r\n")
+    records, fmt = read_examples(tmp_path / "d.jsonl")
+    assert fmt == "alpaca" and records[0].messages[1]["content"] == "one\u2028two\x0cthree"

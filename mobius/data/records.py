@@ -21,6 +21,7 @@ plain text.  Plain text files are documents (format ``text``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,25 @@ def _raw_records(f: Path, option: str) -> list:
         if not isinstance(data, list):
             raise InputError(f"{option} {f}: a .json data file must hold a list of records")
         return data
-    return [parse_json(line, f"{option} {f} line {n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # Records end at "\n" alone: a JSON string may hold U+2028 or a form feed, which splitlines() would cut at.
+    return [parse_json(line, f"{option} {f} line {n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+def _check_confined(d: Path, option: str) -> None:
+    """Every data file a ``datasets`` directory's ``state.json`` names lies inside it: a state file
+    naming ``../elsewhere.arrow`` would have us train on a file the user never named."""
+    root = d.resolve()
+    for state in d.rglob("state.json"):
+        try:
+            files = json.loads(state.read_text(encoding="utf-8")).get("_data_files", [])
+            names = [f["filename"] for f in files]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # datasets itself says what is wrong with it
+        for name in names:
+            target = (state.parent / str(name)).resolve()
+            if root not in target.parents:
+                raise InputError(f"{option} {d}: {state} names {str(name)[:80]!r}, outside the directory; "
+                                 "refusing to read it")
 
 
 def _datasets_records(d: Path, option: str) -> list:
@@ -168,6 +187,7 @@ def _datasets_records(d: Path, option: str) -> list:
     except ImportError:
         raise InputError(f"{option} {d}: a datasets directory needs the 'datasets' package: "
                          "pip install 'mobius-train[data]'") from None
+    _check_confined(d, option)
     try:
         loaded = datasets.load_from_disk(str(d))
     except Exception as err:  # datasets raises many types for a directory it cannot read
