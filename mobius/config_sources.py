@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from mobius.errors import InputError
+from mobius.errors import InputError, first_line
 
 # Settings of one invocation, never inherited from a checkpoint's run.
 NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs")
@@ -98,7 +98,7 @@ def read_yaml(path: str) -> dict:
                 raise InputError(f"--config {path}: nested deeper than {MAX_CONFIG_DEPTH} levels")
         data = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as err:
-        raise InputError(f"--config {path}: not valid YAML ({str(err).splitlines()[0][:120]})") from None
+        raise InputError(f"--config {path}: not valid YAML ({first_line(err, 120)})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

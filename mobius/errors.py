@@ -18,6 +18,13 @@ def shown(text: object) -> str:
     return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(text))
 
 
+def first_line(err: BaseException, limit: int = 160) -> str:
+    """The first line of ``err``'s message, at most ``limit`` characters, or its type's name when it
+    says nothing (a template's ``raise_exception('')``): error formatting must never fail itself."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "") or type(err).__name__
+    return shown(text[:limit])
+
+
 class InputError(Exception):
     """A problem with what the user gave us (arguments, files, memory budgets)."""
 

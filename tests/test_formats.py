@@ -215,3 +215,19 @@ def test_jsonl_records_end_at_newlines_only(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\r\n")
     records, fmt = read_examples(tmp_path / "d.jsonl")
     assert fmt == "alpaca" and records[0].messages[1]["content"] == "one\u2028two\x0cthree"
+
+
+def test_a_template_that_raises_an_empty_message_is_one_line(tmp_path, capsys):
+    """``raise_exception('')`` says nothing: the line names the error's kind (formatting it failed
+    with an IndexError)."""
+    pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    run = ["--model", str(model), "--data", str(chat), "--seq-len", "128", "--steps", "1", "--backend", "single",
+           "--no-progress"]
+    capsys.readouterr()  # transformers' own output while saving the model
+    (tmp_path / "raises.jinja").write_text("{{ raise_exception('') }}")
+    assert "refuses a conversation: TemplateError" in one_line_exit_2(
+        train_main, run + ["--chat-template", str(tmp_path / "raises.jinja")], capsys)

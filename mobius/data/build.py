@@ -40,7 +40,7 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         """Examples rendered with the model's template and packed (or padded) into sequences."""
         packing = data.packing != "off"
         out = pack([renderer.render(r) for r in records], batch.seq_len, packing, seed, data.truncate)
-        checked(int(out.tokens.max()))
+        checked(max(int(out.tokens.max()), int(out.targets.max())))  # a target past the inputs: the last EOS
         trained = int((out.targets >= 0).sum())
         describe = (f"{out.examples:,} {fmt} examples ({trained:,} trained tokens) "
                     f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"

@@ -19,7 +19,7 @@ import numpy as np
 from mobius.checks import read_json_object
 from mobius.data.records import Record
 from mobius.data.tokenizers import ByteTokenizer, auto_tokenizer
-from mobius.errors import InputError
+from mobius.errors import InputError, first_line
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ChatRenderer:
                                                       add_generation_prompt=generation_prompt)
         except Exception as err:  # jinja2 errors and the template's own raise_exception
             raise InputError(f"the chat template ({self.template_source}) refuses a conversation: "
-                             f"{str(err).splitlines()[0][:160]}") from None
+                             f"{first_line(err, 160)}") from None
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

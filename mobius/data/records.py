@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mobius.checks import parse_json
-from mobius.errors import InputError
+from mobius.errors import InputError, first_line
 
 FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion")
 SHAPES = ("text; instruction[/input]/output (alpaca); messages (chat); conversations (ShareGPT); "
@@ -153,7 +153,7 @@ def _raw_records(f: Path, option: str) -> list:
         try:
             return pq.read_table(str(f)).to_pylist()
         except Exception as err:  # pyarrow raises its own types for a damaged file
-            raise InputError(f"{option} {f}: not a readable Parquet file ({str(err).splitlines()[0][:120]})") from None
+            raise InputError(f"{option} {f}: not a readable Parquet file ({first_line(err, 120)})") from None
     text = _decode(_read_bytes(f, option), f, option)
     if f.suffix == ".json":
         data = parse_json(text, f"{option} {f}")
@@ -191,7 +191,7 @@ def _datasets_records(d: Path, option: str) -> list:
     try:
         loaded = datasets.load_from_disk(str(d))
     except Exception as err:  # datasets raises many types for a directory it cannot read
-        raise InputError(f"{option} {d}: not a readable datasets directory ({str(err).splitlines()[0][:120]})") from None
+        raise InputError(f"{option} {d}: not a readable datasets directory ({first_line(err, 120)})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise InputError(f"{option} {d}: a DatasetDict without a 'train' split (splits: {', '.join(loaded)})")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from mobius.checks import read_json_object
-from mobius.errors import InputError
+from mobius.errors import InputError, first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -43,7 +43,7 @@ class HFTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-            raise InputError(f"{path}: not a readable tokenizer.json ({str(err).splitlines()[0][:120]})") from None
+            raise InputError(f"{path}: not a readable tokenizer.json ({first_line(err, 120)})") from None
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.name = f"{path.name} of {path.parent.name}"
         self.eos_id = _eos_id(path.parent, self.tokenizer.token_to_id, self.vocab_size)
@@ -81,7 +81,7 @@ def auto_tokenizer(directory: Path, what: str):
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises many types for a directory it cannot read
-        raise InputError(f"{directory}: transformers cannot read {what} ({str(err).splitlines()[0][:160]})") from None
+        raise InputError(f"{directory}: transformers cannot read {what} ({first_line(err, 160)})") from None
 
 
 def _eos_id(directory: Path, token_to_id, vocab_size: int) -> int | None:
