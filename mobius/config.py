@@ -64,6 +64,12 @@ class DataConfig:
             raise InputError("--eval-every needs --eval-data PATH or --eval-split FRACTION")
 
 
+# Sizes past which a batch is refused at once: 2**24 tokens in one micro-batch are over 100 GB of
+# activations for the smallest model's blocks; 2**34 a step is days of any box's compute.
+MAX_MICRO_BATCH_TOKENS = 2**24
+MAX_STEP_TOKENS = 2**34
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """One optimizer step's tokens: micro_batches x micro_batch_size sequences of seq_len."""
@@ -73,6 +79,14 @@ class BatchConfig:
 
     def __post_init__(self):
         _positive(self, ("micro_batch_size", "micro_batches", "seq_len"))
+        per_micro_batch = self.micro_batch_size * self.seq_len
+        if per_micro_batch > MAX_MICRO_BATCH_TOKENS:  # refused here, not by a MemoryError a minute in
+            raise InputError(f"--micro-batch-size {self.micro_batch_size} x --seq-len {self.seq_len} = "
+                             f"{per_micro_batch:.3g} tokens in one micro-batch: more than any device's memory holds "
+                             f"the activations of (at most {MAX_MICRO_BATCH_TOKENS:,})")
+        if self.tokens > MAX_STEP_TOKENS:
+            raise InputError(f"--micro-batches {self.micro_batches} x {per_micro_batch:,} tokens = {self.tokens:.3g} "
+                             f"tokens a step; at most {MAX_STEP_TOKENS:,}")
 
     @property
     def tokens(self) -> int:

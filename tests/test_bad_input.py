@@ -78,6 +78,8 @@ TRAIN_OPTIONS = [
     (["--lora-rank", "100000"], "--lora-rank 100000 exceeds the 64 of tiny's smallest 'qkv' projection"),
     (["--emulate", "--topology", "topo2+2", "--backend", "single"], "--emulate is built for --backend pipeline"),
     (["--mapping", "diagonal"], "invalid choice: 'diagonal'"),
+    (["--micro-batch-size", str(10**9)], "tokens in one micro-batch: more than any device's memory holds"),
+    (["--micro-batches", str(2**62)], "tokens a step; at most 17,179,869,184"),
     (["--dilation", "10"], "--dilation F needs --emulate"),
     (["--data-parallel", "3"], "--micro-batches 4 is not divisible by --data-parallel 3"),
     (["--data-parallel", "0"], "--data-parallel must be positive"),
