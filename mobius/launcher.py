@@ -124,7 +124,7 @@ def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None
 def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT/SIGTERM: ours
+                          start_method="spawn", signals_to_handle="",  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: ours
                           logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)

@@ -22,7 +22,22 @@ import threading
 from multiprocessing import resource_tracker
 from pathlib import Path
 
-SIGNALS = {signal.SIGINT, signal.SIGTERM}
+# SIGHUP (the terminal closed) and SIGQUIT are handled as SIGTERM: the step finishes and is saved,
+# instead of torch's agent raising its SignalException through the launcher.
+SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (once) before any process is spawned.  It ignores
+    SIGINT and SIGTERM by itself; a closing terminal's SIGHUP (and SIGQUIT) reach the whole process
+    group, so it is started ignoring those too (the setting survives its exec), or it would die of
+    them and print a traceback for every shared-memory block it then loses track of."""
+    ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for sig, handler in ignored.items():
+            signal.signal(sig, handler)
 
 
 class StopRequest:
@@ -82,7 +97,7 @@ class LauncherSignals:
         # calling thread: start it before blocking them.  (A worker killed mid-run leaves a
         # semaphore the tracker cleans up; its warning about that would follow our one-line report.)
         os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
-        resource_tracker.ensure_running()
+        start_resource_tracker()
         # Threads started earlier (a solver's) may still take a signal: then the handler runs here.
         self._previous = {sig: signal.signal(sig, lambda signum, frame: self._on_signal(signum)) for sig in SIGNALS}
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)

@@ -255,6 +255,22 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_closing_terminals_sighup_stops_the_run_as_sigterm_does(tmp_path):
+    """SIGHUP to the whole process group (a terminal closing): the step finishes, the checkpoint is
+    saved, exit 0, and the one line saying so is all of stderr (no agent traceback, no resource
+    tracker dying of it)."""
+    p = _spawn(PIPELINE + ["--save", "ck", "--metrics", "m.jsonl"], tmp_path, start_new_session=True)
+    _wait_for_step(tmp_path / "m.jsonl", 1)
+    os.killpg(p.pid, signal.SIGHUP)
+    out, err = p.communicate(timeout=PATIENCE_S)
+    assert p.returncode == 0, err[-2000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "SIGHUP: finishing the current step, then saving (send it again to exit at once)"], err
+    step = ck.load_checkpoint(tmp_path / "ck").step
+    assert f"stopped after step {step} of 1000: checkpoint saved to ck" in out
+
+
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     # `small` steps take about a second, so the second signal lands while the first is being honoured.
     p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000", "--save", "ck",

@@ -34,6 +34,7 @@ from mobius.data import BatchSource, load_corpus
 from mobius.janitor import scratch_dir
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
+from mobius.signals import start_resource_tracker
 from mobius.models import get_config, layer_count
 from mobius.partition.baselines import uniform_bounds
 from mobius.partition.cost import settle, stage_costs
@@ -125,6 +126,7 @@ def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, i
     with scratch_dir("mobius-calibration-") as tmp:
         out = str(Path(tmp) / "times.json")
         parent = os.getpid()
+        start_resource_tracker()  # before the first spawn, as the launcher's
         with outside_torchrun():
             context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
                                          start_method="spawn", join=False)
