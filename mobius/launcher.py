@@ -167,7 +167,29 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
 
 
 def running_under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    """True when torchrun started this process; its variables are checked first, so that a stray
+    or malformed one is one line here, not a traceback (or a minute's wait) in a worker."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    if "RANK" not in os.environ:
+        raise InputError("TORCHELASTIC_RUN_ID is set but RANK is not: this process was not started by torchrun; "
+                         "unset TORCHELASTIC_RUN_ID to run on this machine alone")
+    values = {}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        text = os.environ.get(name, "0" if name in ("LOCAL_RANK", "MASTER_PORT") else os.environ.get("WORLD_SIZE", ""))
+        if not text.strip().isdigit():
+            raise InputError(f"torchrun's {name}={text[:20]!r} is not a non-negative integer")
+        values[name] = int(text)
+    world, local = values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"]
+    if not (world >= 1 and 1 <= local <= world and world % local == 0):
+        raise InputError(f"torchrun's WORLD_SIZE={world} and LOCAL_WORLD_SIZE={local} do not describe nodes of "
+                         "equal size")
+    if not (values["RANK"] < world and values["LOCAL_RANK"] < local):
+        raise InputError(f"torchrun's RANK={values['RANK']} / LOCAL_RANK={values['LOCAL_RANK']} is outside "
+                         f"WORLD_SIZE={world} / LOCAL_WORLD_SIZE={local}")
+    if "MASTER_PORT" in os.environ and not 1 <= values["MASTER_PORT"] <= 65535:
+        raise InputError(f"torchrun's MASTER_PORT={values['MASTER_PORT']} is not a port (1-65535)")
+    return True
 
 
 def torchrun_decision(cfg: RunConfig) -> Decision:

@@ -520,3 +520,17 @@ def test_deeply_nested_json_is_one_line(hf, tmp_path, capsys):
     model = _copy(hf, "gpt2", tmp_path / "m")
     (model / "config.json").write_text("[" * 100_000)
     assert "config.json: JSON nested too deeply" in one_line_exit_2(train_main, SINGLE + ["--model", str(model)], capsys)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"TORCHELASTIC_RUN_ID": "x"}, "TORCHELASTIC_RUN_ID is set but RANK is not"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "abc"}, "torchrun's WORLD_SIZE='abc' is not"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"},
+     "do not describe nodes of equal size"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 / LOCAL_RANK=0 is outside"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "99999"}, "is not a port"),
+])
+def test_torchruns_variables_are_checked_first(env, message, capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert message in one_line_exit_2(train_main, SINGLE, capsys)
