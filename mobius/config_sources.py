@@ -126,13 +126,15 @@ def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_se
     pre.add_argument("--resume")
     pre.add_argument("--backend")
     known, _ = pre.parse_known_args(argv)
+    config = tokens_of(parser, read_yaml(known.config), f"--config {known.config}") if known.config else []
+    # resume: and backend: in the YAML file act as on the command line (which wins over them).
+    from_file, _ = pre.parse_known_args(config)
+    resume, backend = known.resume or from_file.resume, known.backend or from_file.backend
     layers: list[str] = []
-    if known.resume and checkpoint_settings is not None:
-        inherited = {k: v for k, v in checkpoint_settings(known.resume).items() if k not in NOT_INHERITED}
-        if known.backend and known.backend != inherited.get("backend"):
+    if resume and checkpoint_settings is not None:
+        inherited = {k: v for k, v in checkpoint_settings(resume).items() if k not in NOT_INHERITED}
+        if backend and backend != inherited.get("backend"):
             inherited = {k: v for k, v in inherited.items() if k not in backend_options}
         layers += tokens_of(parser, {k: v for k, v in inherited.items() if k in _actions(parser)},
-                            f"--resume {known.resume}")
-    if known.config:
-        layers += tokens_of(parser, read_yaml(known.config), f"--config {known.config}")
-    return layers + argv
+                            f"--resume {resume}")
+    return layers + config + argv

@@ -99,3 +99,11 @@ def test_yaml_takes_the_switches_by_their_own_names_and_on_off_as_written(tmp_pa
     (tmp_path / "run.yaml").write_text("model: tiny\nno-progress: true\npacking: off\nrecompute: on\n")
     cfg = parse_train_args(["--config", str(tmp_path / "run.yaml")])
     assert cfg.outputs.progress is False and cfg.data.packing == "off" and cfg.pipeline.recompute == "on"
+
+
+def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):
+    train_main(RUN + ["--metrics", str(tmp_path / "straight.jsonl")])
+    train_main(RUN + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
+    (tmp_path / "resume.yaml").write_text(f"resume: {tmp_path / 'ck'}\n")
+    train_main(["--config", str(tmp_path / "resume.yaml")])
+    assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")
