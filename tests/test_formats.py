@@ -231,3 +231,21 @@ def test_a_template_that_raises_an_empty_message_is_one_line(tmp_path, capsys):
     (tmp_path / "raises.jinja").write_text("{{ raise_exception('') }}")
     assert "refuses a conversation: TemplateError" in one_line_exit_2(
         train_main, run + ["--chat-template", str(tmp_path / "raises.jinja")], capsys)
+
+
+def test_a_template_that_loops_for_ever_is_refused_within_its_time_limit(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+
+    from mobius.data import examples
+
+    monkeypatch.setattr(examples, "RENDER_LIMIT_S", 0.5)
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    capsys.readouterr()  # transformers' own output while saving the model
+    (tmp_path / "loops.jinja").write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                          "{% endfor %}")
+    message = one_line_exit_2(train_main, ["--model", str(model), "--data", str(chat), "--seq-len", "128", "--steps",
+                                           "1", "--backend", "single", "--no-progress", "--chat-template",
+                                           str(tmp_path / "loops.jinja")], capsys)
+    assert "took more than 0.5 s to render one conversation" in message

@@ -11,6 +11,9 @@ so the model learns where an answer ends.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,35 @@ from mobius.checks import read_json_object
 from mobius.data.records import Record
 from mobius.data.tokenizers import ByteTokenizer, auto_tokenizer
 from mobius.errors import InputError, first_line
+
+# A template renders one conversation in milliseconds; one that loops for seconds or writes
+# megabytes is refused, not waited for.
+RENDER_LIMIT_S = 5.0
+RENDER_LIMIT_CHARS = 1 << 24
+
+
+class RenderTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`RenderTimeout` in this block after ``seconds`` (the main thread only, where a
+    timer signal can interrupt Python code; elsewhere there is no limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -67,11 +99,19 @@ class ChatRenderer:
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
-                                                      add_generation_prompt=generation_prompt)
+            with time_limit(RENDER_LIMIT_S):
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                          add_generation_prompt=generation_prompt)
+        except RenderTimeout:
+            raise InputError(f"the chat template ({self.template_source}) took more than {RENDER_LIMIT_S:g} s to "
+                             "render one conversation; refusing it") from None
         except Exception as err:  # jinja2 errors and the template's own raise_exception
             raise InputError(f"the chat template ({self.template_source}) refuses a conversation: "
                              f"{first_line(err, 160)}") from None
+        if len(text) > RENDER_LIMIT_CHARS:
+            raise InputError(f"the chat template ({self.template_source}) rendered one conversation into "
+                             f"{len(text):,} characters (at most {RENDER_LIMIT_CHARS:,}); refusing it")
+        return text
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
