@@ -6,7 +6,9 @@ saying what it is and the SHA-256 of every file we put there.  A directory witho
 the user: it is never removed or replaced, and the run refuses *before* training with one line
 naming it.  A file whose bytes no longer match what we recorded (the user saved over an export),
 or one we did not write at all (a note dropped into it), makes the directory the user's.  Staging
-siblings have hidden names no user would pick (``.NAME.mobius-partial``).
+siblings have hidden names no user would pick (``.NAME.mobius-partial``).  Once a run has started,
+a save or an export replaces only the files it lists as ours: anything the user puts into the
+directory meanwhile is carried into the new version, and said once.
 
 Output files (metrics, traces) are ours only when a hidden record beside them
 (``.NAME.mobius-owned.json``) holds the SHA-256 of their current bytes: a file that merely looks
@@ -169,7 +171,8 @@ def swap_into_place(staging: Path, final: str | os.PathLike, kind: str,
     final = Path(final).resolve()
     previous = sibling(final, "previous")
     if final.exists():
-        remove(previous, kind)  # a stale parked copy: ``final`` is the good one
+        if previous.exists():  # a stale parked copy (``final`` is the good one): ours go, the rest moves in
+            _clear_previous(previous, final)
         if any(final.iterdir()):
             os.replace(final, previous)
         else:
@@ -202,7 +205,8 @@ def _clear_previous(previous: Path, final: Path) -> None:
                 target, n = final / f"{entry.name}.user-{n}", n + 1
             os.replace(entry, target)
             kept.append(target.name)
-    previous.rmdir()
+    with contextlib.suppress(OSError):  # written into at this very instant: left for the next save to move
+        previous.rmdir()
     new = [name for name in kept if (final, name) not in _announced]  # each file said once a run
     _announced.update((final, name) for name in new)
     if new:
