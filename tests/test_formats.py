@@ -111,6 +111,13 @@ def test_answer_masks_follow_the_chat_template(tmp_path):
     ('[1, 2]\n', "a record must be a JSON object, got list"),
     ('{"text": "a"\n', "line 1: not valid JSON"),
     ("[" * 100_000 + "\n", "nested too deeply"),
+    ('{"messages": [{"role": "user", "content": "q"}]}\n', "'messages' has no assistant turn"),
+    ('{"messages": [{"role": "system", "content": "s"}]}\n', "'messages' has no assistant turn"),
+    ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}\n',
+     "'messages' begins with 'assistant'; the user speaks first"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}, '
+     '{"role": "assistant", "content": "a"}]}\n', "a system message after the conversation began"),
+    ('{"conversations": [{"from": "human", "value": "q"}]}\n', "'conversations' has no assistant turn"),
 ])
 def test_bad_records_are_one_line(tmp_path, capsys, content, message):
     (tmp_path / "bad.jsonl").write_text(content)

@@ -88,6 +88,22 @@ def _messages(value, where: str, key: str, role_key: str, content_key: str, role
     return out
 
 
+def _conversation(messages: list[dict], where: str, key: str) -> list[dict]:
+    """A conversation that teaches something: system messages first, then the user first, and at
+    least one assistant turn (a record without one would teach the end of text right after the
+    user's turn)."""
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise InputError(f"{where}: {key!r} has no assistant turn (roles {roles[:6]}); there is no answer to "
+                         "learn from it")
+    first = next((i for i, r in enumerate(roles) if r != "system"), len(roles))
+    if "system" in roles[first:]:
+        raise InputError(f"{where}: {key!r} has a system message after the conversation began (roles {roles[:6]})")
+    if roles[first] != "user":
+        raise InputError(f"{where}: {key!r} begins with {roles[first]!r}; the user speaks first (roles {roles[:6]})")
+    return messages
+
+
 def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
     """The :class:`Record` of one raw record and its format (``fmt`` forces one)."""
     if not isinstance(fields, dict):
@@ -113,14 +129,16 @@ def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
             messages.insert(0, {"role": "system", "content": _str(fields["system"], where, "system")})
         return Record(messages=messages), found
     if found == "chat":
-        return Record(messages=_messages(fields["messages"], where, "messages", "role", "content", None)), found
+        return Record(messages=_conversation(_messages(fields["messages"], where, "messages", "role", "content", None),
+                                             where, "messages")), found
     if found == "sharegpt":
-        return Record(messages=_messages(fields["conversations"], where, "conversations", "from", "value",
-                                         SHAREGPT_ROLES)), found
+        return Record(messages=_conversation(_messages(fields["conversations"], where, "conversations", "from",
+                                                       "value", SHAREGPT_ROLES), where, "conversations")), found
     prompt, completion = fields["prompt"], fields["completion"]
     if isinstance(prompt, list):  # TRL's conversational prompt-completion
-        return Record(messages=_messages(prompt, where, "prompt", "role", "content", None)
-                      + _messages(completion, where, "completion", "role", "content", None)), found
+        return Record(messages=_conversation(_messages(prompt, where, "prompt", "role", "content", None)
+                                             + _messages(completion, where, "completion", "role", "content", None),
+                                             where, "prompt + completion")), found
     return Record(prompt=_str(prompt, where, "prompt"), answer=_str(completion, where, "completion")), found
 
 
