@@ -104,9 +104,15 @@ def with_measured_host_rate(profile: Profile, workers: int) -> Profile:
     measured = HOST_RATES.get(host_rate_key(measured_on(), workers), rate_of)
     if measured is None or measured == profile.host.adam_params_per_s:
         return profile
-    print(f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this machine measured "
-          f"(timed at {profile.host.adam_params_per_s / 1e6:,.0f})", flush=True)
+    line = (f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this machine measured "
+            f"(timed at {profile.host.adam_params_per_s / 1e6:,.0f})")
+    if line not in _said:  # once, however many plans the command makes
+        _said.add(line)
+        print(line, flush=True)
     return replace(profile, host=replace(profile.host, adam_params_per_s=measured))
+
+
+_said: set[str] = set()
 
 
 def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, float]:

@@ -34,7 +34,6 @@ from mobius.data import BatchSource, load_corpus
 from mobius.janitor import scratch_dir
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
-from mobius.signals import start_resource_tracker
 from mobius.models import get_config, layer_count
 from mobius.partition.baselines import uniform_bounds
 from mobius.partition.cost import settle, stage_costs
@@ -42,6 +41,7 @@ from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
 from mobius.runtime.worker import outside_torchrun, tied_to_launcher
+from mobius.signals import start_resource_tracker
 from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
