@@ -16,6 +16,8 @@ from mobius.errors import InputError, first_line
 
 # Settings of one invocation, never inherited from a checkpoint's run.
 NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs")
+# Settings that name files the run reads: a resume takes them from the user, never from the checkpoint.
+READ_PATHS = ("model", "data", "eval_data", "chat_template", "topology")
 # Settings that name files: stored resolved, so a resume from another directory finds them.
 PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "trace", "save", "export",
                  "export_merged", "topology", "model")
@@ -125,6 +127,8 @@ def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_se
     pre.add_argument("--config")
     pre.add_argument("--resume")
     pre.add_argument("--backend")
+    for name in READ_PATHS:
+        pre.add_argument("--" + name.replace("_", "-"), dest=name)
     known, _ = pre.parse_known_args(argv)
     config = tokens_of(parser, read_yaml(known.config), f"--config {known.config}") if known.config else []
     # resume: and backend: in the YAML file act as on the command line (which wins over them).
@@ -135,6 +139,12 @@ def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_se
         inherited = {k: v for k, v in checkpoint_settings(resume).items() if k not in NOT_INHERITED}
         if backend and backend != inherited.get("backend"):
             inherited = {k: v for k, v in inherited.items() if k not in backend_options}
+        for name in READ_PATHS:  # a file the run reads is one the user names, not one a checkpoint does
+            value = inherited.get(name)
+            if value and Path(str(value)).is_absolute() and not (getattr(known, name) or getattr(from_file, name)):
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"--resume {resume}: its run read {flag} {value}; name it ({flag} PATH) to read it "
+                                 "again, or another")
         layers += tokens_of(parser, {k: v for k, v in inherited.items() if k in _actions(parser)},
                             f"--resume {resume}")
     return layers + config + argv

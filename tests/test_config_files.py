@@ -107,3 +107,16 @@ def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):
     (tmp_path / "resume.yaml").write_text(f"resume: {tmp_path / 'ck'}\n")
     train_main(["--config", str(tmp_path / "resume.yaml")])
     assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")
+
+
+def test_a_resume_reads_only_the_files_the_user_names(tmp_path, capsys):
+    """The checkpoint records the data file its run read; --resume alone does not read it again
+    (a checkpoint could name any file), naming it does."""
+    data = tmp_path / "notes.txt"
+    data.write_text("some words to train on, " * 400)
+    run = RUN + ["--data", str(data), "--packing", "on"]
+    train_main(run + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
+    message = one_line_exit_2(train_main, ["--resume", str(tmp_path / "ck")], capsys)
+    assert f"its run read --data {data}; name it (--data PATH) to read it again" in message
+    train_main(["--resume", str(tmp_path / "ck"), "--data", str(data)])
+    assert len(losses(tmp_path / "r.jsonl")) == 6
