@@ -174,9 +174,10 @@ def running_under_torchrun() -> bool:
     if "RANK" not in os.environ:
         raise InputError("TORCHELASTIC_RUN_ID is set but RANK is not: this process was not started by torchrun; "
                          "unset TORCHELASTIC_RUN_ID to run on this machine alone")
+    absent = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": os.environ.get("WORLD_SIZE", ""), "MASTER_PORT": "1"}
     values = {}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        text = os.environ.get(name, "0" if name in ("LOCAL_RANK", "MASTER_PORT") else os.environ.get("WORLD_SIZE", ""))
+        text = os.environ.get(name, absent.get(name, ""))
         if not text.strip().isdigit():
             raise InputError(f"torchrun's {name}={text[:20]!r} is not a non-negative integer")
         values[name] = int(text)

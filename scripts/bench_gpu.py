@@ -331,7 +331,7 @@ def checkpoint_blocks(model) -> None:
 
     for layer in model.layers:
         if layer.kind == "block":
-            layer.forward = functools.partial(lambda f, *a: checkpoint(f, *a, use_reentrant=False), layer.forward)
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 # The 100% line first: time on a GPU is short, and the baselines that offload are slow.

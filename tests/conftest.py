@@ -5,6 +5,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # make_tiny_chat_model
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -105,3 +106,41 @@ def run_in_threads(cfg):
     if cfg.pipeline.stages is not None:
         assert len(plan.bounds) == cfg.pipeline.stages
     return losses, weights
+
+
+def tagged(tag: str) -> list[str]:
+    """Processes (a run's and their children) whose environment carries ``tag``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if tag.encode() in (proc / "environ").read_bytes():
+                found.append(proc.name)
+        except OSError:
+            continue
+    return found
+
+
+def none_left(tag: str, within: float = 600) -> bool:
+    """No process carrying ``tag``, once the ones ending have had time to end (a bound for a busy
+    machine, not what a test asserts)."""
+    import time
+
+    t0 = time.monotonic()
+    while tagged(tag) and time.monotonic() - t0 < within:
+        time.sleep(0.2)
+    return not tagged(tag)
+
+
+@contextlib.contextmanager
+def host_rate_cached(params_per_s: float, workers: int):
+    """A host AdamW rate for this machine as a run on it would have kept it
+    (:mod:`mobius.runtime.plan_check`), for the plans made inside the block."""
+    from mobius.prepare import measured_on
+    from mobius.runtime.plan_check import HOST_RATES, host_rate_key
+
+    key = host_rate_key(measured_on(), workers)
+    HOST_RATES.put(key, {"adam_params_per_s": params_per_s})
+    try:
+        yield
+    finally:
+        HOST_RATES.path(key).unlink(missing_ok=True)

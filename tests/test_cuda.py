@@ -92,18 +92,13 @@ def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
     a run on it measured: a cached rate of 1M parameters/s), so keeping stages on the GPU pays by
     construction: those stages stay there and are updated there (fused AdamW on CUDA tensors), the
     others swap; fp32 equals the reference."""
-    from mobius.prepare import measured_on
-    from mobius.runtime.plan_check import HOST_RATES, host_rate_key
+    from conftest import host_rate_cached
 
     cfg = config(stages=26, gpu_mem_gb=4.0, recompute="on")
-    key = host_rate_key(measured_on(), resolve_topology(cfg).n)
-    HOST_RATES.put(key, {"adam_params_per_s": 1e6})
-    try:
+    with host_rate_cached(1e6, workers=resolve_topology(cfg).n):
         _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
         assert plan.resident and plan.host_costs["adam_params_per_s"] == 1e6
         history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
-    finally:
-        HOST_RATES.path(key).unlink(missing_ok=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 

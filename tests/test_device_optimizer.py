@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import reference, run_in_threads
+from conftest import host_rate_cached, reference, run_in_threads
 
 from mobius.runtime import checkpoint as ck
 from mobius.prepare import prepare_pipeline, resolve_topology
@@ -23,15 +23,10 @@ from mobius.train import main
 
 @pytest.fixture
 def slow_host():
-    """A host whose AdamW a run measured at 1M parameters/s (cached, as a run keeps it): keeping
-    stages on the device pays by construction, whatever load this machine's own timings saw."""
-    from mobius.prepare import measured_on
-    from mobius.runtime.plan_check import HOST_RATES, host_rate_key
-
-    key = host_rate_key(measured_on(), 2)
-    HOST_RATES.put(key, {"adam_params_per_s": 1e6})
-    yield
-    HOST_RATES.path(key).unlink(missing_ok=True)
+    """A host whose AdamW a run measured at 1M parameters/s: keeping stages on the device pays by
+    construction, whatever load this machine's own timings saw."""
+    with host_rate_cached(1e6, workers=2):
+        yield
 
 
 def tiny(**kw) -> RunConfig:

@@ -17,6 +17,7 @@ import torch
 from mobius.runtime import checkpoint as ck
 from mobius import ownership
 from mobius.train import main
+from conftest import none_left, tagged
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress"]
 
@@ -203,22 +204,10 @@ def _spawn(args, tmp_path, env=None, **kwargs):
                             preexec_fn=_die_with_the_test, **kwargs)
 
 
-def _tagged(tag: str) -> list[str]:
-    """Processes (ours and their children) whose environment carries ``tag``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if tag.encode() in (proc / "environ").read_bytes():
-                found.append(proc.name)
-        except OSError:
-            continue
-    return found
-
-
 def _workers(tag: str) -> list[str]:
-    """The worker processes (started by multiprocessing's spawn) among ``_tagged(tag)``."""
+    """The worker processes (started by multiprocessing's spawn) among ``tagged(tag)``."""
     found = []
-    for pid in _tagged(tag):
+    for pid in tagged(tag):
         try:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
@@ -298,7 +287,7 @@ def test_killed_worker_leaves_no_orphans(tmp_path):
     assert p.returncode != 0
     assert err.strip().splitlines() == ["error: worker 2 failed: Signal 9 (SIGKILL) received by PID " +
                                         err.split("received by PID ")[1].split()[0]]
-    assert _none_left(tag)
+    assert none_left(tag)
 
 
 PIPELINE = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000"]
@@ -310,14 +299,6 @@ def _scratch(tmp_path: Path, tag: str) -> dict[str, str]:
     (tmp_path / "tmp").mkdir()
     return {"MOBIUS_TEST_TAG": tag, "TMPDIR": str(tmp_path / "tmp"),
             "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-
-
-def _none_left(tag: str, within: float = PATIENCE_S) -> bool:
-    """No process carrying ``tag``, once the ones ending have had time to end."""
-    t0 = time.monotonic()
-    while _tagged(tag) and time.monotonic() - t0 < within:
-        time.sleep(0.2)
-    return not _tagged(tag)
 
 
 def _lines_of(stream):
@@ -348,9 +329,9 @@ def _until(lines: queue.Queue, marker: str | None) -> list[str]:
 def _gone(tag: str, scratch: Path, within: float = PATIENCE_S) -> bool:
     """No process carrying ``tag`` and nothing left in the run's temporary directory ``scratch``."""
     t0 = time.monotonic()
-    while (_tagged(tag) or any(scratch.iterdir())) and time.monotonic() - t0 < within:
+    while (tagged(tag) or any(scratch.iterdir())) and time.monotonic() - t0 < within:
         time.sleep(0.2)
-    return not _tagged(tag) and not any(scratch.iterdir())
+    return not tagged(tag) and not any(scratch.iterdir())
 
 
 @pytest.mark.slow
@@ -395,7 +376,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=PATIENCE_S)
     assert p.returncode == 130 and err.strip().splitlines() == ["interrupted (SIGINT) before training started"], err
-    assert _none_left(tag)
+    assert none_left(tag)
 
 
 @pytest.mark.slow
