@@ -157,9 +157,12 @@ class PipelineConfig:
     prefetch: bool = True  # load the next stage while the current one computes
     device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
     data_parallel: int | None = None  # replicas of the pipeline (None: the nodes under torchrun, else 1)
+    replan: str = "off"  # auto: re-plan once, mid-run, with the rates the run measured (mobius.replan) | off
 
     def __post_init__(self):
         _positive(self, ("stages", "data_parallel"))
+        if self.replan not in ("auto", "off"):
+            raise InputError(f"replan must be auto or off, not {self.replan!r}")
 
 
 @dataclass(frozen=True)
@@ -392,6 +395,10 @@ def build_train_parser() -> argparse.ArgumentParser:
     add_model_and_batch_args(p)
     p.add_argument("--backend", choices=BACKENDS, default=d["backend"],
                    help="auto: chunked on NVLink topologies, else pipeline; single: plain PyTorch reference")
+    p.add_argument("--replan", choices=("auto", "off"), default=d["replan"],
+                   help="auto: when the run's first steps show a lane of its plan off by more than 20%%, plan again "
+                        "with the measured rates and switch plans at a step boundary if the new plan is predicted to "
+                        "save more than the switch costs (pipeline backend; the training state carries over)")
     p.add_argument("--emulate", action="store_true",
                    help="rehearse --topology's GPUs on CPU workers: emulated PCIe links and root complexes, "
                         "compute as long as on the GPUs, all time dilated by one factor (pipeline backend)")

@@ -32,6 +32,7 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
 from mobius.prepare import prepare_pipeline, resolve_topology
+from mobius.replan import Replanner
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.spec import RunSpec
@@ -51,7 +52,9 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.outputs.exports()
     exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
-    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights)
+    replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
+    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
+                            replan=replan)
     results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
@@ -129,7 +132,7 @@ def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)
     payload = replace(payload, launcher_pid=os.getpid(), stop_file=str(signals.stop.stop_file),
-                      started_file=str(signals.started_file))
+                      started_file=str(signals.started_file), run_dir=run_dir)
     try:
         with signals, outside_torchrun():
             return elastic_launch(launch, entry)(payload)

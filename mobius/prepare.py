@@ -72,9 +72,10 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
     if how == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         gpu = min(topo.gpus, key=lambda g: g.tflops)
-        return analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
-                                analytic_efficiency(gpu.name)[0],
-                                host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
+        profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
+                                   analytic_efficiency(gpu.name)[0],
+                                   host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
+        return with_measured_host_rate(profile, host_key(topo, measured=False))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
@@ -88,24 +89,33 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
                                   host_workers=topo.n)
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
-    return with_measured_host_rate(profile, topo.n)
+    return with_measured_host_rate(profile, host_key(topo, measured=True))
 
 
-def with_measured_host_rate(profile: Profile, workers: int) -> Profile:
-    """``profile`` with the host AdamW rate a run on this machine measured (with ``workers``
-    workers) where its plan's was off (:mod:`mobius.runtime.plan_check`): a run is a better
-    measurement than the profiler's timing of one tensor."""
+def host_key(topo: Topology, measured: bool) -> str:
+    """Where the host AdamW rate a run measures is kept (:data:`HOST_RATES`): this machine's with
+    ``topo.n`` workers sharing its cores, for profiles measured here; else the host of the box
+    ``topo`` describes (one planned for, or emulated: its rate is what the topology states, so an
+    emulated run measures that box's host)."""
+    return host_rate_key(measured_on() if measured else {"box": topo.name, "host": topo.to_dict()["host"]}, topo.n)
+
+
+def with_measured_host_rate(profile: Profile, key: str) -> Profile:
+    """``profile`` with the host AdamW rate a run on that host measured (``key``: :func:`host_key`)
+    where its plan's was off (:mod:`mobius.runtime.plan_check`): a run is a better measurement than
+    the profiler's timing of one tensor, or than the rate a topology assumes."""
     def rate_of(entry: dict) -> float:
         rate = float(entry["adam_params_per_s"])
         if not math.isfinite(rate) or rate <= 0:
             raise ValueError(f"the rate {rate} is not a positive number")
         return rate
 
-    measured = HOST_RATES.get(host_rate_key(measured_on(), workers), rate_of)
+    measured = HOST_RATES.get(key, rate_of)
     if measured is None or measured == profile.host.adam_params_per_s:
         return profile
-    line = (f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this machine measured "
-            f"(timed at {profile.host.adam_params_per_s / 1e6:,.0f})")
+    line = (f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this host measured "
+            f"({'assumed' if profile.source.startswith('analytic') else 'timed'} at "
+            f"{profile.host.adam_params_per_s / 1e6:,.0f})")
     if line not in _said:  # once, however many plans the command makes
         _said.add(line)
         print(line, flush=True)
@@ -315,7 +325,7 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
-    rate_key = "" if emulation else host_rate_key(measured_on(), topo.n)
+    rate_key = host_key(topo, measured=not plan.profile_source.startswith("analytic"))
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
                    data_parallel=data_parallel_of(cfg), host_rate_key=rate_key), plan
 
@@ -386,7 +396,8 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          root_complex=tuple(g.root_complex for g in topo.gpus),
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
                          counters="", how=how, floor=step_floor,  # the launcher makes the counters file
-                         replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB)
+                         replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB,
+                         host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
 
 
 def _round_up(x: float) -> float:

@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
         if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None \
-                or cfg.emulation.enabled:
-            raise InputError("under torchrun only the pipeline backend runs, without --export, --epochs or --emulate "
+                or cfg.emulation.enabled or cfg.pipeline.replan == "auto":
+            raise InputError("under torchrun only the pipeline backend runs, without --export, --epochs, --replan auto "
+                             "or --emulate "
                              "(several boxes emulate on one machine: --emulate --data-parallel D); start "
                              "python -m mobius.train directly for the others")
         worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))

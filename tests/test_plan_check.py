@@ -35,7 +35,7 @@ def test_a_lane_off_by_more_than_a_fifth_is_named_once_and_its_rate_kept():
     assert check.after(history[:3]) == []  # the warm-up step and two: not yet
     lines = check.after(history)
     assert lines == ["plan check: host AdamW 42.00 ms measured, 0.17 s predicted (400 M parameters/s measured, "
-                     "100 M planned); the next plan on this machine uses the measured rate"]
+                     "100 M planned); the next plan for this host uses the measured rate"]
     assert kept == [4e8]
     assert check.after(history + steps(0.042, 4e8)) == []  # once per run
 
@@ -79,3 +79,61 @@ def test_a_run_planned_on_a_stale_rate_names_the_lane_and_the_next_plan_uses_wha
     measured = HOST_RATES.get(key, lambda d: d["adam_params_per_s"])
     assert measured != timed / 10
     assert prepare_pipeline(cfg, topo, model)[1].host_costs["adam_params_per_s"] == measured
+
+
+SLOW_BOX = {"name": "slowbox", "description": "two slow GPUs under one root complex: a box a CPU emulates quickly",
+            "host": {"memory_gb": 64}, "root_complexes": [{"id": 0, "host_bandwidth_gbps": 1.0}],
+            "gpus": [{"index": i, "name": "slow", "memory_gb": 1, "tflops": 0.05, "root_complex": 0,
+                      "link_bandwidth_gbps": 1.0} for i in range(2)],
+            "nvlink": [], "p2p": False}
+
+
+@pytest.mark.slow
+def test_an_emulated_host_4x_faster_than_planned_is_named_and_replan_switches_with_the_straight_runs_losses(
+        tmp_path, capfd):
+    """The emulated box's host updates at the rate its topology states (--host-adam-gbps); the
+    cache holds a quarter of it (a stale measurement), so the plan is made for a slower host.  The
+    run names the host AdamW lane after its fourth step and keeps what it measured; --replan auto
+    plans again with it and switches plans mid-run; a run planned with the measured rate from the
+    start (the next plan) is another plan, and its losses are the switched run's, bit for bit."""
+    import json
+    import re
+
+    from mobius.config import parse_train_args
+    from mobius.prepare import host_key, resolve_topology
+    from mobius.runtime.plan_check import HOST_RATES
+    from mobius.train import main
+
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps(SLOW_BOX))
+    common = ["--model", "tiny8", "--topology", str(box), "--emulate", "--seq-len", "64", "--micro-batch-size", "2",
+              "--micro-batches", "4", "--host-adam-gbps", "1.6", "--gpu-mem-gb", "0.01", "--precision", "fp32",
+              "--steps", "100", "--no-progress"]
+    key = host_key(resolve_topology(parse_train_args(common)), measured=False)
+    true_rate = 1.6e9 / 28 / 2  # one of two workers' optimizer threads on the stated host
+    HOST_RATES.put(key, {"adam_params_per_s": true_rate / 4})
+    try:
+        main(common + ["--replan", "auto", "--metrics", str(tmp_path / "switched.jsonl")])
+        out = capfd.readouterr().out.splitlines()
+        measured = HOST_RATES.get(key, lambda d: d["adam_params_per_s"])
+        main(common + ["--stop-after", "12", "--metrics", str(tmp_path / "straight.jsonl")])
+        straight_out = capfd.readouterr().out.splitlines()
+    finally:
+        HOST_RATES.path(key).unlink(missing_ok=True)
+    checks = [line for line in out if line.startswith("plan check: host AdamW")]
+    assert len(checks) == 1 and "7 M planned" in checks[0], out
+    assert measured == pytest.approx(true_rate, rel=0.2)
+    (replan,) = [line for line in out if line.startswith("replan:")]
+    assert replan.endswith("; switching"), out
+    (switched,) = [line for line in out if line.startswith("switched plans after step 4: ")]
+    headers = [line for line in out + straight_out if line.startswith("mobius: backend pipeline")]
+    assert len(headers) == 2
+    first_plan, next_plan = (re.search(r"(\d+) stages", h).group(1) for h in headers)
+    assert first_plan != next_plan and f"after step 4: {next_plan} stages" in switched  # to the next run's plan
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+
+    switched_losses, straight_losses = losses("switched.jsonl"), losses("straight.jsonl")
+    assert len(switched_losses) == 100 and len(straight_losses) == 12
+    assert switched_losses[:12] == pytest.approx(straight_losses, rel=1e-6, abs=0)

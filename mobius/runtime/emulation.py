@@ -8,7 +8,9 @@ than the GPU's) fits inside the emulated GPU time, and a step's wall time divide
 emulated step time.
 
 * Compute of a micro-batch on a stage lasts at least the GPU's profiled time (:meth:`compute_span`);
-  a stage's AdamW update on the host at least its parameters over the host rate the plan assumed.
+  a stage's AdamW update on the host at least its parameters over the emulated host's rate, the one
+  its topology states (:meth:`host_update_span`), whatever rate the plan assumed: a plan made on a
+  wrong rate shows here as it would on the box.
 * A host<->device copy moves its bytes at the emulated link's rate, a fluid model recomputed every
   few milliseconds: the transfers of one direction under one root complex share its host bandwidth
   equally, *across worker processes*, and a GPU's own link caps its transfers (shared between its
@@ -50,6 +52,7 @@ class EmulationSpec:
     replicas: int = 1  # boxes emulated, each with the GPUs above: worker w of box d is rank d * len(link_bps) + w
     network: str = ""  # between the boxes (replicas > 1)
     network_bps: float = 0.0  # each box's link to it, bytes per emulated second each way
+    host_adam_params_per_s: float = float("inf")  # one worker's optimizer thread on the emulated host
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +139,10 @@ class EmulatedLinks:
 
     def _in_transfers(self) -> float:
         return getattr(self._thread, "in_transfers", 0.0)
+
+    def host_update_span(self, params: int):
+        """A host AdamW update of ``params`` parameters lasts at least the emulated host's time."""
+        return self.compute_span(params / self.spec.host_adam_params_per_s)
 
     @contextmanager
     def compute_span(self, emulated_s: float):

@@ -14,32 +14,38 @@ from tqdm import tqdm
 from mobius.config import RunConfig
 from mobius.errors import RunError
 from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog, seconds_text
-from mobius.runtime.plan_check import PlanCheck
+from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
 
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
               agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True,
-              eval_fn: Callable[[int], float] | None = None, check: PlanCheck | None = None) -> list[StepMetrics]:
+              eval_fn: Callable[[int], float] | None = None, check: PlanCheck | None = None,
+              switch: PlanSwitch | None = None,
+              before: list[StepMetrics] | None = None, started: float | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
     evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
     (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
 
     ``agree`` makes every pipeline worker take the same stop/save decision; only ``main`` prints.
     Every worker evaluates at the same steps: the decision depends on the step alone.  ``check``
-    compares the first steps with the plan (:mod:`mobius.runtime.plan_check`).
+    compares the first steps with the plan (:mod:`mobius.runtime.plan_check`); ``switch``, asked on
+    ``main`` after each step, ends this call at a step boundary for the caller to continue on
+    another plan (``--replan``), every worker with it.  ``before``: the steps of the
+    run's earlier plan, which the returned history and the summary include; ``started``: when the
+    first of them began (``time.perf_counter``), so the summary's wall time counts the switch.
     """
     if main:
         print(header, flush=True)
     writer = MetricsWriter(cfg.outputs.metrics if main else None, append=start_step > 0)
     board = TensorBoardLog(cfg.outputs.tensorboard if main else None)
-    history: list[StepMetrics] = []
-    t0 = time.perf_counter()
+    history: list[StepMetrics] = list(before or ())
+    t0 = time.perf_counter() if started is None else started
     steps, save, save_every = cfg.optim.steps, cfg.checkpoint.save, cfg.checkpoint.save_every
     bar = tqdm(range(start_step, steps), disable=not (cfg.outputs.progress and main), unit="step", dynamic_ncols=True,
                file=sys.stdout, initial=start_step, total=steps)
-    stopped_at = None
+    stopped_at = switched_at = None
     try:
         for step in bar:
             m = step_fn(step)
@@ -68,17 +74,27 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             want_stop = (stop is not None and stop.check()) or (
                 cfg.checkpoint.stop_after is not None and done - start_step >= cfg.checkpoint.stop_after)
             want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
+            want_switch = False
+            if main and switch is not None and done < steps:
+                want_switch, line = switch.ask(history)
+                if line:
+                    bar.write(line)
             if agree is not None:
-                want_stop, want_save = agree(want_stop, want_save)
+                want_stop, want_save, want_switch = agree(want_stop, want_save, want_switch)
             if want_save and save_fn is not None:
                 save_fn(done)
             if want_stop and done < cfg.optim.steps:
                 stopped_at = done
                 break
+            if want_switch:
+                switched_at = switch.at = done
+                break
     finally:
         bar.close()
         writer.close()
         board.close()
+    if switched_at is not None:
+        return history  # the run goes on, on another plan
     if main and history:
         wall = time.perf_counter() - t0
         tokens = sum(m.tokens for m in history)

@@ -11,12 +11,13 @@ machine to use instead of the one it was planned with.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Callable
 
 from mobius.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models.precision import element_bytes
-from mobius.runtime.spec import Plan
+from mobius.runtime.spec import Plan, RunSpec
 
 STEPS = 3  # measured steps compared, after the warm-up step
 TOLERANCE = 0.2
@@ -47,35 +48,43 @@ def predicted_host_adam_s(plan: Plan) -> float:
 
 
 class PlanCheck:
-    """Compares the run's first steps with ``plan`` once; ``keep_rate(params_per_s)`` is called
-    with the hosts' measured AdamW rate when that lane is off."""
+    """Compares the run's first steps on ``plan`` (those after ``history[first]``, the plan's
+    warm-up step) with ``plan`` once; ``keep_rate(params_per_s)`` is called with the hosts'
+    measured AdamW rate when that lane is off.  Afterwards ``measured_step_s`` is the step measured
+    (on the emulated GPUs, when emulating) and ``off`` the lanes found off."""
 
-    def __init__(self, plan: Plan, keep_rate: Callable[[float], None]):
-        self.plan, self.keep_rate = plan, keep_rate
+    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0):
+        self.plan, self.keep_rate, self.first = plan, keep_rate, first
         self.done = False
+        self.measured_step_s: float | None = None
+        self.off: list[str] = []
 
     def after(self, history: list[StepMetrics]) -> list[str]:
         """The lines to print once ``history`` (this run's steps so far) holds enough steps."""
-        if self.done or len(history) < 1 + STEPS:
+        if self.done or len(history) < self.first + 1 + STEPS:
             return []
         self.done = True
-        measured = history[1:1 + STEPS]
+        measured = history[self.first + 1:self.first + 1 + STEPS]
         lines = []
         step = statistics.median(m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s
                                  for m in measured)
+        self.measured_step_s = step
         if _off(step, self.plan.predicted_step_s):
+            self.off.append("step")
             lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
                          f"predicted ({step / self.plan.predicted_step_s:.2f}x)")
         adam = [m.host_adam_s for m in measured if m.host_adam_s is not None]
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
         predicted = predicted_host_adam_s(self.plan)
         if adam and rates and predicted and self.plan.data_parallel == 1 and _off(statistics.median(adam), predicted):
+            self.off.append("host AdamW")
             rate, planned = statistics.median(rates), self.plan.host_costs["adam_params_per_s"]
-            kept = predicted * planned >= MIN_PARAMS_KEPT
+            # An emulated host's update lasts the time its rate gives, whatever the parameter count.
+            kept = predicted * planned >= MIN_PARAMS_KEPT or measured[0].emulated_step_s is not None
             lines.append(f"plan check: host AdamW {seconds_text(statistics.median(adam))} measured, "
                          f"{seconds_text(predicted)} predicted ({rate / 1e6:,.0f} M parameters/s measured, "
                          f"{planned / 1e6:,.0f} M planned); " + (
-                             "the next plan on this machine uses the measured rate" if kept else
+                             "the next plan for this host uses the measured rate" if kept else
                              "too few parameters a step to take it for the host's rate"))
             if kept:
                 self.keep_rate(rate)
@@ -84,3 +93,29 @@ class PlanCheck:
 
 def _off(measured: float, predicted: float) -> bool:
     return predicted > 0 and abs(measured / predicted - 1) > TOLERANCE
+
+
+@dataclass
+class PlanSwitch:
+    """``--replan auto``: once :class:`PlanCheck` found a lane off, ``decide(measured step, steps
+    left)`` (rank 0's; :mod:`mobius.replan`) plans again with the rates the run measured and says
+    whether switching pays: (the new plan or None, the line that says why).  The training loop asks
+    :meth:`ask` after each step on rank 0 and, when every worker has agreed, sets ``at``: the
+    step boundary where the run goes on with ``spec`` (broadcast by rank 0).  One switch a run at
+    most: a second plan check on the new plan does not re-plan again, so plans cannot oscillate."""
+
+    check: PlanCheck | None  # rank 0's; None on the others
+    decide: Callable[[float, int], tuple[RunSpec | None, str]] | None
+    steps: int  # the step this run ends at
+    spec: RunSpec | None = None
+    at: int | None = None
+    asked: bool = False
+
+    def ask(self, history: list[StepMetrics]) -> tuple[bool, str]:
+        """(switch after this step?, the line to print) once the check has found a lane off."""
+        check = self.check
+        if self.decide is None or check is None or not check.done or not check.off or self.asked:
+            return False, ""
+        self.asked = True
+        self.spec, line = self.decide(check.measured_step_s, self.steps - (history[-1].step + 1))
+        return self.spec is not None, line

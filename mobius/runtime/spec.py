@@ -64,6 +64,17 @@ class Plan:
     def stages_of_gpu(self, gpu: int) -> list[int]:
         return [s for s in range(len(self.bounds)) if self.gpu_of_stage(s) == gpu]
 
+    def shape(self) -> str:
+        """The plan's choices in a few words (a run's header, a switch of plans)."""
+        resident = f"; {len(self.resident)} resident" if self.resident else ""
+        return (f"{len(self.bounds)} stages ({self.partitioner}{resident}), mapping {self.order}, "
+                f"recompute {'on' if self.recompute else 'off'}")
+
+    def same_choices(self, other: "Plan") -> bool:
+        """Whether ``other`` runs the same partition, mapping, residency and recomputation."""
+        return (self.bounds, self.order, sorted(self.resident), self.recompute) == \
+            (other.bounds, other.order, sorted(other.resident), other.recompute)
+
     def bound_summary(self) -> str:
         """The first-principles floor beside the prediction, what bounds the step and what would help."""
         lane, floor = max(self.lane_floor_s.items(), key=lambda kv: kv[1])

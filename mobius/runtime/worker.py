@@ -29,14 +29,14 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.errors import InputError, RunError
-from mobius.metrics import StepMetrics, Trace, write_trace
+from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.optim import DynamicLossScaler
-from mobius.runtime.plan_check import HOST_RATES, PlanCheck
+from mobius.runtime.plan_check import HOST_RATES, PlanCheck, PlanSwitch
 from mobius.runtime.spec import RunSpec
 from mobius.signals import StopRequest
 
@@ -81,6 +81,9 @@ class WorkerPayload:
     launcher_pid: int | None = None  # the process a worker must not outlive
     stop_file: str | None = None  # the launcher's stop request (mobius.signals)
     started_file: str | None = None  # touched once training has started
+    run_dir: str | None = None  # the launcher's directory of this run, removed when it ends
+    # --replan auto (rank 0 calls it): (spec, measured step, steps left, switch cost) -> (new spec or None, why)
+    replan: Callable[[RunSpec, float, int, float], tuple[RunSpec | None, str]] | None = None
 
 
 @dataclass
@@ -152,11 +155,12 @@ def install_stop(payload: WorkerPayload) -> StopRequest:
     return stop
 
 
-def agree(want_stop: bool, want_save: bool) -> tuple[bool, bool]:
-    """Every worker stops or saves after the same step: any worker's request counts for all."""
-    flags = torch.tensor([float(want_stop), float(want_save)])
+def agree(*wants: bool) -> tuple[bool, ...]:
+    """Every worker stops, saves or switches plans after the same step: any worker's request
+    counts for all."""
+    flags = torch.tensor([float(w) for w in wants])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    return tuple(bool(f) for f in flags)
 
 
 def share_cpu_cores(world: int) -> None:
@@ -255,6 +259,24 @@ def decided(decision: Decision, rank: int, world: int) -> tuple[RunSpec, str]:
     return shared[0]
 
 
+def switch_plans(backend: WorkerBackend, payload: WorkerPayload, spec: RunSpec, done: int,
+                 build: Callable[[RunSpec], WorkerBackend], rank: int) -> WorkerBackend:
+    """``--replan``: the training state after ``done`` steps carried from ``backend`` to one built
+    for ``spec``'s plan, through a checkpoint in the launcher's run directory (stages change
+    workers: the checkpoint is the one format every plan reads).  The old backend is closed before
+    the new one takes its device memory."""
+    backend.drain()
+    path = str(Path(payload.run_dir) / "switch")
+    cfg = payload.cfg
+    meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.inputs)
+    ck.save(path, backend.checkpoint_files(done), meta, rank, dist.barrier)
+    backend.close()
+    new = build(spec)
+    ck.resume(ck.load_checkpoint(path, verify=False), new.restore, new.scaler, cfg.optim.precision)
+    dist.barrier()  # every worker has read it
+    return new
+
+
 def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decision | None) -> dict:
     cfg, spec = payload.cfg, payload.spec
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
@@ -279,6 +301,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             start = ck.resume(ck.load_checkpoint(cfg.checkpoint.resume, verify=False), backend.restore, backend.scaler,
                               cfg.optim.precision)
         stop = install_stop(payload)
+        started = time.perf_counter()
 
         def one_step(step: int) -> StepMetrics:
             inject_fault(rank, step)
@@ -298,6 +321,14 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
                 HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
 
         check = PlanCheck(spec.plan, keep_rate) if rank == 0 and spec.plan is not None else None
+        switch = None
+        if payload.replan is not None and spec.plan is not None:
+            # The switch costs about what the run's start did: the time to its first step.
+            setup_s = (started - payload.t_origin) / (emulation.factor if emulation else 1.0)
+            last = cfg.optim.steps if cfg.checkpoint.stop_after is None else \
+                min(cfg.optim.steps, start + cfg.checkpoint.stop_after)
+            switch = PlanSwitch(check, (lambda step_s, left: payload.replan(spec, step_s, left, setup_s))
+                                if rank == 0 else None, last)
 
         def save(done: int) -> None:
             backend.drain()
@@ -306,10 +337,25 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
 
         header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
-                            main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None, check=check)
+                            main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None, check=check,
+                            switch=switch, started=started)
+        if switch is not None and switch.at is not None:
+            shared = [switch.spec]
+            dist.broadcast_object_list(shared, src=0)  # rank 0 planned it
+            spec, at = shared[0], switch.at
+            old, backend = backend, None  # closed by the switch
+            backend = switch_plans(old, payload, spec, at, lambda new: build(
+                WorkerContext(cfg, new, rank, world, device, trace, data, payload)), rank)
+            check = PlanCheck(spec.plan, keep_rate, first=len(history)) if rank == 0 else None
+            history = run_steps(cfg, one_step, f"switched plans after step {at}: {spec.plan.shape()}, predicted "
+                                f"{seconds_text(spec.plan.predicted_step_s)}/step",
+                                start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
+                                eval_fn=backend.evaluate if backend.evaluates else None, check=check,
+                                before=history, started=started)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
         gather_trace(trace, cfg.outputs.trace, rank, world)
         finished = backend.finish()
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, **finished}

@@ -118,7 +118,7 @@ class StageRunner:
         self.working = WorkingMemory(memory, plan)
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
                                        TiedEmbedding(store, plan, transport, traffic), transport,
-                                       plan.host_costs.get("adam_params_per_s", float("inf")), replicas)
+                                       replicas)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
         # The planner never makes such a plan: these updates need every stage's gradients, or must
         # write the weights the step after next reads (--optimizer-lag).

@@ -40,11 +40,10 @@ from mobius.swap.store import HostStageStore, view
 class HostOptimizer:
     def __init__(self, store: HostStageStore, device: Device, memory: DeviceMemory, traffic: Traffic, trace: Trace,
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
-                 adam_params_per_s: float = float("inf"), replicas: ReplicaGroup | None = None):
+                 replicas: ReplicaGroup | None = None):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
         self.scaler, self.tied, self.transport, self.replicas = scaler, tied, transport, replicas
         self.lag = store.lag
-        self.adam_params_per_s = adam_params_per_s  # the host's rate as planned (emulated GPUs' hosts take this long)
         self.compute = device.compute
         self.grads_out = device.new_stream("d2h-gradients", "d2h")
         self.host = device.host_stream("optimizer")  # what the optimizer thread does to host buffers
@@ -134,7 +133,7 @@ class HostOptimizer:
             set_lr(host.optimizer, lr)
             numel = sum(p.numel() for p in updated)
             began = time.perf_counter()
-            with self.device.compute_span(numel / self.adam_params_per_s):
+            with self.device.host_update_span(numel):
                 host.optimizer.step()
             with self._busy_lock:
                 self._busy[0] += time.perf_counter() - began

@@ -118,6 +118,11 @@ class Device:
         ``emulated_s`` (:mod:`mobius.runtime.emulation`); nothing on real devices."""
         return nullcontext()
 
+    def host_update_span(self, params: int):
+        """Context for a host AdamW update of ``params`` parameters by this device's optimizer
+        thread: the emulated host's time on emulated GPUs; nothing otherwise."""
+        return nullcontext()
+
     def network_time(self, nbytes: int) -> None:
         """A collective between data-parallel replicas that moved ``nbytes`` over this box's
         network has just run: emulated boxes take their network's time for it; nothing otherwise."""

@@ -138,6 +138,9 @@ class CpuDevice(Device):
     def compute_span(self, emulated_s: float):
         return nullcontext() if self.emulation is None else self.emulation.compute_span(emulated_s)
 
+    def host_update_span(self, params: int):
+        return nullcontext() if self.emulation is None else self.emulation.host_update_span(params)
+
     def network_time(self, nbytes: int) -> None:
         if self.emulation is not None:
             self.emulation.exchange(nbytes)
