@@ -29,7 +29,8 @@ def build_parser() -> OneLineParser:
                         "(auto: measure when the topology is this machine)")
     p.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit in seconds")
     p.add_argument("--baselines", action="store_true", help="also print the baselines' predicted step times")
-    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--no-cache", action="store_true",
+                   help="measure the layers and solve the partition again, replacing what is cached")
     p.add_argument("--emulate", action="store_true",
                    help="the plan mobius.train --emulate runs: CPU workers standing for --topology's GPUs, each "
                         "budgeting the whole --gpu-mem-gb (no CUDA context to leave room for)")

@@ -34,6 +34,7 @@ from mobius.models.precision import default_precision
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import (
     MAX_TIME_S,
+    PROFILES,
     Profile,
     analytic_efficiency,
     analytic_profile,
@@ -57,7 +58,6 @@ from topology import Topology, TopologyError, assumed_network, cpu_topology, loa
 
 GB = 10**9
 
-PROFILES = Cache("profiles", "profile")
 RUNTIME_COSTS = Cache("runtime", "runtime calibration")
 # Part of every measured profile's key: a profile measured by older code (without the runtime's
 # costs, or with the host AdamW rate timed on a cache-sized tensor) is measured again.
@@ -65,12 +65,12 @@ PROFILE_VERSION = 6
 
 
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
-                precision: str, how: str = "auto") -> Profile:
+                precision: str, how: str = "auto", fresh: bool = False) -> Profile:
     """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
-    when the topology is this machine (CPU workers or probed GPUs), else analytic."""
-    if how == "auto":
-        how = "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
-    if how == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
+    when the topology is this machine (CPU workers or probed GPUs), else analytic.  ``fresh``:
+    measure again, whatever is cached (``--no-cache``; a plan check that found the run faster than
+    its profile said: :mod:`mobius.runtime.plan_check`)."""
+    if profile_how(config, topo, how) == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         gpu = min(topo.gpus, key=lambda g: g.tflops)
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
                                    analytic_efficiency(gpu.name)[0],
@@ -78,10 +78,8 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         return with_measured_host_rate(profile, host_key(topo, measured=False))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
-    # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    key = key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
-                  measured_on()])
-    profile = PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
+    key = profile_key(config, topo, micro_batch, seq_len, precision)
+    profile = None if fresh else PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
     if profile is None:
         print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
               "this machine and code; cached)", flush=True)
@@ -90,6 +88,22 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
     return with_measured_host_rate(profile, host_key(topo, measured=True))
+
+
+def profile_how(config: GPTConfig, topo: Topology, how: str) -> str:
+    """``auto`` resolved: measured when the topology is this machine (CPU workers or probed GPUs)."""
+    if how != "auto":
+        return how
+    return "measure" if (topo.virtual or topo.name == "auto") and config.runnable else "analytic"
+
+
+def profile_key(config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int, precision: str) -> str:
+    """The cache entry of the profile measured on this machine for these settings."""
+    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
+    workers = topo.n if device == "cpu" else 1
+    # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
+    return key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
+                   measured_on()])
 
 
 def host_key(topo: Topology, measured: bool) -> str:
@@ -274,7 +288,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     batch, pipe = cfg.batch, cfg.pipeline
     check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas)
     if profile is None:
-        profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how)
+        profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
+                              fresh=not plan_options.get("use_cache", True))
 
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
@@ -325,9 +340,12 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
-    rate_key = host_key(topo, measured=not plan.profile_source.startswith("analytic"))
+    measured = not plan.profile_source.startswith("analytic")
+    layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
+        if measured else ""
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
-                   data_parallel=data_parallel_of(cfg), host_rate_key=rate_key), plan
+                   data_parallel=data_parallel_of(cfg), host_rate_key=host_key(topo, measured),
+                   profile_key=layers_key), plan
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise

@@ -137,3 +137,34 @@ def test_an_emulated_host_4x_faster_than_planned_is_named_and_replan_switches_wi
     switched_losses, straight_losses = losses("switched.jsonl"), losses("straight.jsonl")
     assert len(switched_losses) == 100 and len(straight_losses) == 12
     assert switched_losses[:12] == pytest.approx(straight_losses, rel=1e-6, abs=0)
+
+
+def test_a_run_faster_than_its_profile_forgets_the_profile_and_a_slower_one_keeps_it():
+    """A profile measured on a busy machine makes every plan slow: a run that steps faster than
+    planned, with its host lane as planned, has the next plan measure the layers again.  A run
+    slower than planned (the machine busy now) or whose host lane explains it keeps the profile."""
+    plan = plan_of(MIN_PARAMS_KEPT * 4, rate=1e8, step_s=2.0)  # host AdamW predicted 0.168 s
+    forgotten = []
+    (line,) = PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(1)).after(
+        steps(adam_s=0.17, rate=1e8, step_s=1.0))
+    assert line == ("plan check: step 1.00 s measured, 2.00 s predicted (0.50x); the layers ran faster than their "
+                    "cached profile says: the next plan measures them again") and forgotten == [1]
+    for adam_s, step_s in ((0.17, 3.0), (0.042, 1.0)):  # slower; or the host lane is off too
+        PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(2)).after(
+            steps(adam_s=adam_s, rate=1e8 * 0.168 / adam_s, step_s=step_s))
+    assert forgotten == [1]
+
+
+def test_no_cache_measures_the_profile_again(capfd):
+    """``mobius.plan --no-cache`` (``fresh``) measures the layers again instead of reading the cache."""
+    from mobius.models import PRESETS
+    from mobius.prepare import get_profile
+    from topology import cpu_topology
+
+    topo = cpu_topology(1)
+    get_profile("tiny", PRESETS["tiny"], topo, 1, 16, "fp32")
+    capfd.readouterr()
+    get_profile("tiny", PRESETS["tiny"], topo, 1, 16, "fp32")
+    assert "profiling: measuring" not in capfd.readouterr().out  # cached
+    get_profile("tiny", PRESETS["tiny"], topo, 1, 16, "fp32", fresh=True)
+    assert "profiling: measuring tiny's layers" in capfd.readouterr().out

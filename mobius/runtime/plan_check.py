@@ -53,8 +53,9 @@ class PlanCheck:
     measured AdamW rate when that lane is off.  Afterwards ``measured_step_s`` is the step measured
     (on the emulated GPUs, when emulating) and ``off`` the lanes found off."""
 
-    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0):
-        self.plan, self.keep_rate, self.first = plan, keep_rate, first
+    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0,
+                 forget_profile: Callable[[], None] | None = None):
+        self.plan, self.keep_rate, self.first, self.forget_profile = plan, keep_rate, first, forget_profile
         self.done = False
         self.measured_step_s: float | None = None
         self.off: list[str] = []
@@ -69,10 +70,12 @@ class PlanCheck:
         step = statistics.median(m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s
                                  for m in measured)
         self.measured_step_s = step
+        step_line = ""
         if _off(step, self.plan.predicted_step_s):
             self.off.append("step")
-            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
+            step_line = (f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
                          f"predicted ({step / self.plan.predicted_step_s:.2f}x)")
+            lines.append(step_line)
         adam = [m.host_adam_s for m in measured if m.host_adam_s is not None]
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
         predicted = predicted_host_adam_s(self.plan)
@@ -88,6 +91,15 @@ class PlanCheck:
                              "too few parameters a step to take it for the host's rate"))
             if kept:
                 self.keep_rate(rate)
+        # Faster than planned, with the host's lane as planned: the layers were timed slower than
+        # this machine runs them (a busy moment while profiling), and a cached profile would
+        # keep every later plan wrong.  Slower than planned says nothing of the kind: the
+        # machine may be busy now.
+        if step_line and "host AdamW" not in self.off and step < self.plan.predicted_step_s \
+                and self.forget_profile is not None:
+            self.forget_profile()
+            lines[lines.index(step_line)] += ("; the layers ran faster than their cached profile says: the next "
+                                              "plan measures them again")
         return lines
 
 

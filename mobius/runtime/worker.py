@@ -30,6 +30,7 @@ from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.errors import InputError, RunError
 from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
+from mobius.partition.profile import PROFILES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
@@ -320,7 +321,12 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             if spec.host_rate_key:
                 HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
 
-        check = PlanCheck(spec.plan, keep_rate) if rank == 0 and spec.plan is not None else None
+        def forget_profile() -> None:
+            if spec.profile_key:
+                PROFILES.path(spec.profile_key).unlink(missing_ok=True)
+
+        check = PlanCheck(spec.plan, keep_rate, forget_profile=forget_profile) \
+            if rank == 0 and spec.plan is not None else None
         switch = None
         if payload.replan is not None and spec.plan is not None:
             # The switch costs about what the run's start did: the time to its first step.
@@ -346,7 +352,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             old, backend = backend, None  # closed by the switch
             backend = switch_plans(old, payload, spec, at, lambda new: build(
                 WorkerContext(cfg, new, rank, world, device, trace, data, payload)), rank)
-            check = PlanCheck(spec.plan, keep_rate, first=len(history)) if rank == 0 else None
+            check = PlanCheck(spec.plan, keep_rate, first=len(history), forget_profile=forget_profile) \
+                if rank == 0 else None
             history = run_steps(cfg, one_step, f"switched plans after step {at}: {spec.plan.shape()}, predicted "
                                 f"{seconds_text(spec.plan.predicted_step_s)}/step",
                                 start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
