@@ -73,7 +73,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     if profile_how(config, topo, how) == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         gpu = min(topo.gpus, key=lambda g: g.tflops)
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
-                                   analytic_efficiency(gpu.name)[0],
+                                   analytic_efficiency(gpu.name, micro_batch * seq_len)[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
         return with_measured_host_rate(profile, host_key(topo, measured=False))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"

@@ -38,10 +38,17 @@ from mobius.runtime.device import (
 from mobius.runtime.optim import adamw
 from mobius.swap.memory import SavedStorages
 
-# The fraction of a GPU's tensor-core peak (the topology's ``tflops``) the analytic model expects a
-# training step to reach.  Measured where we have measured: on an H100 (989.4 TFLOPS dense BF16)
-# plain PyTorch trained mobius-3b at 239.2 TFLOPS (docs/benchmarks.md).  Elsewhere an assumption.
-MEASURED_EFFICIENCY = {"H100": 239.2 / 989.4}
+# The fraction of a GPU's tensor-core peak (the topology's ``tflops``) a training step's layers
+# reach, as a function of the tokens of one micro-batch ``t``: ``most * t / (t + half)``.  Small
+# micro-batches lose to what does not grow with them (kernel launches, the GEMMs' tails, the
+# element-wise kernels between them), so the fraction climbs towards ``most``.  Measured where we
+# have measured, on one H100 (989.4 TFLOPS dense BF16) with mobius-3b in bf16 (docs/benchmarks.md):
+# plain PyTorch at 1,024 tokens a micro-batch trained at 0.183 of peak counted as this model
+# counts (forward FLOPs and twice them backward), 0.199 with its on-device AdamW (~8% of its
+# step) taken out; the pipeline's compute-bound step at 4,096 tokens a micro-batch (7.56 s for 32
+# micro-batches) puts its layers at 0.41.  The curve through both: most 0.634, half 2,240 tokens.
+# Elsewhere an assumption.
+MEASURED_EFFICIENCY = {"H100": (0.634, 2240.0)}
 ANALYTIC_MFU = 0.5  # assumed where nothing was measured
 # Host AdamW rate the analytic model assumes for one worker's optimizer thread when the host's
 # memory bandwidth is not known: a fused CPU AdamW on a server socket does about 1e9 parameters/s.
@@ -58,11 +65,12 @@ ADAM_BYTES_PER_PARAM = 28
 PROFILES = Cache("profiles", "profile")  # measured profiles, by their settings and this machine (mobius.prepare)
 
 
-def analytic_efficiency(gpu_name: str) -> tuple[float, str]:
-    """(fraction of peak, where it comes from) for a GPU of this name."""
-    for fragment, efficiency in MEASURED_EFFICIENCY.items():
+def analytic_efficiency(gpu_name: str, tokens: int) -> tuple[float, str]:
+    """(fraction of peak at micro-batches of ``tokens`` tokens, where it comes from) for a GPU of
+    this name: :data:`MEASURED_EFFICIENCY`'s curve where measured, else :data:`ANALYTIC_MFU`."""
+    for fragment, (most, half) in MEASURED_EFFICIENCY.items():
         if fragment in gpu_name:
-            return efficiency, f"measured on {fragment}"
+            return most * tokens / (tokens + half), f"measured on {fragment}"
     return ANALYTIC_MFU, "assumed"
 
 
