@@ -73,7 +73,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     if profile_how(config, topo, how) == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         gpu = min(topo.gpus, key=lambda g: g.tflops)
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
-                                   analytic_efficiency(gpu.name, micro_batch * seq_len)[0],
+                                   analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
         return with_measured_host_rate(profile, host_key(topo, measured=False))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
@@ -88,6 +88,20 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
     return with_measured_host_rate(profile, host_key(topo, measured=True))
+
+
+def block_efficiency(topo: Topology, gpu) -> tuple[int, float] | None:
+    """The (tokens, fraction of peak) of a block ``mobius.rates`` measured on ``gpu``, as its
+    topology file records it; refused in one line if it is not a measurement."""
+    found = gpu.extra.get("block_efficiency")
+    if found is None:
+        return None
+    tokens, fraction = (found.get(k) if isinstance(found, dict) else None for k in ("tokens", "fraction"))
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
+            and isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1):
+        raise InputError(f"topology {topo.name}: GPU {gpu.index}'s block_efficiency must be {{\"tokens\": a positive "
+                         f"integer, \"fraction\": a number in (0, 1]}}, got {str(found)[:80]}")
+    return tokens, float(fraction)
 
 
 def profile_how(config: GPTConfig, topo: Topology, how: str) -> str:
@@ -111,7 +125,13 @@ def host_key(topo: Topology, measured: bool) -> str:
     ``topo.n`` workers sharing its cores, for profiles measured here; else the host of the box
     ``topo`` describes (one planned for, or emulated: its rate is what the topology states, so an
     emulated run measures that box's host)."""
-    return host_rate_key(measured_on() if measured else {"box": topo.name, "host": topo.to_dict()["host"]}, topo.n)
+    return this_host_key(topo.n) if measured else host_rate_key({"box": topo.name, "host": topo.to_dict()["host"]},
+                                                                 topo.n)
+
+
+def this_host_key(workers: int) -> str:
+    """Where the host AdamW rate of this machine with ``workers`` workers sharing its cores is kept."""
+    return host_rate_key(measured_on(), workers)
 
 
 def with_measured_host_rate(profile: Profile, key: str) -> Profile:
@@ -127,7 +147,7 @@ def with_measured_host_rate(profile: Profile, key: str) -> Profile:
     measured = HOST_RATES.get(key, rate_of)
     if measured is None or measured == profile.host.adam_params_per_s:
         return profile
-    line = (f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as a run on this host measured "
+    line = (f"profiling: host AdamW at {measured / 1e6:,.0f} M parameters/s, as measured on this host "
             f"({'assumed' if profile.source.startswith('analytic') else 'timed'} at "
             f"{profile.host.adam_params_per_s / 1e6:,.0f})")
     if line not in _said:  # once, however many plans the command makes

@@ -65,13 +65,26 @@ ADAM_BYTES_PER_PARAM = 28
 PROFILES = Cache("profiles", "profile")  # measured profiles, by their settings and this machine (mobius.prepare)
 
 
-def analytic_efficiency(gpu_name: str, tokens: int) -> tuple[float, str]:
+# Where a GPU's curve is not known: the H100's shape, anchored at what was measured.
+EFFICIENCY_HALF_TOKENS = 2240.0
+
+
+def analytic_efficiency(gpu_name: str, tokens: int, measured: tuple[int, float] | None = None) -> tuple[float, str]:
     """(fraction of peak at micro-batches of ``tokens`` tokens, where it comes from) for a GPU of
-    this name: :data:`MEASURED_EFFICIENCY`'s curve where measured, else :data:`ANALYTIC_MFU`."""
-    for fragment, (most, half) in MEASURED_EFFICIENCY.items():
+    this name: :data:`MEASURED_EFFICIENCY`'s curve where known, else :data:`ANALYTIC_MFU`.
+    ``measured``: (tokens, fraction) of a block measured on this very GPU (``mobius.rates``), which
+    the curve is moved to pass through."""
+    most, half, source = ANALYTIC_MFU, None, "assumed"
+    for fragment, (most_, half_) in MEASURED_EFFICIENCY.items():
         if fragment in gpu_name:
-            return most * tokens / (tokens + half), f"measured on {fragment}"
-    return ANALYTIC_MFU, "assumed"
+            most, half, source = most_, half_, f"measured on {fragment}"
+    if measured is not None:
+        at, fraction = measured
+        half = half or EFFICIENCY_HALF_TOKENS
+        most, source = fraction * (at + half) / at, f"measured on this GPU at {at} tokens"
+    if half is None:
+        return most, source
+    return min(1.0, most * tokens / (tokens + half)), source
 
 
 def host_adam_rate(memory_bandwidth_gbps: float | None, workers: int) -> float:
