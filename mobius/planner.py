@@ -14,7 +14,7 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
 from mobius.models.precision import element_bytes
-from mobius.partition.baselines import BASELINES, uniform_bounds
+from mobius.partition.baselines import BASELINES, balanced_bounds, uniform_bounds
 from mobius.partition.cost import (
     GB,
     check_layers_fit,
@@ -104,7 +104,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 13
+COST_MODEL_VERSION = 14
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -180,6 +180,22 @@ def replica_profile(profile: Profile, topo: Topology, data_parallel: int) -> Pro
         return profile
     network_bps = assumed_network(topo).bandwidth_gbps * GB
     return replace(profile, host=replace(profile.host, replicas=data_parallel, network_bps=network_bps))
+
+
+def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
+    """Balanced partitions at stage counts the candidates in ``found`` do not try: one and two
+    stages per worker, and half and one and a half times each candidate's count.  The MIP and the
+    baselines choose their counts for stages that swap; resident stages (decided afterwards, when
+    the candidates are finished) can make fewer, larger stages faster, or more, smaller ones: a plan
+    at those counts must be in the race, or one a user reaches with ``--stages`` could beat ours."""
+    costs = [layer.fwd_s + layer.bwd_s for layer in profile.layers]
+    counts = {workers, 2 * workers}
+    for bounds in found.values():
+        m = len(bounds)
+        counts |= {m // 2, m + (m + 1) // 2}
+    have = {len(b) for b in found.values()}
+    return {f"balanced-{k}": balanced_bounds(costs, k)
+            for k in sorted(counts) if workers <= k <= profile.n and k not in have}
 
 
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
@@ -260,6 +276,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         found = {name: baselines[name] for name in runnable(baselines)}
         if result.bounds:
             found["mip"] = result.bounds
+        found.update(other_stage_counts(profile, found, topo.n))
         done = {name: finished(b) for name, b in found.items()}
         steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
         bounds, solver["chosen"] = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n,

@@ -19,6 +19,8 @@ prefetch time not overlapped by compute, and each lane's busy seconds per step b
 
     python scripts/bench_gpu.py [--gpu-mem-gb 24] [--model mobius-3b] [--json bench_gpu.json]
     python scripts/bench_gpu.py --sweep          # at users' batch sizes: 4k, 32k, 128k tokens a step, seq 512, 2048
+    python scripts/bench_gpu.py --plans          # the MIP's plan raced against the alternatives, on the GPU
+    python scripts/bench_gpu.py --plans --emulate 1xh100   # the same on CPU workers emulating the card
     python scripts/bench_gpu.py --smoke          # CPU, tiny models: keeps the harness working in CI
 """
 
@@ -334,6 +336,98 @@ def checkpoint_blocks(model) -> None:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
+# ---- the plans raced ---------------------------------------------------------------------------
+
+def plan_variants(cfg: RunConfig, plan) -> dict[str, dict]:
+    """The alternatives to the MIP's plan that matter, as option changes: other partitions, the
+    other recompute choice, the stage count +-50%, residency off, and the optimizer lag."""
+    stages = len(plan.bounds)
+    variants = {"mip (the plan)": {}, "balanced partition": {"partitioner": "balanced"},
+                "uniform partition": {"partitioner": "uniform"},
+                f"recompute {'off' if plan.recompute else 'on'}": {"recompute": "off" if plan.recompute else "on"},
+                f"{max(1, stages // 2)} stages (-50%)": {"stages": max(1, stages // 2)},
+                f"{stages + (stages + 1) // 2} stages (+50%)": {"stages": stages + (stages + 1) // 2},
+                "--optimizer-lag 1": {"optimizer_lag": 1}}
+    if plan.resident:
+        variants["no resident stages"] = {"device_optimizer": "off"}
+    return variants
+
+
+def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
+    """Each plan of :func:`plan_variants` trained for ``--steps``: predicted beside measured (on the
+    emulated GPUs under ``--emulate``), at one dilation for all of them."""
+    from mobius.errors import InputError
+    from mobius.launcher import launch_pipeline
+    from mobius.prepare import prepare_pipeline, resolve_topology
+
+    config = get_config(args.model)
+    base = {"model": args.model, "backend": "pipeline", "steps": args.steps, "micro_batch_size": args.micro_batch_size,
+            "micro_batches": args.micro_batches, "seq_len": args.seq_len, "gpu_mem_gb": args.gpu_mem_gb,
+            "precision": args.precision, "progress": False, "lr": args.lr}
+    if args.emulate:
+        base.update(topology=args.emulate, emulate=True)
+    else:
+        base.update(topology="auto" if cuda else "cpu", cpu_workers=1)
+    topo = resolve_topology(RunConfig.of(**base))
+    if cuda and topo.n > 1:  # one GPU, many stages
+        topo.gpus, topo.extra = topo.gpus[:1], {}
+    _, mip = prepare_pipeline(RunConfig.of(**base), topo, config)
+    specs = {}
+    for name, change in plan_variants(RunConfig.of(**base), mip).items():
+        try:
+            specs[name] = prepare_pipeline(RunConfig.of(**base, **change), topo, config)[0]
+        except InputError as err:  # e.g. recompute off where no partition fits
+            specs[name] = str(err)
+    if args.emulate:  # one clock for every plan: the slowest any of them needs
+        dilation = max(spec.emulation.factor for spec in specs.values() if not isinstance(spec, str))
+        base["dilation"] = dilation
+    rows, runs = [], {}
+    for name, change in plan_variants(RunConfig.of(**base), mip).items():
+        if isinstance(specs[name], str):
+            rows.append({"plan": name, "skipped": specs[name]})
+            continue
+        cfg = RunConfig.of(**base, **change)
+        _, plan = prepare_pipeline(cfg, topo, config)
+        same = (tuple(map(tuple, plan.bounds)), tuple(plan.resident), plan.recompute, cfg.optim.optimizer_lag)
+        if same in runs:  # another variant gave this very plan: one run, named by both
+            runs[same]["plan"] += f" = {name}"
+            continue
+        history = launch_pipeline(cfg, config, topo)
+        measured = steady([m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s for m in history])
+        rows.append({"plan": name, "stages": len(plan.bounds), "resident": len(plan.resident),
+                     "recompute": plan.recompute, "predicted_step_s": plan.predicted_step_s,
+                     "measured_step_s": measured})
+        runs[same] = rows[-1]
+        print(f"plans: {json.dumps(rows[-1])}", flush=True)
+    ranked = [r for r in rows if "measured_step_s" in r]
+    for key, rank in (("predicted_step_s", "predicted_rank"), ("measured_step_s", "measured_rank")):
+        for k, r in enumerate(sorted(ranked, key=lambda r: r[key]), 1):
+            r[rank] = k
+    print_plans(args, rows)
+    return rows
+
+
+def print_plans(args, rows: list[dict]) -> None:
+    where = f"emulated {args.emulate}" if args.emulate else "this machine"
+    print(f"\n{datetime.date.today()} plans raced on {where}: {args.model}, {args.precision}, cap {args.gpu_mem_gb:g} "
+          f"GB, {args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens a step, median of steps 2-{args.steps}")
+    print(f"{'plan':<44} {'stages':>6} {'resident':>8} {'recompute':>9} {'predicted ms':>12} {'measured ms':>11} "
+          f"{'error':>7} {'rank pred':>9} {'rank meas':>9}")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['plan']:<44} {r['skipped']}")
+            continue
+        error = r["predicted_step_s"] / r["measured_step_s"] - 1
+        print(f"{r['plan']:<44} {r['stages']:>6} {r['resident']:>8} {'on' if r['recompute'] else 'off':>9} "
+              f"{r['predicted_step_s'] * 1e3:>12.3f} {r['measured_step_s'] * 1e3:>11.3f} {error:>+7.1%} {r['predicted_rank']:>9} "
+              f"{r['measured_rank']:>9}")
+    ranked = [r for r in rows if "measured_step_s" in r]
+    fastest = min(ranked, key=lambda r: r["measured_step_s"])
+    mip = next(r for r in ranked if r["plan"].startswith("mip"))
+    print(f"the MIP's plan measured {mip['measured_step_s'] / fastest['measured_step_s'] - 1:+.1%} against the "
+          f"fastest measured ({fastest['plan']})")
+
+
 # The 100% line first: time on a GPU is short, and the baselines that offload are slow.
 SYSTEMS = {f.__name__.removeprefix("run_"): f
            for f in (run_plain, run_mobius, run_mobius_host_adam, run_chunked, run_fsdp2, run_deepspeed)}
@@ -357,6 +451,11 @@ def main() -> None:
     p.add_argument("--sweep-seq", type=int, nargs="+", default=None, help="default: 512 2048 (smoke: 32)")
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=None,
                    help="default: 4096 32768 131072 (smoke: 128 256)")
+    p.add_argument("--plans", action="store_true",
+                   help="race the MIP's plan against the alternatives (other partitions, recompute, the stage count "
+                        "+-50%%, residency, --optimizer-lag 1): predicted beside measured, both rankings")
+    p.add_argument("--emulate", default=None, metavar="TOPOLOGY",
+                   help="--plans on CPU workers emulating this topology's GPUs (mobius.train --emulate)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
     args = p.parse_args()
@@ -365,9 +464,12 @@ def main() -> None:
         print(f"error: --systems: unknown {sorted(set(wanted) - set(SYSTEMS))}; pick from {list(SYSTEMS)}",
               file=sys.stderr)
         raise SystemExit(2)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("error: no CUDA GPU: run with --smoke on CPU", file=sys.stderr)
+    cuda = torch.cuda.is_available() and not args.smoke and not args.emulate
+    if args.emulate and not args.plans:
+        print("error: --emulate races --plans; give both", file=sys.stderr)
+        raise SystemExit(2)
+    if not cuda and not args.smoke and not args.emulate:
+        print("error: no CUDA GPU: run with --smoke (or --plans --emulate TOPOLOGY) on CPU", file=sys.stderr)
         raise SystemExit(2)
     if args.smoke:
         args.model = args.model or "tiny"
@@ -381,6 +483,12 @@ def main() -> None:
         args.precision = args.precision or "bf16"
         args.sweep_seq, args.sweep_tokens = args.sweep_seq or [512, 2048], args.sweep_tokens or [4096, 32768, 131072]
     out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
+    if args.plans:
+        rows = race_plans(args, cuda, out_dir)
+        with open(args.json, "w") as f:
+            json.dump({"date": str(datetime.date.today()), "emulate": args.emulate, "args": vars(args),
+                       "plans": rows}, f, indent=1)
+        return
     pinned = pinned_h2d_gbps(cuda)
     if not args.sweep:
         results = [bench(args, cuda, out_dir, wanted, pinned)]
