@@ -6,8 +6,12 @@
 #   install.log       the wheels (pulp 4, highspy, ...) installed without an index
 #   tests.log         tests/test_cuda.py (the runtime against the reference on the GPU) and
 #                     tests/test_partition.py on pulp 4 (the MIP through public APIs)
+#   rates.log         python -m mobius.rates: the card's copies, GEMM, attention, block and AdamW
+#                     rates and the host's AdamW (kept for the plans below; topology.json written)
 #   bench_gpu.log     scripts/bench_gpu.py --sweep at seq 512: Mobius against plain PyTorch,
 #                     DeepSpeed, FSDP2 and the chunked backend, predicted beside measured
+#   plans.log         scripts/bench_gpu.py --plans at 32,768 tokens a step: the MIP's plan raced
+#                     against the alternatives, predicted beside measured
 #   deepspeed.log     DeepSpeed built from source in the background while the tests run
 #
 #   OUT=out bash scripts/gpu_run.sh        # about 8 minutes on one H100
@@ -22,9 +26,14 @@ python -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT
 (DS_BUILD_OPS=0 timeout 240 python -m pip install -q --no-index --no-build-isolation --find-links wheels deepspeed \
     > "$OUT/deepspeed.log" 2>&1; echo "exit $?" >> "$OUT/deepspeed.log") &
 python -c "import pulp, highspy, torch; print('pulp', pulp.__version__, 'torch', torch.__version__)" >> "$OUT/install.log"
-timeout 180 python -m pytest -q tests/test_cuda.py tests/test_partition.py -m "not slow" > "$OUT/tests.log" 2>&1
+timeout 150 python -m pytest -q tests/test_cuda.py tests/test_partition.py -m "not slow" > "$OUT/tests.log" 2>&1
 echo "exit $?" >> "$OUT/tests.log"
+timeout 60 python -m mobius.rates --workers 1 --write "$OUT/topology.json" > "$OUT/rates.log" 2>&1
+echo "exit $?" >> "$OUT/rates.log"
 wait  # DeepSpeed built (or given up on) before the bench asks for it
-timeout 300 python scripts/bench_gpu.py --sweep --sweep-seq 512 --steps 3 --json "$OUT/bench_gpu.json" \
+timeout 240 python scripts/bench_gpu.py --sweep --sweep-seq 512 --steps 4 --json "$OUT/bench_gpu.json" \
     > "$OUT/bench_gpu.log" 2>&1
 echo "exit $?" >> "$OUT/bench_gpu.log"
+timeout 90 python scripts/bench_gpu.py --plans --micro-batch-size 8 --seq-len 512 --micro-batches 8 --steps 3 \
+    --json "$OUT/plans.json" > "$OUT/plans.log" 2>&1
+echo "exit $?" >> "$OUT/plans.log"
