@@ -58,7 +58,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
-        print(f"exported to {out}", flush=True)
+        print(f"exported to {shown(out)}", flush=True)
     history = [StepMetrics(**m) for m in results[0]["history"]]
     if return_weights:
         weights = {}

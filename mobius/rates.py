@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from mobius.cache import Cache, key_of
 from mobius.config import OneLineParser
-from mobius.errors import InputError, exits_cleanly
+from mobius.errors import InputError, exits_cleanly, shown
 from mobius.models import PRESETS, build_layer
 from mobius.models.precision import DTYPES
 from mobius.partition.profile import ADAM_BYTES_PER_PARAM, ADAM_TIMING_NUMEL, time_layer
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     print("the host AdamW rates are kept for the next plans on this machine")
     if args.write:
         measured_topology(topo, rates, args.micro_batch_size, args.seq_len).save(args.write)
-        print(f"wrote {args.write}")
+        print(f"wrote {shown(args.write)}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 
 from mobius import ownership
 from mobius.config import RunConfig, parse_train_args, validate_for_backend
-from mobius.errors import InputError, exits_cleanly
+from mobius.errors import InputError, exits_cleanly, shown
 from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun, torchrun_decision
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig, build_model
@@ -115,7 +115,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
         staging = start_export(out, cfg.data.chat_template)
         write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
         finish_export(model_config, staging, out, merged)
-        print(f"exported to {out}", flush=True)
+        print(f"exported to {shown(out)}", flush=True)
     return history
 
 
@@ -135,6 +135,10 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     inputs = ck.input_digests(cfg, model_config)
     if cfg.checkpoint.resume:
         ck.check_inputs(cfg, inputs)
+        reads = {"model": model_config.checkpoint or cfg.model, "data": cfg.data.path or "the default corpus",
+                 "held-out data": cfg.data.eval_path, "chat template": cfg.data.chat_template}
+        print(f"resuming from {shown(cfg.checkpoint.resume)}: " + ", ".join(f"{what} {shown(path)}" for what, path in
+                                                                          reads.items() if path), flush=True)
     # The data, read and checked before any worker starts; the workers map what this process made.
     batches, held_out = make_data(cfg, model_config)
     if cfg.optim.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs

@@ -71,3 +71,36 @@ def test_shared_data_is_mapped_once_and_gives_the_same_batches(tmp_path):
             assert got_held.passes == held.passes and got_held.trained == held.trained
             assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
                        for k in range(held.passes) for a, b in zip(held.pass_batches(k), got_held.pass_batches(k)))
+
+
+def test_a_long_text_is_tokenized_in_bounded_pieces_into_the_same_tokens(tmp_path, monkeypatch):
+    """A subword tokenizer is never handed more than ``ENCODE_CHARS`` characters at once (a 100 MiB
+    single line made it allocate 5 GB and abort); cut at whitespace, the tokens are those of the
+    whole text."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from mobius.data import tokenizers as T
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    hf = T.HFTokenizer(tmp_path / "tokenizer.json")
+    text = "the quick brown fox jumps over the lazy dog\n" * 300
+    whole = hf.encode(text)
+    assert len(whole) < len(text) / 2  # merges happened: a real subword tokenizer
+
+    calls = []
+
+    class Spy:
+        def encode(self, piece, add_special_tokens):
+            calls.append(len(piece))
+            return bpe.encode(piece, add_special_tokens=add_special_tokens)
+
+    hf.tokenizer = Spy()
+    monkeypatch.setattr(T, "ENCODE_CHARS", 100)
+    assert np.array_equal(hf.encode(text), whole)
+    assert len(calls) > 100 and max(calls) <= 100
+    assert "".join(T.pieces("x" * 250, 100)) == "x" * 250 and T.pieces("x" * 250, 100)[0] == "x" * 100  # no space

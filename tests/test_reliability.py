@@ -464,3 +464,30 @@ def test_a_run_in_the_callers_process_gives_its_signal_handlers_back(tmp_path):
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     main(TINY + ["--backend", "single", "--steps", "1"])
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_and_no_writer_thread_traceback(tmp_path, capfd):
+    """Event files that cannot grow (the file-size limit stands in for a full disk): the failure is
+    one RunError line from the training loop's write; TensorBoard's writer thread prints nothing and
+    closing the log raises nothing more."""
+    import resource
+    import signal
+
+    from mobius.errors import RunError
+    from mobius.metrics import StepMetrics, TensorBoardLog
+
+    log = TensorBoardLog(tmp_path / "tb")
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300, hard))
+    try:
+        with pytest.raises(RunError, match="writing --tensorboard .* failed: File too large"):
+            for k in range(50):
+                log.write(StepMetrics(step=k, loss=1.0, lr=1.0, tokens=1, step_time_s=1.0))
+        log.write(StepMetrics(step=50, loss=1.0, lr=1.0, tokens=1, step_time_s=1.0))  # said once: no second error
+        log.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capfd.readouterr().err
+    assert "Exception in thread" not in err and "Traceback" not in err, err

@@ -224,3 +224,20 @@ def test_activations_reach_the_next_stage_on_either_worker():
     size = want[0].numel() * 4
     assert (traffic[0].d2h, traffic[0].h2d, traffic[0].peer) == (2 * M * size, M * size, M * size)
     assert (traffic[1].d2h, traffic[1].h2d, traffic[1].peer) == (0, M * size, 0)
+
+
+def test_an_unreachable_rendezvous_store_is_one_line_naming_it():
+    """``MASTER_ADDR:MASTER_PORT`` with nothing listening: refused within the rendezvous limit, in
+    one line that names the address; a store that is there is reached."""
+    import socket
+
+    from mobius.errors import InputError
+    from mobius.runtime.worker import reach_store
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        reach_store("127.0.0.1", port, 5.0)
+    with pytest.raises(InputError, match=rf"no rendezvous store at 127.0.0.1:{port} after 0.5 s .*check MASTER_ADDR"):
+        reach_store("127.0.0.1", port, 0.5)  # closed now

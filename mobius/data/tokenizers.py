@@ -32,6 +32,33 @@ class ByteTokenizer:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+# Subword tokenizers are handed text in pieces of at most this many characters: their memory grows
+# with the text of one call (a 100 MiB single line made `tokenizers` allocate 5 GB and abort).
+ENCODE_CHARS = 2**20
+
+
+def pieces(text: str, most: int | None = None) -> list[str]:
+    """``text`` cut into pieces of at most ``most`` characters, each cut before the last whitespace
+    of its piece where there is one (tokenizers split words at whitespace anyway, so only a piece
+    with no whitespace at all can change how its edge is tokenized)."""
+    most = most or ENCODE_CHARS
+    out, start = [], 0
+    while len(text) - start > most:
+        end = start + most
+        cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+        end = cut if cut > start else end
+        out.append(text[start:end])
+        start = end
+    out.append(text[start:])
+    return out
+
+
+def _encode_in_pieces(encode_one, text: str) -> np.ndarray:
+    if len(text) <= ENCODE_CHARS:
+        return np.asarray(encode_one(text), dtype=np.int32)
+    return np.concatenate([np.asarray(encode_one(piece), dtype=np.int32) for piece in pieces(text)])
+
+
 class HFTokenizer:
     """A model directory's ``tokenizer.json``, through the ``tokenizers`` library (optional extra)."""
 
@@ -49,7 +76,7 @@ class HFTokenizer:
         self.eos_id = _eos_id(path.parent, self.tokenizer.token_to_id, self.vocab_size)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        return _encode_in_pieces(lambda piece: self.tokenizer.encode(piece, add_special_tokens=False).ids, text)
 
     def decode(self, tokens) -> str:
         return self.tokenizer.decode([int(t) for t in tokens])
@@ -65,7 +92,7 @@ class SentencePieceTokenizer:
         self.eos_id = self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return _encode_in_pieces(lambda piece: self.tokenizer(piece, add_special_tokens=False)["input_ids"], text)
 
     def decode(self, tokens) -> str:
         return self.tokenizer.decode([int(t) for t in tokens])

@@ -12,7 +12,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from mobius.config import RunConfig
-from mobius.errors import RunError
+from mobius.errors import RunError, shown
 from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog, seconds_text
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
@@ -109,6 +109,6 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
               f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}",
               flush=True)
     if main and stopped_at is not None:
-        saved = f"checkpoint saved to {save}; continue with --resume {save}" if save else "nothing saved (no --save)"
+        saved = f"checkpoint saved to {shown(save)}; continue with --resume {shown(save)}" if save else "nothing saved (no --save)"
         print(f"stopped after step {stopped_at} of {cfg.optim.steps}: {saved}", flush=True)
     return history

@@ -16,6 +16,7 @@ import datetime
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.errors import InputError, RunError
+from mobius.errors import InputError, RunError, first_line, shown
 from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
 from mobius.partition.profile import PROFILES
 from mobius.runtime import checkpoint as ck
@@ -213,8 +214,7 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
         # offloaded chunks (host memory) through gloo: NCCL has no CPU tensors.  The pipeline's
         # activations cross host memory (no peer-to-peer), so gloo moves them.
         nccl = spec is not None and spec.cuda and spec.backend == "chunked"
-        dist.init_process_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s(spec)))
+        join_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank, world, collective_timeout_s(spec))
         try:
             return _run(payload, rank, world, build, decision)
         except (RuntimeError, dist.DistError) as err:
@@ -224,6 +224,39 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
             raise RunError(f"worker {rank}: another worker of the run stopped ({lost})") from None
         finally:
             dist.destroy_process_group()
+
+
+RENDEZVOUS_TIMEOUT_S = 30.0
+
+
+def join_group(backend: str, rank: int, world: int, timeout_s: float) -> None:
+    """Join the run's process group (``env://``: torchrun's variables, or our launcher's), its
+    collectives timing out after ``timeout_s``.  The store is reached first, within
+    :data:`RENDEZVOUS_TIMEOUT_S`, so that an unreachable ``MASTER_ADDR`` is one line naming it, not
+    a traceback a minute later; a peer that never joins is one line too."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
+    hosted_here = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if not hosted_here:  # the agent's store, or rank 0's: it must be there
+        reach_store(host, int(port), RENDEZVOUS_TIMEOUT_S)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError, TimeoutError, ValueError) as err:
+        raise InputError(f"worker {rank}: the run's {world} workers did not all join at {shown(host)}:{port} within "
+                         f"{timeout_s:.0f} s ({first_line(err, 100)})") from None
+
+
+def reach_store(host: str, port: int, within_s: float) -> None:
+    """Wait until something listens at ``host:port`` (the rendezvous store), for ``within_s`` at most."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise InputError(f"no rendezvous store at {shown(host)}:{port} after {within_s:g} s ({first_line(err, 80)}"
+                                 "): check MASTER_ADDR and MASTER_PORT, and that the master node is running") from None
+            time.sleep(0.2)
 
 
 # How gloo and the store say that the process at the other end is gone.
