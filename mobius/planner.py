@@ -276,8 +276,11 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         found = {name: baselines[name] for name in runnable(baselines)}
         if result.bounds:
             found["mip"] = result.bounds
-        found.update(other_stage_counts(profile, found, topo.n))
         done = {name: finished(b) for name, b in found.items()}
+        for name, bounds in other_stage_counts(profile, found, topo.n).items():
+            plan = finished(bounds)
+            if plan[3].feasible:  # (where none is, the error names the MIP's or a baseline's plan)
+                found[name], done[name] = bounds, plan
         steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
         bounds, solver["chosen"] = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n,
                                                                 recompute)
