@@ -47,7 +47,7 @@ from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer, build_model
 from mobius.runtime.device import WITHIN_DEVICE, Device, Event
-from mobius.runtime.optim import WEIGHT_DECAY, adamw, lr_at, set_lr
+from mobius.runtime.optim import UpdateRule, adamw, set_lr
 from mobius.runtime.spec import Timing
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
@@ -83,11 +83,11 @@ class Counters:
 class ChunkedEngine:
     def __init__(self, config: GPTConfig, rank: int, world: int, device: Device, chunk_size: int,
                  n_block: int, offload: bool, device_chunks: int, compute_dtype: torch.dtype, seed: int,
-                 lr: float, total_steps: int, trace: Trace | None = None, prefetch: bool = True,
+                 rule: UpdateRule, trace: Trace | None = None, prefetch: bool = True,
                  group: int | None = None, timing: Timing | None = None):
         self.config, self.rank, self.world = config, rank, world
         self.dev, self.device = device, device.torch_device  # the device layer, and its torch device
-        self.dtype, self.lr, self.total_steps = compute_dtype, lr, total_steps
+        self.dtype, self.rule = compute_dtype, rule
         self.trace = trace or Trace(False)
         self.group, self.timing = group, timing
         self.counters = Counters()
@@ -124,7 +124,7 @@ class ChunkedEngine:
         self._next_staging = 0
         self._host_jobs: list[Future] = []  # this step's optimizer-thread jobs
         self._block_read_out: dict[int, Event] = {}  # block -> the copy of the gradient it holds to the host
-        self._lr = lr
+        self._lr = rule.lr
 
     # ---- construction -----------------------------------------------------------------------
     def _build_shards(self, seed: int) -> None:
@@ -156,8 +156,8 @@ class ChunkedEngine:
             self.master.append(master)
             self.master_grad.append(grad)
             # AdamW is elementwise: updating pieces of parameters, chunk by chunk, gives the reference's numbers.
-            self.optimizers.append(adamw([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                          {"params": no_decay, "weight_decay": 0.0}], self.lr) if mine else None)
+            self.optimizers.append(adamw([{"params": decay, "weight_decay": self.rule.weight_decay},
+                                          {"params": no_decay, "weight_decay": 0.0}], self.rule) if mine else None)
         self.compute_shards = []
         for k in range(len(self.chunks)):
             out = (self.dev.empty(self.shard, self.dtype, name=f"compute shard of chunk {k}") if self.on_device[k]
@@ -371,7 +371,7 @@ class ChunkedEngine:
         micro = batches.step(step)
         M = len(micro)
         mine = micro[self.rank * M // self.world: (self.rank + 1) * M // self.world]
-        self._lr = lr_at(step, self.total_steps, self.lr)
+        self._lr = self.rule.lr_at(step)
         self.cache.new_step()
         self.recorded = []
         group = self.group or len(mine)

@@ -10,7 +10,7 @@ from mobius.metrics import StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
-from mobius.runtime.optim import DynamicLossScaler
+from mobius.runtime.optim import DynamicLossScaler, UpdateRule
 from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
 
 
@@ -28,7 +28,7 @@ class ChunkedWorker:
         setup = spec.chunked
         self.engine = ChunkedEngine(model_config_for(cfg), ctx.rank, ctx.world, ctx.device, setup.chunk_size,
                                     setup.n_block, setup.offload, setup.device_chunks, DTYPES[spec.precision],
-                                    cfg.optim.seed, cfg.optim.lr, cfg.optim.steps, ctx.trace,
+                                    cfg.optim.seed, UpdateRule.of(cfg.optim), ctx.trace,
                                     prefetch=cfg.chunked.prefetch,
                                     group=setup.group, timing=setup.timing)
         self.batches, self.held_out = ctx.data

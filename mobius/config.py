@@ -15,11 +15,15 @@ from mobius.data.records import FORMATS
 from mobius.errors import InputError, shown
 from mobius.models.lora import LORA_MODULES
 from mobius.models.precision import PRECISIONS
+from mobius.runtime.optim import SCHEDULERS
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 # Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
 # at the rates common practice uses (full: 1e-5 to 5e-5; LoRA adapters: 1e-4 to 3e-4).
 DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
+# Hugging Face's Trainer, TRL and axolotl clip at 1.0 by default; our presets train from scratch
+# without it (their losses are the suite's references).
+DEFAULT_MAX_GRAD_NORM = 1.0
 
 
 # The projections LoRA can adapt: q|k|v, attention output, MLP in, MLP out.
@@ -105,11 +109,35 @@ class OptimConfig:
     seed: int = 0
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     optimizer_lag: int = 0  # 1: step k's update is applied while step k+1 computes (pipeline, single)
+    # The update rule (mobius.runtime.optim.UpdateRule), with Hugging Face Trainer's names
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01  # on matrices, not on biases and norms
+    lr_scheduler: str = "cosine"  # cosine | linear | constant | constant_with_warmup
+    warmup_ratio: float = 0.1  # of the steps (at least one when positive)
+    warmup_steps: int | None = None  # instead of --warmup-ratio
+    min_lr_ratio: float = 0.1  # where cosine and linear decay end, a fraction of --lr
+    max_grad_norm: float | None = None  # clip the global gradient norm (0: off; None: 1.0 for HF models, else off)
 
     def __post_init__(self):
-        _positive(self, ("steps", "epochs", "lr"))
+        _positive(self, ("steps", "epochs", "lr", "adam_eps"))
         if not 0 <= self.seed < 2**63:
             raise InputError(f"--seed must be between 0 and 2**63-1, got {self.seed}")
+        for name in ("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 1) or (name.startswith("adam") and value == 1):
+                raise InputError(f"{_flag(name)} must be in [0, 1{')' if name.startswith('adam') else ']'}, "
+                                 f"got {value}")
+        if not (math.isfinite(self.weight_decay) and 0 <= self.weight_decay <= 10):
+            raise InputError(f"--weight-decay must be between 0 and 10, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise InputError(f"--max-grad-norm must be a finite number at least 0 (0: no clipping), "
+                             f"got {self.max_grad_norm}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise InputError(f"--warmup-steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}")
+        if self.lr_scheduler not in SCHEDULERS:
+            raise InputError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
 
 
 @dataclass(frozen=True)
@@ -431,6 +459,23 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: {DEFAULT_LR['preset']:g} for a preset, {DEFAULT_LR['full']:g} "
                         f"to fine-tune a Hugging Face model, {DEFAULT_LR['lora']:g} with --lora-rank)")
+    p.add_argument("--adam-beta1", type=float, default=d["adam_beta1"], help="AdamW's first-moment decay")
+    p.add_argument("--adam-beta2", type=float, default=d["adam_beta2"], help="AdamW's second-moment decay")
+    p.add_argument("--adam-eps", type=float, default=d["adam_eps"], help="AdamW's epsilon")
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"],
+                   help="AdamW's decoupled weight decay, on weight matrices and embeddings (not biases and norms)")
+    p.add_argument("--lr-scheduler", choices=SCHEDULERS, default=d["lr_scheduler"],
+                   help="after the warm-up: cosine or linear decay to --min-lr-ratio of --lr, or constant (constant: "
+                        "no warm-up either)")
+    p.add_argument("--warmup-ratio", type=float, default=d["warmup_ratio"],
+                   help="linear warm-up over this fraction of --steps (at least one step when positive)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up over this many steps, instead")
+    p.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
+                   help="the learning rate the decay ends at, as a fraction of --lr")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the global norm of each step's gradients (over every stage, worker and chunk) to this; "
+                        "0: no clipping (default: 1.0 to fine-tune a Hugging Face model, as its peers do; off for a "
+                        "preset)")
     p.add_argument("--seed", type=int, default=d["seed"], help="seed of the weights and of the data order")
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
@@ -484,6 +529,8 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     if args.lr is None:
         kind = "lora" if args.lora_rank else "full" if Path(args.model).is_dir() else "preset"
         args.lr = DEFAULT_LR[kind]
+    if args.max_grad_norm is None:
+        args.max_grad_norm = DEFAULT_MAX_GRAD_NORM if Path(args.model).is_dir() else 0.0
     cfg = RunConfig.from_dict(vars(args))
     check_paths(cfg)
     if args.print_config:

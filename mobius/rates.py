@@ -43,7 +43,7 @@ from mobius.models.precision import DTYPES
 from mobius.partition.profile import ADAM_BYTES_PER_PARAM, ADAM_TIMING_NUMEL, time_layer
 from mobius.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
-from mobius.runtime.optim import adamw
+from mobius.runtime.optim import UpdateRule, adamw
 from mobius.runtime.plan_check import HOST_RATES
 from topology import Topology, TopologyError, load_topology
 
@@ -55,7 +55,7 @@ REPEATS = 5
 def _adam_steps(numel: int, repeats: int) -> float:
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], lr=1e-3)
+    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
     opt.step()  # warm-up: the moments are allocated
     times = []
     for _ in range(repeats):
@@ -98,7 +98,7 @@ def device_rates(config, micro_batch: int, seq_len: int, precision: str, device:
     flops = build_layer(config, block, seed=0, device="meta").forward_flops(micro_batch, seq_len)
     p = torch.nn.Parameter(torch.zeros(ADAM_TIMING_NUMEL, device=device))
     p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], lr=1e-3)
+    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
     opt.step()
     return {"gemm_tflops": 2 * tokens * h * 4 * h / gemm_s / 1e12,
             # causal: half of the 4 * t^2 * d multiply-adds of the two products, per head

@@ -26,7 +26,15 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
 from mobius.models.precision import DTYPES, default_precision
 from mobius.runtime.device import peak_memory, reset_peak_memory
-from mobius.runtime.optim import DynamicLossScaler, grads_overflow, lr_at, make_adamw, set_lr
+from mobius.runtime.optim import (
+    DynamicLossScaler,
+    UpdateRule,
+    clip_coefficient,
+    grads_overflow,
+    make_adamw,
+    set_lr,
+    squares,
+)
 
 
 class ReferenceTrainer:
@@ -39,7 +47,8 @@ class ReferenceTrainer:
         # The weights AdamW steps: the model's own, or with a lag a copy one update ahead of them.
         self.master = {n: torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) if self.lag else p
                        for n, p in self.model.named_parameters()}
-        self.optimizer = make_adamw(self.master.items(), cfg.optim.lr)
+        self.rule = UpdateRule.of(cfg.optim)
+        self.optimizer = make_adamw(self.master.items(), self.rule)
         precision = cfg.optim.precision or default_precision(device.type == "cuda")
         self.dtype = DTYPES[precision]
         self.scaler = DynamicLossScaler(enabled=precision == "fp16")
@@ -68,7 +77,7 @@ class ReferenceTrainer:
     def step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
         micro = self.batches.step(step)
-        lr = lr_at(step, self.cfg.optim.steps, self.cfg.optim.lr)
+        lr = self.rule.lr_at(step)
         set_lr(self.optimizer, lr)
         self.model.zero_grad(set_to_none=True)
         total = 0.0

@@ -45,7 +45,7 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.models import build_model, get_config
 from mobius.models.precision import DTYPES
-from mobius.runtime.optim import make_adamw
+from mobius.runtime.optim import UpdateRule, make_adamw
 
 FIRST_LOSSES = 3  # each system's first step losses, printed beside plain PyTorch's
 
@@ -252,7 +252,7 @@ def run_fsdp2(args, cuda: bool, out_dir: str) -> dict:
         fully_shard(model, **kwargs)
         if not cuda:
             model.to(device)
-        optimizer = make_adamw(model.named_parameters(), args.lr)
+        optimizer = make_adamw(model.named_parameters(), UpdateRule(lr=args.lr, steps=args.steps))
         times, losses = _train_loop(model, optimizer, args, device, None)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
@@ -319,7 +319,7 @@ def run_plain(args, cuda: bool, out_dir: str) -> dict:
             note = "activation checkpointing"
         torch.cuda.reset_peak_memory_stats()
     model = model.to(device)
-    optimizer = make_adamw(model.named_parameters(), args.lr)
+    optimizer = make_adamw(model.named_parameters(), UpdateRule(lr=args.lr, steps=args.steps))
     times, losses = _train_loop(model, optimizer, args, device, torch.bfloat16 if cuda else None)
     tokens = args.micro_batches * args.micro_batch_size * args.seq_len
     peak = torch.cuda.max_memory_allocated() if cuda else 0

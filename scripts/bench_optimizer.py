@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.runtime.optim import BETAS, WEIGHT_DECAY, make_adamw  # noqa: E402
+from mobius.runtime.optim import UpdateRule, make_adamw  # noqa: E402
+
+RULE = UpdateRule(lr=1e-3)  # the betas, epsilon and weight decay every system below gets
 
 BYTES_PER_PARAM = 28
 
@@ -45,8 +47,8 @@ def tensors(n_params: int, n_tensors: int, seed: int = 0) -> list[torch.nn.Param
 def torch_adamw(params, **kwargs):
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
-                             lr=1e-3, betas=BETAS, eps=1e-8, **kwargs)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": RULE.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=RULE.lr, betas=RULE.betas, eps=RULE.eps, **kwargs)
 
 
 def deepspeed_adam(params):
@@ -54,12 +56,13 @@ def deepspeed_adam(params):
 
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
-    return DeepSpeedCPUAdam([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
-                            lr=1e-3, betas=BETAS, eps=1e-8, adamw_mode=True)
+    return DeepSpeedCPUAdam([{"params": decay, "weight_decay": RULE.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=RULE.lr, betas=RULE.betas, eps=RULE.eps,
+                            adamw_mode=True)
 
 
 IMPLEMENTATIONS = {
-    "mobius (make_adamw)": lambda ps: make_adamw([(str(i), p) for i, p in enumerate(ps)], 1e-3),
+    "mobius (make_adamw)": lambda ps: make_adamw([(str(i), p) for i, p in enumerate(ps)], RULE),
     "torch loop (foreach=False, before)": lambda ps: torch_adamw(ps, foreach=False),
     "torch foreach": lambda ps: torch_adamw(ps, foreach=True),
     "torch fused": lambda ps: torch_adamw(ps, fused=True),

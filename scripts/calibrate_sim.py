@@ -25,7 +25,7 @@ from mobius.launcher import launch_pipeline
 from mobius.models import get_config
 from mobius.partition.profile import measure_profile
 from mobius.prepare import resolve_topology
-from mobius.runtime.optim import make_adamw
+from mobius.runtime.optim import UpdateRule, make_adamw
 from mobius.runtime.spec import Plan
 from mobius.sim import simulate_mobius
 from topology.presets import cpu_topology
@@ -44,7 +44,7 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 def adamw_params_per_s(n: int = 4_000_000) -> float:
     p = torch.nn.Parameter(torch.randn(n // 1000, 1000))
     p.grad = torch.randn_like(p)
-    opt = make_adamw([("w", p)], 1e-3)
+    opt = make_adamw([("w", p)], UpdateRule(lr=1e-3))
     opt.step()
     t0 = time.perf_counter()
     for _ in range(3):

@@ -2,6 +2,7 @@
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.launcher import launch_chunked
 from mobius.models import get_config
+from mobius.runtime.optim import UpdateRule
 from topology import cpu_topology, load_preset
 
 
@@ -149,8 +151,8 @@ def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_gro
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     device = CpuDevice(check=True, jitter_ms=1.0)
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
-                           device_chunks=2, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
-                           total_steps=cfg.optim.steps, group=2)
+                           device_chunks=2, compute_dtype=torch.float32, seed=cfg.optim.seed, rule=UpdateRule.of(cfg.optim),
+                           group=2)
     batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     try:
         for k, r in enumerate(ref_losses):
@@ -177,8 +179,8 @@ def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_gr
     cfg = RunConfig.of(model="tiny", steps=1, micro_batch_size=2, micro_batches=2, seq_len=32, progress=False)
     device = CpuDevice(check=True)
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=True,
-                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
-                           total_steps=1, group=2)
+                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed,
+                           rule=replace(UpdateRule.of(cfg.optim), steps=1), group=2)
     events = []  # ("reduced" | "updated", chunk), in the order they happened
     three_reduced = threading.Event()
     reduce, update = engine._reduce, engine._update
@@ -225,8 +227,8 @@ def test_one_emulated_gpu_holding_every_chunk_sends_nothing_over_its_link(one_ra
     device = CpuDevice(check=True, emulation=links)
     cfg = RunConfig.of(model="tiny", steps=1, micro_batch_size=2, micro_batches=2, seq_len=32, progress=False)
     engine = ChunkedEngine(get_config("tiny"), 0, 1, device, chunk_size=20_000, n_block=4, offload=False,
-                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed, lr=cfg.optim.lr,
-                           total_steps=1, group=2)
+                           device_chunks=0, compute_dtype=torch.float32, seed=cfg.optim.seed,
+                           rule=replace(UpdateRule.of(cfg.optim), steps=1), group=2)
     batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     try:
         m = engine.step(0, batches)

@@ -19,7 +19,7 @@ from mobius.launcher import launch_chunked, launch_pipeline  # noqa: E402
 from mobius.models import IGNORE, get_config  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
 from mobius.runtime.inputs import make_batches, make_data, make_eval_batches, model_config_for  # noqa: E402
-from mobius.runtime.optim import lr_at, make_adamw, set_lr  # noqa: E402
+from mobius.runtime.optim import UpdateRule, make_adamw, set_lr  # noqa: E402
 from topology import cpu_topology  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -64,11 +64,12 @@ def transformers_losses(cfg: RunConfig) -> list[float]:
     its example id), summing the trained tokens' cross-entropy over the step and dividing by
     their count; our AdamW and schedule."""
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    optimizer = make_adamw(model.named_parameters(), cfg.optim.lr)
+    rule = UpdateRule.of(cfg.optim)
+    optimizer = make_adamw(model.named_parameters(), rule)
     batches = make_batches(cfg, model_config_for(cfg))
     losses = []
     for step in range(cfg.optim.steps):
-        set_lr(optimizer, lr_at(step, cfg.optim.steps, cfg.optim.lr))
+        set_lr(optimizer, rule.lr_at(step))
         micro = batches.step(step)
         total = torch.zeros(())
         examples = 0

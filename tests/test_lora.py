@@ -20,7 +20,7 @@ from mobius.models.adapters import adapter_tensors, layer_states  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
 from mobius.runtime import checkpoint as ck  # noqa: E402
 from mobius.runtime.inputs import make_batches, model_config_for  # noqa: E402
-from mobius.runtime.optim import BETAS, WEIGHT_DECAY, lr_at  # noqa: E402
+from mobius.runtime.optim import UpdateRule  # noqa: E402
 from mobius.train import main  # noqa: E402
 
 STEPS, M, MBS, SEQ, RANK = 4, 2, 2, 16, 4
@@ -63,12 +63,14 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     matrices: every adapter), warm-up + cosine schedule, loss / M per micro-batch."""
     model = peft_model(path, cfg, initial_adapters(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY, fused=True)
+    rule = UpdateRule.of(cfg.optim)
+    opt = torch.optim.AdamW(trainable, lr=rule.lr, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay,
+                            fused=True)
     batches = make_batches(cfg, model_config_for(cfg))
     losses = []
     for step in range(cfg.optim.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg.optim.steps, cfg.optim.lr)
+            g["lr"] = rule.lr_at(step)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in batches.step(step):

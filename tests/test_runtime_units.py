@@ -14,7 +14,7 @@ from mobius.metrics import Trace
 from mobius.models import build_layer, get_config
 from mobius.partition.profile import measure_profile
 from mobius.runtime.device import CpuDevice
-from mobius.runtime.optim import BETAS, WEIGHT_DECAY, DynamicLossScaler
+from mobius.runtime.optim import DynamicLossScaler, UpdateRule
 from mobius.stages.host_optimizer import HostOptimizer
 from mobius.stages.links import ActivationLinks
 from mobius.stages.tied import TiedEmbedding
@@ -87,7 +87,7 @@ def test_saved_activations_leave_out_the_stage_weights_and_agree_with_the_profil
 
 
 def tiny_store(device, bounds=((0, 2), (2, 6)), config=None, stages=(0, 1)) -> HostStageStore:
-    return HostStageStore(config or get_config("tiny"), list(bounds), list(stages), seed=0, lr=1e-3,
+    return HostStageStore(config or get_config("tiny"), list(bounds), list(stages), seed=0, rule=UpdateRule(lr=1e-3),
                           compute_dtype=torch.float32, device=device)
 
 
@@ -174,9 +174,10 @@ def test_gradients_go_home_and_the_hosts_adamw_updates_what_the_next_load_reads(
     ref = {n: torch.nn.Parameter(w.clone()) for n, w in before.items()}
     for n, p in ref.items():
         p.grad = wanted[n]
-    torch.optim.AdamW([{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+    rule = UpdateRule(lr=1e-2)
+    torch.optim.AdamW([{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": rule.weight_decay},
                        {"params": [p for p in ref.values() if p.dim() < 2], "weight_decay": 0.0}],
-                      lr=1e-2, betas=BETAS, eps=1e-8).step()
+                      lr=1e-2, betas=rule.betas, eps=rule.eps).step()
     for name, p in store.stages[1].named_params():
         torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-6, atol=1e-7, msg=name)
         assert not torch.equal(p.detach(), before[name]), name

@@ -9,6 +9,7 @@ from mobius.models import build_model, get_config
 from mobius.models.precision import DTYPES
 from mobius.planner import host_bytes_needed
 from mobius.runtime.device import CpuDevice
+from mobius.runtime.optim import UpdateRule
 from mobius.swap.store import HostStageStore
 
 
@@ -18,7 +19,8 @@ def test_flat_buffers_hold_exactly_the_bytes_the_preflight_assumes(precision, lo
     config = get_config("tiny")
     if lora:
         config = dataclasses.replace(config, lora_rank=lora, lora_alpha=8.0, lora_targets="qkv,proj,fc,fc_out")
-    store = HostStageStore(config, [(0, 2), (2, 6)], [0, 1], seed=0, lr=1e-3, compute_dtype=DTYPES[precision],
+    store = HostStageStore(config, [(0, 2), (2, 6)], [0, 1], seed=0, rule=UpdateRule(lr=1e-3),
+                           compute_dtype=DTYPES[precision],
                            device=CpuDevice(check=False), optimizer_lag=lag)
     reference = dict(build_model(config).named_parameters())
     tensors = 0

@@ -35,7 +35,7 @@ from mobius.runtime.device import (
     time_per_call,
     usable_cores,
 )
-from mobius.runtime.optim import adamw
+from mobius.runtime.optim import UpdateRule, adamw
 from mobius.swap.memory import SavedStorages
 
 # The fraction of a GPU's tensor-core peak (the topology's ``tflops``) a training step's layers
@@ -320,7 +320,7 @@ def measure_adam_rate(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int
     its share of the cores when ``workers`` workers (CPU workers, or one process per GPU) share them."""
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], lr=1e-3)
+    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
     opt.step()
     cpu = torch.device("cpu")
     with worker_conditions(cpu, workers):

@@ -1,45 +1,109 @@
 """Optimizer pieces every backend shares, so they update weights identically.
 
-AdamW with decoupled weight decay on matrices only, linear warm-up then cosine decay to 10% of
-the peak rate, and a dynamic loss scaler for fp16.  The pipeline runs one AdamW per stage on the
-CPU master weights; AdamW is elementwise, so grouping parameters per stage changes no number.
+:class:`UpdateRule` is the update every backend applies: AdamW with decoupled weight decay on
+matrices only (not on biases and norms), its betas and epsilon, the learning-rate schedule (warm-up,
+then cosine, linear or constant, down to a floor), and clipping of the gradients' *global* norm.
+The pipeline runs one AdamW per stage on the CPU master weights; AdamW is elementwise, so grouping
+parameters per stage changes no number.  Clipping is not elementwise: every backend sums the squares
+of all of a step's gradients (every stage, worker and chunk) before it applies any update
+(:func:`clip_coefficient`).  A dynamic loss scaler serves fp16.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-WEIGHT_DECAY = 0.01
-BETAS = (0.9, 0.95)
+SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+# torch.nn.utils.clip_grad_norm_'s: the coefficient is max_norm / (norm + 1e-6), at most 1
+CLIP_EPS = 1e-6
 
 
-def lr_at(step: int, total_steps: int, peak_lr: float) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) in a run of ``total_steps``."""
-    warmup = max(1, total_steps // 10)
-    if step < warmup:
-        return peak_lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+@dataclass(frozen=True)
+class UpdateRule:
+    """The optimizer step of a run (``mobius.config.OptimConfig``'s settings, resolved)."""
+
+    lr: float  # the peak learning rate
+    steps: int = 1  # of the whole run: the schedule's length
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # on matrices only
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.1  # of the steps (at least one step when positive)
+    warmup_steps: int | None = None  # instead of the ratio
+    min_lr_ratio: float = 0.1  # where cosine and linear decay end, as a fraction of the peak
+    max_grad_norm: float = 0.0  # clip the global gradient norm to this (0: no clipping)
+
+    @classmethod
+    def of(cls, optim) -> "UpdateRule":
+        """From a run's ``OptimConfig``."""
+        return cls(lr=optim.lr, steps=optim.steps, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
+                   weight_decay=optim.weight_decay, scheduler=optim.lr_scheduler, warmup_ratio=optim.warmup_ratio,
+                   warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio,
+                   max_grad_norm=optim.max_grad_norm or 0.0)
+
+    @property
+    def warmup(self) -> int:
+        if self.scheduler == "constant":
+            return 0
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(1, math.floor(self.steps * self.warmup_ratio + 1e-9)) if self.warmup_ratio > 0 else 0
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        warmup, peak, floor = self.warmup, self.lr, self.min_lr_ratio
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        if self.scheduler in ("constant", "constant_with_warmup"):
+            return peak
+        progress = min(1.0, (step - warmup) / max(1, self.steps - warmup))
+        if self.scheduler == "linear":
+            return peak * (floor + (1 - floor) * (1.0 - progress))
+        return peak * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float) -> torch.optim.AdamW:
+def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], rule: UpdateRule) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (``p.dim() >= 2``) only, over the parameters that train
     (frozen ones, e.g. base weights under LoRA, have no optimizer state)."""
     decay, no_decay = [], []
     for _, p in named_params:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return adamw([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}], lr)
+    return adamw([{"params": decay, "weight_decay": rule.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                 rule)
 
 
-def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
-    """The one AdamW every backend steps.  ``fused``: one vectorised, multi-threaded kernel per
-    tensor (on the CPU as on CUDA), elementwise, so grouping or slicing parameters (per stage,
-    per chunk) changes no bit; it is 2-3x torch's per-tensor loop on the CPU."""
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=BETAS, eps=1e-8, fused=True)
+def adamw(groups: list[dict], rule: UpdateRule) -> torch.optim.AdamW:
+    """The one AdamW every backend steps (``groups`` carry their weight decay).  ``fused``: one
+    vectorised, multi-threaded kernel per tensor (on the CPU as on CUDA), elementwise, so grouping
+    or slicing parameters (per stage, per chunk) changes no bit; it is 2-3x torch's per-tensor loop
+    on the CPU."""
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=rule.lr, betas=rule.betas, eps=rule.eps,
+                             fused=True)
+
+
+def squares(grads: Iterable[torch.Tensor | None]) -> float:
+    """The sum of the squares of ``grads``' elements, accumulated in float64: each backend sums
+    its pieces of the step's gradients so, and adds the pieces up, so the global norm it clips with
+    equals the reference's to the last bits float64 keeps."""
+    total = 0.0
+    for g in grads:
+        if g is not None:
+            total += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+    return total
+
+
+def clip_coefficient(squares_sum: float, max_norm: float) -> float:
+    """What every gradient is multiplied by so that their global norm is at most ``max_norm``
+    (1 when it is already, or when clipping is off): torch's ``clip_grad_norm_`` rule.  A
+    non-finite norm (fp16 overflow is voted on before) leaves the gradients as they are."""
+    if not max_norm or not math.isfinite(squares_sum):
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(squares_sum) + CLIP_EPS))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -102,7 +102,7 @@ class DeviceOptimizer:
                     p.grad = view(master_grad, slot)
                     params.append(p)
         self.memory.allocate(8 * n, f"AdamW moments of resident stage {s}", for_good=True)
-        optimizer = make_adamw(zip([name for name, _ in trained], params), lr=0.0)
+        optimizer = make_adamw(zip([name for name, _ in trained], params), self.store.rule)
         for hp, dp in zip(host_params, params):  # a resumed run's moments (a fresh one has none yet)
             state = host.optimizer.state.get(hp)
             if state:

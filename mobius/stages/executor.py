@@ -40,7 +40,7 @@ from mobius.metrics import Trace
 from mobius.models import TokenLayout, run_layers
 from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import DynamicLossScaler, lr_at
+from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.spec import Plan
 from mobius.stages.device_optimizer import DeviceOptimizer
 from mobius.stages.host_optimizer import HostOptimizer
@@ -93,11 +93,11 @@ class _StepState:
 
 class StageRunner:
     def __init__(self, plan: Plan, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
-                 traffic: Traffic, trace: Trace, batches: BatchSource, device: Device, total_steps: int,
-                 peak_lr: float, scaler: DynamicLossScaler, transport: Transport,
+                 traffic: Traffic, trace: Trace, batches: BatchSource, device: Device,
+                 scaler: DynamicLossScaler, transport: Transport,
                  replicas: ReplicaGroup | None = None):
         self.plan, self.store, self.prefetcher, self.trace, self.batches = plan, store, prefetcher, trace, batches
-        self.device, self.total_steps, self.peak_lr, self.scaler = device, total_steps, peak_lr, scaler
+        self.device, self.scaler = device, scaler
         self.n_stages = len(plan.bounds)
         self.M = plan.micro_batches  # this replica's share of the step's micro-batches
         # Data-parallel replicas (mobius.stages.replicas): which share of each step is this one's.
@@ -131,7 +131,7 @@ class StageRunner:
     def step(self, step: int) -> float:
         """Run step ``step`` by executing this worker's operations (:func:`worker_ops`); returns
         the sum of the losses this worker computed (the last stage's worker: the step's loss)."""
-        st = _StepState(self.replica.share(self.batches.step(step)), lr_at(step, self.total_steps, self.peak_lr),
+        st = _StepState(self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
                         step)
         self.store.begin_step(step)
         self._execute(self.ops, st)

@@ -28,7 +28,7 @@ from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
-from mobius.runtime.optim import DynamicLossScaler, lr_at
+from mobius.runtime.optim import DynamicLossScaler, UpdateRule
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, run_worker
 from mobius.stages.executor import StageRunner
@@ -77,7 +77,7 @@ class PipelineWorker:
         most = torch.tensor([memory.peak, adam_s], dtype=torch.float64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.peak_bytes_max = max(self.peak_bytes_max, int(most[0].item()))
-        return StepMetrics(step=step, loss=stats[0].item(), lr=lr_at(step, cfg.optim.steps, cfg.optim.lr),
+        return StepMetrics(step=step, loss=stats[0].item(), lr=UpdateRule.of(cfg.optim).lr_at(step),
                            tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=int(most[0].item()),
@@ -174,7 +174,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
     model_config = model_config_for(cfg)
-    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed, cfg.optim.lr,
+    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
     if replicas is not None:  # each parameter's AdamW runs on one replica's host
         replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
@@ -183,7 +183,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
-                         cfg.optim.steps, cfg.optim.lr, scaler, transport, replicas)
+                         scaler, transport, replicas)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from mobius.models import GPTConfig, build_layer
 from mobius.runtime.device import Device
-from mobius.runtime.optim import make_adamw
+from mobius.runtime.optim import UpdateRule, make_adamw
 
 
 @dataclass
@@ -123,13 +123,13 @@ def _fill(meta: nn.Module, built: nn.Module, homes: list[torch.Tensor], at: int)
 
 
 class HostStageStore:
-    def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, lr: float,
+    def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, rule: UpdateRule,
                  compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0):
         self.config = config
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
         self.lag = optimizer_lag
-        self.lr = lr
+        self.rule = rule  # each stage's AdamW's
         n_buffers = optimizer_lag + 1
         same = compute_dtype == torch.float32 and n_buffers == 1
         for s in stages:
@@ -163,7 +163,7 @@ class HostStageStore:
             params = list(layers.parameters())
             computes = [master] if same else [device.host_buffer(n_trained, compute_dtype) for _ in range(n_buffers)]
             grad_staging = master_grad if fp32 else device.host_buffer(n_trained, compute_dtype)
-            optimizer = make_adamw(zip(names, params), lr) if n_trained else None
+            optimizer = make_adamw(zip(names, params), rule) if n_trained else None
             stage = HostStage(s, list(range(lo, hi)), layers, optimizer, frozen, master,
                               master_grad, computes, grad_staging, slots, names)
             self.stages[s] = stage
@@ -177,7 +177,7 @@ class HostStageStore:
         again over them, or is None where it holds none.  Before the first step."""
         for st in self.stages.values():
             mine = [(n, p) for n, p in st.trained() if updates(n)]
-            st.optimizer = make_adamw(mine, self.lr) if mine else None
+            st.optimizer = make_adamw(mine, self.rule) if mine else None
 
     def begin_step(self, step: int) -> None:
         """Loads of step ``step`` read its compute buffer."""
