@@ -47,7 +47,7 @@ from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer, build_model
 from mobius.runtime.device import WITHIN_DEVICE, Device, Event
-from mobius.runtime.optim import UpdateRule, adamw, set_lr
+from mobius.runtime.optim import UpdateRule, adamw, clip_coefficient, set_lr, squares
 from mobius.runtime.spec import Timing
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
@@ -298,7 +298,7 @@ class ChunkedEngine:
         self.counters.peer += mine.numel() * mine.element_size() * (self.world - 1)
         if self.on_device[k]:
             self.master_grad[k].add_(mine)
-            if last:
+            if last and not self.rule.max_grad_norm:
                 self._update(k, self.dev.compute)
             return
         # Offloaded: the shard goes home on its own stream; the optimizer thread takes it from there.
@@ -335,7 +335,7 @@ class ChunkedEngine:
         except BaseException as err:  # whoever waits for the buffer must not wait forever
             freed.set_exception(err)
             raise
-        if last:
+        if last and not self.rule.max_grad_norm:
             self._update(k, self.host)
         return self.host.record()
 
@@ -384,6 +384,7 @@ class ChunkedEngine:
             self.cache.set_future(self.recorded)
         for k in list(self.inflight):
             self._finish_gather(k)
+        grad_norm = self._clipped_updates() if self.rule.max_grad_norm else None
         for job in self._host_jobs:  # the next step's gathers read the updated compute copies
             self.dev.compute.wait(job.result())
         self._host_jobs.clear()
@@ -397,7 +398,30 @@ class ChunkedEngine:
         block_bytes = self.n_block * self.chunks[0].size * self.blocks[0].element_size()
         return StepMetrics(step=step, loss=stats[0].item(), lr=self._lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
-                           peer_bytes=int(stats[3]), peak_device_bytes=block_bytes)
+                           peer_bytes=int(stats[3]), peak_device_bytes=block_bytes, grad_norm=grad_norm)
+
+    def _clipped_updates(self) -> float:
+        """Clipping: every chunk's update waits for the step's global gradient norm (the sum of
+        every rank's shards' squares); then each chunk is updated with its gradient scaled, device
+        chunks on the compute stream, offloaded ones on the optimizer thread.  Returns the norm."""
+        for job in self._host_jobs:  # every offloaded gradient is home
+            self.dev.compute.wait(job.result())
+        self._host_jobs.clear()
+        total = torch.tensor([squares(self.master_grad)], dtype=torch.float64)
+        dist.all_reduce(total)
+        clip = clip_coefficient(total.item(), self.rule.max_grad_norm)
+        for k in range(len(self.chunks)):
+            if self.on_device[k]:
+                self._scaled_update(k, clip, self.dev.compute)
+            else:
+                self._host_jobs.append(self._pool.submit(self._scaled_update, k, clip, self.host))
+        return total.item() ** 0.5
+
+    def _scaled_update(self, k: int, clip: float, stream) -> Event:
+        if clip < 1.0:
+            self.master_grad[k].mul_(clip)
+        self._update(k, stream)
+        return stream.record()
 
     def _pass(self, batch: list, last: bool) -> list[torch.Tensor]:
         """Forward and backward of ``batch`` (micro-batches) layer by layer; returns their losses."""

@@ -56,6 +56,7 @@ class DataConfig:
     eval_path: str | None = None  # --eval-data: held-out records
     eval_split: float = 0.0  # or this fraction of --data's records, drawn by the seed
     eval_every: int = 0  # evaluate every N steps (and at the end); 0: at the end only
+    skip_bad_records: bool = False  # leave out a record that is refused (and say how many), instead of stopping
 
     def __post_init__(self):
         if not (math.isfinite(self.eval_split) and 0 <= self.eval_split < 1):
@@ -403,6 +404,10 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", default=None, metavar="NAME|GBPS",
                    help="the network between the nodes of --data-parallel replicas: 10gbe, 25gbe, 100gbe, ib-hdr, "
                         "ib-ndr or a bandwidth in GB/s (default: the topology's, else 10gbe assumed)")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the global norm of each step's gradients (over every stage, worker and chunk) to this; "
+                        "0: no clipping (default: 1.0 to fine-tune a Hugging Face model, as its peers do; off for a "
+                        "preset)")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: apply step k's AdamW update while step k+1 computes (its forward uses weights one "
                         "update old), so the CPU optimizer leaves the critical path; pipeline and single backends")
@@ -445,6 +450,9 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="loss on every token of an example, not only on its answers")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, for a model without one of its own")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="leave out records that would be refused (no answer, roles out of order, an empty answer, "
+                        "malformed), saying how many and the first one's line and reason, instead of stopping")
     p.add_argument("--no-truncate", dest="truncate", action="store_false",
                    help="refuse an example longer than --seq-len instead of cutting it")
     p.add_argument("--eval-data", default=None, help="held-out records: loss and perplexity, forward only")
@@ -472,10 +480,6 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up over this many steps, instead")
     p.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
                    help="the learning rate the decay ends at, as a fraction of --lr")
-    p.add_argument("--max-grad-norm", type=float, default=None,
-                   help="clip the global norm of each step's gradients (over every stage, worker and chunk) to this; "
-                        "0: no clipping (default: 1.0 to fine-tune a Hugging Face model, as its peers do; off for a "
-                        "preset)")
     p.add_argument("--seed", type=int, default=d["seed"], help="seed of the weights and of the data order")
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
@@ -515,6 +519,13 @@ def check_paths(cfg: RunConfig) -> None:
         raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
 
 
+def resolve_max_grad_norm(args: argparse.Namespace) -> None:
+    """``--max-grad-norm``'s default: the peers' 1.0 for a Hugging Face model, off for a preset
+    (``mobius.train`` and ``mobius.plan`` alike: clipping changes the plan's schedule)."""
+    if args.max_grad_norm is None:
+        args.max_grad_norm = DEFAULT_MAX_GRAD_NORM if Path(args.model).is_dir() else 0.0
+
+
 def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) -> RunConfig:
     """The run's configuration: the resumed checkpoint's (``checkpoint_settings(DIR)``, given by the
     command, which reads checkpoints), then ``--config``'s, then the command line's settings
@@ -529,8 +540,7 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     if args.lr is None:
         kind = "lora" if args.lora_rank else "full" if Path(args.model).is_dir() else "preset"
         args.lr = DEFAULT_LR[kind]
-    if args.max_grad_norm is None:
-        args.max_grad_norm = DEFAULT_MAX_GRAD_NORM if Path(args.model).is_dir() else 0.0
+    resolve_max_grad_norm(args)
     cfg = RunConfig.from_dict(vars(args))
     check_paths(cfg)
     if args.print_config:

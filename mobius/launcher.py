@@ -35,6 +35,7 @@ from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.replan import Replanner
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.inputs import check_model_input
+from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import Decision, WorkerPayload, outside_torchrun
 from mobius.signals import LauncherSignals
@@ -79,7 +80,8 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
             f"mapping {plan.order}, {cfg.batch.describe()}, "
             f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else ""))
+            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
+            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}")
 
 
 def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
@@ -161,7 +163,7 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               f"({setup.group} per pass), {spec.precision}"
               # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
               + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
-              + f"\n  why: {setup.reasons}")
+              + f"\n  why: {setup.reasons}\n  update: {UpdateRule.of(cfg.optim).describe()}")
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs,
                             return_weights=return_weights)
     results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)

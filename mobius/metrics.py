@@ -31,6 +31,7 @@ class StepMetrics:
     # and the parameters per second the hosts' AdamW steps updated (all workers' together).
     host_adam_s: float | None = None
     host_adam_params_per_s: float | None = None
+    grad_norm: float | None = None  # the step's global gradient norm before clipping (where --max-grad-norm clips)
     eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
     eval_perplexity: float | None = None
 
@@ -93,6 +94,8 @@ class TensorBoardLog:
             scalars["perf/emulated_step_s"] = m.emulated_step_s
         if m.eval_loss is not None:
             scalars.update({"eval/loss": m.eval_loss, "eval/perplexity": m.eval_perplexity})
+        if m.grad_norm is not None:
+            scalars["train/grad_norm"] = m.grad_norm
         self.failed = True  # until the write is through: the error below is said once
         with writing("--tensorboard", self.writer.log_dir):
             for tag, value in scalars.items():

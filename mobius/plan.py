@@ -15,7 +15,7 @@ import json
 import math
 import sys
 
-from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args
+from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, resolve_max_grad_norm
 from mobius.errors import InputError, exits_cleanly
 from mobius.prepare import plan_on, resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
@@ -41,6 +41,7 @@ def build_parser() -> OneLineParser:
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    resolve_max_grad_norm(args)
     cfg = RunConfig.from_dict(vars(args))
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")

@@ -202,7 +202,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, time_limit_s: float = 8.0, use_cache: bool = True,
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
-              device_optimizer: bool = True, data_parallel: int = 1) -> Plan:
+              device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False) -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
     from ``profile`` (:func:`mobius.profiles.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
@@ -218,10 +218,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         device_optimizer = False
     place = MAPPINGS[mapping]
     assumed = place(topo, max(topo.n, stages or 2 * topo.n))
-    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag)
+    machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, clip=clip)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel])
+                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip])
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
@@ -229,7 +229,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     def settled(bounds, placement=assumed, resident=()):
         """The partition's machine and step with the contention of its own schedule."""
         return settle(profile, bounds, topo, placement, micro_batches, recompute, prefetch, profile.host,
-                      optimizer_lag, resident=resident)
+                      optimizer_lag, resident=resident, clip=clip)
 
     def candidates(machine):
         found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}

@@ -316,7 +316,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
-                         data_parallel=replicas, **plan_options)
+                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), **plan_options)
 
     if cfg.pipeline.recompute == "on":
         return make(recompute=True)

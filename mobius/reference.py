@@ -100,10 +100,19 @@ class ReferenceTrainer:
                         m.grad = p.grad
                         p.copy_(m)
             params = list(self.master.values())
+        grad_norm = None
         if not overflow:
+            trained = [p for p in params if p.requires_grad and p.grad is not None]
             if self.scaler.enabled:
-                for p in params:
+                for p in trained:
                     p.grad.div_(self.scaler.scale)
+            if self.rule.max_grad_norm:  # the global norm, as every backend clips it
+                sum_of_squares = squares(p.grad for p in trained)
+                grad_norm = sum_of_squares ** 0.5
+                coefficient = clip_coefficient(sum_of_squares, self.rule.max_grad_norm)
+                if coefficient < 1.0:
+                    for p in trained:
+                        p.grad.mul_(coefficient)
             t_opt = time.perf_counter()
             self.optimizer.step()
             self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
@@ -114,4 +123,4 @@ class ReferenceTrainer:
         peak = peak_memory(self.device)
         return StepMetrics(step=step, loss=total, lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
-                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps, grad_norm=grad_norm)

@@ -105,7 +105,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.batch.describe()}, {cfg.optim.precision}"
-              + (f", resuming at step {start}" if start else ""))
+              + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}")
     evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
     with StopRequest() as stop:
         history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)

@@ -170,11 +170,11 @@ def test_bad_data(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo")
     newline = tmp_path / "two\nerror: forged.txt"
     newline.write_text("")
-    for name, message in [("empty.txt", "empty"), ("number.jsonl", "record 2: 'text' must be a string, got int"),
-                          ("notext.jsonl", "record 1: a record with fields ['body'] is of no known shape"),
+    for name, message in [("empty.txt", "empty"), ("number.jsonl", "number.jsonl line 2: 'text' must be a string, got int"),
+                          ("notext.jsonl", "notext.jsonl line 1: a record with fields ['body'] is of no known shape"),
                           ("short.txt", "fewer than --seq-len 32 + 2"),
-                          ("surrogate.jsonl", "record 1: 'text' holds '\\ud800', a lone surrogate, which is not"),
-                          ("bom.jsonl", "record 2: 'text' must be a string"),  # the BOM is not part of record 1
+                          ("surrogate.jsonl", "line 1: 'text' holds '\\ud800', a lone surrogate, which is not"),
+                          ("bom.jsonl", "bom.jsonl line 2: 'text' must be a string"),  # the BOM is not part of line 1
                           ("fifo", "fifo: not a regular file or directory"),
                           ("/dev/zero", "--data /dev/zero: not a regular file or directory"),
                           (newline.name, "two\\nerror: forged.txt: no text found (empty)")]:

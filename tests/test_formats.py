@@ -103,7 +103,7 @@ def test_answer_masks_follow_the_chat_template(tmp_path):
 
 
 @pytest.mark.parametrize("content,message", [
-    ('{"body": "x"}\n', "record 1: a record with fields ['body'] is of no known shape; accepted: text;"),
+    ('{"body": "x"}\n', "bad.jsonl line 1: a record with fields ['body'] is of no known shape; accepted: text;"),
     ('{"messages": [{"role": "user"}]}\n', "messages[0] must be an object with 'role' and 'content'"),
     ('{"conversations": [{"from": "robot", "value": "x"}]}\n', "conversations[0].from 'robot' is none of"),
     ('{"instruction": "x", "output": 3}\n', "'output' must be a string, got int"),
@@ -256,3 +256,37 @@ def test_a_template_that_loops_for_ever_is_refused_within_its_time_limit(tmp_pat
                                            "1", "--backend", "single", "--no-progress", "--chat-template",
                                            str(tmp_path / "loops.jinja")], capsys)
     assert "took more than 0.5 s to render one conversation" in message
+
+
+def test_each_bad_record_is_refused_with_its_line_or_skipped_and_counted(tmp_path, capsys):
+    """A chat record with no answer, one whose roles are out of order, one with an empty answer
+    and a line that is no JSON: each refused naming its line and reason, exit 2, before anything
+    is written; with --skip-bad-records the run trains on the rest and says how many it left out
+    and why the first was."""
+    pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    capsys.readouterr()  # (transformers' progress while it saved the model)
+    good = json.dumps(CHAT)
+    bad = {"no answer": ('{"messages": [{"role": "user", "content": "q"}]}', "has no assistant turn"),
+           "order": ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}',
+                     "begins with 'assistant'; the user speaks first"),
+           "empty answer": ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}',
+                            "is an empty assistant turn: nothing to train on"),
+           "not json": ('{"messages": [', "not valid JSON")}
+    args = ["--model", str(model), "--seq-len", "64", "--micro-batch-size", "2", "--steps", "1", "--no-progress",
+            "--backend", "single"]
+    for name, (line, reason) in bad.items():
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("\n".join([good, "", good, line, good]) + "\n")  # the bad record on line 4
+        out = tmp_path / f"{name}-metrics.jsonl"
+        message = one_line_exit_2(train_main, args + ["--data", str(data), "--metrics", str(out)], capsys)
+        assert f"{data.name} line 4: " in message and reason in message, message
+        assert not out.exists()
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([good] * 3 + [line for line, _ in bad.values()]) + "\n")
+    train_main(args + ["--data", str(mixed), "--skip-bad-records"])
+    said = capsys.readouterr().out
+    assert "3 chat examples" in said and "4 bad records skipped (the first: --data " in said, said
+    assert "mixed.jsonl line 4: 'messages' has no assistant turn" in said

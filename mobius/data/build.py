@@ -36,42 +36,70 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         checked(int(corpus.max()))
         return BatchSource(corpus, batch.seq_len, batch.micro_batch_size, batch.micro_batches, seed, tokenizer.name)
 
-    def packed(records: list[Record], fmt: str, renderer):
+    def packed(records: list[Record], fmt: str, renderer, skipped: list[str]):
         """Examples rendered with the model's template and packed (or padded) into sequences."""
         packing = data.packing != "off"
-        out = pack([renderer.render(r) for r in records], batch.seq_len, packing, seed, data.truncate)
+        examples = []
+        for r in records:
+            try:
+                examples.append(rendered(renderer, r))
+            except InputError as err:
+                if not data.skip_bad_records:
+                    raise
+                skipped.append(str(err))
+        if not examples:
+            raise InputError(f"every one of the {len(skipped)} examples is bad (the first: {skipped[0]})")
+        out = pack(examples, batch.seq_len, packing, seed, data.truncate)
         checked(max(int(out.tokens.max()), int(out.targets.max())))  # a target past the inputs: the last EOS
         trained = int((out.targets >= 0).sum())
         describe = (f"{out.examples:,} {fmt} examples ({trained:,} trained tokens) "
                     f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
                     + (f", {out.truncated} truncated to --seq-len" if out.truncated else "")
-                    + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}")
+                    + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}"
+                    + (f"; {len(skipped)} bad records skipped (the first: {skipped[0]})" if skipped else ""))
         return out, describe
 
     if data.path is None:
         return windows(load_corpus(None, tokenizer=tokenizer)), None
-    records, held_out, fmt = _records(data, seed)
+    skipped: list[str] = []
+    records, held_out, fmt = _records(data, seed, skipped if data.skip_bad_records else None)
     renderer = None
     if fmt == "text" and data.packing == "auto":  # a corpus: random windows, as in pre-training
         train = windows(corpus_of([r.prompt for r in records], tokenizer, data.path))
     else:
         renderer = renderer_for(model, data.chat_template, data.train_on_prompt)
-        sequences, describe = packed(records, fmt, renderer)
+        sequences, describe = packed(records, fmt, renderer, skipped)
         train = ExampleBatches(sequences, batch.micro_batch_size, batch.micro_batches, seed, data.packing != "off",
                                describe)
     if not (data.eval_path or data.eval_split):
         return train, None
     renderer = renderer or renderer_for(model, data.chat_template, data.train_on_prompt)
-    sequences, describe = packed(held_out, fmt, renderer)
+    sequences, describe = packed(held_out, fmt, renderer, [])
     return train, EvalBatches(sequences, batch.micro_batch_size, batch.micro_batches, data.packing != "off", describe)
 
 
-def _records(data, seed: int) -> tuple[list[Record], list[Record], str]:
+def rendered(renderer, record: Record):
+    """``record`` as an example, refused naming where it came from when the template refuses it or
+    it leaves nothing to train on (an empty answer would teach the end of text right after the
+    prompt)."""
+    try:
+        example = renderer.render(record)
+    except InputError as err:
+        raise InputError(f"{record.where}: {err}" if record.where and not str(err).startswith(record.where)
+                         else str(err)) from None
+    trained = example.trained[:-1] if getattr(renderer, "eos_id", None) is not None else example.trained
+    if not trained.any():
+        raise InputError(f"{record.where or 'a record'}: nothing to train on (an empty answer): the example would "
+                         "teach only the end of text")
+    return example
+
+
+def _records(data, seed: int, skipped: list[str] | None) -> tuple[list[Record], list[Record], str]:
     """The training and held-out records (``--eval-data``, or ``--eval-split`` of ``--data`` by a
-    seeded draw) and their format."""
-    records, fmt = read_examples(data.path, data.format)
+    seeded draw) and their format; bad ones left out into ``skipped`` where it is given."""
+    records, fmt = read_examples(data.path, data.format, skipped=skipped)
     if data.eval_path:
-        held_out, eval_fmt = read_examples(data.eval_path, data.format, option="--eval-data")
+        held_out, eval_fmt = read_examples(data.eval_path, data.format, option="--eval-data", skipped=skipped)
         if eval_fmt != fmt:
             raise InputError(f"--eval-data {data.eval_path} holds {eval_fmt} records, --data {data.path} {fmt} records")
         return records, held_out, fmt

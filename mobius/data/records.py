@@ -22,7 +22,7 @@ plain text.  Plain text files are documents (format ``text``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mobius.checks import parse_json
@@ -45,6 +45,7 @@ class Record:
     messages: list[dict] | None = None
     prompt: str = ""
     answer: str | None = None
+    where: str = ""  # the file and line (or record, or row) it came from, for what is said of it
 
 
 def detect_format(fields: dict) -> str | None:
@@ -101,6 +102,10 @@ def _conversation(messages: list[dict], where: str, key: str) -> list[dict]:
         raise InputError(f"{where}: {key!r} has a system message after the conversation began (roles {roles[:6]})")
     if roles[first] != "user":
         raise InputError(f"{where}: {key!r} begins with {roles[first]!r}; the user speaks first (roles {roles[:6]})")
+    empty = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()), None)
+    if empty is not None:
+        raise InputError(f"{where}: {key}[{empty}] is an empty assistant turn: nothing to train on (an empty answer "
+                         "would teach the end of the turn right after the prompt)")
     return messages
 
 
@@ -162,14 +167,16 @@ def _decode(raw: bytes, f: Path, option: str) -> str:
         raise InputError(f"{option} {f}: not UTF-8 text (byte {err.start})") from None
 
 
-def _raw_records(f: Path, option: str) -> list:
+def _raw_records(f: Path, option: str) -> list[tuple[str, object]]:
+    """(where, the record) of each record of ``f``: a JSONL line still as text (it is parsed as
+    a record, so that a line that is no JSON is one bad record)."""
     if f.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise InputError(f"{option} {f}: reading Parquet needs pyarrow: pip install 'mobius-train[data]'") from None
         try:
-            return pq.read_table(str(f)).to_pylist()
+            return [(f"row {n}", row) for n, row in enumerate(pq.read_table(str(f)).to_pylist(), 1)]
         except Exception as err:  # pyarrow raises its own types for a damaged file
             raise InputError(f"{option} {f}: not a readable Parquet file ({first_line(err, 120)})") from None
     text = _decode(_read_bytes(f, option), f, option)
@@ -177,9 +184,16 @@ def _raw_records(f: Path, option: str) -> list:
         data = parse_json(text, f"{option} {f}")
         if not isinstance(data, list):
             raise InputError(f"{option} {f}: a .json data file must hold a list of records")
-        return data
+        return [(f"record {n}", record) for n, record in enumerate(data, 1)]
     # Records end at "\n" alone: a JSON string may hold U+2028 or a form feed, which splitlines() would cut at.
-    return [parse_json(line, f"{option} {f} line {n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [(f"line {n}", JsonLine(line)) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+@dataclass(frozen=True)
+class JsonLine:
+    """A JSONL line not yet parsed."""
+
+    text: str
 
 
 def _check_confined(d: Path, option: str) -> None:
@@ -228,11 +242,14 @@ def _files(path: Path, option: str) -> list[Path]:
     raise InputError(f"{option} {path}: no such file or directory")
 
 
-def read_examples(path: str | Path, fmt: str | None = None, option: str = "--data") -> tuple[list[Record], str]:
-    """Every record under ``path`` and their one format; plain text files are ``text`` documents."""
+def read_examples(path: str | Path, fmt: str | None = None, option: str = "--data",
+                  skipped: list[str] | None = None) -> tuple[list[Record], str]:
+    """Every record under ``path`` and their one format; plain text files are ``text`` documents.
+    A bad record is refused naming its file, line (record, row) and what is wrong with it; with
+    ``skipped`` (``--skip-bad-records``) it is left out and said there instead."""
     path = Path(path)
     if path.is_dir() and any((path / m).is_file() for m in DATASETS_MARKERS):
-        sources = [(path, _datasets_records(path, option))]
+        sources = [(path, [(f"row {n}", row) for n, row in enumerate(_datasets_records(path, option), 1)])]
     else:
         sources = []
         for f in _files(path, option):
@@ -244,15 +261,25 @@ def read_examples(path: str | Path, fmt: str | None = None, option: str = "--dat
             raw = _read_bytes(f, option)
             if _is_binary(raw):
                 raise InputError(f"{option} {f}: a binary file, not text or records")
-            sources.append((f, [{"text": _decode(raw, f, option)}]))
+            sources.append((f, [("", {"text": _decode(raw, f, option)})]))
     records, formats = [], set()
     for f, raw in sources:
-        for n, fields in enumerate(raw, 1):
-            record, found = to_record(fields, fmt, f"{option} {f} record {n}")
+        for label, fields in raw:
+            where = f"{option} {f}" + (f" {label}" if label else "")
+            try:
+                if isinstance(fields, JsonLine):
+                    fields = parse_json(fields.text, where)
+                record, found = to_record(fields, fmt, where)
+            except InputError as err:
+                if skipped is None:
+                    raise
+                skipped.append(str(err))
+                continue
             formats.add(found)
-            records.append(record)
+            records.append(replace(record, where=where))
     if not records:
-        raise InputError(f"{option} {path}: no records or text found (empty)")
+        raise InputError(f"{option} {path}: " + (f"every one of its {len(skipped)} records is bad (the first: "
+                                                 f"{skipped[0]})" if skipped else "no records or text found (empty)"))
     if len(formats) > 1:
         raise InputError(f"{option} {path}: records of several formats ({', '.join(sorted(formats))}); "
                          "give one format per run")

@@ -84,6 +84,8 @@ class Machine:
     replicas: int = 1  # data-parallel replicas: each host updates 1/replicas of every stage
     network_bps: float = 0.0  # the node's network to the other replicas, shared by its workers
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
+    # --max-grad-norm: no update starts before the step's last gradient is home (the global norm)
+    clip: bool = False
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)
     first_wave_peers: tuple[tuple[int, ...], ...] = ()  # per slot: the slots under its root complex
@@ -497,6 +499,8 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
         # each worker's optimizer, and the node's network for all of them
         per_thread = [sum(adam[j] + 2 * exchange[j] for j in range(k, s_count, n)) for k in range(n)]
         return StepEstimate(max(home + per_thread + [2 * sum(exchange)]), True, compute_only, pf, pb, copies=copies)
+    if machine.clip:  # every update waits for the global norm: the last gradient home, on any worker
+        home = [max(home)] * s_count
     updated = host_updates(home, adam, exchange, n, [c.resident for c in st])
     return StepEstimate(max(updated), True, compute_only, pf, pb, copies=copies)
 
@@ -566,17 +570,17 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
 
 def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro_batches: int, recompute: bool,
            prefetch: bool = True, host: HostCosts | None = None, optimizer_lag: int = 0,
-           rounds: int = 2, resident: tuple[int, ...] = ()) -> tuple[Machine, StepEstimate]:
+           rounds: int = 2, resident: tuple[int, ...] = (), clip: bool = False) -> tuple[Machine, StepEstimate]:
     """The machine and step of ``bounds`` (with ``resident`` stages) under the contention of their
     own schedule: the schedule's copies decide the rates its copies get, ``rounds`` times."""
-    machine = machine_for(topo, mapping, prefetch, host, optimizer_lag)
+    machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, clip=clip)
     est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     for _ in range(rounds):
         if not est.feasible:
             break
         duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident)
         rates = copy_rates(machine, est)
-        machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates)
+        machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates, clip=clip)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     return machine, est
 
@@ -597,7 +601,7 @@ def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine,
 
 def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,
                 optimizer_lag: int = 0, duty: tuple[float, ...] | None = None,
-                rates: dict[str, tuple[float, ...]] | None = None) -> Machine:
+                rates: dict[str, tuple[float, ...]] | None = None, clip: bool = False) -> Machine:
     """Per-slot bandwidth and memory of a mapped topology.
 
     A GPU's expected bandwidth for its stage loads is its share of its root complex among the other
@@ -625,7 +629,7 @@ def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" =
     host = host or HostCosts()
     return Machine(tuple(bws), tuple(mems), prefetch, host.handoff_s, host.micro_batch_s, host.stage_switch_s,
                    host.adam_params_per_s, host.device_adam_params_per_s, host.replicas, host.network_bps,
-                   optimizer_lag,
+                   optimizer_lag, clip,
                    link=tuple(topo.gpus[mapping.order[k]].link_bandwidth_gbps * GB for k in range(n)),
                    first_wave_peers=tuple(tuple(i for i in range(n) if rc_of[i] == rc_of[k]) for k in range(n)),
                    rc_bandwidth=tuple(topo.rc(rc_of[k]).host_bandwidth_gbps * GB for k in range(n)),

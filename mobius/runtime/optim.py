@@ -45,6 +45,16 @@ class UpdateRule:
                    warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio,
                    max_grad_norm=optim.max_grad_norm or 0.0)
 
+    def describe(self) -> str:
+        """The rule in one line (a run's header)."""
+        decay = {"cosine": f"cosine to {self.min_lr_ratio:g}x", "linear": f"linear to {self.min_lr_ratio:g}x",
+                 "constant": "constant", "constant_with_warmup": "constant"}[self.scheduler]
+        warm = f" after {self.warmup} warm-up step{'s' if self.warmup != 1 else ''}" if self.warmup else ""
+        clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (every update waits for the "
+                "step's last gradient)" if self.max_grad_norm else "; no gradient clipping")
+        return (f"AdamW at lr {self.lr:g} (betas {self.betas[0]:g}/{self.betas[1]:g}, eps {self.eps:g}, weight "
+                f"decay {self.weight_decay:g} on matrices), {decay}{warm}{clip}")
+
     @property
     def warmup(self) -> int:
         if self.scheduler == "constant":

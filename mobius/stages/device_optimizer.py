@@ -26,7 +26,7 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device
-from mobius.runtime.optim import make_adamw, set_lr
+from mobius.runtime.optim import make_adamw, set_lr, squares
 from mobius.swap.memory import DeviceMemory
 from mobius.swap.store import HostStageStore, view
 
@@ -51,6 +51,10 @@ class DeviceOptimizer:
         self.compute = device.compute
         self._grads: dict[int, torch.Tensor] = {}
         self._stages: dict[int, _Resident] = {}
+        # Clipping needs the whole step's gradient norm before any update: the updates wait for
+        # finish_step (mobius.stages.host_optimizer.ResidentUpdates); the gradients stay on the device.
+        self.held_back = bool(store.rule.max_grad_norm)
+        self._pending: list[tuple[int, nn.ModuleList, torch.Tensor, float]] = []
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> torch.Tensor:
         """Stage ``s``'s persistent device gradient buffer, zeroed; autograd accumulates into views of it."""
@@ -67,12 +71,32 @@ class DeviceOptimizer:
         return grads
 
     def update(self, s: int, layers: nn.ModuleList, weights: torch.Tensor, lr: float) -> None:
-        """Stage ``s``'s backward of this step is done: AdamW on the device, on the compute stream."""
+        """Stage ``s``'s backward of this step is done: AdamW on the device, on the compute stream
+        (held back until :meth:`apply` where the step's gradients are clipped)."""
+        if self.held_back:
+            self._pending.append((s, layers, weights, lr))
+        else:
+            self._update(s, layers, weights, lr, 1.0)
+
+    def squares(self) -> float:
+        """The sum of squares of the held-back stages' gradients."""
+        return squares(self._grads[s] for s, *_ in self._pending)
+
+    def apply(self, clip: float) -> None:
+        """The held-back updates, their gradients scaled by ``clip``."""
+        for s, layers, weights, lr in self._pending:
+            self._update(s, layers, weights, lr, clip)
+        self._pending.clear()
+
+    def _update(self, s: int, layers: nn.ModuleList, weights: torch.Tensor, lr: float, clip: float) -> None:
         t0 = time.perf_counter()
         resident = self._stages.get(s) or self._start(s, layers, weights)
         host = self.store.stages[s]
         if resident.master_grad is not None:
             resident.master_grad.copy_(self._grads[s])
+        if clip < 1.0:  # in fp32 where there is a master (as the host's master gradients are)
+            for p in resident.params:
+                p.grad.mul_(clip)
         set_lr(resident.optimizer, lr)
         with self.device.compute_span(host.compute.numel() / self.adam_params_per_s):
             resident.optimizer.step()

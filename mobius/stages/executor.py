@@ -120,9 +120,10 @@ class StageRunner:
                                        TiedEmbedding(store, plan, transport, traffic), transport,
                                        replicas)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
+        self.grad_norm: float | None = None  # the last step's global gradient norm, where it clips
         # The planner never makes such a plan: these updates need every stage's gradients, or must
         # write the weights the step after next reads (--optimizer-lag).
-        shared = [s for s in self.resident if self.optimizer.waits_for_the_step(s) or store.lag]
+        shared = [s for s in self.resident if self.optimizer.needs_the_host(s) or store.lag]
         if shared:
             raise ValueError(f"stages {shared} cannot stay resident: their update waits for the whole step, "
                              "or lags")
@@ -135,7 +136,7 @@ class StageRunner:
                         step)
         self.store.begin_step(step)
         self._execute(self.ops, st)
-        self.optimizer.finish_step(step, st.lr, self.host)
+        self.grad_norm = self.optimizer.finish_step(step, st.lr, self.host, self.device_optimizer)
         self._settle()
         return st.loss_sum
 

@@ -23,18 +23,30 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.optim import DynamicLossScaler, set_lr
+from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.store import HostStageStore, view
+
+
+class ResidentUpdates(Protocol):
+    """The updates of the stages kept on the device (:class:`~mobius.stages.device_optimizer.DeviceOptimizer`)
+    where clipping holds them back until the step's global norm is known."""
+
+    def squares(self) -> float:
+        """The sum of squares of the held-back stages' gradients."""
+
+    def apply(self, clip: float) -> None:
+        """Their updates, with gradients scaled by ``clip``."""
 
 
 class HostOptimizer:
@@ -49,6 +61,7 @@ class HostOptimizer:
         self.host = device.host_stream("optimizer")  # what the optimizer thread does to host buffers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-optimizer")
         self._to_master_jobs: list[Future] = []  # this step's
+        self._deferred: list[int] = []  # this step's stages whose update waits for the whole step
         self._updates: dict[int, list[Future]] = {}  # step -> its update jobs
         self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
         self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
@@ -67,7 +80,13 @@ class HostOptimizer:
         return grads, phase
 
     def waits_for_the_step(self, s: int) -> bool:
-        """Whether stage ``s``'s update waits for the whole step (tied sum, fp16 overflow vote)."""
+        """Whether stage ``s``'s update waits for the whole step (tied sum, fp16 overflow vote, the
+        global norm it is clipped by)."""
+        return self.scaler.enabled or s in self.tied.stages or bool(self.store.rule.max_grad_norm)
+
+    def needs_the_host(self, s: int) -> bool:
+        """Whether stage ``s``'s update needs what only the host's optimizer has: the tied sum, the
+        fp16 overflow vote (a resident stage's device update cannot take part)."""
         return self.scaler.enabled or s in self.tied.stages
 
     def offload(self, s: int, layers: nn.ModuleList, grads: torch.Tensor, phase: int, step: int, lr: float) -> None:
@@ -94,11 +113,14 @@ class HostOptimizer:
         job = self._pool.submit(self._to_master, s, arrived, phase)
         self._to_master_jobs.append(job)
         self._last_job[s] = job
-        if not self.waits_for_the_step(s):
+        if self.waits_for_the_step(s):
+            self._deferred.append(s)
+        else:
             self._submit_update(s, step, lr)
 
-    def _submit_update(self, s: int, step: int, lr: float, unscale: float | None = None, apply: bool = True) -> None:
-        job = self._pool.submit(self._update, s, step, lr, unscale, apply)
+    def _submit_update(self, s: int, step: int, lr: float, unscale: float | None = None, apply: bool = True,
+                       clip: float = 1.0, reduced: bool = False) -> None:
+        job = self._pool.submit(self._update, s, step, lr, unscale, apply, clip, reduced)
         self._updates.setdefault(step, []).append(job)
         self._last_job[s] = job
 
@@ -115,14 +137,15 @@ class HostOptimizer:
         self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.grad_bytes)
         return self.host.record()
 
-    def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool) -> Event:
+    def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool, clip: float = 1.0,
+                reduced: bool = False) -> Event:
         """On the optimizer thread: AdamW with step ``step``'s gradients (unless ``apply`` is off: an
         fp16 step skipped for overflow, which every replica skips: the vote is the whole run's), then
         the compute-dtype copy the step ``step + 1 + lag`` reads."""
         host = self.store.stages[s]
         if not host.trains:
             return self.host.record()
-        if apply and self.replicas is not None:
+        if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
         t0, cpu0, updated = time.perf_counter(), time.thread_time(), []
         if apply and host.optimizer is not None:
@@ -130,6 +153,9 @@ class HostOptimizer:
             if unscale is not None:
                 for p in updated:
                     p.grad.div_(unscale)
+            if clip < 1.0:
+                for p in updated:
+                    p.grad.mul_(clip)
             set_lr(host.optimizer, lr)
             numel = sum(p.numel() for p in updated)
             began = time.perf_counter()
@@ -157,29 +183,55 @@ class HostOptimizer:
             busy, self._busy = tuple(self._busy), [0.0, 0]
         return busy
 
-    def finish_step(self, step: int, lr: float, host: Stream) -> None:
+    def finish_step(self, step: int, lr: float, host: Stream, resident: "ResidentUpdates | None" = None) -> float | None:
         """Every offload of step ``step`` has been issued.  The updates that need every stage's
-        gradients (the tied sum, fp16's overflow vote) are decided here, on ``host`` (the calling
-        thread's stream); then the compute stream waits for the updates the next step's loads read:
-        this step's, or with a lag the previous step's (this step's run on during the next)."""
-        if any(self.waits_for_the_step(s) for s in self.store.stages):
+        gradients (the tied sum, fp16's overflow vote, the global norm clipping scales them by) are
+        decided here, on ``host`` (the calling thread's stream), ``resident``'s (the stages updated
+        on the device, held back for the norm) with them; then the compute stream waits for the
+        updates the next step's loads read: this step's, or with a lag the previous step's (this
+        step's run on during the next).  Returns the step's global gradient norm where it clips."""
+        norm = None
+        if any(self.waits_for_the_step(s) for s in self.store.stages) or self.store.rule.max_grad_norm:
             for job in self._to_master_jobs:
                 host.wait(job.result())
             self.tied.sum_gradients()
-            deferred = [s for s in self.store.stages if self.waits_for_the_step(s)]
+            deferred, self._deferred = self._deferred, []
+            overflow, unscale = False, None
             if self.scaler.enabled:
                 local = any(not torch.isfinite(p.grad).all() for s in deferred
                             for p in self.store.stages[s].master_params if p.grad is not None)
-                overflow = self.transport.any_rank(local)
-                for s in deferred:
-                    self._submit_update(s, step, lr, unscale=self.scaler.scale, apply=not overflow)
+                overflow, unscale = self.transport.any_rank(local), self.scaler.scale
+            clip, reduced = 1.0, False
+            if self.store.rule.max_grad_norm and not overflow:
+                if self.replicas is not None:  # the norm is the replicas' sum's: reduce into the owners first
+                    for job in [self._pool.submit(self.replicas.reduce_gradients, self.store.stages[s])
+                                for s in deferred if self.store.stages[s].trains]:
+                        job.result()
+                    reduced = True
+                # every process's share: its stages' (its replica's owned part of them), and resident ones
+                total = self.transport.sum_all(self._squares(deferred) / (unscale or 1.0) ** 2
+                                               + (resident.squares() if resident is not None else 0.0))
+                norm = total ** 0.5
+                clip = clip_coefficient(total, self.store.rule.max_grad_norm)
+            for s in deferred:
+                self._submit_update(s, step, lr, unscale=unscale, apply=not overflow, clip=clip, reduced=reduced)
+            if resident is not None:
+                resident.apply(clip)
+            if self.scaler.enabled:
                 self.scaler.update(overflow)
-            else:
-                for s in deferred:
-                    self._submit_update(s, step, lr)
         self._to_master_jobs.clear()
         for job in self._updates.pop(step - self.lag, []):
             self.compute.wait(job.result())
+        return norm
+
+    def _squares(self, stages: list[int]) -> float:
+        """This process's share of the sum of squares of the step's gradients: those of the
+        parameters its AdamW updates (its stages' trained ones; with replicas, those it owns,
+        summed over the replicas), the tied table counted once (its head copy holds the same sum)."""
+        duplicate = self.tied.head_copy()
+        return squares(p.grad for s in stages if self.store.stages[s].optimizer is not None
+                       for group in self.store.stages[s].optimizer.param_groups for p in group["params"]
+                       if p.grad is not None and p is not duplicate)
 
     def drain(self) -> None:
         """Wait for every update issued so far (before a checkpoint or the final weights are read)."""

@@ -39,6 +39,11 @@ class TiedEmbedding:
                 out[role] = dict(host.trained())[name]
         return out
 
+    def head_copy(self) -> nn.Parameter | None:
+        """The head's copy of the tied table where this worker holds it and it trains: its gradient
+        (after :meth:`sum_gradients`) is the embedding's again, so a norm counts only one of them."""
+        return self._copies().get("head") if self.stages else None
+
     def sum_gradients(self) -> None:
         """grad(embedding copy) + grad(head copy) into both copies' ``.grad``."""
         if not self.stages:

@@ -38,6 +38,9 @@ class Transport(Protocol):
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any of them."""
 
+    def sum_all(self, value: float) -> float:
+        """The sum of every rank's ``value`` (float64), on every rank."""
+
 
 class GlooTransport:
     """The workers of one pipeline replica: ``first`` is the process rank of its worker 0
@@ -58,6 +61,11 @@ class GlooTransport:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def sum_all(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item()
+
 
 class _Sent:
     def wait(self) -> None:  # the message was copied when sent
@@ -72,7 +80,7 @@ class LocalGroup:
         self._lock = threading.Lock()
         self._queues: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
         self._barrier = threading.Barrier(n, timeout=RECV_TIMEOUT_S)
-        self._votes: list[bool] = []
+        self._votes: list[tuple[int, object]] = []
 
     def _queue(self, src: int, dst: int, tag: int) -> queue.Queue:
         with self._lock:
@@ -98,11 +106,18 @@ class LocalTransport:
                                f"within {RECV_TIMEOUT_S} s") from None
 
     def any_rank(self, flag: bool) -> bool:
+        return any(self._all(flag))
+
+    def sum_all(self, value: float) -> float:
+        return sum(self._all(value))  # in rank order, as on every rank
+
+    def _all(self, value) -> list:
+        """Every rank's ``value``, in rank order."""
         g = self.group
         with g._lock:
-            g._votes.append(flag)
+            g._votes.append((self.rank, value))
         g._barrier.wait()  # every vote is in
-        result = any(g._votes)
+        result = [v for _, v in sorted(g._votes, key=lambda rv: rv[0])]
         if g._barrier.wait() == 0:  # every rank has read it: one of them clears it
             g._votes.clear()
         g._barrier.wait()

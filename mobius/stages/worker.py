@@ -83,7 +83,8 @@ class PipelineWorker:
                            peer_bytes=int(stats[3]), peak_device_bytes=int(most[0].item()),
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
                            host_adam_s=most[1].item(),
-                           host_adam_params_per_s=stats[5].item() / stats[4].item() if stats[4] > 0 else None)
+                           host_adam_params_per_s=stats[5].item() / stats[4].item() if stats[4] > 0 else None,
+                           grad_norm=self.parts.runner.grad_norm)
 
     def evaluate(self, done: int) -> float:
         held_out = self.parts.held_out
