@@ -526,10 +526,11 @@ def resolve_max_grad_norm(args: argparse.Namespace) -> None:
         args.max_grad_norm = DEFAULT_MAX_GRAD_NORM if Path(args.model).is_dir() else 0.0
 
 
-def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) -> RunConfig:
+def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None, resolve=None) -> RunConfig:
     """The run's configuration: the resumed checkpoint's (``checkpoint_settings(DIR)``, given by the
     command, which reads checkpoints), then ``--config``'s, then the command line's settings
-    (:mod:`mobius.config_sources`), defaults resolved, checked."""
+    (:mod:`mobius.config_sources`), defaults resolved, checked.  ``--print-config`` prints it as
+    the run would use it (``resolve(cfg)``: the backend and precision decided, given by the command)."""
     parser = build_train_parser()
     args = parser.parse_args(layered_argv(parser, list(sys.argv[1:] if argv is None else argv),
                                           checkpoint_settings, BACKEND_OPTIONS))
@@ -546,7 +547,7 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None) ->
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(yaml.safe_dump((resolve(cfg) if resolve else cfg).to_dict(), sort_keys=False), end="")
         raise SystemExit(0)
     return cfg
 

@@ -72,8 +72,21 @@ def tokens_of(parser: argparse.ArgumentParser, settings: dict, source: str) -> l
             value = "on" if value else "off"
         if isinstance(value, (dict, list, bool)):
             raise InputError(f"{source}: {_shown(key)} must be a single value, got {_shown(value)}")
+        _check_value(action, str(value), f"{source}: {_shown(key)}")
         out += [flag, str(value)]
     return out
+
+
+def _check_value(action: argparse.Action, text: str, where: str) -> None:
+    """The checks argparse would make of ``text`` for ``action``, said naming the file and key the
+    value came from (argparse would name only the option)."""
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except (TypeError, ValueError):
+        kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
+        raise InputError(f"{where} must be {kind}, got {_shown(text)}") from None
+    if action.choices is not None and value not in action.choices:
+        raise InputError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {_shown(text)}")
 
 
 def read_yaml(path: str) -> dict:

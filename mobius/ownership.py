@@ -220,6 +220,41 @@ _announced: set[tuple[Path, str]] = set()
 # ---- one run per output ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
+def made_parents(outputs: dict[str, str | None]):
+    """The missing parent directories of each output (``option -> path``), made for as long as the
+    run lasts (``--metrics runs/m.jsonl`` with no ``runs/``).  They are ours: when the run ends,
+    each one we made that is empty (the run wrote nothing there, or was refused before it did) is
+    removed again; a directory holding anything stays.  Where one cannot be made it is said in one
+    line, before anything else happens."""
+    made: list[Path] = []
+    try:
+        for option, path in outputs.items():
+            if not path:
+                continue
+            missing = []
+            parent = Path(path).absolute().parent
+            while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+                missing.append(parent)
+                parent = parent.parent
+            if not missing:
+                continue
+            if not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise InputError(f"{option} {path}: cannot make its directory {missing[-1]} ({parent} is not a "
+                                 "writable directory)")
+            for d in reversed(missing):
+                try:
+                    d.mkdir()
+                except OSError as err:
+                    raise InputError(f"{option} {path}: cannot make its directory {d} ({err.strerror})") from None
+                made.append(d)
+        yield
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only an empty directory: nothing of anyone's is ever removed
+
+
+@contextlib.contextmanager
 def output_locks(outputs: dict[str, str | None]):
     """An exclusive lock on each output (``option -> path``) for as long as the run lasts: a second
     run given the same ``--save``, ``--export``, metrics file, ... is refused in one line before it
@@ -326,7 +361,8 @@ def check_output_file(option: str, path: str | None) -> None:
     if p.is_dir():
         raise InputError(f"{option} {path}: is a directory; give a file name")
     if not parent.is_dir():
-        raise InputError(f"{option} {path}: directory {parent} does not exist")
+        raise InputError(f"{option} {path}: {parent} is not a directory" if parent.exists() else
+                         f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise InputError(f"{option} {path}: not writable")
     if (p.exists() or p.is_symlink()) and not is_our_file(p):
@@ -338,7 +374,8 @@ def check_output_dir_parent(option: str, path: str) -> None:
     p = Path(path)
     parent = p.resolve().parent
     if not parent.is_dir():
-        raise InputError(f"{option} {path}: directory {parent} does not exist")
+        raise InputError(f"{option} {path}: {parent} is not a directory" if parent.exists() else
+                         f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise InputError(f"{option} {path}: not writable")
     if p.exists() and not p.is_dir():

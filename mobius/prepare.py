@@ -240,6 +240,17 @@ def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
     return backend, topo
 
 
+def resolved(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what the run decides from the machine: the backend, the precision, the replicas
+    (``--print-config``)."""
+    backend, topo = resolve_backend(cfg)
+    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
+    changes = {"backend": backend, "precision": resolve_precision(cfg, cuda)}
+    if backend == "pipeline":
+        changes["data_parallel"] = data_parallel_of(cfg)
+    return cfg.changed(**changes)
+
+
 def resolve_devices(topo: Topology, emulate: bool = False) -> tuple[bool, Topology]:
     """Whether real GPUs compute (the topology is this machine's and CUDA works here), and the
     topology as the run's devices see it, a copy: on GPUs without the CUDA reserve; otherwise CPU

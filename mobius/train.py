@@ -27,7 +27,7 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import check_export_target, start_export
 from mobius.planner import available_host_memory, check_host_memory
-from mobius.prepare import data_parallel_of, resolve_backend, resolve_precision
+from mobius.prepare import data_parallel_of, resolve_backend, resolve_precision, resolved
 from mobius.reference import ReferenceTrainer
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
@@ -124,7 +124,7 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
     out = cfg.outputs
     outputs = {"--save": cfg.checkpoint.save, "--export": out.export, "--export-merged": out.export_merged,
                "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard}
-    with ownership.output_locks(outputs):  # checked and written by this run alone
+    with ownership.made_parents(outputs), ownership.output_locks(outputs):  # written by this run alone
         return _run_locked(cfg, model_config)
 
 
@@ -165,7 +165,7 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
 
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_train_args(argv, checkpoint_settings=ck.run_config)
+    cfg = parse_train_args(argv, checkpoint_settings=ck.run_config, resolve=resolved)
     if running_under_torchrun() and cfg.backend != "single":
         # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
         if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None \

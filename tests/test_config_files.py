@@ -46,6 +46,8 @@ def test_defaults_shown_and_printed(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "lr: 0.001\n" in out and "packing: auto\n" in out and "steps: 40\n" in out
+    # as the run will use them: the backend and precision decided on this machine (no GPU here)
+    assert "backend: pipeline\n" in out and "precision: fp32\n" in out and "max_grad_norm: 0.0\n" in out
     with pytest.raises(SystemExit):
         train_main(["--help"])
     assert "(default: 4)" in capsys.readouterr().out  # --micro-batch-size
@@ -65,8 +67,9 @@ def test_default_learning_rates_and_epochs(tmp_path):
     ("learning_rate: 1\n", "unknown setting 'learning_rate'"),
     ("- lr\n", "must be a mapping of settings, got list"),
     ("lr: 0.1\n  bad: : indent\n", "not valid YAML"),
-    ("micro-batches: many\n", "argument --micro-batches: invalid int value: 'many'"),
-    ("packing: sometimes\n", "argument --packing: invalid choice"),
+    ("micro-batches: many\n", "bad.yaml: 'micro-batches' must be an integer, got 'many'"),
+    ("packing: sometimes\n", "bad.yaml: 'packing' must be one of auto, on, off, got 'sometimes'"),
+    ("lr: fast\n", "bad.yaml: 'lr' must be a number, got 'fast'"),
     ("train-on-prompt: 3\n", "'train-on-prompt' must be true or false"),
 ])
 def test_bad_config_files_are_one_line(tmp_path, capsys, content, message):
@@ -120,3 +123,18 @@ def test_a_resume_reads_only_the_files_the_user_names(tmp_path, capsys):
     assert f"its run read --data {data}; name it (--data PATH) to read it again" in message
     train_main(["--resume", str(tmp_path / "ck"), "--data", str(data)])
     assert len(losses(tmp_path / "r.jsonl")) == 6
+
+
+def test_outputs_get_their_parent_directories_which_go_again_when_empty(tmp_path, capsys):
+    """``--metrics runs/a/m.jsonl`` and ``--save runs/ck`` with no ``runs/``: made, and kept holding
+    the outputs; a run refused before it wrote anything leaves no directory behind."""
+    args = ["--model", "tiny", "--seq-len", "16", "--steps", "2", "--no-progress", "--backend", "single"]
+    metrics, save = tmp_path / "runs" / "a" / "m.jsonl", tmp_path / "runs" / "ck"
+    train_main(args + ["--metrics", str(metrics), "--save", str(save)])
+    assert metrics.is_file() and (save / "manifest.json").is_file()
+    refused = tmp_path / "other" / "deeper" / "m.jsonl"
+    one_line_exit_2(train_main, args + ["--metrics", str(refused), "--lr", "-1"], capsys)
+    assert not (tmp_path / "other").exists()
+    (tmp_path / "file").write_text("a user's file")
+    message = one_line_exit_2(train_main, args + ["--metrics", str(tmp_path / "file" / "m.jsonl")], capsys)
+    assert "file is not a directory" in message and (tmp_path / "file").read_text() == "a user's file"
