@@ -56,6 +56,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
                             replan=replan)
+    print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
     results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)

@@ -269,6 +269,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         # stages chosen, timed under their own contention) and the fastest is kept: the MIP's plan is
         # never slower than one --partitioner could have given.
         best = min(runnable(baselines), key=times.get)
+        print(f"planning: the partition MIP over {profile.n} layers for {topo.n} workers, recompute "
+              f"{'on' if recompute else 'off'} (at most {time_limit_s:g} s; cached)", flush=True)
         result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
                                  warm_start=baselines[best])
         solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,

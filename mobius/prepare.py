@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import platform
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,10 +82,14 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
     key = profile_key(config, topo, micro_batch, seq_len, precision)
     profile = None if fresh else PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
     if profile is None:
+        t0 = time.perf_counter()
         print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
               "this machine and code; cached)", flush=True)
         profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
                                   host_workers=topo.n)
+        print(f"profiling: {profile.distinct_measured} distinct of {profile.n} layers timed, host AdamW "
+              f"{profile.host.adam_params_per_s / 1e6:,.0f} M parameters/s ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
     return with_measured_host_rate(profile, host_key(topo, measured=True))
@@ -175,8 +180,12 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
     key = key_of([CALIBRATION_VERSION, threads, measured_on()])
     costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
     if costs is None:
+        t0 = time.perf_counter()
+        print(f"calibrating: the runtime's own costs with {workers} worker processes (once per machine; cached)",
+              flush=True)
         costs = measure_runtime_costs(workers)
         RUNTIME_COSTS.put(key, costs)
+        print(f"calibrating: done ({time.perf_counter() - t0:.1f} s)", flush=True)
     return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
 
 
