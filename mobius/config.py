@@ -1,5 +1,6 @@
-"""The run configuration: one typed dataclass, parsed from the DESIGN.md command line and checked
-before anything expensive happens."""
+"""The run configuration: one typed dataclass, parsed from ``python -m mobius.train``'s command
+line (and the ``--config`` file and resumed checkpoint beneath it, :mod:`mobius.config_sources`) and
+checked before anything expensive happens."""
 
 from __future__ import annotations
 

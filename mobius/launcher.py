@@ -1,5 +1,5 @@
-"""Start one pipeline worker per device through torch's elastic launcher (torchrun's machinery,
-standalone rendezvous on loopback), after every pre-flight check has passed.
+"""Start one worker per device, pipeline or chunked, through torch's elastic launcher (torchrun's
+machinery, standalone rendezvous on loopback), after every pre-flight check has passed.
 
 A worker that dies ends the run: the elastic agent stops the others (no restarts) and we exit
 non-zero naming the rank and its error; collectives time out after 60 s, so nothing hangs.

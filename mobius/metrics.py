@@ -1,4 +1,5 @@
-"""Per-step metrics (JSONL, the DESIGN.md format) and a Chrome trace writer."""
+"""Per-step metrics (``--metrics``: one JSON line per step, the fields of :class:`StepMetrics`;
+``--tensorboard``) and a Chrome trace writer (``--trace``)."""
 
 from __future__ import annotations
 

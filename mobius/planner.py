@@ -204,7 +204,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
               device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False) -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
-    from ``profile`` (:func:`mobius.profiles.get_profile`).  With ``data_parallel`` replicas each
+    from ``profile`` (:func:`mobius.prepare.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
     broadcasts them (:func:`replica_profile`, on ``topo``'s network, else
     :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident (its update

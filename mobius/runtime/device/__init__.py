@@ -1,6 +1,7 @@
 """The device layer: the only code of the runtime that touches ``torch.cuda``, pinned memory,
-streams and events.  Everything above it (prefetcher, schedule, gradient offload, chunked_dp)
-runs the same lines on CUDA and on CPU workers.
+streams and events (the measuring commands time the card directly: :mod:`topology.bandwidth` its
+pinned copies, :mod:`mobius.rates` its GEMMs and AdamW).  Everything above it (prefetcher,
+schedule, gradient offload, chunked_dp) runs the same lines on CUDA and on CPU workers.
 
 Two implementations of one interface, after torchgpipe's ``stream.py`` but asynchronous on the
 CPU too:

@@ -1,0 +1,68 @@
+"""The house in order: every default stated once (the flags' are the dataclass fields'), and every
+module, function or file a docstring or comment names exists."""
+
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for d in ("mobius", "chunked_dp", "topology", "scripts") for p in (ROOT / d).rglob("*.py")]
+
+# Flags whose default depends on other settings, resolved when the arguments are parsed (their help
+# says how): the dataclass field holds the value a configuration built in code gets.
+RESOLVED_WHEN_PARSED = {"steps", "lr", "max_grad_norm", "epochs"}
+
+
+def test_every_flag_defaults_to_its_fields_default():
+    from mobius.config import RunConfig, build_train_parser
+
+    fields = RunConfig().to_dict()
+    checked = 0
+    for action in build_train_parser()._actions:
+        if action.dest not in fields or action.dest in RESOLVED_WHEN_PARSED:
+            continue
+        assert action.default == fields[action.dest], (action.dest, action.default, fields[action.dest])
+        checked += 1
+    assert checked > 40
+
+
+def _named(text: str) -> set[str]:
+    """Dotted names in Sphinx roles (``:mod:`mobius.x```, ``:func:`~mobius.x.f```)."""
+    return {m.group(1) for m in re.finditer(r":(?:mod|func|class|data|meth|attr):`~?((?:mobius|chunked_dp|topology)"
+                                            r"(?:\.\w+)+)`", text)}
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            continue
+        obj = importlib.import_module(module)
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_module_and_function_a_docstring_names_exists():
+    assert not _resolves("mobius.profiles.get_profile") and _resolves("mobius.prepare.get_profile")
+    missing = sorted({(str(p.relative_to(ROOT)), name) for p in SOURCES for name in _named(p.read_text())
+                      if not _resolves(name)})
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+def test_every_source_file_the_docs_name_exists(doc):
+    text = (ROOT / doc).read_text()
+    named = set(re.findall(r"`((?:mobius|chunked_dp|topology|scripts|tests)/[\w/]+\.py)", text))
+    assert named and not sorted(n for n in named if not (ROOT / n).exists())
