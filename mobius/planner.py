@@ -264,7 +264,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
         # The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
-        # again on the rates of its own answer found plans the model ranks wrongly: docs/benchmarks.md).
+        # again on the rates of its own answer found plans the emulated runs ranked otherwise).
         # Its answer and every baseline are then finished as the plan would be (mapped, resident
         # stages chosen, timed under their own contention) and the fastest is kept: the MIP's plan is
         # never slower than one --partitioner could have given.
