@@ -12,7 +12,7 @@ from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_f
 from chunked_dp.search import DoesNotFit, search
 from mobius.config import RunConfig
 from mobius.errors import InputError
-from mobius.models import GPTConfig
+from mobius.models import GPTConfig, build_model
 from mobius.models.precision import DTYPES
 from mobius.partition.profile import Profile
 from mobius.prepare import (
@@ -52,6 +52,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
     except DoesNotFit as err:
         raise InputError(f"--backend chunked: {err}; give more --gpu-mem-gb or a smaller --chunk-size") from None
     chunk_size = cfg.chunked.chunk_size or found.chunk_size
+    check_chunk_size(cfg, chunk_size, model_config)
     packed = pack(use, chunk_size, topo.n)
     layer_chunks = chunks_of_layers(packed, use)
     need = max(len(cs) for cs in layer_chunks)
@@ -59,6 +60,11 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
     if n_block < need:
         raise InputError(f"--rcache-blocks {n_block}: a layer of {cfg.model} spans {need} chunks of "
                          f"{packed[0].size} elements; the rCache needs at least {need} blocks")
+    rcache = min(n_block, len(packed)) * packed[0].size * DTYPES[precision].itemsize
+    if rcache > capacity:
+        raise InputError(f"--chunk-size {chunk_size} x --rcache-blocks {n_block} needs {rcache / 1e9:.3g} GB of rCache "
+                         f"on each device, more than its {capacity / 1e9:.3g} GB; give fewer or smaller chunks "
+                         "(or leave both to the search)")
     offload = cfg.chunked.offload != "off"
     setup = ChunkedSetup(chunk_size=chunk_size, n_chunks=len(packed), n_block=n_block, offload=offload,
                          device_chunks=0 if cfg.chunked.offload == "on" else found.device_chunks, group=group,
@@ -75,6 +81,15 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
         emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"])
     setup = replace(setup, predicted=predicted, timing=timing)
     return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup, emulation=emulation)
+
+
+def check_chunk_size(cfg: RunConfig, chunk_size: int, model_config: GPTConfig) -> None:
+    """A chunk holds whole parameters and at most the model: a larger one is only padding, which
+    every device and host would have to allocate."""
+    params = build_model(model_config, device="meta").num_parameters()
+    if cfg.chunked.chunk_size is not None and chunk_size > params:
+        raise InputError(f"--chunk-size {chunk_size} is larger than {cfg.model}'s {params:,} parameters: a chunk "
+                         "holds at most the whole model (leave it to the search, or give at most that)")
 
 
 def _pass_s(profile: Profile) -> float:
