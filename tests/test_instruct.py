@@ -192,7 +192,8 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
 @pytest.mark.slow
 def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
     """The job done: a tiny Llama fine-tuned on an instruction set (parity of a number), exported,
-    answers prompts it never saw with transformers' generate and stops at the end of its turn."""
+    answers prompts it never saw with transformers' generate and stops at the end of its turn.  (At
+    lr 1e-2 without clipping: the settings this task was tuned at.)"""
     from mobius.train import main
 
     model = make_tiny_chat_model(tmp_path / "model", hidden=64, layers=2)
@@ -203,7 +204,7 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
         for n in train:
             f.write(json.dumps({"instruction": f"Is {n} even or odd?", "output": "odd" if n % 2 else "even"}) + "\n")
     main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--backend", "single", "--steps", "150",
-          "--lr", "1e-2", "--seq-len", "128", "--micro-batch-size", "8", "--micro-batches", "1", "--no-progress",
+          "--lr", "1e-2", "--max-grad-norm", "0", "--seq-len", "128", "--micro-batch-size", "8", "--micro-batches", "1", "--no-progress",
           "--export", str(tmp_path / "tuned"), "--eval-split", "0.05", "--eval-every", "50",
           "--metrics", str(tmp_path / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")])
     evals = [json.loads(line)["eval_loss"] for line in open(tmp_path / "m.jsonl")]
