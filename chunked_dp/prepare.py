@@ -84,12 +84,12 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
 
 
 def check_chunk_size(cfg: RunConfig, chunk_size: int, model_config: GPTConfig) -> None:
-    """A chunk holds whole parameters and at most the model: a larger one is only padding, which
-    every device and host would have to allocate."""
+    """A chunk holds whole parameters; one more than twice the model's size is mostly padding, which
+    every device and host would have to allocate (a round number a little above the model is fine)."""
     params = build_model(model_config, device="meta").num_parameters()
-    if cfg.chunked.chunk_size is not None and chunk_size > params:
-        raise InputError(f"--chunk-size {chunk_size} is larger than {cfg.model}'s {params:,} parameters: a chunk "
-                         "holds at most the whole model (leave it to the search, or give at most that)")
+    if cfg.chunked.chunk_size is not None and chunk_size > 2 * params:
+        raise InputError(f"--chunk-size {chunk_size} is more than twice {cfg.model}'s {params:,} parameters: a "
+                         "chunk that size is mostly padding (leave it to the search, or give at most the model's size)")
 
 
 def _pass_s(profile: Profile) -> float:

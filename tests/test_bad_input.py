@@ -88,7 +88,7 @@ TRAIN_OPTIONS = [
      "--data-parallel applies to --backend pipeline, and this run uses --backend chunked"),
     (["--backend", "pipeline", "--emulate", "--topology", "topo2+2", "--dilation", "0.5"], "--dilation must be a finite number of at least 1"),
     (["--backend", "chunked", "--topology", "cpu", "--chunk-size", str(10**11)],
-     "--chunk-size 100000000000 is larger than tiny's 238,144 parameters"),
+     "--chunk-size 100000000000 is more than twice tiny's 238,144 parameters"),
     (["--backend", "chunked", "--topology", "cpu", "--chunk-size", "200000", "--rcache-blocks", "100000",
       "--gpu-mem-gb", "0.001"], "needs 0.0016 GB of rCache on each device, more than its 0.001 GB"),
     (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number at least 0"),

@@ -168,7 +168,7 @@ def test_tokenizer_json_and_jsonl_data(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"content": "x"}\n')
     from mobius.errors import InputError
-    with pytest.raises(InputError, match="record 1: a record with fields \\['content'\\] is of no known shape"):
+    with pytest.raises(InputError, match="line 1: a record with fields \\['content'\\] is of no known shape"):
         load_corpus(bad)
 
 
