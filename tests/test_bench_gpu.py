@@ -73,8 +73,8 @@ def test_the_plans_raced_on_an_emulated_h100_rank_as_predicted(tmp_path):
     is the fastest measured or within 5% of it."""
     out = tmp_path / "plans.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--plans", "--emulate", "1xh100",
-                        "--model", "tiny8", "--steps", "4", "--micro-batch-size", "4", "--seq-len", "64",
-                        "--micro-batches", "4", "--gpu-mem-gb", "0.01", "--precision", "fp32", "--json", str(out)],
+                        "--model", "tiny8", "--steps", "3", "--micro-batch-size", "4", "--seq-len", "64",
+                        "--micro-batches", "2", "--gpu-mem-gb", "0.01", "--precision", "fp32", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["plans"]
