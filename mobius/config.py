@@ -214,6 +214,7 @@ class LoraConfig:
     alpha: float | None = None  # None: the rank (scaling 1)
     dropout: float = 0.0
     targets: str = ",".join(LORA_TARGETS)
+    use_dora: bool = False  # DoRA (PEFT's use_dora): magnitudes trained apart from the directions
 
     def __post_init__(self):
         if self.rank < 0:
@@ -221,6 +222,7 @@ class LoraConfig:
         if not self.rank:
             default = {f.name: f.default for f in fields(self)}
             changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(self, k) != default[k]]
+            changed += ["--use-dora"] if self.use_dora else []
             if changed:
                 raise InputError(f"{', '.join(changed)} needs --lora-rank R")
             return
@@ -370,6 +372,9 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=d["lora_targets"],
                    help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
                         "fc (MLP in; gate and up), fc_out (MLP out)")
+    p.add_argument("--use-dora", action="store_true",
+                   help="DoRA (weight-decomposed LoRA, PEFT's use_dora): each output row's magnitude trains apart "
+                        "from the adapted direction, whose norm is held constant in backward, as PEFT does")
     p.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=d["micro_batches"],
                    help="micro-batches per optimizer step")

@@ -92,6 +92,7 @@ TRAIN_OPTIONS = [
     (["--backend", "chunked", "--topology", "cpu", "--chunk-size", "200000", "--rcache-blocks", "100000",
       "--gpu-mem-gb", "0.001"], "needs 0.0016 GB of rCache on each device, more than its 0.001 GB"),
     (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number at least 0"),
+    (["--use-dora"], "--use-dora needs --lora-rank R"),
     (["--lr-scheduler", "exponential"], "invalid choice: 'exponential'"),
 ]
 

@@ -4,6 +4,7 @@ the single backend and on the pipeline; our exports load in PEFT and ``transform
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -51,7 +52,7 @@ def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
     settings = adapter_config(model_config_for(cfg))
     lora = peft.LoraConfig(r=settings["r"], lora_alpha=settings["lora_alpha"], lora_dropout=0.0,
                            target_modules=settings["target_modules"], fan_in_fan_out=settings["fan_in_fan_out"],
-                           task_type="CAUSAL_LM")
+                           task_type="CAUSAL_LM", use_dora=settings["use_dora"])
     model = peft.get_peft_model(base, lora)
     result = peft.set_peft_model_state_dict(model, adapters)
     assert not result.unexpected_keys
@@ -60,12 +61,14 @@ def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
 
 def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     """``transformers`` + ``peft``, trained as our reference trains: fused AdamW (weight decay on
-    matrices: every adapter), warm-up + cosine schedule, loss / M per micro-batch."""
+    matrices: every adapter, not DoRA's magnitudes), warm-up + cosine schedule, loss / M per
+    micro-batch."""
     model = peft_model(path, cfg, initial_adapters(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
     rule = UpdateRule.of(cfg.optim)
-    opt = torch.optim.AdamW(trainable, lr=rule.lr, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay,
-                            fused=True)
+    opt = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": rule.weight_decay},
+                             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=rule.lr, betas=rule.betas, eps=rule.eps, fused=True)
     batches = make_batches(cfg, model_config_for(cfg))
     losses = []
     for step in range(cfg.optim.steps):
@@ -107,6 +110,44 @@ def test_single_and_pipeline_equal_peft(hf_dirs, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dora_on_single_and_pipeline_equals_peft(hf_dirs, arch):
+    """DoRA (``--use-dora``, PEFT's ``use_dora``): the magnitudes train apart from the directions,
+    whose norms are constants in backward; our single and pipeline runs give PEFT's losses, from
+    the same adapters and magnitudes (the base rows' norms), on GPT-2's fused and Llama's split
+    projections."""
+    from conftest import run_in_threads
+
+    path = hf_dirs[arch]
+    cfg = lora_cfg(path, use_dora=True)
+    start = initial_adapters(cfg)
+    assert any(k.endswith("lora_magnitude_vector") for k in start)
+    want = peer_losses(path, cfg)
+    assert want != pytest.approx(peer_losses(path, lora_cfg(path)), rel=1e-4)  # DoRA trains otherwise
+    trainer = ReferenceTrainer(cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)),
+                               torch.device("cpu"))
+    assert [trainer.step(k).loss for k in range(STEPS)] == pytest.approx(want, rel=1e-5)
+    losses, _ = run_in_threads(lora_cfg(path, use_dora=True, topology="cpu", cpu_workers=2, stages=4, recompute="on"))
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_dora_export_loads_in_peft_and_merges(hf_dirs, tmp_path):
+    path = hf_dirs["llama"]
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    main(["--model", path, "--backend", "single", "--steps", "3", "--micro-batches", "2", "--micro-batch-size", "2",
+          "--seq-len", "16", "--lr", "1e-2", "--lora-rank", "4", "--use-dora", "--no-progress",
+          "--export", str(adapter), "--export-merged", str(merged)])
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(tokens).logits, merged_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
     """A pipeline run (2 workers) exports the adapter and the merged model; PEFT's model with our
     adapter, the merged model and ours give the same logits; untouched tensors are the input's."""

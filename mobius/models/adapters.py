@@ -56,6 +56,9 @@ def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]
                 for ab in ("A", "B"):
                     tensor = state[f"{module}.lora_{ab}.{part}"]
                     out[f"base_model.model.{path}.lora_{ab}.weight"] = tensor.detach().float().contiguous().cpu()
+                if config.lora_dora:  # PEFT's name for DoRA's magnitudes
+                    tensor = state[f"{module}.lora_magnitude.{part}"]
+                    out[f"base_model.model.{path}.lora_magnitude_vector"] = tensor.detach().float().contiguous().cpu()
     return out
 
 
@@ -71,7 +74,11 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
             n = len(parts(config, module))
             delta = torch.cat([state[f"{module}.lora_B.{i}"].float() @ state[f"{module}.lora_A.{i}"].float()
                                for i in range(n)], dim=0)
-            merged[f"{module}.weight"] = state[f"{module}.weight"].float() + delta * scaling
+            weight = state[f"{module}.weight"].float() + delta * scaling
+            if config.lora_dora:  # each row rescaled to its trained magnitude, as PEFT merges DoRA
+                magnitude = torch.cat([state[f"{module}.lora_magnitude.{i}"].float() for i in range(n)])
+                weight = (magnitude / torch.linalg.norm(weight, dim=1)).view(-1, 1) * weight
+            merged[f"{module}.weight"] = weight
         out[index] = merged
     return out
 
@@ -89,7 +96,7 @@ def adapter_config(config: GPTConfig) -> dict:
             "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout, "bias": "none",
             "target_modules": targets, "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "use_rslora": False, "use_dora": False}
+            "use_rslora": False, "use_dora": config.lora_dora}
 
 
 def write_export_shard(config: GPTConfig, staging: Path, name: str, layers: dict[int, dict[str, torch.Tensor]],
@@ -122,7 +129,8 @@ def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) 
         for shard in sorted(staging.glob("*.adapter.safetensors")):
             tensors.update(load_file(str(shard)))
             shard.unlink()
-        expected = sum(2 * len(parts(config, m)) for m in config.lora_targets.split(",")) * config.n_layer
+        per_part = 3 if config.lora_dora else 2  # A, B (and DoRA's magnitude)
+        expected = sum(per_part * len(parts(config, m)) for m in config.lora_targets.split(",")) * config.n_layer
         if len(tensors) != expected:
             raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
         save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})

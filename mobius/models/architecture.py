@@ -62,6 +62,7 @@ class GPTConfig:
     lora_alpha: float = 0.0
     lora_targets: str = ""
     lora_dropout: float = 0.0  # on the adapters' input, in training steps (mobius.models.lora)
+    lora_dora: bool = False  # DoRA: each output's magnitude trained apart from the adapted direction
 
     def shape_problem(self) -> str | None:
         """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not

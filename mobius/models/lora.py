@@ -80,15 +80,18 @@ class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus one low-rank adapter per part of its output."""
 
     def add_adapters(self, sizes: list[int], rank: int, alpha: float, dropout: float = 0.0,
-                     where: tuple[int, int] = (0, 0)) -> None:
-        """``where``: (layer index, module number), what a dropout mask is a function of."""
+                     where: tuple[int, int] = (0, 0), dora: bool = False) -> None:
+        """``where``: (layer index, module number), what a dropout mask is a function of.  ``dora``:
+        each part also trains the magnitude of each of its output rows (DoRA, PEFT's ``use_dora``)."""
         assert sum(sizes) == self.out_features
         self.scaling = alpha / rank
-        self.dropout, self.where = dropout, where
+        self.dropout, self.where, self.sizes = dropout, where, list(sizes)
         self.lora_A = nn.ParameterList([nn.Parameter(self.weight.new_empty((rank, self.in_features),
                                                                            dtype=torch.get_default_dtype()))
                                         for _ in sizes])
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(n, rank, device=self.weight.device)) for n in sizes])
+        self.lora_magnitude = nn.ParameterList([nn.Parameter(self.weight.new_empty(n, dtype=torch.get_default_dtype()))
+                                                for n in sizes] if dora else [])
         for p in (self.weight, self.bias):
             if p is not None:
                 p.requires_grad_(False)
@@ -97,6 +100,8 @@ class LoRALinear(nn.Linear):
         for a, b in zip(self.lora_A, self.lora_B):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
             nn.init.zeros_(b)
+        for magnitude, w in zip(self.lora_magnitude, self.weight.split(self.sizes)):
+            magnitude.copy_(torch.linalg.norm(w.float(), dim=1))  # B = 0: the base rows' own norms
 
     def _dropped(self, x: torch.Tensor, part: int) -> torch.Tensor:
         key = _MICRO_BATCH.get()
@@ -108,9 +113,31 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if len(self.lora_magnitude):
+            return y + self._dora(x, y)
         deltas = [F.linear(F.linear(self._dropped(x, k), a), b) for k, (a, b) in enumerate(zip(self.lora_A, self.lora_B))]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return y + delta * self.scaling
+
+    def _dora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """DoRA's addition to the base output ``y``, part by part, as PEFT computes it: the rows of
+        ``W + s B A`` rescaled to the trained magnitudes ``m``, their norms a constant in backward
+        (DoRA §4.3): ``(m / |W + s B A| - 1) x W^T + (m / |W + s B A|) s (x A^T) B^T``."""
+        outs, row = [], 0
+        for k, (a, b, magnitude) in enumerate(zip(self.lora_A, self.lora_B, self.lora_magnitude)):
+            n = b.shape[0]
+            w = self.weight[row:row + n].to(x.dtype)
+            lora_weight = (b @ a).detach().to(x.dtype)
+            scale = (magnitude / torch.linalg.norm(w + self.scaling * lora_weight, dim=1).detach()).view(1, -1)
+            dropped = self._dropped(x, k)
+            lora = F.linear(F.linear(dropped, a), b)
+            if dropped is x:  # the base output already computed, its bias taken off
+                base = y[..., row:row + n] - (self.bias[row:row + n] if self.bias is not None else 0)
+            else:  # PEFT takes the dropped input's base output then
+                base = F.linear(dropped, w)
+            outs.append((scale - 1) * base + scale * lora * self.scaling)
+            row += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int = 0) -> None:
@@ -123,7 +150,7 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
         lin = getattr(block, name)
         lin.__class__ = LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
-                         (index, LORA_MODULES.index(name)))
+                         (index, LORA_MODULES.index(name)), config.lora_dora)
         if generator is not None:
             with torch.no_grad():
                 lin.reset_adapters(generator)

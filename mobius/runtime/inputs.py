@@ -24,7 +24,7 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     targets = set(cfg.lora.targets.split(","))  # a set: the order they were named in changes nothing
     return dataclasses.replace(config, lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha or cfg.lora.rank),
                                lora_targets=",".join(t for t in LORA_MODULES if t in targets),
-                               lora_dropout=cfg.lora.dropout)
+                               lora_dropout=cfg.lora.dropout, lora_dora=cfg.lora.use_dora)
 
 
 def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
