@@ -16,12 +16,13 @@ from mobius.data.records import FORMATS
 from mobius.errors import InputError, shown
 from mobius.models.lora import LORA_MODULES
 from mobius.models.precision import PRECISIONS
-from mobius.runtime.optim import SCHEDULERS
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 # Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
 # at the rates common practice uses (full: 1e-5 to 5e-5; LoRA adapters: 1e-4 to 3e-4).
 DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
+# The learning-rate schedules (mobius.runtime.optim.UpdateRule), Hugging Face Trainer's names.
+SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 # Hugging Face's Trainer, TRL and axolotl clip at 1.0 by default; our presets train from scratch
 # without it (their losses are the suite's references).
 DEFAULT_MAX_GRAD_NORM = 1.0

@@ -35,7 +35,6 @@ from mobius.models.precision import default_precision
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import (
     MAX_TIME_S,
-    PROFILES,
     Profile,
     analytic_efficiency,
     analytic_profile,
@@ -52,7 +51,7 @@ from mobius.runtime.device import (
     usable_cores,
 )
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.plan_check import HOST_RATES, host_rate_key
+from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
 from topology import Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from mobius.cache import Cache
 from mobius.models import GPTConfig, build_layer, build_model, layer_count
 from mobius.models.precision import DTYPES
 from mobius.runtime.device import (
@@ -61,8 +60,6 @@ GPU_ADAM_PARAMS_PER_S = 936e9 / 28
 # the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
 # (scripts/bench_optimizer.py, docs/benchmarks.md).
 ADAM_BYTES_PER_PARAM = 28
-
-PROFILES = Cache("profiles", "profile")  # measured profiles, by their settings and this machine (mobius.prepare)
 
 
 # Where a GPU's curve is not known: the H100's shape, anchored at what was measured.

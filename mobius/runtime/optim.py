@@ -17,7 +17,6 @@ from typing import Iterable
 
 import torch
 
-SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 # torch.nn.utils.clip_grad_norm_'s: the coefficient is max_norm / (norm + 1e-6), at most 1
 CLIP_EPS = 1e-6
 

@@ -26,6 +26,9 @@ TOLERANCE = 0.2
 MIN_PARAMS_KEPT = 2**22
 
 HOST_RATES = Cache("host", "measured host rate")
+# Measured layer profiles, by their settings and this machine (mobius.prepare): here beside the
+# host's rate because a run that finds its profile wrong forgets it.
+PROFILES = Cache("profiles", "profile")
 
 
 def host_rate_key(machine: str, workers: int) -> str:

@@ -31,14 +31,13 @@ from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
 from mobius.errors import InputError, RunError, first_line, shown
 from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
-from mobius.partition.profile import PROFILES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.optim import DynamicLossScaler
-from mobius.runtime.plan_check import HOST_RATES, PlanCheck, PlanSwitch
+from mobius.runtime.plan_check import HOST_RATES, PROFILES, PlanCheck, PlanSwitch
 from mobius.runtime.spec import RunSpec
 from mobius.signals import StopRequest
 
