@@ -32,6 +32,7 @@ class StepMetrics:
     # and the parameters per second the hosts' AdamW steps updated (all workers' together).
     host_adam_s: float | None = None
     host_adam_params_per_s: float | None = None
+    compute_s: float | None = None  # the busiest worker's compute of the step (its micro-batches' passes, pipeline)
     grad_norm: float | None = None  # the step's global gradient norm before clipping (where --max-grad-norm clips)
     eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
     eval_perplexity: float | None = None

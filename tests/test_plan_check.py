@@ -4,7 +4,7 @@ measured AdamW rate for the next plan on this machine."""
 import pytest
 
 from mobius.metrics import StepMetrics
-from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_host_adam_s
+from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_compute_s, predicted_host_adam_s
 from mobius.runtime.spec import Plan, StagePlan
 
 
@@ -17,9 +17,10 @@ def plan_of(params_per_worker: int, rate: float, step_s: float = 1.0) -> Plan:
                 predicted_step_s=step_s, stages=stages, resident=[0], host_costs={"adam_params_per_s": rate})
 
 
-def steps(adam_s: float, rate: float, step_s: float = 1.0, n: int = 4) -> list[StepMetrics]:
+def steps(adam_s: float, rate: float, step_s: float = 1.0, n: int = 4,
+          compute_s: float | None = None) -> list[StepMetrics]:
     return [StepMetrics(step=k, loss=1.0, lr=1.0, tokens=1, step_time_s=step_s, host_adam_s=adam_s,
-                        host_adam_params_per_s=rate) for k in range(n)]
+                        host_adam_params_per_s=rate, compute_s=compute_s) for k in range(n)]
 
 
 def test_the_busiest_workers_swapping_stages_make_the_host_lane():
@@ -139,20 +140,22 @@ def test_an_emulated_host_4x_faster_than_planned_is_named_and_replan_switches_wi
     assert switched_losses[:12] == pytest.approx(straight_losses, rel=1e-6, abs=0)
 
 
-def test_a_run_faster_than_its_profile_forgets_the_profile_and_a_slower_one_keeps_it():
-    """A profile measured on a busy machine makes every plan slow: a run that steps faster than
-    planned, with its host lane as planned, has the next plan measure the layers again.  A run
-    slower than planned (the machine busy now) or whose host lane explains it keeps the profile."""
-    plan = plan_of(MIN_PARAMS_KEPT * 4, rate=1e8, step_s=2.0)  # host AdamW predicted 0.168 s
+def test_a_compute_lane_faster_than_its_profile_forgets_the_profile_and_a_slower_one_keeps_it():
+    """A profile measured on a busy machine makes every plan slow: a run whose compute lane (the
+    busiest worker's micro-batch passes) is faster than planned has the next plan measure the
+    layers again; one slower than planned (the machine busy now) is named and keeps the profile."""
+    plan = plan_of(MIN_PARAMS_KEPT * 4, rate=1e8)  # worker 0: two stages of 1 + 1 ms, one micro-batch
+    assert predicted_compute_s(plan) == pytest.approx(4e-3)
     forgotten = []
-    (line,) = PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(1)).after(
-        steps(adam_s=0.17, rate=1e8, step_s=1.0))
-    assert line == ("plan check: step 1.00 s measured, 2.00 s predicted (0.50x); the layers ran faster than their "
-                    "cached profile says: the next plan measures them again") and forgotten == [1]
-    for adam_s, step_s in ((0.17, 3.0), (0.042, 1.0)):  # slower; or the host lane is off too
-        PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(2)).after(
-            steps(adam_s=adam_s, rate=1e8 * 0.168 / adam_s, step_s=step_s))
-    assert forgotten == [1]
+
+    def check(compute_s):
+        return PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(compute_s)).after(
+            steps(adam_s=0.168, rate=1e8, compute_s=compute_s))
+
+    assert check(2e-3) == ["plan check: compute 2.00 ms measured, 4.00 ms predicted (0.50x); the layers ran faster "
+                           "than their cached profile says: the next plan measures them again"]
+    assert check(8e-3) == ["plan check: compute 8.00 ms measured, 4.00 ms predicted (2.00x)"]
+    assert check(4.4e-3) == [] and forgotten == [2e-3]
 
 
 def test_no_cache_measures_the_profile_again(capfd):

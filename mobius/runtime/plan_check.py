@@ -1,11 +1,13 @@
 """A run that checks its own prediction.
 
 After the warm-up step and :data:`STEPS` more, the pipeline compares what it measured with what its
-plan predicted: the step, and the host AdamW lane (the busiest worker's optimizer thread; the lane
-a host rate timed wrongly throws off most, and the one a plan's choices of recomputation,
+plan predicted: the step, the compute lane (the busiest worker's micro-batch passes: what a layer
+profile timed wrongly throws off) and the host AdamW lane (the busiest worker's optimizer thread;
+the lane a host rate timed wrongly throws off most, and the one a plan's choices of recomputation,
 residency and stage count hang on).  What is off by more than :data:`TOLERANCE` is named in one
-line, and the host's measured AdamW rate is kept (:data:`HOST_RATES`) for the next plan on this
-machine to use instead of the one it was planned with.
+line; the host's measured AdamW rate is kept (:data:`HOST_RATES`) for the next plan on this
+machine to use instead of the one it was planned with, and a layer profile that made the compute
+slower than it runs is forgotten (:data:`PROFILES`), to be measured again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def host_rate_key(machine: str, workers: int) -> str:
     """The cache entry of the host AdamW rate measured on ``machine`` (its description) with
     ``workers`` workers sharing its cores."""
     return key_of(["host AdamW", machine, workers])
+
+
+def predicted_compute_s(plan: Plan) -> float:
+    """The busiest worker's compute in a step, as planned: its stages' forward and backward (the
+    recomputed forward in it) for each of its micro-batches."""
+    per_worker: dict[int, float] = {}
+    for st in plan.stages:
+        per_worker[st.gpu] = per_worker.get(st.gpu, 0.0) + plan.micro_batches * (st.fwd_ms + st.bwd_ms) / 1e3
+    return max(per_worker.values(), default=0.0)
 
 
 def predicted_host_adam_s(plan: Plan) -> float:
@@ -73,12 +84,18 @@ class PlanCheck:
         step = statistics.median(m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s
                                  for m in measured)
         self.measured_step_s = step
-        step_line = ""
         if _off(step, self.plan.predicted_step_s):
             self.off.append("step")
-            step_line = (f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
+            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
                          f"predicted ({step / self.plan.predicted_step_s:.2f}x)")
-            lines.append(step_line)
+        computed = [m.compute_s for m in measured if m.compute_s is not None]
+        compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
+        compute_line = ""
+        if compute is not None and _off(compute, planned_compute):
+            self.off.append("compute")
+            compute_line = (f"plan check: compute {seconds_text(compute)} measured, {seconds_text(planned_compute)} "
+                            f"predicted ({compute / planned_compute:.2f}x)")
+            lines.append(compute_line)
         adam = [m.host_adam_s for m in measured if m.host_adam_s is not None]
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
         predicted = predicted_host_adam_s(self.plan)
@@ -94,15 +111,13 @@ class PlanCheck:
                              "too few parameters a step to take it for the host's rate"))
             if kept:
                 self.keep_rate(rate)
-        # Faster than planned, with the host's lane as planned: the layers were timed slower than
-        # this machine runs them (a busy moment while profiling), and a cached profile would
-        # keep every later plan wrong.  Slower than planned says nothing of the kind: the
-        # machine may be busy now.
-        if step_line and "host AdamW" not in self.off and step < self.plan.predicted_step_s \
-                and self.forget_profile is not None:
+        # Compute faster than planned: the layers were timed slower than this machine runs them (a
+        # busy moment while profiling), and a cached profile would keep every later plan wrong.
+        # Slower than planned says nothing of the kind: the machine may be busy now.
+        if compute_line and compute < planned_compute and self.forget_profile is not None:
             self.forget_profile()
-            lines[lines.index(step_line)] += ("; the layers ran faster than their cached profile says: the next "
-                                              "plan measures them again")
+            lines[lines.index(compute_line)] += ("; the layers ran faster than their cached profile says: the next "
+                                                 "plan measures them again")
         return lines
 
 

@@ -345,6 +345,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
                 m.emulated_step_s = m.step_time_s / emulation.factor
                 if m.host_adam_s is not None:
                     m.host_adam_s /= emulation.factor
+                if m.compute_s is not None:
+                    m.compute_s /= emulation.factor
                 if m.host_adam_params_per_s is not None:
                     m.host_adam_params_per_s *= emulation.factor
             return m

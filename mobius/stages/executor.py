@@ -121,6 +121,10 @@ class StageRunner:
                                        replicas)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
         self.grad_norm: float | None = None  # the last step's global gradient norm, where it clips
+        # The compute stream's work of each micro-batch (inputs' uploads included), between two of
+        # its events: what the run compares with its plan's compute lane (mobius.runtime.plan_check).
+        self._computed: list[tuple[Event, Event]] = []
+        self.compute_s = 0.0  # the last step's
         # The planner never makes such a plan: these updates need every stage's gradients, or must
         # write the weights the step after next reads (--optimizer-lag).
         shared = [s for s in self.resident if self.optimizer.needs_the_host(s) or store.lag]
@@ -138,6 +142,8 @@ class StageRunner:
         self._execute(self.ops, st)
         self.grad_norm = self.optimizer.finish_step(step, st.lr, self.host, self.device_optimizer)
         self._settle()
+        self.compute_s = sum(self.device.time_of(end) - self.device.time_of(begin) for begin, end in self._computed)
+        self._computed.clear()
         return st.loss_sum
 
     def drain(self) -> None:
@@ -223,11 +229,14 @@ class StageRunner:
         return dropout_micro_batch(self.batches.seed, st.step, self.replica.index * self.M + m)
 
     def _op_compute(self, op: Op, st: _StepState) -> None:
+        began = self.compute.record()
         with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):
             if op.backward:
                 self._backward(op.stage, op.mb, st)
             else:
                 self._forward(op.stage, op.mb, op.recompute, st)
+        if st.training:
+            self._computed.append((began, self.compute.record()))
 
     def _forward(self, s: int, m: int, recompute: bool, st: _StepState) -> None:
         x_host = st.micro[m].tokens if s == 0 else st.inbox.pop((s, m))
@@ -258,12 +267,14 @@ class StageRunner:
         self.links.flush(keep=1)
         x_phase = self.working.memory.phase
         x_host = st.host_inputs.pop((s, m))
+        began = self.compute.record()
         x = self.links.to_device(x_host, "recompute input", recycle=False)
         if x.is_floating_point():
             x.requires_grad_(True)
         with self.working.saved_activations(st.layers) as ledger, \
                 self.device.compute_span(self._emulated_s(s, "forward")), self._dropout(m, st):
             out = run_layers(st.layers, x, self._layout(s, m, st))
+        self._computed.append((began, self.compute.record()))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host
 

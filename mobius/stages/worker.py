@@ -74,7 +74,7 @@ class PipelineWorker:
         adam_s, adam_params = self.parts.runner.optimizer.take_busy()
         stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer, adam_s, adam_params], dtype=torch.float64)
         dist.all_reduce(stats)  # the loss: the last stage's worker computed it
-        most = torch.tensor([memory.peak, adam_s], dtype=torch.float64)
+        most = torch.tensor([memory.peak, adam_s, self.parts.runner.compute_s], dtype=torch.float64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.peak_bytes_max = max(self.peak_bytes_max, int(most[0].item()))
         return StepMetrics(step=step, loss=stats[0].item(), lr=UpdateRule.of(cfg.optim).lr_at(step),
@@ -82,7 +82,7 @@ class PipelineWorker:
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=int(most[0].item()),
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
-                           host_adam_s=most[1].item(),
+                           host_adam_s=most[1].item(), compute_s=most[2].item(),
                            host_adam_params_per_s=stats[5].item() / stats[4].item() if stats[4] > 0 else None,
                            grad_norm=self.parts.runner.grad_norm)
 
