@@ -225,7 +225,7 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
             dist.destroy_process_group()
 
 
-RENDEZVOUS_TIMEOUT_S = 30.0
+RENDEZVOUS_TIMEOUT_S = 20.0  # every refusal within 30 s of the command, imports included
 
 
 def join_group(backend: str, rank: int, world: int, timeout_s: float) -> None:
