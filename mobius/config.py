@@ -193,7 +193,7 @@ class PipelineConfig:
     def __post_init__(self):
         _positive(self, ("stages", "data_parallel"))
         if self.replan not in ("auto", "off"):
-            raise InputError(f"replan must be auto or off, not {self.replan!r}")
+            raise InputError(f"--replan must be auto or off, got {self.replan!r}")
 
 
 @dataclass(frozen=True)

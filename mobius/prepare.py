@@ -68,10 +68,9 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
                 precision: str, how: str = "auto", fresh: bool = False) -> Profile:
     """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
     when the topology is this machine (CPU workers or probed GPUs), else analytic.  ``fresh``:
-    measure again, whatever is cached (``--no-cache``; a plan check that found the run faster than
-    its profile said: :mod:`mobius.runtime.plan_check`)."""
-    if profile_how(config, topo, how) == "analytic":  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
-        gpu = min(topo.gpus, key=lambda g: g.tflops)
+    measure again, whatever is cached (``--no-cache``)."""
+    if profile_how(config, topo, how) == "analytic":
+        gpu = min(topo.gpus, key=lambda g: g.tflops)  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
                                    analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))

@@ -410,7 +410,8 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
 def print_plans(args, rows: list[dict]) -> None:
     where = f"emulated {args.emulate}" if args.emulate else "this machine"
     print(f"\n{datetime.date.today()} plans raced on {where}: {args.model}, {args.precision}, cap {args.gpu_mem_gb:g} "
-          f"GB, {args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens a step, median of steps 2-{args.steps}")
+          f"GB, {args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens a step, "
+          f"median of steps 2-{args.steps}")
     print(f"{'plan':<44} {'stages':>6} {'resident':>8} {'recompute':>9} {'predicted ms':>12} {'measured ms':>11} "
           f"{'error':>7} {'rank pred':>9} {'rank meas':>9}")
     for r in rows:
@@ -419,8 +420,8 @@ def print_plans(args, rows: list[dict]) -> None:
             continue
         error = r["predicted_step_s"] / r["measured_step_s"] - 1
         print(f"{r['plan']:<44} {r['stages']:>6} {r['resident']:>8} {'on' if r['recompute'] else 'off':>9} "
-              f"{r['predicted_step_s'] * 1e3:>12.3f} {r['measured_step_s'] * 1e3:>11.3f} {error:>+7.1%} {r['predicted_rank']:>9} "
-              f"{r['measured_rank']:>9}")
+              f"{r['predicted_step_s'] * 1e3:>12.3f} {r['measured_step_s'] * 1e3:>11.3f} {error:>+7.1%} "
+              f"{r['predicted_rank']:>9} {r['measured_rank']:>9}")
     ranked = [r for r in rows if "measured_step_s" in r]
     fastest = min(ranked, key=lambda r: r["measured_step_s"])
     mip = next(r for r in ranked if r["plan"].startswith("mip"))

@@ -20,7 +20,7 @@ from mobius.signals import StopRequest
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
-              agree: Callable[[bool, bool], tuple[bool, bool]] | None = None, main: bool = True,
+              agree: Callable[..., tuple[bool, ...]] | None = None, main: bool = True,
               eval_fn: Callable[[int], float] | None = None, check: PlanCheck | None = None,
               switch: PlanSwitch | None = None,
               before: list[StepMetrics] | None = None, started: float | None = None) -> list[StepMetrics]:
@@ -109,6 +109,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
               f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}",
               flush=True)
     if main and stopped_at is not None:
-        saved = f"checkpoint saved to {shown(save)}; continue with --resume {shown(save)}" if save else "nothing saved (no --save)"
+        saved = (f"checkpoint saved to {shown(save)}; continue with --resume {shown(save)}" if save
+                 else "nothing saved (no --save)")
         print(f"stopped after step {stopped_at} of {cfg.optim.steps}: {saved}", flush=True)
     return history

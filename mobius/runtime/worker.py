@@ -253,8 +253,9 @@ def reach_store(host: str, port: int, within_s: float) -> None:
                 return
         except OSError as err:
             if time.monotonic() >= deadline:
-                raise InputError(f"no rendezvous store at {shown(host)}:{port} after {within_s:g} s ({first_line(err, 80)}"
-                                 "): check MASTER_ADDR and MASTER_PORT, and that the master node is running") from None
+                raise InputError(f"no rendezvous store at {shown(host)}:{port} after {within_s:g} s "
+                                 f"({first_line(err, 80)}): check MASTER_ADDR and MASTER_PORT, and that the master "
+                                 "node is running") from None
             time.sleep(0.2)
 
 

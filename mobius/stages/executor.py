@@ -125,12 +125,11 @@ class StageRunner:
         # its events: what the run compares with its plan's compute lane (mobius.runtime.plan_check).
         self._computed: list[tuple[Event, Event]] = []
         self.compute_s = 0.0  # the last step's
-        # The planner never makes such a plan: these updates need every stage's gradients, or must
-        # write the weights the step after next reads (--optimizer-lag).
+        # The planner never makes such a plan: these updates need what only the host has (the tied
+        # sum, fp16's vote), or must write the weights the step after next reads (--optimizer-lag).
         shared = [s for s in self.resident if self.optimizer.needs_the_host(s) or store.lag]
         if shared:
-            raise ValueError(f"stages {shared} cannot stay resident: their update waits for the whole step, "
-                             "or lags")
+            raise ValueError(f"stages {shared} cannot stay resident: their update needs the host, or lags")
 
     # ---- one optimizer step --------------------------------------------------------------------
     def step(self, step: int) -> float:

@@ -183,7 +183,8 @@ class HostOptimizer:
             busy, self._busy = tuple(self._busy), [0.0, 0]
         return busy
 
-    def finish_step(self, step: int, lr: float, host: Stream, resident: "ResidentUpdates | None" = None) -> float | None:
+    def finish_step(self, step: int, lr: float, host: Stream,
+                    resident: ResidentUpdates | None = None) -> float | None:
         """Every offload of step ``step`` has been issued.  The updates that need every stage's
         gradients (the tied sum, fp16's overflow vote, the global norm clipping scales them by) are
         decided here, on ``host`` (the calling thread's stream), ``resident``'s (the stages updated

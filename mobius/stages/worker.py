@@ -175,8 +175,8 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
     model_config = model_config_for(cfg)
-    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed, UpdateRule.of(cfg.optim),
-                           DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
+    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed,
+                           UpdateRule.of(cfg.optim), DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
     if replicas is not None:  # each parameter's AdamW runs on one replica's host
         replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
         store.update_only(replicas.updates)
