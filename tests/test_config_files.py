@@ -138,3 +138,15 @@ def test_outputs_get_their_parent_directories_which_go_again_when_empty(tmp_path
     (tmp_path / "file").write_text("a user's file")
     message = one_line_exit_2(train_main, args + ["--metrics", str(tmp_path / "file" / "m.jsonl")], capsys)
     assert "file is not a directory" in message and (tmp_path / "file").read_text() == "a user's file"
+
+
+def test_a_resume_that_changes_the_update_rule_is_refused_unless_asked(tmp_path, capsys):
+    """Clipping, the schedule and AdamW's settings change the numbers of the rest of a run: a
+    resume that changes one says which, as for the learning rate."""
+    args = ["--model", "tiny", "--seq-len", "16", "--steps", "4", "--no-progress", "--backend", "single"]
+    train_main(args + ["--stop-after", "2", "--save", str(tmp_path / "ck"), "--max-grad-norm", "0.5"])
+    message = one_line_exit_2(train_main, ["--resume", str(tmp_path / "ck"), "--max-grad-norm", "1",
+                                           "--lr-scheduler", "linear"], capsys)
+    assert "--lr-scheduler 'cosine' -> 'linear'" in message and "--max-grad-norm 0.5 -> 1.0" in message
+    train_main(["--resume", str(tmp_path / "ck")])  # the checkpoint's own rule: goes on
+    assert "gradients clipped at a global norm of 0.5" in capsys.readouterr().out

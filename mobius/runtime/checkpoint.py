@@ -47,10 +47,15 @@ KIND = "checkpoint"
 # Settings that change the numbers of the rest of a run: a resume that changes one is refused
 # unless the user says so (--resume-with-changes).
 RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision",
-                "optimizer_lag", "data_format", "packing", "train_on_prompt", "chat_template", "truncate", "eval_split")
-# Settings added after checkpoints of this format were first written, with the value they had.
+                "optimizer_lag", "data_format", "packing", "train_on_prompt", "chat_template", "truncate", "eval_split",
+                "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "lr_scheduler", "warmup_ratio", "warmup_steps",
+                "min_lr_ratio", "max_grad_norm")
+# Settings added after checkpoints of this format were first written, with the value they had (the
+# update rule before it could be set: no clipping).
 SETTING_DEFAULTS = {"optimizer_lag": 0, "data_format": None, "packing": "auto", "train_on_prompt": False,
-                    "chat_template": None, "truncate": True, "eval_split": 0.0}
+                    "chat_template": None, "truncate": True, "eval_split": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+                    "adam_eps": 1e-8, "weight_decay": 0.01, "lr_scheduler": "cosine", "warmup_ratio": 0.1,
+                    "warmup_steps": None, "min_lr_ratio": 0.1, "max_grad_norm": 0.0}
 # With --optimizer-lag 1 the weights the next step computes with (one update behind the master
 # weights stored by name) are stored as LAGGED + name.
 LAGGED = "lagged/"
@@ -253,6 +258,8 @@ def _setting(cfg, key: str):
     value = cfg.option(key)
     if key in ("data", "chat_template") and value is not None:
         return str(Path(value).resolve())  # the same file however the path was spelled
+    if key == "max_grad_norm":
+        return float(value or 0.0)  # unset in a configuration built in code: no clipping, as 0
     return value
 
 
