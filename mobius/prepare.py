@@ -34,6 +34,7 @@ from mobius.models import GPTConfig, layer_count
 from mobius.models.precision import default_precision
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import (
+    GPU_ADAM_PARAMS_PER_S,
     MAX_TIME_S,
     Profile,
     analytic_efficiency,
@@ -73,7 +74,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         gpu = min(topo.gpus, key=lambda g: g.tflops)  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
                                    analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
-                                   host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
+                                   host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n), device_adam_rate(topo))
         return with_measured_host_rate(profile, host_key(topo, measured=False))
     device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
     workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
@@ -105,6 +106,17 @@ def block_efficiency(topo: Topology, gpu) -> tuple[int, float] | None:
         raise InputError(f"topology {topo.name}: GPU {gpu.index}'s block_efficiency must be {{\"tokens\": a positive "
                          f"integer, \"fraction\": a number in (0, 1]}}, got {str(found)[:80]}")
     return tokens, float(fraction)
+
+
+def device_adam_rate(topo: Topology) -> float:
+    """The GPUs' AdamW rate (parameters/s) ``mobius.rates`` measured, as the topology file records
+    it on each GPU (the slowest counts), else the assumed rate; refused in one line if it is not one."""
+    found = [g.extra["adam_params_per_s"] for g in topo.gpus if "adam_params_per_s" in g.extra]
+    for rate in found:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+            raise InputError(f"topology {topo.name}: a GPU's adam_params_per_s must be a positive number, got "
+                             f"{str(rate)[:40]}")
+    return float(min(found)) if found else GPU_ADAM_PARAMS_PER_S
 
 
 def profile_how(config: GPTConfig, topo: Topology, how: str) -> str:

@@ -40,7 +40,7 @@ from mobius.config import OneLineParser
 from mobius.errors import InputError, exits_cleanly, shown
 from mobius.models import PRESETS, build_layer
 from mobius.models.precision import DTYPES
-from mobius.partition.profile import ADAM_BYTES_PER_PARAM, ADAM_TIMING_NUMEL, time_layer
+from mobius.partition.profile import ADAM_BYTES_PER_PARAM, ADAM_TIMING_NUMEL, measure_device_adam_rate, time_layer
 from mobius.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
 from mobius.runtime.optim import UpdateRule, adamw
@@ -96,16 +96,12 @@ def device_rates(config, micro_batch: int, seq_len: int, precision: str, device:
     block = 1  # the first transformer block: every block of these models costs the same
     fwd_s, fwd_bwd_s = time_layer(config, block, micro_batch, seq_len, dtype, device, REPEATS, 1)
     flops = build_layer(config, block, seed=0, device="meta").forward_flops(micro_batch, seq_len)
-    p = torch.nn.Parameter(torch.zeros(ADAM_TIMING_NUMEL, device=device))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
-    opt.step()
     return {"gemm_tflops": 2 * tokens * h * 4 * h / gemm_s / 1e12,
             # causal: half of the 4 * t^2 * d multiply-adds of the two products, per head
             "attention_tflops": 2 * micro_batch * heads * seq_len ** 2 * (h // heads) / attention_s / 1e12,
             # the block as the analytic profile counts it: backward twice forward
             "block_tflops": 3 * flops / fwd_bwd_s / 1e12, "block_fwd_s": fwd_s, "block_fwd_bwd_s": fwd_bwd_s,
-            "adam_params_per_s": ADAM_TIMING_NUMEL / time_per_call(opt.step, device, 3)}
+            "adam_params_per_s": measure_device_adam_rate(device)}
 
 
 def measure(topo: Topology, workers: list[int], model: str, micro_batch: int, seq_len: int, precision: str) -> dict:
@@ -191,6 +187,7 @@ def measured_topology(topo: Topology, rates: dict, micro_batch: int, seq_len: in
         if r is not None:
             g.extra["block_efficiency"] = {"tokens": micro_batch * seq_len,
                                            "fraction": round(r["block_tflops"] / g.tflops, 4)}
+            g.extra["adam_params_per_s"] = round(r["adam_params_per_s"])
     return topo
 
 

@@ -88,3 +88,26 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err
+
+
+def test_a_measured_device_adam_rate_plans_the_resident_stages(tmp_path):
+    """``mobius.rates --write`` records each GPU's AdamW rate; an analytic profile for that topology
+    uses it (the slowest GPU's) instead of the assumed one, and a value that is no rate is refused."""
+    from mobius.errors import InputError
+    from mobius.models import PRESETS
+    from mobius.partition.profile import GPU_ADAM_PARAMS_PER_S, measure_device_adam_rate
+    from mobius.prepare import get_profile
+    from topology import load_preset
+
+    box = load_preset("4x4090")
+    assert get_profile("tiny", PRESETS["tiny"], box, 1, 16, "bf16", "analytic").host.device_adam_params_per_s == \
+        GPU_ADAM_PARAMS_PER_S
+    for g, rate in zip(box.gpus, (3e10, 2e10, 3e10, 3e10)):
+        g.extra["adam_params_per_s"] = rate
+    assert get_profile("tiny", PRESETS["tiny"], box, 1, 16, "bf16", "analytic").host.device_adam_params_per_s == 2e10
+    box.gpus[0].extra["adam_params_per_s"] = "fast"
+    with pytest.raises(InputError, match="adam_params_per_s must be a positive number"):
+        get_profile("tiny", PRESETS["tiny"], box, 1, 16, "bf16", "analytic")
+    import torch
+
+    assert measure_device_adam_rate(torch.device("cpu"), numel=2**16, repeats=1) > 0

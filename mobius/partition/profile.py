@@ -54,7 +54,8 @@ ANALYTIC_MFU = 0.5  # assumed where nothing was measured
 ANALYTIC_ADAM_PARAMS_PER_S = 1.0e9
 # AdamW on a GPU (for the stages kept resident there): its memory bandwidth over the 28 bytes AdamW
 # moves per fp32 parameter (weights, gradient and two moments read; weights and moments written),
-# at the slowest card we target, an RTX 3090's 936 GB/s.  An assumption, not a measurement.
+# at the slowest card we target, an RTX 3090's 936 GB/s.  An assumption where nothing was measured:
+# a profile measured on a GPU times it there, and ``mobius.rates --write`` records it in a topology.
 GPU_ADAM_PARAMS_PER_S = 936e9 / 28
 # A fused fp32 AdamW reads the weight, gradient and both moments and writes back the weight and
 # the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
@@ -222,9 +223,10 @@ def _same_cost(a: LayerProfile, b: LayerProfile) -> bool:
 
 def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
                      tflops: float, precision: str = "fp16", efficiency: float = ANALYTIC_MFU,
-                     adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S) -> Profile:
+                     adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S,
+                     device_adam_params_per_s: float = GPU_ADAM_PARAMS_PER_S) -> Profile:
     """Times from FLOPs at ``efficiency`` of ``tflops``; bytes from shapes (no weights allocated);
-    the host AdamW at ``adam_params_per_s`` per worker."""
+    the host AdamW at ``adam_params_per_s`` per worker, the GPUs' at ``device_adam_params_per_s``."""
     dtype = DTYPES[precision]
     model = build_model(config, device="meta")
     layers, classes = [], {}
@@ -245,7 +247,8 @@ def analytic_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_l
             held_bytes=layer.held_bytes()))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"analytic:{tflops:g}TFLOPS@{efficiency:.3g}", layers=layers, distinct_measured=0,
-                   host=HostCosts(adam_params_per_s=adam_params_per_s))
+                   host=HostCosts(adam_params_per_s=adam_params_per_s,
+                                  device_adam_params_per_s=device_adam_params_per_s))
 
 
 def trained_bytes(layer: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -324,6 +327,16 @@ def measure_adam_rate(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int
         return numel / _time(opt.step, cpu, repeats)
 
 
+def measure_device_adam_rate(device: torch.device, numel: int = ADAM_TIMING_NUMEL, repeats: int = 3) -> float:
+    """Parameters per second of AdamW on ``device`` (the stages kept resident there are updated
+    so), on a stage-sized tensor."""
+    p = torch.nn.Parameter(torch.zeros(numel, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
+    opt.step()
+    return numel / _time(opt.step, device, repeats)
+
+
 def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_len: int,
                     precision: str = "fp32", device: str | torch.device = "cpu", repeats: int = 5,
                     workers: int = 1, host_workers: int | None = None) -> Profile:
@@ -348,7 +361,7 @@ def measure_profile(model_name: str, config: GPTConfig, micro_batch: int, seq_le
         layers.append(LayerProfile(**{**asdict(p), "name": f"layers.{i}", "kind": kind}))
     adam = measure_adam_rate(host_workers or workers)
     host = HostCosts(adam_params_per_s=adam, device_adam_params_per_s=adam if device.type == "cpu" else
-                     GPU_ADAM_PARAMS_PER_S)
+                     measure_device_adam_rate(device))
     return Profile(model=model_name, micro_batch=micro_batch, seq_len=seq_len, dtype=precision,
                    source=f"measured-{device.type}", layers=layers, distinct_measured=len(measured),
                    profile_seconds=time.perf_counter() - t_start, extra={"workers": workers}, host=host)
