@@ -346,9 +346,12 @@ class ChunkedEngine:
         optimizer = self.optimizers[k]
         if optimizer is not None:
             set_lr(optimizer, self._lr)
-            rate = (0.0 if self.timing is None else self.timing.device_adam_params_per_s if self.on_device[k]
-                    else self.timing.host_adam_params_per_s)
-            with self.dev.compute_span(self.shard / rate if rate else 0.0):
+            if self.on_device[k]:
+                rate = 0.0 if self.timing is None else self.timing.device_adam_params_per_s
+                span = self.dev.compute_span(self.shard / rate if rate else 0.0)
+            else:  # an emulated host takes its own rate's time, whatever the plan assumed
+                span = self.dev.host_update_span(self.shard)
+            with span:
                 optimizer.step()
             self.master_grad[k].zero_()
         stream.writes(self.compute_shards[k], name=f"compute shard of chunk {k}")

@@ -73,8 +73,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
                         DTYPES[precision].itemsize)
     timing, emulation = None, None
     if cfg.emulation.enabled:
-        timing = Timing(tuple((layer.fwd_s, layer.bwd_s) for layer in gpu.layers), gpu.host.adam_params_per_s,
-                        gpu.host.device_adam_params_per_s)
+        timing = Timing(tuple((layer.fwd_s, layer.bwd_s) for layer in gpu.layers), gpu.host.device_adam_params_per_s)
         cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           precision, "measure")
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)

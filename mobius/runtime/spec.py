@@ -156,10 +156,10 @@ class Plan:
 @dataclass(frozen=True)
 class Timing:
     """Emulated device time (``--emulate``): per layer, one micro-batch's forward and backward on
-    the emulated GPU, and AdamW's rates on the host and on the device (parameters/s)."""
+    the emulated GPU, and AdamW's rate on the device (parameters/s; the emulated host's is the
+    emulation's own, :attr:`~mobius.runtime.emulation.EmulationSpec.host_adam_params_per_s`)."""
 
     layer_s: tuple[tuple[float, float], ...]
-    host_adam_params_per_s: float
     device_adam_params_per_s: float
 
 
@@ -186,8 +186,7 @@ class ChunkedSetup:
     def from_dict(cls, d: dict) -> "ChunkedSetup":
         timing = d.get("timing")
         if timing is not None:
-            timing = Timing(tuple(tuple(t) for t in timing["layer_s"]), timing["host_adam_params_per_s"],
-                            timing["device_adam_params_per_s"])
+            timing = Timing(tuple(tuple(t) for t in timing["layer_s"]), timing["device_adam_params_per_s"])
         return cls(**{**d, "timing": timing})
 
 
