@@ -140,22 +140,21 @@ def test_an_emulated_host_4x_faster_than_planned_is_named_and_replan_switches_wi
     assert switched_losses[:12] == pytest.approx(straight_losses, rel=1e-6, abs=0)
 
 
-def test_a_compute_lane_faster_than_its_profile_forgets_the_profile_and_a_slower_one_keeps_it():
+def test_a_compute_lane_faster_than_its_profile_marks_the_profile_stale_and_a_slower_one_keeps_it():
     """A profile measured on a busy machine makes every plan slow: a run whose compute lane (the
-    busiest worker's micro-batch passes) is faster than planned has the next plan measure the
+    busiest worker's micro-batch passes) is faster than planned has the next run measure the
     layers again; one slower than planned (the machine busy now) is named and keeps the profile."""
     plan = plan_of(MIN_PARAMS_KEPT * 4, rate=1e8)  # worker 0: two stages of 1 + 1 ms, one micro-batch
     assert predicted_compute_s(plan) == pytest.approx(4e-3)
-    forgotten = []
 
     def check(compute_s):
-        return PlanCheck(plan, lambda r: None, forget_profile=lambda: forgotten.append(compute_s)).after(
-            steps(adam_s=0.168, rate=1e8, compute_s=compute_s))
+        found = PlanCheck(plan, lambda r: None)
+        return found.after(steps(adam_s=0.168, rate=1e8, compute_s=compute_s)), found.stale_profile
 
-    assert check(2e-3) == ["plan check: compute 2.00 ms measured, 4.00 ms predicted (0.50x); the layers ran faster "
-                           "than their cached profile says: the next plan measures them again"]
-    assert check(8e-3) == ["plan check: compute 8.00 ms measured, 4.00 ms predicted (2.00x)"]
-    assert check(4.4e-3) == [] and forgotten == [2e-3]
+    assert check(2e-3) == (["plan check: compute 2.00 ms measured, 4.00 ms predicted (0.50x); the layers ran faster "
+                            "than their cached profile says: the next run measures them again"], True)
+    assert check(8e-3) == (["plan check: compute 8.00 ms measured, 4.00 ms predicted (2.00x)"], False)
+    assert check(4.4e-3) == ([], False)
 
 
 def test_no_cache_measures_the_profile_again(capfd):

@@ -65,12 +65,14 @@ class PlanCheck:
     """Compares the run's first steps on ``plan`` (those after ``history[first]``, the plan's
     warm-up step) with ``plan`` once; ``keep_rate(params_per_s)`` is called with the hosts'
     measured AdamW rate when that lane is off.  Afterwards ``measured_step_s`` is the step measured
-    (on the emulated GPUs, when emulating) and ``off`` the lanes found off."""
+    (on the emulated GPUs, when emulating), ``off`` the lanes found off, and ``stale_profile`` says
+    that the layer profile the plan came from is to be measured again (forgotten when the run ends,
+    not during it: a re-plan mid-run must not profile)."""
 
-    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0,
-                 forget_profile: Callable[[], None] | None = None):
-        self.plan, self.keep_rate, self.first, self.forget_profile = plan, keep_rate, first, forget_profile
+    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0):
+        self.plan, self.keep_rate, self.first = plan, keep_rate, first
         self.done = False
+        self.stale_profile = False
         self.measured_step_s: float | None = None
         self.off: list[str] = []
 
@@ -114,10 +116,10 @@ class PlanCheck:
         # Compute faster than planned: the layers were timed slower than this machine runs them (a
         # busy moment while profiling), and a cached profile would keep every later plan wrong.
         # Slower than planned says nothing of the kind: the machine may be busy now.
-        if compute_line and compute < planned_compute and self.forget_profile is not None:
-            self.forget_profile()
+        if compute_line and compute < planned_compute:
+            self.stale_profile = True
             lines[lines.index(compute_line)] += ("; the layers ran faster than their cached profile says: the next "
-                                                 "plan measures them again")
+                                                 "run measures them again")
         return lines
 
 
@@ -142,9 +144,11 @@ class PlanSwitch:
     asked: bool = False
 
     def ask(self, history: list[StepMetrics]) -> tuple[bool, str]:
-        """(switch after this step?, the line to print) once the check has found a lane off."""
+        """(switch after this step?, the line to print) once the check has found the host AdamW
+        lane off: the rate the run measured is what a new plan can be made from here and now (a
+        wrong layer profile is measured again by the next run, not mid-run)."""
         check = self.check
-        if self.decide is None or check is None or not check.done or not check.off or self.asked:
+        if self.decide is None or check is None or "host AdamW" not in check.off or self.asked:
             return False, ""
         self.asked = True
         self.spec, line = self.decide(check.measured_step_s, self.steps - (history[-1].step + 1))

@@ -356,12 +356,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             if spec.host_rate_key:
                 HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
 
-        def forget_profile() -> None:
-            if spec.profile_key:
-                PROFILES.path(spec.profile_key).unlink(missing_ok=True)
-
-        check = PlanCheck(spec.plan, keep_rate, forget_profile=forget_profile) \
-            if rank == 0 and spec.plan is not None else None
+        check = PlanCheck(spec.plan, keep_rate) if rank == 0 and spec.plan is not None else None
+        checks = [check]
         switch = None
         if payload.replan is not None and spec.plan is not None:
             # The switch costs about what the run's start did: the time to its first step.
@@ -387,14 +383,16 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             old, backend = backend, None  # closed by the switch
             backend = switch_plans(old, payload, spec, at, lambda new: build(
                 WorkerContext(cfg, new, rank, world, device, trace, data, payload)), rank)
-            check = PlanCheck(spec.plan, keep_rate, first=len(history), forget_profile=forget_profile) \
-                if rank == 0 else None
+            check = PlanCheck(spec.plan, keep_rate, first=len(history)) if rank == 0 else None
+            checks.append(check)
             history = run_steps(cfg, one_step, f"switched plans after step {at}: {spec.plan.shape()}, predicted "
                                 f"{seconds_text(spec.plan.predicted_step_s)}/step",
                                 start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
                                 eval_fn=backend.evaluate if backend.evaluates else None, check=check,
                                 before=history, started=started)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
+        if spec.profile_key and any(c is not None and c.stale_profile for c in checks):
+            PROFILES.path(spec.profile_key).unlink(missing_ok=True)  # the next run measures the layers again
         gather_trace(trace, cfg.outputs.trace, rank, world)
         finished = backend.finish()
     finally:
