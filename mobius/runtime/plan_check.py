@@ -7,7 +7,7 @@ the lane a host rate timed wrongly throws off most, and the one a plan's choices
 residency and stage count hang on).  What is off by more than :data:`TOLERANCE` is named in one
 line; the host's measured AdamW rate is kept (:data:`HOST_RATES`) for the next plan on this
 machine to use instead of the one it was planned with, and a layer profile that made the compute
-slower than it runs is forgotten (:data:`PROFILES`), to be measured again.
+slower than it runs is forgotten when the run ends (:data:`PROFILES`), to be measured again.
 """
 
 from __future__ import annotations

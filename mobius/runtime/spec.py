@@ -206,7 +206,7 @@ class RunSpec:
     # (mobius.runtime.plan_check); empty where the host is not this machine's own (emulated).
     host_rate_key: str = ""
     # The cache entry of the layer profile the plan was made from, where it was measured on this
-    # machine: forgotten when the run is faster than it says (measured on a busy machine).
+    # machine: forgotten when the run's compute is faster than it says (measured on a busy machine).
     profile_key: str = ""
 
     def to_dict(self) -> dict:
