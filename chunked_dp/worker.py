@@ -11,10 +11,10 @@ from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import DynamicLossScaler, UpdateRule
-from mobius.runtime.worker import WorkerContext, WorkerPayload, run_worker
+from mobius.runtime.worker import WorkerContext, WorkerPayload, WorkerResult, run_worker
 
 
-def worker_main(payload: WorkerPayload) -> dict:
+def worker_main(payload: WorkerPayload) -> WorkerResult:
     """Entry point of a chunked worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, ChunkedWorker)
 

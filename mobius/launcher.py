@@ -27,7 +27,7 @@ from mobius.config import RunConfig
 from mobius.data.shared import share
 from mobius.errors import InputError, shown
 from mobius.janitor import scratch_dir
-from mobius.metrics import StepMetrics, seconds_text
+from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
@@ -61,11 +61,11 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {shown(out)}", flush=True)
-    history = [StepMetrics(**m) for m in results[0]["history"]]
+    history = results[0].history
     if return_weights:
         weights = {}
         for r in results.values():
-            weights.update(r["weights"])
+            weights.update(r.weights)
         return history, weights, results
     return history
 
@@ -168,8 +168,8 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs,
                             return_weights=return_weights)
     results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
-    history = [StepMetrics(**m) for m in results[0]["history"]]
-    return (history, results[0]["weights"], results) if return_weights else history
+    history = results[0].history
+    return (history, results[0].weights, results) if return_weights else history
 
 
 def running_under_torchrun() -> bool:

@@ -81,10 +81,10 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
     assert_equal_to_reference(cfg, history, weights, 1e-5)
     params = sum(w.numel() * 4 for w in weights.values())
     if cap_gb is not None:  # below the weights: no stage stays resident, each is loaded every step
-        budget = results[0]["budget_bytes"]
+        budget = results[0].budget_bytes
         assert abs(budget - (cap_gb * 1e9 - CUDA_RESERVE_BYTES)) <= 1 and params > budget
         assert all(m.h2d_bytes > params and m.d2h_bytes >= params for m in history)
-        assert 0 < results[0]["peak_bytes_max"] <= budget + CUDA_ALLOCATOR_SLACK_BYTES
+        assert 0 < results[0].peak_bytes_max <= budget + CUDA_ALLOCATOR_SLACK_BYTES
 
 
 def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():

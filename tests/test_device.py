@@ -109,7 +109,7 @@ def run_one_worker(cfg) -> list[float]:
     from mobius.stages.worker import worker_main
 
     spec, _ = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
-    return [h["loss"] for h in worker_main(WorkerPayload(cfg, spec, "test"))["history"]]
+    return [h.loss for h in worker_main(WorkerPayload(cfg, spec, "test")).history]
 
 
 @pytest.fixture()

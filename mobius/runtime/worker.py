@@ -88,6 +88,22 @@ class WorkerPayload:
 
 
 @dataclass
+class WorkerResult:
+    """What a worker hands back to the launcher, pickled at the process boundary: its history
+    (rank 0's), its weights where the payload asked, and what its backend measured of itself."""
+
+    rank: int
+    history: list[StepMetrics] | None  # rank 0's steps; None on the others
+    weights: dict[str, torch.Tensor] | None = None  # by name, when the payload asked (tests, benchmarks)
+    budget_bytes: int | None = None  # pipeline: the device budget the worker ran under
+    peak_bytes_max: int | None = None  # pipeline: the most device memory any worker held in a step
+    host_bytes: int | None = None  # pipeline: what the worker's stage store holds on the host
+    counters: dict | None = None  # chunked: the engine's traffic and cache counters of the last step
+    chunks: int | None = None  # chunked: how many chunks
+    chunk_size: int | None = None  # chunked: elements per chunk
+
+
+@dataclass
 class WorkerContext:
     """What the runtime hands a backend to build itself on."""
 
@@ -123,7 +139,7 @@ class WorkerBackend(Protocol):
         """Weights and optimizer state from ``ckpt``, written by any backend."""
 
     def finish(self) -> dict:
-        """After the last step: what this worker returns to the launcher beside its history."""
+        """After the last step: the :class:`WorkerResult` fields of this backend, by name."""
 
     def close(self) -> None:
         """Stop the backend's threads and release its device memory."""
@@ -203,7 +219,7 @@ class Decision:
 
 
 def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBackend],
-               decision: Decision | None = None) -> dict:
+               decision: Decision | None = None) -> WorkerResult:
     """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
     spec: it comes from the ``decision``."""
     with tied_to_launcher(payload.launcher_pid):
@@ -311,7 +327,7 @@ def switch_plans(backend: WorkerBackend, payload: WorkerPayload, spec: RunSpec, 
     return new
 
 
-def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decision | None) -> dict:
+def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decision | None) -> WorkerResult:
     cfg, spec = payload.cfg, payload.spec
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
         spec, header = decided(decision, rank, world)
@@ -398,4 +414,4 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
     finally:
         if backend is not None:
             backend.close()
-    return {"rank": rank, "history": [m.__dict__ for m in history] if rank == 0 else None, **finished}
+    return WorkerResult(rank, history if rank == 0 else None, **finished)

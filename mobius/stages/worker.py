@@ -30,7 +30,7 @@ from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import DynamicLossScaler, UpdateRule
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, run_worker
+from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, WorkerResult, run_worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
@@ -39,7 +39,7 @@ from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
 
 
-def worker_main(payload: WorkerPayload, decision: Decision | None = None) -> dict:
+def worker_main(payload: WorkerPayload, decision: Decision | None = None) -> WorkerResult:
     """Entry point of a pipeline worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, PipelineWorker, decision)
 
