@@ -111,13 +111,14 @@ def test_stages_kept_on_the_device_wait_for_the_norm_and_clip_as_the_reference()
 def test_replicas_and_the_chunked_backend_clip_as_the_reference():
     """Worker processes: two data-parallel replicas of a 2-worker pipeline (the norm of the
     replicas' summed gradients, each part counted by its owner), and the chunked engine on 2
-    workers (each rank's shards); the grad norm they report is the reference's."""
+    workers (each rank's shards, at the constant schedule); every step's norm is above the clip."""
     cfg = tiny(data_parallel=2, cpu_workers=2, stages=2)
     ref_losses, ref_weights = reference(cfg)
     history, weights, _ = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
     close([m.loss for m in history], weights, ref_losses, ref_weights)
     assert all(m.grad_norm > CLIP for m in history)
 
-    chunked = tiny(backend="chunked", device_optimizer="auto")
+    chunked = tiny(backend="chunked", device_optimizer="auto", lr_scheduler="constant")  # the fourth schedule
+    ref_losses, ref_weights = reference(chunked)
     history, weights, _ = launch_chunked(chunked, get_config("tiny"), resolve_topology(chunked), return_weights=True)
     close([m.loss for m in history], weights, ref_losses, ref_weights)
