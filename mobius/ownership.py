@@ -357,13 +357,10 @@ def check_output_file(option: str, path: str | None) -> None:
     if path is None:
         return
     p = Path(path)
-    parent = p.resolve().parent
     if p.is_dir():
         raise InputError(f"{option} {path}: is a directory; give a file name")
-    if not parent.is_dir():
-        raise InputError(f"{option} {path}: {parent} is not a directory" if parent.exists() else
-                         f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    _check_parent(option, path)
+    if p.exists() and not os.access(p, os.W_OK):
         raise InputError(f"{option} {path}: not writable")
     if (p.exists() or p.is_symlink()) and not is_our_file(p):
         raise InputError(f"{option} {path}: exists and is not a file Mobius wrote (or it changed since); "
@@ -372,14 +369,19 @@ def check_output_file(option: str, path: str | None) -> None:
 
 def check_output_dir_parent(option: str, path: str) -> None:
     p = Path(path)
-    parent = p.resolve().parent
+    _check_parent(option, path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{option} {path}: exists and is not a directory; refusing to replace it")
+
+
+def _check_parent(option: str, path: str) -> None:
+    """The directory an output goes into is one, and writable."""
+    parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise InputError(f"{option} {path}: {parent} is not a directory" if parent.exists() else
                          f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise InputError(f"{option} {path}: not writable")
-    if p.exists() and not p.is_dir():
-        raise InputError(f"{option} {path}: exists and is not a directory; refusing to replace it")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from mobius.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
 from mobius.models.precision import element_bytes
-from mobius.partition.baselines import BASELINES, balanced_bounds, uniform_bounds
+from mobius.partition.baselines import BASELINES, balanced_bounds, layer_costs, uniform_bounds
 from mobius.partition.cost import (
     GB,
     check_layers_fit,
@@ -188,7 +188,7 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
     baselines choose their counts for stages that swap; resident stages (decided afterwards, when
     the candidates are finished) can make fewer, larger stages faster, or more, smaller ones: a plan
     at those counts must be in the race, or one a user reaches with ``--stages`` could beat ours."""
-    costs = [layer.fwd_s + layer.bwd_s for layer in profile.layers]
+    costs = layer_costs(profile)
     counts = {workers, 2 * workers}
     for bounds in found.values():
         m = len(bounds)

@@ -76,8 +76,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
                                    analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n), device_adam_rate(topo))
         return with_measured_host_rate(profile, host_key(topo, measured=False))
-    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
-    workers = topo.n if device == "cpu" else 1  # CPU workers share this machine's cores
+    device, workers = _measuring(topo)
     key = profile_key(config, topo, micro_batch, seq_len, precision)
     profile = None if fresh else PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
     if profile is None:
@@ -128,11 +127,16 @@ def profile_how(config: GPTConfig, topo: Topology, how: str) -> str:
 
 def profile_key(config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int, precision: str) -> str:
     """The cache entry of the profile measured on this machine for these settings."""
-    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
-    workers = topo.n if device == "cpu" else 1
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
-    return key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, device, workers, topo.n,
+    return key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, *_measuring(topo), topo.n,
                    measured_on()])
+
+
+def _measuring(topo: Topology) -> tuple[str, int]:
+    """(the device a profile for ``topo`` is measured on, the workers sharing it: CPU workers share
+    this machine's cores, a GPU is its worker's own)."""
+    device = "cuda" if (not topo.virtual and cuda_available()) else "cpu"
+    return device, topo.n if device == "cpu" else 1
 
 
 def host_key(topo: Topology, measured: bool) -> str:

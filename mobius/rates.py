@@ -29,7 +29,6 @@ if __name__ == "__main__":
 import math
 import multiprocessing
 import statistics
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -40,10 +39,15 @@ from mobius.config import OneLineParser
 from mobius.errors import InputError, exits_cleanly, shown
 from mobius.models import PRESETS, build_layer
 from mobius.models.precision import DTYPES
-from mobius.partition.profile import ADAM_BYTES_PER_PARAM, ADAM_TIMING_NUMEL, measure_device_adam_rate, time_layer
+from mobius.partition.profile import (
+    ADAM_BYTES_PER_PARAM,
+    ADAM_TIMING_NUMEL,
+    measure_adam_rate,
+    measure_device_adam_rate,
+    time_layer,
+)
 from mobius.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
-from mobius.runtime.optim import UpdateRule, adamw
 from mobius.runtime.plan_check import HOST_RATES
 from topology import Topology, TopologyError, load_topology
 
@@ -52,25 +56,12 @@ RATES_VERSION = 1  # part of every entry's key: rates measured by older code are
 REPEATS = 5
 
 
-def _adam_steps(numel: int, repeats: int) -> float:
-    p = torch.nn.Parameter(torch.zeros(numel))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
-    opt.step()  # warm-up: the moments are allocated
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return numel / statistics.median(times)
-
-
 def _one_of(workers: int, barrier, numel: int, repeats: int) -> float:
-    """In one of ``workers`` processes: its share of the cores, then AdamW once every process is
-    ready (they share the host's memory bandwidth, as workers' optimizer threads do)."""
-    torch.set_num_threads(cpu_threads_per_worker(workers))
+    """In one of ``workers`` processes, once every process is ready (they share the host's memory
+    bandwidth, as workers' optimizer threads do): the profiler's timing of AdamW with one worker's
+    share of the cores."""
     barrier.wait()
-    return _adam_steps(numel, repeats)
+    return measure_adam_rate(workers, numel, repeats)
 
 
 def host_adam_rates(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int = 3) -> list[float]:

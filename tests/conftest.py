@@ -135,10 +135,10 @@ def none_left(tag: str, within: float = 600) -> bool:
 def host_rate_cached(params_per_s: float, workers: int):
     """A host AdamW rate for this machine as a run on it would have kept it
     (:mod:`mobius.runtime.plan_check`), for the plans made inside the block."""
-    from mobius.prepare import measured_on
-    from mobius.runtime.plan_check import HOST_RATES, host_rate_key
+    from mobius.prepare import this_host_key
+    from mobius.runtime.plan_check import HOST_RATES
 
-    key = host_rate_key(measured_on(), workers)
+    key = this_host_key(workers)
     HOST_RATES.put(key, {"adam_params_per_s": params_per_s})
     try:
         yield

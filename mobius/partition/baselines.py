@@ -75,8 +75,13 @@ def uniform(profile: Profile, machine: Machine, micro_batches: int, recompute: b
     return _best_multiple(profile, machine, micro_batches, recompute, lambda s: uniform_bounds(profile.n, s))
 
 
+def layer_costs(profile: Profile) -> list[float]:
+    """Each layer's forward and backward seconds: what a balanced partition evens out."""
+    return [layer.fwd_s + layer.bwd_s for layer in profile.layers]
+
+
 def balanced(profile: Profile, machine: Machine, micro_batches: int, recompute: bool = True) -> list[tuple[int, int]]:
-    costs = [l.fwd_s + l.bwd_s for l in profile.layers]
+    costs = layer_costs(profile)
     return _best_multiple(profile, machine, micro_batches, recompute, lambda s: balanced_bounds(costs, s))
 
 

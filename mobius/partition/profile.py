@@ -318,13 +318,9 @@ ADAM_TIMING_NUMEL = 2**24
 def measure_adam_rate(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int = 3) -> float:
     """Parameters per second of one worker's AdamW step on the host (the runtime's own, fused), with
     its share of the cores when ``workers`` workers (CPU workers, or one process per GPU) share them."""
-    p = torch.nn.Parameter(torch.zeros(numel))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = adamw([{"params": [p], "weight_decay": 0.0}], UpdateRule(lr=1e-3))
-    opt.step()
     cpu = torch.device("cpu")
     with worker_conditions(cpu, workers):
-        return numel / _time(opt.step, cpu, repeats)
+        return measure_device_adam_rate(cpu, numel, repeats)
 
 
 def measure_device_adam_rate(device: torch.device, numel: int = ADAM_TIMING_NUMEL, repeats: int = 3) -> float:
