@@ -242,3 +242,29 @@ def test_an_unreachable_rendezvous_store_is_one_line_naming_it():
         reach_store("127.0.0.1", port, 5.0)
     with pytest.raises(InputError, match=rf"no rendezvous store at 127.0.0.1:{port} after 0.5 s .*check MASTER_ADDR"):
         reach_store("127.0.0.1", port, 0.5)  # closed now
+
+
+def test_a_hand_launched_run_meets_in_rank_0s_store_or_says_who_is_missing():
+    """Every rank counts itself in at rank 0's store; a peer that never comes is one line naming how
+    many came, within the rendezvous limit, not the collectives' timeout."""
+    import socket
+    import threading
+
+    from mobius.errors import InputError
+    from mobius.runtime.worker import meet
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = free_port()
+    stores = {}
+    peer = threading.Thread(target=lambda: stores.__setitem__(1, meet("127.0.0.1", port, 1, 2, 10.0)))
+    peer.start()
+    stores[0] = meet("127.0.0.1", port, 0, 2, 10.0)
+    peer.join()
+    assert stores[0].add("mobius/joined", 0) == stores[1].add("mobius/joined", 0) == 2
+    with pytest.raises(InputError, match=r"worker 0: 1 of the run's 3 workers at 127.0.0.1:\d+ after 0.5 s: start "
+                                         r"every RANK from 0 to 2"):
+        meet("127.0.0.1", free_port(), 0, 3, 0.5)

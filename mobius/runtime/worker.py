@@ -246,18 +246,43 @@ RENDEZVOUS_TIMEOUT_S = 20.0  # every refusal within 30 s of the command, imports
 
 def join_group(backend: str, rank: int, world: int, timeout_s: float) -> None:
     """Join the run's process group (``env://``: torchrun's variables, or our launcher's), its
-    collectives timing out after ``timeout_s``.  The store is reached first, within
-    :data:`RENDEZVOUS_TIMEOUT_S`, so that an unreachable ``MASTER_ADDR`` is one line naming it, not
-    a traceback a minute later; a peer that never joins is one line too."""
+    collectives timing out after ``timeout_s``.  Under torchrun's agents (and our launcher, which
+    is one) every process has met in the agent's store already.  A hand-launched run meets in rank
+    0's store first (:func:`meet`), so that an unreachable ``MASTER_ADDR`` or a peer that never
+    comes is one line within :data:`RENDEZVOUS_TIMEOUT_S`, not a traceback a minute later."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
-    hosted_here = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if not hosted_here:  # the agent's store, or rank 0's: it must be there
-        reach_store(host, int(port), RENDEZVOUS_TIMEOUT_S)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = meet(host, int(port), rank, world, RENDEZVOUS_TIMEOUT_S)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, store=store,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError, TimeoutError, ValueError) as err:
         raise InputError(f"worker {rank}: the run's {world} workers did not all join at {shown(host)}:{port} within "
                          f"{timeout_s:.0f} s ({first_line(err, 100)})") from None
+
+
+def meet(host: str, port: int, rank: int, world: int, within_s: float) -> dist.TCPStore:
+    """The rendezvous of a hand-launched run: rank 0 hosts the store at ``host:port``, every rank
+    counts itself in and waits until all ``world`` have, for ``within_s`` at most."""
+    deadline = time.monotonic() + within_s
+    if rank != 0:
+        reach_store(host, port, within_s)
+    try:
+        store = dist.TCPStore(host, port, is_master=rank == 0, timeout=datetime.timedelta(seconds=within_s),
+                              wait_for_workers=False)
+    except (RuntimeError, dist.DistError) as err:
+        raise InputError(f"worker {rank}: cannot open the rendezvous store at {shown(host)}:{port} "
+                         f"({first_line(err, 100)})") from None
+    joined = store.add("mobius/joined", 1)
+    while joined < world:
+        if time.monotonic() >= deadline:
+            raise InputError(f"worker {rank}: {joined} of the run's {world} workers at {shown(host)}:{port} after "
+                             f"{within_s:g} s: start every RANK from 0 to {world - 1} with the same MASTER_ADDR "
+                             "and MASTER_PORT")
+        time.sleep(0.1)
+        joined = store.add("mobius/joined", 0)
+    return store
 
 
 def reach_store(host: str, port: int, within_s: float) -> None:
