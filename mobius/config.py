@@ -32,6 +32,10 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_TARGETS = LORA_MODULES
 
 
+# No GPU has more memory than this (GB): a larger --gpu-mem-gb is a typo, not a budget.
+MAX_DEVICE_MEMORY_GB = 4096
+
+
 def _flag(option: str) -> str:
     return "--" + option.replace("_", "-")
 
@@ -289,6 +293,9 @@ class RunConfig:
 
     def __post_init__(self):
         _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps"))
+        if self.gpu_mem_gb is not None and self.gpu_mem_gb > MAX_DEVICE_MEMORY_GB:
+            raise InputError(f"--gpu-mem-gb {self.gpu_mem_gb:g} is more than any device has (at most "
+                             f"{MAX_DEVICE_MEMORY_GB} GB)")
         if self.outputs.export_merged and not self.lora.rank:
             raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
         if self.emulation.enabled and self.topology == "auto":

@@ -31,7 +31,7 @@ from mobius.cache import Cache, key_of
 from mobius.config import RunConfig
 from mobius.errors import InputError
 from mobius.models import GPTConfig, layer_count
-from mobius.models.precision import default_precision
+from mobius.models.precision import default_precision, element_bytes
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import (
     GPU_ADAM_PARAMS_PER_S,
@@ -42,7 +42,7 @@ from mobius.partition.profile import (
     host_adam_rate,
     measure_profile,
 )
-from mobius.planner import DoesNotFit, check_plannable, make_plan
+from mobius.planner import DoesNotFit, available_host_memory, check_plannable, host_bytes_needed, make_plan
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import (
     CUDA_RESERVE_BYTES,
@@ -393,6 +393,8 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg.changed(precision=precision), model_config)
     plan = run_plan(cfg, model_config, topo, precision)
+    if not cuda:
+        check_cpu_workers_fit(cfg, model_config, plan, budgets_of(topo), available_host_memory())
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
     measured = not plan.profile_source.startswith("analytic")
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
@@ -400,6 +402,43 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
                    data_parallel=data_parallel_of(cfg), host_rate_key=host_key(topo, measured),
                    profile_key=layers_key), plan
+
+
+# What one CPU worker process takes before it holds any of the model: the interpreter, torch, gloo.
+CPU_WORKER_PROCESS_BYTES = 400 * 2**20
+
+
+def planned_device_bytes(plan: Plan, worker: int) -> int:
+    """The most of its device's memory ``worker`` holds under ``plan``: its resident stages' weights,
+    gradients and AdamW state (fp32 masters too in 16 bits), and its largest pass of a swapped stage
+    with the next stage prefetched beside it."""
+    elt = element_bytes(plan.precision)
+    held = passes = 0
+    for s in plan.stages:
+        if s.gpu != worker:
+            continue
+        if s.index in plan.resident:
+            held += s.param_bytes + s.grad_bytes + s.grad_bytes // elt * ((8 if elt != 4 else 0) + 8)
+        passes = max(passes, s.mem_fwd_bytes, s.mem_bwd_bytes)
+    return held + 2 * passes
+
+
+def check_cpu_workers_fit(cfg: RunConfig, model_config: GPTConfig, plan: Plan, budgets: tuple[int, ...],
+                          available: int | None) -> None:
+    """On CPU workers a device's memory is this machine's: the host's share of the model (masters,
+    AdamW state, gradients), every worker process and what each holds of its budget as planned
+    must fit in what the machine has ``available`` (None: unknown, not checked)."""
+    if available is None:
+        return
+    replicas = data_parallel_of(cfg)
+    host = host_bytes_needed(model_config, plan.precision, cfg.optim.optimizer_lag, replicas, replicas)
+    workers = replicas * sum(min(budget, planned_device_bytes(plan, k)) + CPU_WORKER_PROCESS_BYTES
+                             for k, budget in enumerate(budgets))
+    if host + workers > available:
+        raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs {(host + workers) / GB:.1f} "
+                         f"GB of this machine's memory ({host / GB:.1f} GB on the host, {workers / GB:.1f} GB in the "
+                         f"workers as planned), but {available / GB:.1f} GB are available: use fewer --cpu-workers, a "
+                         "smaller --gpu-mem-gb or a smaller model")
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise

@@ -38,6 +38,7 @@ TRAIN_OPTIONS = [
     (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
     (["--gpu-mem-gb", "inf"], "--gpu-mem-gb must be a positive finite number"),
     (["--gpu-mem-gb", "-2"], "--gpu-mem-gb must be a positive finite number"),
+    (["--gpu-mem-gb", "1e300"], "--gpu-mem-gb 1e+300 is more than any device has (at most 4096 GB)"),
     (["--seed", "-1"], "--seed must be between 0 and 2**63-1"),
     (["--steps", "two"], "invalid int value: 'two'"),
     (["--save-every", "2"], "--save-every needs --save"),
@@ -527,6 +528,22 @@ def test_deeply_nested_json_is_one_line(hf, tmp_path, capsys):
     model = _copy(hf, "gpt2", tmp_path / "m")
     (model / "config.json").write_text("[" * 100_000)
     assert "config.json: JSON nested too deeply" in one_line_exit_2(train_main, SINGLE + ["--model", str(model)], capsys)
+
+
+def test_cpu_workers_that_would_hold_more_than_the_machine_has_are_refused_before_they_start(monkeypatch, capsys):
+    """On CPU workers a device's memory is the machine's: the host's share, every worker process and
+    what each holds of its budget as planned must fit what is available, or the run is one line."""
+    from mobius import launcher, prepare
+
+    def never(*args, **kwargs):
+        raise AssertionError("no worker may start")
+
+    monkeypatch.setattr(prepare, "available_host_memory", lambda: 500 * 2**20)
+    monkeypatch.setattr(launcher, "launch_workers", never)
+    message = one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu", "--gpu-mem-gb", "64"],
+                              capsys)
+    assert "model tiny on 2 CPU workers needs 0.9 GB of this machine's memory (0.0 GB on the host, 0.8 GB in the " \
+           "workers as planned), but 0.5 GB are available: use fewer --cpu-workers" in message
 
 
 @pytest.mark.parametrize("env,message", [
