@@ -290,3 +290,28 @@ def test_each_bad_record_is_refused_with_its_line_or_skipped_and_counted(tmp_pat
     said = capsys.readouterr().out
     assert "3 chat examples" in said and "4 bad records skipped (the first: --data " in said, said
     assert "mixed.jsonl line 4: 'messages' has no assistant turn" in said
+
+
+def test_an_end_of_text_token_past_the_models_vocabulary_is_one_line(tmp_path, capsys):
+    """The tokenizer's EOS is an id the model's embedding has no row for: it is the last target of
+    each example only (never an input), and still refused in one line before anything trains."""
+    pytest.importorskip("transformers")
+    from make_tiny_chat_model import make_tiny_chat_model
+    from tokenizers import Tokenizer
+
+    model = make_tiny_chat_model(tmp_path / "m", hidden=32, layers=2)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tokenizer.add_special_tokens(["<|end|>"])
+    assert tokenizer.token_to_id("<|end|>") == vocab
+    tokenizer.save(str(model / "tokenizer.json"))
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(dict(settings, eos_token="<|end|>")))
+    (model / "generation_config.json").unlink()
+    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    capsys.readouterr()
+    message = one_line_exit_2(train_main, ["--model", str(model), "--data", str(chat), "--seq-len", "128", "--steps",
+                                           "1", "--backend", "single", "--no-progress", "--save", str(tmp_path / "ck")],
+                              capsys)
+    assert f"has a vocabulary of {vocab}, but the data has token id {vocab} (tokenizer.json of m)" in message
+    assert not (tmp_path / "ck").exists()

@@ -268,3 +268,41 @@ def test_a_hand_launched_run_meets_in_rank_0s_store_or_says_who_is_missing():
     with pytest.raises(InputError, match=r"worker 0: 1 of the run's 3 workers at 127.0.0.1:\d+ after 0.5 s: start "
                                          r"every RANK from 0 to 2"):
         meet("127.0.0.1", free_port(), 0, 3, 0.5)
+
+
+def test_sigquit_and_sighup_stop_a_run_as_sigterm_does(tmp_path, capsys):
+    """A terminal's SIGHUP and SIGQUIT are the run's own: the step finishes and is saved (the stop
+    file every worker checks), not torch's agent raising through the launcher; afterwards the
+    handlers are the caller's again."""
+    import os
+    import signal
+
+    from mobius.signals import StopRequest
+
+    before = signal.getsignal(signal.SIGQUIT)
+    for sig in (signal.SIGQUIT, signal.SIGHUP):
+        stop_file = tmp_path / f"stop-{sig.name}"
+        with StopRequest(stop_file) as stop:
+            os.kill(os.getpid(), sig)
+            assert stop.check() and stop_file.exists()
+        assert f"{sig.name}: finishing the current step, then saving" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGQUIT) == before
+
+
+def test_a_cache_lock_replaced_by_a_link_to_a_users_file_leaves_that_file_alone(tmp_path, monkeypatch, capsys):
+    """The lock beside a cache entry, replaced by a link to a file of the user's: writing the entry
+    neither truncates nor writes that file (the lock is opened without following links); the run
+    goes on without the cache, saying so once."""
+    from mobius import cache
+
+    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cache, "_said", set())
+    store = cache.Cache("plans", "plan")
+    store.directory.mkdir(parents=True)
+    mine = tmp_path / "thesis.tex"
+    mine.write_text("years of work")
+    (store.directory / ".k.lock").symlink_to(mine)
+    store.put("k", {"x": 1})
+    assert mine.read_text() == "years of work"
+    assert store.get("k", dict) is None
+    assert "cannot write the plans cache" in capsys.readouterr().err
