@@ -32,6 +32,9 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 LORA_TARGETS = LORA_MODULES
 
 
+# Where a run's scalars may go besides --metrics (mobius.reporting), each an optional package.
+REPORTERS = ("tensorboard", "wandb", "mlflow")
+
 # No GPU has more memory than this (GB): a larger --gpu-mem-gb is a typo, not a budget.
 MAX_DEVICE_MEMORY_GB = 4096
 
@@ -171,10 +174,26 @@ class OutputConfig:
     """What the run writes beside its checkpoints."""
     metrics: str | None = None
     tensorboard: str | None = None  # a TensorBoard log directory (a new event file in it)
+    report_to: str = ""  # comma-joined REPORTERS that get the step's scalars, each in its place under report_dir
+    report_dir: str | None = None
     trace: str | None = None
     export: str | None = None
     export_merged: str | None = None  # LoRA: a full Hugging Face model with the adapters merged
     progress: bool = True
+
+    def __post_init__(self):
+        names = self.reporters()
+        if any(n not in REPORTERS for n in names) or len(set(names)) != len(names):
+            raise InputError(f"--report-to {self.report_to!r}: give distinct names among {', '.join(REPORTERS)}")
+        if names and not self.report_dir:
+            raise InputError("--report-to needs --report-dir DIR (where the reports are written)")
+        if self.report_dir and not names:
+            raise InputError("--report-dir needs --report-to NAMES")
+        if "tensorboard" in names and self.tensorboard:
+            raise InputError("give --tensorboard DIR or --report-to tensorboard, not both")
+
+    def reporters(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.report_to.split(",")) if self.report_to.strip() else ()
 
     def exports(self) -> list[tuple[str, str, bool]]:
         """(option, directory, merged) of each export the run writes."""
@@ -498,6 +517,11 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
                    help="write loss, eval loss, learning rate, tokens/s and step time as TensorBoard events here")
+    p.add_argument("--report-to", default=d["report_to"],
+                   help=f"also report the step's scalars to these, comma-separated: {', '.join(REPORTERS)} (offline: "
+                        "wandb unless WANDB_MODE=online, mlflow in a local store unless MLFLOW_TRACKING_URI is set)")
+    p.add_argument("--report-dir", default=None,
+                   help="where --report-to writes: DIR/tensorboard, DIR/wandb, DIR/mlruns")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) to this JSON file")
     p.add_argument("--save", default=None, help="checkpoint directory (written every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end or on a stop)")
@@ -520,6 +544,10 @@ def build_train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
 def check_paths(cfg: RunConfig) -> None:
     """What the options name must be there: the inputs, the TensorBoard package.  The values were
     checked when ``cfg`` was built; the outputs are checked by the run's pre-flight
@@ -529,8 +557,11 @@ def check_paths(cfg: RunConfig) -> None:
             raise InputError(f"{option} {path}: no such file or directory")
     if cfg.data.chat_template is not None and not Path(cfg.data.chat_template).is_file():
         raise InputError(f"--chat-template {cfg.data.chat_template}: no such file")
-    if cfg.outputs.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+    if cfg.outputs.tensorboard is not None and not installed("tensorboard"):
         raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
+    for name in cfg.outputs.reporters():
+        if not installed(name):
+            raise InputError(f"--report-to {name} needs the '{name}' package: pip install 'mobius-train[{name}]'")
 
 
 def resolve_max_grad_norm(args: argparse.Namespace) -> None:

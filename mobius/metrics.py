@@ -1,5 +1,6 @@
-"""Per-step metrics (``--metrics``: one JSON line per step, the fields of :class:`StepMetrics`;
-``--tensorboard``) and a Chrome trace writer (``--trace``)."""
+"""Per-step metrics (``--metrics``: one JSON line per step, the fields of :class:`StepMetrics`) and a
+Chrome trace writer (``--trace``); the reporters that also get the step's scalars are
+:mod:`mobius.reporting`'s."""
 
 from __future__ import annotations
 
@@ -69,68 +70,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file:
             self._file.close()
-
-
-class TensorBoardLog:
-    """``--tensorboard DIR``: the step's scalars as TensorBoard events (torch's ``SummaryWriter``).
-    It adds a new event file beside whatever the directory holds and never replaces one."""
-
-    def __init__(self, directory: str | os.PathLike | None):
-        self.writer = None
-        self.failed = False  # a write failed (disk full): said once, in the training loop's error line
-        if directory:
-            from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' package
-
-            with writing("--tensorboard", directory):
-                self.writer = SummaryWriter(str(directory))
-            _quiet_writer_threads()
-
-    def write(self, m: StepMetrics) -> None:
-        if self.writer is None or self.failed:
-            return
-        done = m.step + 1
-        scalars = {"train/loss": m.loss, "train/lr": m.lr, "perf/step_time_s": m.step_time_s,
-                   "perf/tokens_per_s": m.tokens / max(m.step_time_s, 1e-9),
-                   "perf/peak_device_mib": m.peak_device_bytes / 2**20}
-        if m.emulated_step_s is not None:
-            scalars["perf/emulated_step_s"] = m.emulated_step_s
-        if m.eval_loss is not None:
-            scalars.update({"eval/loss": m.eval_loss, "eval/perplexity": m.eval_perplexity})
-        if m.grad_norm is not None:
-            scalars["train/grad_norm"] = m.grad_norm
-        self.failed = True  # until the write is through: the error below is said once
-        with writing("--tensorboard", self.writer.log_dir):
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, done)
-            self.writer.flush()
-        self.failed = False
-
-    def close(self) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.close()
-        except OSError:
-            if not self.failed:  # a failure not yet said: say it
-                with writing("--tensorboard", self.writer.log_dir):
-                    raise
-
-
-def _quiet_writer_threads() -> None:
-    """TensorBoard's writer thread re-raises a failed write (a full disk) and Python prints its
-    traceback; the same failure reaches the training loop at the next flush, which says it in one
-    line.  Exceptions of those threads are not printed a second time; every other thread's are."""
-    if getattr(threading.excepthook, "mobius_quiet", False):
-        return
-    previous = threading.excepthook
-
-    def hook(args) -> None:
-        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
-            return
-        previous(args)
-
-    hook.mobius_quiet = True
-    threading.excepthook = hook
 
 
 class Trace:

@@ -46,6 +46,7 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                            "--model": model_config.checkpoint, "--resume": cfg.checkpoint.resume},
                           {"--metrics": (cfg.outputs.metrics, "file"), "--trace": (cfg.outputs.trace, "file"),
                            "--tensorboard": (cfg.outputs.tensorboard, "dir"),
+                           "--report-dir": (cfg.outputs.report_dir, "dir"),
                            "--save": (cfg.checkpoint.save, "dir"), "--export": (cfg.outputs.export, "dir"),
                            "--export-merged": (cfg.outputs.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.outputs.metrics)
@@ -123,7 +124,8 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
     out = cfg.outputs
     outputs = {"--save": cfg.checkpoint.save, "--export": out.export, "--export-merged": out.export_merged,
-               "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard}
+               "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard,
+               "--report-dir": out.report_dir}
     with ownership.made_parents(outputs), ownership.output_locks(outputs):  # written by this run alone
         return _run_locked(cfg, model_config)
 

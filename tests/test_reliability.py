@@ -474,9 +474,11 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_no_writer_thread_tracebac
     import signal
 
     from mobius.errors import RunError
-    from mobius.metrics import StepMetrics, TensorBoardLog
+    from mobius.config import OutputConfig
+    from mobius.metrics import StepMetrics
+    from mobius.reporting import open_reports
 
-    log = TensorBoardLog(tmp_path / "tb")
+    log = open_reports(OutputConfig(tensorboard=str(tmp_path / "tb")), {})
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (300, hard))

@@ -11,9 +11,10 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from mobius.config import RunConfig
+from mobius.config import OutputConfig, RunConfig
 from mobius.errors import RunError, shown
-from mobius.metrics import MetricsWriter, StepMetrics, TensorBoardLog, seconds_text
+from mobius.metrics import MetricsWriter, StepMetrics, seconds_text
+from mobius.reporting import open_reports
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
 
@@ -39,7 +40,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     if main:
         print(header, flush=True)
     writer = MetricsWriter(cfg.outputs.metrics if main else None, append=start_step > 0)
-    board = TensorBoardLog(cfg.outputs.tensorboard if main else None)
+    board = open_reports(cfg.outputs if main else OutputConfig(), cfg.to_dict())
     history: list[StepMetrics] = list(before or ())
     t0 = time.perf_counter() if started is None else started
     steps, save, save_every = cfg.optim.steps, cfg.checkpoint.save, cfg.checkpoint.save_every

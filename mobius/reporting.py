@@ -1,0 +1,213 @@
+"""Where a run's scalars go besides ``--metrics``: TensorBoard (``--tensorboard DIR``, or
+``--report-to tensorboard``), Weights & Biases and MLflow (``--report-to wandb,mlflow``), each the
+same scalars (:func:`scalars_of`) at the same steps, each in its own place under ``--report-dir``.
+
+Offline by default, so a run needs no network and no account: wandb writes an offline run under
+``DIR/wandb`` (``wandb sync`` uploads it later) unless ``WANDB_MODE`` says otherwise, with its
+cache, configuration and data directories there too, never in the user's home; MLflow logs into a
+local store at ``DIR/mlruns`` unless ``MLFLOW_TRACKING_URI`` names another.  Every reporter adds a
+new run beside what its directory holds and never replaces one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+from mobius.errors import RunError, first_line
+from mobius.metrics import StepMetrics
+from mobius.ownership import writing
+
+
+def scalars_of(m: StepMetrics) -> dict[str, float]:
+    """The scalars every reporter gets for one step (``m``)."""
+    scalars = {"train/loss": m.loss, "train/lr": m.lr, "perf/step_time_s": m.step_time_s,
+               "perf/tokens_per_s": m.tokens / max(m.step_time_s, 1e-9),
+               "perf/peak_device_mib": m.peak_device_bytes / 2**20}
+    if m.emulated_step_s is not None:
+        scalars["perf/emulated_step_s"] = m.emulated_step_s
+    if m.eval_loss is not None:
+        scalars.update({"eval/loss": m.eval_loss, "eval/perplexity": m.eval_perplexity})
+    if m.grad_norm is not None:
+        scalars["train/grad_norm"] = m.grad_norm
+    return scalars
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """``values`` set in the environment for as long as this lasts, where the user set nothing."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+class TensorBoardLog:
+    """TensorBoard events (torch's ``SummaryWriter``): a new event file in ``directory``."""
+
+    option = "--tensorboard"
+
+    def __init__(self, directory: Path, settings: dict):
+        from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' package
+
+        self.directory = directory
+        with writing(self.option, directory):
+            self.writer = SummaryWriter(str(directory))
+        _quiet_writer_threads()
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        with writing(self.option, self.directory):
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        with writing(self.option, self.directory):
+            self.writer.close()
+
+
+class WandbLog:
+    """A Weights & Biases run, offline unless ``WANDB_MODE`` says otherwise; the run's settings as
+    its config."""
+
+    option = "--report-to wandb"
+
+    def __init__(self, directory: Path, settings: dict):
+        import wandb
+
+        self.directory = directory
+        own = {"WANDB_CACHE_DIR": directory / ".cache", "WANDB_CONFIG_DIR": directory / ".config",
+               "WANDB_DATA_DIR": directory / ".data", "WANDB_ARTIFACT_DIR": directory / ".artifacts"}
+        self._environment = environment(**{k: str(v) for k, v in own.items()})
+        self._environment.__enter__()
+        with writing(self.option, directory):
+            directory.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mobius"), dir=str(directory.parent),
+                                  mode=os.environ.get("WANDB_MODE", "offline"), config=settings,
+                                  settings=wandb.Settings(silent=True, disable_git=True, save_code=False,
+                                                          console="off"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        with writing(self.option, self.directory):
+            self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        try:
+            with writing(self.option, self.directory):
+                self.run.finish()
+        finally:
+            self._environment.__exit__(None, None, None)
+
+
+class MlflowLog:
+    """An MLflow run in experiment ``MLFLOW_EXPERIMENT_NAME`` (``mobius``), in a local store under
+    ``directory`` unless ``MLFLOW_TRACKING_URI`` is set; the run's settings as its parameters."""
+
+    option = "--report-to mlflow"
+    PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
+
+    def __init__(self, directory: Path, settings: dict):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.directory = directory
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or directory.resolve().as_uri()
+        with writing(self.option, directory), environment(MLFLOW_ALLOW_FILE_STORE="true"):
+            # A local store is a directory of files: MLflow 3 keeps it in maintenance mode (its
+            # database store needs SQLAlchemy, which mlflow-skinny leaves out) but reads it still.
+            self.client = MlflowClient(tracking_uri=uri)
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius")
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(experiment).info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in settings.items() if v is not None]
+            for i in range(0, len(params), self.PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_BATCH])
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        with writing(self.option, self.directory):
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        with writing(self.option, self.directory):
+            self.client.set_terminated(self.run_id)
+
+
+# Each reporter and the directory it takes under --report-dir.
+REPORTER_CLASSES = {"tensorboard": (TensorBoardLog, "tensorboard"), "wandb": (WandbLog, "wandb"),
+                    "mlflow": (MlflowLog, "mlruns")}
+
+
+class Reports:
+    """Every reporter the run asked for, given the same scalars after each step.  A reporter whose
+    write failed (disk full) is said once, in the training loop's error line, and not written again."""
+
+    def __init__(self, reporters: list):
+        self.reporters = reporters
+        self.failed: set[int] = set()
+
+    def write(self, m: StepMetrics) -> None:
+        scalars = scalars_of(m)
+        for i, reporter in enumerate(self.reporters):
+            if i in self.failed:
+                continue
+            self.failed.add(i)  # until the write is through: the error it raises is said once
+            reporter.log(scalars, m.step + 1)
+            self.failed.discard(i)
+
+    def close(self) -> None:
+        errors = []
+        for i, reporter in enumerate(self.reporters):
+            try:
+                reporter.close()
+            except Exception as err:  # every reporter is closed; the first failure not yet said is raised
+                if i not in self.failed:
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+
+def open_reports(outputs, settings: dict) -> Reports:
+    """The reporters of ``outputs`` (an :class:`~mobius.config.OutputConfig`), opened; ``settings``:
+    the run's options, for the reporters that record them."""
+    reporters = []
+    try:
+        if outputs.tensorboard:
+            reporters.append(TensorBoardLog(Path(outputs.tensorboard), settings))
+        for name in outputs.reporters():
+            kind, place = REPORTER_CLASSES[name]
+            try:
+                reporters.append(kind(Path(outputs.report_dir) / place, settings))
+            except RunError:
+                raise
+            except Exception as err:  # the package's own refusal (a tracking server that does not answer)
+                raise RunError(f"{kind.option}: {type(err).__name__}: {first_line(err, 200)}") from None
+    except BaseException:
+        Reports(reporters).close()
+        raise
+    return Reports(reporters)
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises a failed write (a full disk) and Python prints its
+    traceback; the same failure reaches the training loop at the next flush, which says it in one
+    line.  Exceptions of those threads are not printed a second time; every other thread's are."""
+    if getattr(threading.excepthook, "mobius_quiet", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook.mobius_quiet = True
+    threading.excepthook = hook
