@@ -1,4 +1,5 @@
-"""chunked_dp: the Elixir/PatrickStar chunk engine for NVLink machines.
-
-Not built yet: ``--backend chunked`` exits with status 2 saying so.
+"""chunked_dp: the Elixir/PatrickStar chunk engine for NVLink machines: parameters in chunks
+(:mod:`~chunked_dp.chunks`), the rCache that gathers them (:mod:`~chunked_dp.cache`), the search
+of chunk size and cache blocks (:mod:`~chunked_dp.search`), the engine (:mod:`~chunked_dp.engine`)
+and its worker.  ``--backend chunked`` runs it (:mod:`mobius.backends.chunked`).
 """

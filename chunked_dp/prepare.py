@@ -35,7 +35,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
     """The spec of a chunked run: chunk size, rCache blocks and device-resident chunks searched for
     this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
     ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it, the options as
-    :func:`mobius.config.validate_for_backend` checked them."""
+    :func:`mobius.backends.check_options` checked them."""
     cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg.changed(precision=precision), model_config)

@@ -39,7 +39,7 @@ REPORTERS = ("tensorboard", "wandb", "mlflow")
 MAX_DEVICE_MEMORY_GB = 4096
 
 
-def _flag(option: str) -> str:
+def flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
@@ -50,7 +50,7 @@ def _positive(section, names: tuple[str, ...], options: dict[str, str] | None = 
         value = getattr(section, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             what = "positive" if isinstance(value, int) else "a positive finite number"
-            raise InputError(f"{_flag((options or {}).get(name, name))} must be {what}, got {value}")
+            raise InputError(f"{flag_name((options or {}).get(name, name))} must be {what}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class OptimConfig:
         for name in ("adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= 1) or (name.startswith("adam") and value == 1):
-                raise InputError(f"{_flag(name)} must be in [0, 1{')' if name.startswith('adam') else ']'}, "
+                raise InputError(f"{flag_name(name)} must be in [0, 1{')' if name.startswith('adam') else ']'}, "
                                  f"got {value}")
         if not (math.isfinite(self.weight_decay) and 0 <= self.weight_decay <= 10):
             raise InputError(f"--weight-decay must be between 0 and 10, got {self.weight_decay}")
@@ -323,8 +323,6 @@ class RunConfig:
         if self.emulation.enabled and self.topology == "cpu":
             raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs "
                              "to emulate")
-        if self.emulation.enabled and self.backend == "single":
-            raise InputError("--emulate is built for --backend pipeline and chunked, not single")
         replicas = self.pipeline.data_parallel or 1
         if self.batch.micro_batches % replicas:
             raise InputError(f"--micro-batches {self.batch.micro_batches} is not divisible by --data-parallel "
@@ -600,31 +598,3 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None, re
 # The options a backend owns: a resume on another backend inherits none of them.
 BACKEND_OPTIONS = tuple(option for option, (section, _) in OPTIONS.items()
                         if section in ("pipeline", "chunked", "emulation"))
-
-
-def validate_for_backend(cfg: RunConfig, backend: str, workers: int) -> None:
-    """Options that the chosen backend would ignore, or that it does not build, are refused, naming
-    the backend they need; ``workers``: the devices it runs on."""
-    flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
-    for owner in ("pipeline", "chunked"):
-        if backend == owner:
-            continue
-        default = SECTIONS[owner]()
-        given = [flag.get(option, _flag(option)) for option, (section, attr) in OPTIONS.items()
-                 if section == owner and getattr(getattr(cfg, owner), attr) != getattr(default, attr)]
-        if given:
-            raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend {owner}, "
-                             f"and this run uses --backend {backend}")
-    if backend != "chunked":
-        return
-    if cfg.outputs.export:
-        raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
-    if cfg.lora.rank:
-        raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
-    if cfg.optim.optimizer_lag:
-        raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
-    if cfg.optim.precision == "fp16":
-        raise InputError("--backend chunked supports fp32 and bf16 (fp16 loss scaling is not built there)")
-    if cfg.batch.micro_batches % workers:
-        raise InputError(f"--micro-batches {cfg.batch.micro_batches} is not divisible by the {workers} "
-                         "data-parallel workers")

@@ -150,7 +150,7 @@ def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_se
     layers: list[str] = []
     if resume and checkpoint_settings is not None:
         inherited = {k: v for k, v in checkpoint_settings(resume).items() if k not in NOT_INHERITED}
-        if backend and backend != inherited.get("backend"):
+        if backend not in (None, inherited.get("backend")):  # another backend: none of its options
             inherited = {k: v for k, v in inherited.items() if k not in backend_options}
         for name in READ_PATHS:  # a file the run reads is one the user names, not one a checkpoint does
             value = inherited.get(name)

@@ -1,5 +1,6 @@
-"""Start one worker per device, pipeline or chunked, through torch's elastic launcher (torchrun's
-machinery, standalone rendezvous on loopback), after every pre-flight check has passed.
+"""Start one worker per device, whichever backend, through torch's elastic launcher (torchrun's
+machinery, standalone rendezvous on loopback), after every pre-flight check has passed; the
+backends (:mod:`mobius.backends`) say what the workers run.
 
 A worker that dies ends the run: the elastic agent stops the others (no restarts) and we exit
 non-zero naming the rank and its error; collectives time out after 60 s, so nothing hangs.
@@ -21,68 +22,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from chunked_dp import worker as chunked_worker
-from chunked_dp.prepare import prepare_chunked
-from mobius.config import RunConfig
 from mobius.data.shared import share
 from mobius.errors import InputError, shown
 from mobius.janitor import scratch_dir
-from mobius.metrics import seconds_text
-from mobius.models import GPTConfig, build_model
-from mobius.models.adapters import finish_export
-from mobius.models.hf import start_export
-from mobius.prepare import prepare_pipeline, resolve_topology
-from mobius.replan import Replanner
 from mobius.runtime.emulation import create_counters
-from mobius.runtime.inputs import check_model_input
-from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import Decision, WorkerPayload, outside_torchrun
+from mobius.runtime.worker import WorkerPayload, outside_torchrun
 from mobius.signals import LauncherSignals
-from mobius.stages import worker as pipeline_worker
-from topology import Topology
-
-
-def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
-                    inputs: dict[str, str] | None = None, data: tuple | None = None):
-    """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
-    ``data``: the run's training and held-out batches, made here and shared with the workers (None:
-    each worker makes them)."""
-    spec, plan = prepare_pipeline(cfg, topo, model_config)
-    header = pipeline_header(cfg, model_config, topo, spec)
-    # Each worker writes its stages' tensors into the staging directory of each export.
-    wanted = cfg.outputs.exports()
-    exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
-    replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
-    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
-                            replan=replan)
-    print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
-    results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
-    for (_, out, merged), (staging, _) in zip(wanted, exports):
-        finish_export(model_config, Path(staging), out, merged)
-        print(f"exported to {shown(out)}", flush=True)
-    history = results[0].history
-    if return_weights:
-        weights = {}
-        for r in results.values():
-            weights.update(r.weights)
-        return history, weights, results
-    return history
-
-
-def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
-    """The run's first line: where it runs, the model, the plan and its prediction."""
-    plan = spec.plan
-    n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
-    replicas = f" x {spec.data_parallel} replicas (ZeRO-1 host AdamW)" if spec.data_parallel > 1 else ""
-    return (f"mobius: backend pipeline on {topo.n} {_devices(spec)}{replicas}{emulating} ({topo.name}), "
-            f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
-            + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
-            f"mapping {plan.order}, {cfg.batch.describe()}, "
-            f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
-            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}")
 
 
 def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
@@ -97,7 +43,8 @@ def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) ->
         return run_workers(n, entry, payload, data)
 
 
-def _devices(spec: RunSpec) -> str:
+def devices_text(spec: RunSpec) -> str:
+    """What the run's workers compute on, in the header's words."""
     return "CUDA GPUs" if spec.cuda else "CPU workers"
 
 
@@ -147,31 +94,6 @@ def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
         raise SystemExit(1)
 
 
-def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
-                   inputs: dict[str, str] | None = None, data: tuple | None = None):
-    """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
-    (``inputs`` and ``data`` as for :func:`launch_pipeline`)."""
-    spec = prepare_chunked(cfg, topo, model_config)
-    setup = spec.chunked
-    n_params = build_model(model_config, device="meta").num_parameters()
-    step_s = setup.predicted["step"]
-    emulating = f", {spec.emulation.header(step_s, cfg.optim.steps)}" if spec.emulation else ""
-    lanes = ", ".join(f"{lane} {seconds_text(s)}" for lane, s in setup.predicted.items() if lane != "step")
-    header = (f"mobius: backend chunked on {topo.n} {_devices(spec)}{emulating} ({topo.name}), "
-              f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), chunk {setup.chunk_size} elements, "
-              f"rCache {setup.n_block} blocks, {setup.chunks_on_device} of {setup.n_chunks} chunks on the device, "
-              f"{cfg.batch.micro_batches}x{cfg.batch.micro_batch_size} sequences of {cfg.batch.seq_len} per step "
-              f"({setup.group} per pass), {spec.precision}"
-              # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
-              + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
-              + f"\n  why: {setup.reasons}\n  update: {UpdateRule.of(cfg.optim).describe()}")
-    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs,
-                            return_weights=return_weights)
-    results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
-    history = results[0].history
-    return (history, results[0].weights, results) if return_weights else history
-
-
 def running_under_torchrun() -> bool:
     """True when torchrun started this process; its variables are checked first, so that a stray
     or malformed one is one line here, not a traceback (or a minute's wait) in a worker."""
@@ -197,24 +119,6 @@ def running_under_torchrun() -> bool:
     if "MASTER_PORT" in os.environ and not 1 <= values["MASTER_PORT"] <= 65535:
         raise InputError(f"torchrun's MASTER_PORT={values['MASTER_PORT']} is not a port (1-65535)")
     return True
-
-
-def torchrun_decision(cfg: RunConfig) -> Decision:
-    """Under torchrun each node plans for itself no more: every node describes its devices, rank 0
-    checks that the nodes match and plans one replica's pipeline for that node shape, once."""
-    model_config = check_model_input(cfg)
-    topo = resolve_topology(cfg)  # this node's devices
-
-    def decide(nodes: list[str]) -> tuple[RunSpec, str]:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(nodes)))
-        shapes = {n: shape for n, shape in enumerate(nodes[::local])}
-        if len(set(shapes.values())) > 1:
-            raise InputError("the nodes differ: " + "; ".join(f"node {n} has {s}" for n, s in shapes.items())
-                             + " (every node runs the same pipeline: give them the same GPUs)")
-        spec, _ = prepare_pipeline(cfg, topo, model_config)
-        return spec, pipeline_header(cfg, model_config, topo, spec)
-
-    return Decision(node=topo.shape, decide=decide)
 
 
 def describe_failure(err) -> str:

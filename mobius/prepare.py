@@ -252,28 +252,6 @@ def resolve_topology(cfg: RunConfig) -> Topology:
     return topo
 
 
-def resolve_backend(cfg: RunConfig) -> tuple[str, Topology | None]:
-    """``(backend, topology)``; ``single`` needs no topology, but a bad one is still an error."""
-    topo = resolve_topology(cfg)
-    if cfg.backend == "single":
-        return "single", None
-    backend = cfg.backend
-    if backend == "auto":
-        backend, _ = topo.choose_backend()
-    return backend, topo
-
-
-def resolved(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with what the run decides from the machine: the backend, the precision, the replicas
-    (``--print-config``)."""
-    backend, topo = resolve_backend(cfg)
-    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
-    changes = {"backend": backend, "precision": resolve_precision(cfg, cuda)}
-    if backend == "pipeline":
-        changes["data_parallel"] = data_parallel_of(cfg)
-    return cfg.changed(**changes)
-
-
 def resolve_devices(topo: Topology, emulate: bool = False) -> tuple[bool, Topology]:
     """Whether real GPUs compute (the topology is this machine's and CUDA works here), and the
     topology as the run's devices see it, a copy: on GPUs without the CUDA reserve; otherwise CPU

@@ -1,7 +1,7 @@
 """``python -m mobius.train``: the command our users type.
 
-Resolves the topology, chooses the backend, checks the input, then either trains in this process
-(``--backend single``) or launches one pipeline worker per device.
+Resolves the topology, chooses the backend (:mod:`mobius.backends`), checks the input and the
+outputs, makes the data, then hands the run to the backend.
 """
 
 from __future__ import annotations
@@ -16,26 +16,17 @@ if __name__ == "__main__":
 import math
 import resource
 
-import torch
-
 from mobius import ownership
-from mobius.config import RunConfig, parse_train_args, validate_for_backend
+from mobius.backends import check_options, join_torchrun, resolve_backend, resolved
+from mobius.config import RunConfig, parse_train_args
 from mobius.errors import InputError, exits_cleanly, shown
-from mobius.launcher import launch_chunked, launch_pipeline, running_under_torchrun, torchrun_decision
-from mobius.metrics import StepMetrics, write_trace
+from mobius.launcher import running_under_torchrun
+from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
-from mobius.models.adapters import finish_export, layer_states, write_export_shard
-from mobius.models.hf import check_export_target, start_export
+from mobius.models.hf import check_export_target
 from mobius.planner import available_host_memory, check_host_memory
-from mobius.prepare import data_parallel_of, resolve_backend, resolve_precision, resolved
-from mobius.reference import ReferenceTrainer
 from mobius.runtime import checkpoint as ck
-from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_model_input, make_data
-from mobius.runtime.loop import run_steps
-from mobius.runtime.worker import WorkerPayload
-from mobius.signals import StopRequest
-from mobius.stages.worker import worker_main
 
 
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
@@ -77,49 +68,6 @@ def check_file_size_limit(cfg: RunConfig, model_config: GPTConfig) -> None:
                          f"{need / 2**20:.1f} MiB; raise the limit (ulimit -f unlimited)")
 
 
-def train_single(cfg: RunConfig, model_config: GPTConfig, batches, held_out,
-                 inputs: dict[str, str] | None = None) -> list[StepMetrics]:
-    device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
-    cfg = cfg.changed(precision=resolve_precision(cfg, device.type == "cuda"))
-    trainer = ReferenceTrainer(cfg, model_config, batches, device)
-
-    def restore(ckpt: ck.Checkpoint) -> None:
-        ck.restore(ckpt, trainer.trained(), trainer.optimizer)
-        if trainer.lag:
-            with torch.no_grad():
-                for name, p in trainer.model.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
-
-    def save(done: int) -> None:
-        trained = trainer.trained()
-        files = {"weights.safetensors": trained,
-                 "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
-        if trainer.lag:
-            files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
-                                                   if p.requires_grad}
-        ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
-
-    start = 0
-    if cfg.checkpoint.resume:
-        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
-    n = trainer.model.num_parameters()
-    header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
-              f"{cfg.batch.describe()}, {cfg.optim.precision}"
-              + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}")
-    evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
-    with StopRequest() as stop:
-        history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
-    if cfg.outputs.trace:
-        write_trace(cfg.outputs.trace, trainer.trace.collect())
-    for _, out, merged in cfg.outputs.exports():
-        staging = start_export(out, cfg.data.chat_template)
-        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
-        finish_export(model_config, staging, out, merged)
-        print(f"exported to {shown(out)}", flush=True)
-    return history
-
-
 def run(cfg: RunConfig) -> list[StepMetrics] | None:
     model_config = check_model_input(cfg)
     out = cfg.outputs
@@ -133,7 +81,7 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
     backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
-    validate_for_backend(cfg, backend, topo.n if topo is not None else 1)
+    check_options(cfg, backend, topo.n if topo is not None else 1)
     inputs = ck.input_digests(cfg, model_config)
     if cfg.checkpoint.resume:
         ck.check_inputs(cfg, inputs)
@@ -151,32 +99,20 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     if held_out is not None:
         print(f"held out: {held_out.describe()}", flush=True)
     # This process holds the data; the workers map one copy of it (the page cache's, shared).
-    holders = 1 if backend == "single" else 2
+    holders = 2 if backend.in_workers else 1
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
     available = available_host_memory()
     if available is not None:  # every replica of the pipeline this machine runs
-        replicas = data_parallel_of(cfg) if backend == "pipeline" else 1
+        replicas = backend.replicas(cfg)
         check_host_memory(cfg.model, model_config, cfg.optim.precision or "fp32", cfg.optim.optimizer_lag, available,
                           "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas)
-    if backend == "single":
-        return train_single(cfg, model_config, batches, held_out, inputs)
-    if backend == "chunked":
-        return launch_chunked(cfg, model_config, topo, inputs=inputs, data=(batches, held_out))
-    return launch_pipeline(cfg, model_config, topo, inputs=inputs, data=(batches, held_out))
+    return backend.train(cfg, model_config, topo, data=(batches, held_out), inputs=inputs)
 
 
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_train_args(argv, checkpoint_settings=ck.run_config, resolve=resolved)
-    if running_under_torchrun() and cfg.backend != "single":
-        # Started by torchrun (e.g. multi-node): this process is one pipeline worker.
-        if cfg.outputs.exports() or cfg.backend == "chunked" or cfg.optim.epochs is not None \
-                or cfg.emulation.enabled or cfg.pipeline.replan == "auto":
-            raise InputError("under torchrun only the pipeline backend runs, without --export, --epochs, --replan auto "
-                             "or --emulate "
-                             "(several boxes emulate on one machine: --emulate --data-parallel D); start "
-                             "python -m mobius.train directly for the others")
-        worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))
+    if running_under_torchrun() and join_torchrun(cfg):
         return
     run(cfg)
 

@@ -35,7 +35,7 @@ from chunked_dp.prepare import prepare_chunked
 from chunked_dp.search import search
 from mobius.config import RunConfig, parse_train_args
 from mobius.data import BatchSource, load_corpus
-from mobius.launcher import launch_chunked
+from mobius.backends.chunked import launch_chunked
 from mobius.models import GPTConfig, get_config
 from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.reference import ReferenceTrainer

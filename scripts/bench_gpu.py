@@ -127,7 +127,7 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 # ---- the systems --------------------------------------------------------------------------------
 
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
-    from mobius.launcher import launch_pipeline
+    from mobius.backends.pipeline import launch_pipeline
     from mobius.prepare import prepare_pipeline, resolve_topology
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
@@ -158,7 +158,7 @@ def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
 
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from chunked_dp.prepare import prepare_chunked
-    from mobius.launcher import launch_chunked
+    from mobius.backends.chunked import launch_chunked
     from mobius.prepare import resolve_topology
 
     trace = os.path.join(out_dir, "chunked_trace.json")
@@ -357,7 +357,7 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
     """Each plan of :func:`plan_variants` trained for ``--steps``: predicted beside measured (on the
     emulated GPUs under ``--emulate``), at one dilation for all of them."""
     from mobius.errors import InputError
-    from mobius.launcher import launch_pipeline
+    from mobius.backends.pipeline import launch_pipeline
     from mobius.prepare import prepare_pipeline, resolve_topology
 
     config = get_config(args.model)

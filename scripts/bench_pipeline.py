@@ -22,7 +22,7 @@ import torch
 from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
-from mobius.launcher import launch_pipeline
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import build_model, get_config
 from mobius.reference import ReferenceTrainer
 

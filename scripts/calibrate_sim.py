@@ -21,7 +21,7 @@ import time
 import torch
 
 from mobius.config import RunConfig
-from mobius.launcher import launch_pipeline
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import get_config
 from mobius.partition.profile import measure_profile
 from mobius.prepare import resolve_topology

@@ -14,7 +14,7 @@ from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_f
 from chunked_dp.search import allowed_memory, benefits, search
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
-from mobius.launcher import launch_chunked
+from mobius.backends.chunked import launch_chunked
 from mobius.models import get_config
 from mobius.runtime.optim import UpdateRule
 from topology import cpu_topology, load_preset

@@ -11,7 +11,8 @@ from conftest import host_rate_cached, reference, run_in_threads
 
 from mobius.config import RunConfig, parse_train_args
 from mobius.errors import InputError
-from mobius.launcher import launch_chunked, launch_pipeline
+from mobius.backends.chunked import launch_chunked
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import get_config
 from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.runtime.inputs import check_model_input

@@ -11,7 +11,8 @@ import torch
 from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
-from mobius.launcher import launch_chunked, launch_pipeline
+from mobius.backends.chunked import launch_chunked
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import get_config
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CUDA_ALLOCATOR_SLACK_BYTES, CUDA_RESERVE_BYTES

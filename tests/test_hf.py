@@ -133,7 +133,7 @@ def test_packed_examples_see_only_themselves_through_a_sliding_window(hf_dirs):
 @pytest.mark.slow
 def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):
     from mobius.prepare import resolve_topology
-    from mobius.launcher import launch_pipeline
+    from mobius.backends.pipeline import launch_pipeline
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
@@ -209,7 +209,7 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
 def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     """Both copies of the tied table in one stage (1) or in different stages of one worker (3)."""
     from mobius.prepare import resolve_topology
-    from mobius.launcher import launch_pipeline
+    from mobius.backends.pipeline import launch_pipeline
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 

@@ -14,7 +14,7 @@ from conftest import reference
 
 from mobius.prepare import resolve_topology
 from mobius.config import RunConfig
-from mobius.launcher import launch_pipeline
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import get_config
 
 STEPS = 5

@@ -14,7 +14,7 @@ import torch
 from conftest import TINY, none_left, reference
 
 from mobius.config import RunConfig, parse_train_args
-from mobius.launcher import launch_pipeline
+from mobius.backends.pipeline import launch_pipeline
 from mobius.models import get_config
 from mobius.planner import host_bytes_needed
 from mobius.prepare import prepare_pipeline, resolve_topology
@@ -134,7 +134,7 @@ def test_nodes_that_differ_are_refused_in_one_line(monkeypatch):
     (:func:`mobius.runtime.worker.decided`)."""
     from mobius.config import parse_train_args
     from mobius.errors import InputError
-    from mobius.launcher import torchrun_decision
+    from mobius.backends.pipeline import torchrun_decision
     from topology import cpu_topology
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -112,3 +112,13 @@ def test_benches_of_whole_runs():
     run_script("measure_host_memory", ["--smoke", "--json", "memory.json"])
     out = read("memory.json")
     assert out["rss_peak_bytes"] > 0 and out["device_peak_bytes_per_worker"] > 0
+
+
+@pytest.mark.slow
+def test_compare_trl():
+    """Mobius and TRL on the same tiny Llama, records and update rule, judged by one evaluator."""
+    pytest.importorskip("trl")
+    run_script("compare_trl", ["--smoke", "--json", "trl.json"])
+    (row,) = read("trl.json")["rows"]
+    for who in ("mobius", "trl"):
+        assert 0 < row[who]["answer_loss"] < 10 and 0 <= row[who]["exact_match"] <= 1

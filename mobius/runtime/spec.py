@@ -221,6 +221,17 @@ class RunSpec:
                       "chunked": typed(ChunkedSetup, d.get("chunked")),
                       "emulation": typed(EmulationSpec, d.get("emulation"))})
 
+    def collectives(self) -> str:
+        """The process group's backends.  On GPUs the chunked engine's collectives of device chunks
+        go through NCCL, those of offloaded chunks (host memory) through gloo: NCCL has no CPU
+        tensors.  The pipeline's activations cross host memory (no peer-to-peer): gloo moves them."""
+        return "cuda:nccl,cpu:gloo" if self.cuda and self.chunked is not None else "gloo"
+
+    def enforced_budget(self, rank: int) -> int | None:
+        """The device memory worker ``rank``'s device layer holds it to: the plan's budget for a
+        pipeline; the chunked engine keeps within its budget by the sizes its search chose."""
+        return self.budget_bytes[rank % len(self.budget_bytes)] if self.plan is not None else None
+
     def predicted_step_s(self) -> float:
         """The step the run was planned to take (on the devices it emulates, if it does)."""
         return self.plan.predicted_step_s if self.plan is not None else self.chunked.predicted["step"]

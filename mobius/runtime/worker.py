@@ -225,11 +225,7 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
     with tied_to_launcher(payload.launcher_pid):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         spec = payload.spec
-        # On GPUs the chunked engine's collectives of device chunks go through NCCL, those of
-        # offloaded chunks (host memory) through gloo: NCCL has no CPU tensors.  The pipeline's
-        # activations cross host memory (no peer-to-peer), so gloo moves them.
-        nccl = spec is not None and spec.cuda and spec.backend == "chunked"
-        join_group("cuda:nccl,cpu:gloo" if nccl else "gloo", rank, world, collective_timeout_s(spec))
+        join_group(spec.collectives() if spec is not None else "gloo", rank, world, collective_timeout_s(spec))
         try:
             return _run(payload, rank, world, build, decision)
         except (RuntimeError, dist.DistError) as err:
@@ -359,10 +355,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         cfg = cfg.changed(precision=spec.precision)
         payload = replace(payload, cfg=cfg, spec=spec, header=header)
     emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
-    # The pipeline holds its device to the plan's budget; the chunked engine keeps within it by
-    # the sizes its search chose.
-    budget = spec.budget_bytes[rank % len(spec.budget_bytes)] if spec.backend == "pipeline" else None
-    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), budget, emulation)
+    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.enforced_budget(rank), emulation)
     trace = Trace(enabled=bool(cfg.outputs.trace), pid=rank)
     trace.set_origin(payload.t_origin if payload.t_origin is not None else time.perf_counter())
     # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer.

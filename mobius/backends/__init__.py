@@ -1,0 +1,102 @@
+"""The three backends, each in a module of its own behind one interface (:class:`Backend`), and
+the one place that knows them apart: which one a run uses (``--backend``, or the topology's choice),
+which options each takes, and what the rest of the run asks of it.
+
+* :mod:`~mobius.backends.pipeline`: Mobius's pipeline, one worker per device (PCIe boxes);
+* :mod:`~mobius.backends.chunked`: the chunk-based data-parallel engine (NVLink boxes);
+* :mod:`~mobius.backends.single`: the reference trainer, plain PyTorch in the command's process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from mobius.backends.chunked import check_chunked_options, launch_chunked
+from mobius.backends.pipeline import launch_pipeline, torchrun_worker
+from mobius.backends.single import train_single
+from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
+from mobius.errors import InputError
+from mobius.prepare import cuda_available, data_parallel_of, resolve_devices, resolve_precision, resolve_topology
+from topology import Topology
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # Trains the run: (cfg, model_config, topology or None, data=(batches, held-out or None),
+    # inputs=the digests checkpoints record) -> the history of StepMetrics.
+    train: Callable
+    in_workers: bool  # its steps run in worker processes, which map the command's one copy of the data
+    replicated: bool  # it runs --data-parallel replicas
+    options: str | None = None  # the configuration section of the options it alone takes
+    check: Callable[[RunConfig, int], None] | None = None  # what it does not build, refused (cfg, workers)
+    emulates: bool = True  # --emulate rehearses it on CPU workers
+    under_torchrun: Callable[[RunConfig], None] | None = None  # this process as one of torchrun's workers
+
+    def replicas(self, cfg: RunConfig) -> int:
+        return data_parallel_of(cfg) if self.replicated else 1
+
+
+BACKENDS = {
+    "pipeline": Backend("pipeline", launch_pipeline, in_workers=True, replicated=True, options="pipeline",
+                        under_torchrun=torchrun_worker),
+    "chunked": Backend("chunked", launch_chunked, in_workers=True, replicated=False, options="chunked",
+                       check=check_chunked_options),
+    "single": Backend("single", train_single, in_workers=False, replicated=False, emulates=False),
+}
+
+
+def resolve_backend(cfg: RunConfig) -> tuple[Backend, Topology | None]:
+    """The run's backend and topology; ``single`` needs no topology, but a bad one is still an error."""
+    topo = resolve_topology(cfg)
+    name = cfg.backend
+    if name == "auto":
+        name, _ = topo.choose_backend()
+    backend = BACKENDS[name]
+    return backend, topo if backend.in_workers else None
+
+
+def join_torchrun(cfg: RunConfig) -> bool:
+    """Under torchrun: this process joins the run as one of its workers (True), or trains alone as
+    without torchrun (False: the reference trainer in the command's process, ``--backend single``).
+    Only the pipeline runs under torchrun."""
+    asked = BACKENDS.get(cfg.backend)  # None: auto
+    if asked is not None and not asked.in_workers:
+        return False
+    joins = BACKENDS["pipeline"] if asked is None else asked
+    if joins.under_torchrun is None:
+        raise InputError(f"under torchrun only the pipeline backend runs, not {joins.name}; start python -m "
+                         "mobius.train directly for the others")
+    joins.under_torchrun(cfg)
+    return True
+
+
+def check_options(cfg: RunConfig, backend: Backend, workers: int) -> None:
+    """Options that ``backend`` would ignore, or that it does not build, are refused, naming the
+    backend they need; ``workers``: the devices it runs on."""
+    flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
+    if cfg.emulation.enabled and not backend.emulates:
+        raise InputError(f"--emulate is built for --backend pipeline and chunked, not {backend.name}")
+    for owner in BACKENDS.values():
+        if owner is backend or owner.options is None:
+            continue
+        default = SECTIONS[owner.options]()
+        given = [flag.get(option, flag_name(option)) for option, (section, attr) in OPTIONS.items()
+                 if section == owner.options and getattr(getattr(cfg, section), attr) != getattr(default, attr)]
+        if given:
+            raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend "
+                             f"{owner.name}, and this run uses --backend {backend.name}")
+    if backend.check is not None:
+        backend.check(cfg, workers)
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what the run decides from the machine: the backend, the precision, the replicas
+    (``--print-config``)."""
+    backend, topo = resolve_backend(cfg)
+    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
+    changes = {"backend": backend.name, "precision": resolve_precision(cfg, cuda)}
+    if backend.replicated:
+        changes["data_parallel"] = data_parallel_of(cfg)
+    return cfg.changed(**changes)

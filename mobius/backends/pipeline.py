@@ -1,0 +1,94 @@
+"""The pipeline backend (Mobius): the plan made, the header that describes it, one worker per
+device (or per device of every replica) launched, and the exports finished; under torchrun, rank
+0's decision that every node follows."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mobius.config import RunConfig
+from mobius.errors import InputError, shown
+from mobius.launcher import devices_text, launch_workers
+from mobius.metrics import seconds_text
+from mobius.models import GPTConfig, build_model
+from mobius.models.adapters import finish_export
+from mobius.models.hf import start_export
+from mobius.prepare import prepare_pipeline, resolve_topology
+from mobius.replan import Replanner
+from mobius.runtime.inputs import check_model_input
+from mobius.runtime.optim import UpdateRule
+from mobius.runtime.spec import RunSpec
+from mobius.runtime.worker import Decision, WorkerPayload
+from mobius.stages import worker as pipeline_worker
+from topology import Topology
+
+
+def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
+                    inputs: dict[str, str] | None = None, data: tuple | None = None):
+    """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
+    ``data``: the run's training and held-out batches, made here and shared with the workers (None:
+    each worker makes them)."""
+    spec, plan = prepare_pipeline(cfg, topo, model_config)
+    header = pipeline_header(cfg, model_config, topo, spec)
+    # Each worker writes its stages' tensors into the staging directory of each export.
+    wanted = cfg.outputs.exports()
+    exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
+    replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
+    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
+                            replan=replan)
+    print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
+    results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
+    for (_, out, merged), (staging, _) in zip(wanted, exports):
+        finish_export(model_config, Path(staging), out, merged)
+        print(f"exported to {shown(out)}", flush=True)
+    history = results[0].history
+    if return_weights:
+        weights = {}
+        for r in results.values():
+            weights.update(r.weights)
+        return history, weights, results
+    return history
+
+
+def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
+    """The run's first line: where it runs, the model, the plan and its prediction."""
+    plan = spec.plan
+    n_params = build_model(model_config, device="meta").num_parameters()
+    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
+    replicas = f" x {spec.data_parallel} replicas (ZeRO-1 host AdamW)" if spec.data_parallel > 1 else ""
+    return (f"mobius: backend pipeline on {topo.n} {devices_text(spec)}{replicas}{emulating} ({topo.name}), "
+            f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
+            + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
+            f"mapping {plan.order}, {cfg.batch.describe()}, "
+            f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
+            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
+            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}")
+
+
+def torchrun_decision(cfg: RunConfig) -> Decision:
+    """Under torchrun each node plans for itself no more: every node describes its devices, rank 0
+    checks that the nodes match and plans one replica's pipeline for that node shape, once."""
+    model_config = check_model_input(cfg)
+    topo = resolve_topology(cfg)  # this node's devices
+
+    def decide(nodes: list[str]) -> tuple[RunSpec, str]:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(nodes)))
+        shapes = {n: shape for n, shape in enumerate(nodes[::local])}
+        if len(set(shapes.values())) > 1:
+            raise InputError("the nodes differ: " + "; ".join(f"node {n} has {s}" for n, s in shapes.items())
+                             + " (every node runs the same pipeline: give them the same GPUs)")
+        spec, _ = prepare_pipeline(cfg, topo, model_config)
+        return spec, pipeline_header(cfg, model_config, topo, spec)
+
+    return Decision(node=topo.shape, decide=decide)
+
+
+def torchrun_worker(cfg: RunConfig) -> None:
+    """Under torchrun (several nodes, or a hand launch) this process is one pipeline worker; rank 0
+    decides the run for every node."""
+    if cfg.outputs.exports() or cfg.optim.epochs is not None or cfg.emulation.enabled or cfg.pipeline.replan == "auto":
+        raise InputError("under torchrun the pipeline runs without --export, --epochs, --replan auto or --emulate "
+                         "(several boxes emulate on one machine: --emulate --data-parallel D); start "
+                         "python -m mobius.train directly for the others")
+    pipeline_worker.worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))

@@ -1,0 +1,66 @@
+"""The single backend: the reference trainer (plain PyTorch, :mod:`mobius.reference`) in the
+command's own process, with the checkpoints, exports and signals every backend has."""
+
+from __future__ import annotations
+
+import torch
+
+from mobius.config import RunConfig
+from mobius.errors import shown
+from mobius.metrics import StepMetrics, write_trace
+from mobius.models import GPTConfig
+from mobius.models.adapters import finish_export, layer_states, write_export_shard
+from mobius.models.hf import start_export
+from mobius.prepare import resolve_precision
+from mobius.reference import ReferenceTrainer
+from mobius.runtime import checkpoint as ck
+from mobius.runtime.device import cuda_available
+from mobius.runtime.loop import run_steps
+from mobius.signals import StopRequest
+from topology import Topology
+
+
+def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None, data: tuple,
+                 inputs: dict[str, str] | None = None) -> list[StepMetrics]:
+    """The reference trainer (plain PyTorch) in this process, on this machine's device, on the
+    run's ``data`` (training batches, held-out examples or None); ``topo`` is not used."""
+    batches, held_out = data
+    device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
+    cfg = cfg.changed(precision=resolve_precision(cfg, device.type == "cuda"))
+    trainer = ReferenceTrainer(cfg, model_config, batches, device)
+
+    def restore(ckpt: ck.Checkpoint) -> None:
+        ck.restore(ckpt, trainer.trained(), trainer.optimizer)
+        if trainer.lag:
+            with torch.no_grad():
+                for name, p in trainer.model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
+
+    def save(done: int) -> None:
+        trained = trainer.trained()
+        files = {"weights.safetensors": trained,
+                 "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
+        if trainer.lag:
+            files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
+                                                   if p.requires_grad}
+        ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
+
+    start = 0
+    if cfg.checkpoint.resume:
+        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
+    n = trainer.model.num_parameters()
+    header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
+              f"{cfg.batch.describe()}, {cfg.optim.precision}"
+              + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}")
+    evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
+    with StopRequest() as stop:
+        history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
+    if cfg.outputs.trace:
+        write_trace(cfg.outputs.trace, trainer.trace.collect())
+    for _, out, merged in cfg.outputs.exports():
+        staging = start_export(out, cfg.data.chat_template)
+        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
+        finish_export(model_config, staging, out, merged)
+        print(f"exported to {shown(out)}", flush=True)
+    return history
