@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from mobius.config_sources import layered_argv
+from mobius.config_sources import comma_names, layered_argv
 from mobius.data.records import FORMATS
 from mobius.errors import InputError, shown
 from mobius.models.lora import LORA_MODULES
@@ -174,7 +174,7 @@ class OutputConfig:
     """What the run writes beside its checkpoints."""
     metrics: str | None = None
     tensorboard: str | None = None  # a TensorBoard log directory (a new event file in it)
-    report_to: str = ""  # comma-joined REPORTERS that get the step's scalars, each in its place under report_dir
+    report_to: tuple[str, ...] = ()  # REPORTERS that get the step's scalars, each in its place under report_dir
     report_dir: str | None = None
     trace: str | None = None
     export: str | None = None
@@ -182,18 +182,15 @@ class OutputConfig:
     progress: bool = True
 
     def __post_init__(self):
-        names = self.reporters()
+        names = self.report_to
         if any(n not in REPORTERS for n in names) or len(set(names)) != len(names):
-            raise InputError(f"--report-to {self.report_to!r}: give distinct names among {', '.join(REPORTERS)}")
+            raise InputError(f"--report-to {','.join(names)!r}: give distinct names among {', '.join(REPORTERS)}")
         if names and not self.report_dir:
             raise InputError("--report-to needs --report-dir DIR (where the reports are written)")
         if self.report_dir and not names:
             raise InputError("--report-dir needs --report-to NAMES")
         if "tensorboard" in names and self.tensorboard:
             raise InputError("give --tensorboard DIR or --report-to tensorboard, not both")
-
-    def reporters(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in self.report_to.split(",")) if self.report_to.strip() else ()
 
     def exports(self) -> list[tuple[str, str, bool]]:
         """(option, directory, merged) of each export the run writes."""
@@ -237,7 +234,7 @@ class LoraConfig:
     rank: int = 0
     alpha: float | None = None  # None: the rank (scaling 1)
     dropout: float = 0.0
-    targets: str = ",".join(LORA_TARGETS)
+    targets: tuple[str, ...] = LORA_TARGETS
     use_dora: bool = False  # DoRA (PEFT's use_dora): magnitudes trained apart from the directions
 
     def __post_init__(self):
@@ -253,10 +250,10 @@ class LoraConfig:
         _positive(self, ("alpha",), {"alpha": "lora_alpha"})
         if not 0 <= self.dropout < 1:
             raise InputError(f"--lora-dropout must be at least 0 and below 1, got {self.dropout}")
-        targets = self.targets.split(",")
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        if unknown or len(set(targets)) != len(targets):
-            raise InputError(f"--lora-targets {self.targets!r}: give distinct names among {', '.join(LORA_TARGETS)}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise InputError(f"--lora-targets {','.join(self.targets)!r}: give distinct names among "
+                             f"{', '.join(LORA_TARGETS)}")
 
 
 @dataclass(frozen=True)
@@ -394,7 +391,7 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="dropout on the adapters' input in training (masks seeded per step, micro-batch, layer and "
                         "module: every backend and every recomputation draws the same)")
-    p.add_argument("--lora-targets", default=d["lora_targets"],
+    p.add_argument("--lora-targets", type=comma_names, default=d["lora_targets"],
                    help="comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), "
                         "fc (MLP in; gate and up), fc_out (MLP out)")
     p.add_argument("--use-dora", action="store_true",
@@ -515,7 +512,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
                    help="write loss, eval loss, learning rate, tokens/s and step time as TensorBoard events here")
-    p.add_argument("--report-to", default=d["report_to"],
+    p.add_argument("--report-to", type=comma_names, default=d["report_to"],
                    help=f"also report the step's scalars to these, comma-separated: {', '.join(REPORTERS)} (offline: "
                         "wandb unless WANDB_MODE=online, mlflow in a local store unless MLFLOW_TRACKING_URI is set)")
     p.add_argument("--report-dir", default=None,
@@ -557,7 +554,7 @@ def check_paths(cfg: RunConfig) -> None:
         raise InputError(f"--chat-template {cfg.data.chat_template}: no such file")
     if cfg.outputs.tensorboard is not None and not installed("tensorboard"):
         raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
-    for name in cfg.outputs.reporters():
+    for name in cfg.outputs.report_to:
         if not installed(name):
             raise InputError(f"--report-to {name} needs the '{name}' package: pip install 'mobius-train[{name}]'")
 
@@ -590,7 +587,8 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None, re
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump((resolve(cfg) if resolve else cfg).to_dict(), sort_keys=False), end="")
+        shown = {k: list(v) if isinstance(v, tuple) else v for k, v in (resolve(cfg) if resolve else cfg).to_dict().items()}
+        print(yaml.safe_dump(shown, sort_keys=False), end="")
         raise SystemExit(0)
     return cfg
 

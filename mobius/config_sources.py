@@ -42,6 +42,11 @@ def _shown(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def comma_names(text: str) -> tuple[str, ...]:
+    """A setting that is a list of names: ``qkv,fc`` on the command line (a list in a YAML file)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def tokens_of(parser: argparse.ArgumentParser, settings: dict, source: str) -> list[str]:
     """``settings`` (option names with ``_`` or ``-``) as command-line tokens for ``parser``.  A
     switch goes by its option's name or its flag's (``progress: false`` or ``no-progress: true``);
@@ -70,6 +75,8 @@ def tokens_of(parser: argparse.ArgumentParser, settings: dict, source: str) -> l
             continue
         if isinstance(value, bool) and action.choices and {"on", "off"} <= set(action.choices):
             value = "on" if value else "off"
+        if isinstance(value, list) and action.type is comma_names and all(isinstance(v, str) for v in value):
+            value = ",".join(value)  # a list of names, as the command line spells it
         if isinstance(value, (dict, list, bool)):
             raise InputError(f"{source}: {_shown(key)} must be a single value, got {_shown(value)}")
         _check_value(action, str(value), f"{source}: {_shown(key)}")

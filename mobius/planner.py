@@ -29,7 +29,7 @@ from mobius.partition.cost import (
 )
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
-from mobius.runtime.spec import Plan, StagePlan
+from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -259,7 +259,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                                                                             recompute, r), tied_stages(config, bounds))
         return (placed, resident, *settled(bounds, placed, resident))
 
-    solver: dict = {}
+    solver = None
     if stages is not None:
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
@@ -273,8 +273,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               f"{'on' if recompute else 'off'} (at most {time_limit_s:g} s; cached)", flush=True)
         result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
                                  warm_start=baselines[best])
-        solver = {"status": result.status, "solve_s": result.solve_s, "gap": result.gap,
-                  "variables": result.n_variables, "constraints": result.n_constraints}
+        solver = SolverReport(result.status, result.solve_s, result.gap, result.n_variables, result.n_constraints)
         found = {name: baselines[name] for name in runnable(baselines)}
         if result.bounds:
             found["mip"] = result.bounds
@@ -284,8 +283,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
             if plan[3].feasible:  # (where none is, the error names the MIP's or a baseline's plan)
                 found[name], done[name] = bounds, plan
         steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
-        bounds, solver["chosen"] = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n,
-                                                                recompute)
+        bounds, solver.chosen = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n, recompute)
         times.update((name, t) for name, t in steps.items() if name != "mip")  # as the plans they would be
     else:
         bounds = baselines[partitioner]
@@ -295,7 +293,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
-    placed, resident, machine, est = done[solver["chosen"]] if "chosen" in solver else finished(bounds)
+    placed, resident, machine, est = done[solver.chosen] if solver is not None else finished(bounds)
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
@@ -305,7 +303,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                         element_bytes(profile.dtype))
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
-        floor["network"] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
+        floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
     plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
                 seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
                 order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,

@@ -182,7 +182,7 @@ def open_reports(outputs, settings: dict) -> Reports:
     try:
         if outputs.tensorboard:
             reporters.append(TensorBoardLog(Path(outputs.tensorboard), settings))
-        for name in outputs.reporters():
+        for name in outputs.report_to:
             kind, place = REPORTER_CLASSES[name]
             try:
                 reporters.append(kind(Path(outputs.report_dir) / place, settings))

@@ -183,7 +183,7 @@ def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_gr
                            rule=replace(UpdateRule.of(cfg.optim), steps=1), group=2)
     events = []  # ("reduced" | "updated", chunk), in the order they happened
     three_reduced = threading.Event()
-    reduce, update = engine._reduce, engine._update
+    reduce, update = engine.reduction.reduce, engine.reduction.update
 
     def held_update(k, stream):
         # The host's update waits until backward has reduced three chunks: a backward that waited
@@ -198,7 +198,7 @@ def test_backward_does_not_wait_for_the_host_adamw_of_earlier_chunks(one_rank_gr
         if sum(e == "reduced" for e, _ in events) == 3:
             three_reduced.set()
 
-    engine._update, engine._reduce = held_update, noted_reduce
+    engine.reduction.update, engine.reduction.reduce = held_update, noted_reduce
     batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     try:
         engine.step(0, batches)

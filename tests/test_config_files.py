@@ -6,7 +6,7 @@ import pytest
 
 from mobius.config import parse_train_args
 from mobius.train import main as train_main
-from conftest import one_line_exit_2
+from conftest import TINY, one_line_exit_2
 
 RUN = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "6",
        "--backend", "single", "--no-progress", "--lr", "3e-3"]
@@ -102,6 +102,22 @@ def test_yaml_takes_the_switches_by_their_own_names_and_on_off_as_written(tmp_pa
     (tmp_path / "run.yaml").write_text("model: tiny\nno-progress: true\npacking: off\nrecompute: on\n")
     cfg = parse_train_args(["--config", str(tmp_path / "run.yaml")])
     assert cfg.outputs.progress is False and cfg.data.packing == "off" and cfg.pipeline.recompute == "on"
+
+
+def test_lists_of_names_are_lists_in_yaml_and_comma_separated_on_the_command_line(tmp_path, capsys):
+    """--lora-targets and --report-to are tuples of names: a YAML list or ``a,b`` give the same;
+    --print-config shows them as lists, which a --config file reads back."""
+    (tmp_path / "run.yaml").write_text("model: tiny\nlora-rank: 4\nlora-targets: [qkv, fc]\n")
+    from_file = parse_train_args(["--config", str(tmp_path / "run.yaml")])
+    assert from_file.lora.targets == ("qkv", "fc") == parse_train_args(TINY + ["--lora-rank", "4", "--lora-targets",
+                                                                               "qkv,fc"]).lora.targets
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse_train_args(["--config", str(tmp_path / "run.yaml"), "--print-config"])
+    printed = capsys.readouterr().out
+    assert "lora_targets:\n- qkv\n- fc\n" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert parse_train_args(["--config", str(tmp_path / "printed.yaml")]).lora.targets == ("qkv", "fc")
 
 
 def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):

@@ -49,7 +49,7 @@ def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]
     """PEFT-named adapter tensors (fp32) from {layer index: local-name state}."""
     out = {}
     for index, state in layers.items():
-        for module in config.lora_targets.split(","):
+        for module in config.lora_targets:
             if f"{module}.lora_A.0" not in state:
                 continue
             for part, path in enumerate(_module_paths(config, index, module)):
@@ -68,7 +68,7 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
     out = {}
     for index, state in layers.items():
         merged = {k: v for k, v in state.items() if ".lora_" not in k}
-        for module in config.lora_targets.split(","):
+        for module in config.lora_targets:
             if f"{module}.lora_A.0" not in state:
                 continue
             n = len(parts(config, module))
@@ -85,7 +85,7 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
 
 def adapter_config(config: GPTConfig) -> dict:
     """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
-    targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets.split(",")
+    targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets
                       for path in _module_paths(config, 1, module)})
     if config.hf_arch == "gemma3":
         # Its vision tower has modules of the same names: name the language model's alone (PEFT
@@ -130,7 +130,7 @@ def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) 
             tensors.update(load_file(str(shard)))
             shard.unlink()
         per_part = 3 if config.lora_dora else 2  # A, B (and DoRA's magnitude)
-        expected = sum(per_part * len(parts(config, m)) for m in config.lora_targets.split(",")) * config.n_layer
+        expected = sum(per_part * len(parts(config, m)) for m in config.lora_targets) * config.n_layer
         if len(tensors) != expected:
             raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
         save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})

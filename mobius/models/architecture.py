@@ -57,10 +57,10 @@ class GPTConfig:
     # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3)
     hf_arch: str | None = None
     # LoRA (mobius.models.lora): rank 0 trains every weight; else only adapters on the projections
-    # named in lora_targets (comma-separated) train, the base weights are frozen.
+    # named in lora_targets train, the base weights are frozen.
     lora_rank: int = 0
     lora_alpha: float = 0.0
-    lora_targets: str = ""
+    lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0  # on the adapters' input, in training steps (mobius.models.lora)
     lora_dora: bool = False  # DoRA: each output's magnitude trained apart from the adapted direction
 

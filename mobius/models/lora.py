@@ -146,7 +146,7 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
     for p in block.parameters():
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
-    for name in config.lora_targets.split(","):
+    for name in config.lora_targets:
         lin = getattr(block, name)
         lin.__class__ = LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,

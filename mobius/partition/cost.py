@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, replace
 from mobius.errors import InputError
 from mobius.models.precision import element_bytes
 from mobius.partition.profile import HostCosts, Profile
+from mobius.runtime.spec import Lane
 
 GB = 1e9
 
@@ -329,14 +330,14 @@ def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int) 
 
 
 def step_bounds(stages: list[StageCost], micro_batches: int, slots: int, pcie_bps: float,
-                adam_params_per_s: float, element_bytes: int) -> dict[str, float]:
+                adam_params_per_s: float, element_bytes: int) -> dict[Lane, float]:
     """First principles: no step is shorter than any of its lanes' total work with every device
     of that lane busy: compute (spread over the GPUs), host<->device bytes (over the host's PCIe
     bandwidth), host AdamW (every worker's optimizer thread at once).  Seconds per lane."""
     compute = micro_batches * sum(c.fwd_s + c.bwd_s for c in stages) / slots
     params = sum(c.offloaded_bytes for c in stages) / element_bytes  # the resident stages update on their device
-    return {"compute": compute, "PCIe": host_traffic_bytes(stages, micro_batches, slots) / pcie_bps,
-            "host AdamW": params / (adam_params_per_s * slots)}
+    return {Lane.COMPUTE: compute, Lane.PCIE: host_traffic_bytes(stages, micro_batches, slots) / pcie_bps,
+            Lane.HOST_ADAM: params / (adam_params_per_s * slots)}
 
 
 def recomputation_s(stages: list[StageCost], micro_batches: int, slots: int) -> float:

@@ -272,6 +272,9 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
     theirs = {k: v for k, v in theirs.items() if k != "checkpoint"} if isinstance(theirs, dict) else {}
     if theirs:  # a field added to the model's shape since the checkpoint was written has its default there
         theirs = {**{k: v for k, v in GPTConfig.defaults().items() if k in mine}, **theirs}
+        theirs = json.loads(json.dumps(theirs))
+        if isinstance(theirs.get("lora_targets"), str):  # written when the targets were one comma-joined string
+            theirs["lora_targets"] = [t for t in theirs["lora_targets"].split(",") if t]
     if theirs != mine:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise CheckpointError(f"--resume {ckpt.directory}: checkpoint is of a different model (differs in {', '.join(diff)})")

@@ -21,9 +21,9 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     config = get_config(cfg.model)
     if not cfg.lora.rank:
         return config
-    targets = set(cfg.lora.targets.split(","))  # a set: the order they were named in changes nothing
+    targets = set(cfg.lora.targets)  # a set: the order they were named in changes nothing
     return dataclasses.replace(config, lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha or cfg.lora.rank),
-                               lora_targets=",".join(t for t in LORA_MODULES if t in targets),
+                               lora_targets=tuple(t for t in LORA_MODULES if t in targets),
                                lora_dropout=cfg.lora.dropout, lora_dora=cfg.lora.use_dora)
 
 
@@ -35,7 +35,7 @@ def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
 def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
     if cfg.lora.rank:
-        for module in model_config.lora_targets.split(","):
+        for module in model_config.lora_targets:
             width = min(parts(model_config, module) + [model_config.hidden])
             if cfg.lora.rank > width:
                 raise InputError(f"--lora-rank {cfg.lora.rank} exceeds the {width} of {cfg.model}'s smallest "

@@ -19,7 +19,7 @@ from typing import Callable
 from mobius.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models.precision import element_bytes
-from mobius.runtime.spec import Plan, RunSpec
+from mobius.runtime.spec import Lane, Plan, RunSpec
 
 STEPS = 3  # measured steps compared, after the warm-up step
 TOLERANCE = 0.2
@@ -74,7 +74,7 @@ class PlanCheck:
         self.done = False
         self.stale_profile = False
         self.measured_step_s: float | None = None
-        self.off: list[str] = []
+        self.off: list[str] = []  # "step", and the lanes off their prediction
 
     def after(self, history: list[StepMetrics]) -> list[str]:
         """The lines to print once ``history`` (this run's steps so far) holds enough steps."""
@@ -94,7 +94,7 @@ class PlanCheck:
         compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
         compute_line = ""
         if compute is not None and _off(compute, planned_compute):
-            self.off.append("compute")
+            self.off.append(Lane.COMPUTE)
             compute_line = (f"plan check: compute {seconds_text(compute)} measured, {seconds_text(planned_compute)} "
                             f"predicted ({compute / planned_compute:.2f}x)")
             lines.append(compute_line)
@@ -102,7 +102,7 @@ class PlanCheck:
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
         predicted = predicted_host_adam_s(self.plan)
         if adam and rates and predicted and self.plan.data_parallel == 1 and _off(statistics.median(adam), predicted):
-            self.off.append("host AdamW")
+            self.off.append(Lane.HOST_ADAM)
             rate, planned = statistics.median(rates), self.plan.host_costs["adam_params_per_s"]
             # An emulated host's update lasts the time its rate gives, whatever the parameter count.
             kept = predicted * planned >= MIN_PARAMS_KEPT or measured[0].emulated_step_s is not None
@@ -148,7 +148,7 @@ class PlanSwitch:
         lane off: the rate the run measured is what a new plan can be made from here and now (a
         wrong layer profile is measured again by the next run, not mid-run)."""
         check = self.check
-        if self.decide is None or check is None or "host AdamW" not in check.off or self.asked:
+        if self.decide is None or check is None or Lane.HOST_ADAM not in check.off or self.asked:
             return False, ""
         self.asked = True
         self.spec, line = self.decide(check.measured_step_s, self.steps - (history[-1].step + 1))

@@ -8,8 +8,45 @@ serialised once, at the process boundary (:meth:`RunSpec.to_dict`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 from mobius.runtime.emulation import EmulationSpec
+
+
+class Lane(str, Enum):
+    """A lane of a step's work, whose first-principles floor a plan states (:attr:`Plan.lane_floor_s`)."""
+
+    COMPUTE = "compute"
+    PCIE = "PCIe"  # every host<->device copy of the pipeline
+    H2D = "h2d"  # the chunked engine's copies to the devices
+    D2H = "d2h"  # and from them
+    HOST_ADAM = "host AdamW"
+    NETWORK = "network"  # between the nodes of data-parallel replicas
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# What to do about a step bound by each lane.
+HELPS = {Lane.HOST_ADAM: "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
+         Lane.PCIE: "more micro-batches per step amortise the stage loads",
+         Lane.COMPUTE: "the GPUs themselves are the limit",
+         Lane.NETWORK: "a faster network between the nodes, or fewer replicas with more micro-batches each"}
+
+
+@dataclass
+class SolverReport:
+    """How the partition MIP went, and which partition the plan kept."""
+
+    status: str
+    solve_s: float
+    gap: float
+    variables: int
+    constraints: int
+    chosen: str = "mip"  # the partition kept: the MIP's, or a baseline's within 1% and moving fewer bytes
 
 
 @dataclass
@@ -42,13 +79,13 @@ class Plan:
     contention: float
     predicted_step_s: float
     stages: list[StagePlan]
-    solver: dict = field(default_factory=dict)
+    solver: SolverReport | None = None  # where the MIP partitioned
     profile_source: str = ""
     baselines: dict = field(default_factory=dict)  # partitioner -> predicted step seconds
     mapping: str = "cross"  # how slots were placed on GPUs: cross (Mobius §3.3) or sequential
     prefetch: bool = True  # False (--no-prefetch): a stage loads only once the previous one is released
     host_costs: dict = field(default_factory=dict)  # the HostCosts the prediction assumed
-    lane_floor_s: dict = field(default_factory=dict)  # first-principles floor of each lane's work, seconds
+    lane_floor_s: dict[Lane, float] = field(default_factory=dict)  # first-principles floor of each lane's work
     recomputation_s: float = 0.0  # of the compute floor: the forwards the recomputing stages redo
     # Stages kept on their GPUs with their optimizer state, updated there (never swapped), and the
     # rate that AdamW runs at there (mobius.stages.device_optimizer).
@@ -79,13 +116,10 @@ class Plan:
         """The first-principles floor beside the prediction, what bounds the step and what would help."""
         lane, floor = max(self.lane_floor_s.items(), key=lambda kv: kv[1])
         lanes = ", ".join(f"{k} {v:.3g} s" + (f" of which recomputation {self.recomputation_s:.3g} s"
-                                               if k == "compute" and self.recomputation_s else "")
+                                               if k is Lane.COMPUTE and self.recomputation_s else "")
                           for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
-        helps = {"host AdamW": "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
-                 "PCIe": "more micro-batches per step amortise the stage loads",
-                 "compute": "the GPUs themselves are the limit" + (
-                     ", and the recomputation their memory forces" if self.recomputation_s else ""),
-                 "network": "a faster network between the nodes, or fewer replicas with more micro-batches each"}[lane]
+        helps = HELPS[lane] + (", and the recomputation their memory forces"
+                               if lane is Lane.COMPUTE and self.recomputation_s else "")
         return (f"first-principles floor: {floor:.3g} s/step ({lanes}); predicted {self.predicted_step_s / floor:.2f}x "
                 f"the floor; bound by {lane} ({floor:.3g} of {self.predicted_step_s:.3g} s): {helps}")
 
@@ -97,6 +131,8 @@ class Plan:
         d = dict(d)
         d["stages"] = [StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in d["stages"]]
         d["bounds"] = [tuple(b) for b in d["bounds"]]
+        d["lane_floor_s"] = {Lane(k): v for k, v in d.get("lane_floor_s", {}).items()}
+        d["solver"] = SolverReport(**d["solver"]) if d.get("solver") else None
         return cls(**d)
 
     def checked(self, layers: int, workers: int) -> "Plan":
@@ -124,8 +160,7 @@ class Plan:
                  f"partitioner {self.partitioner}: {len(self.bounds)} stages; mapping slot->GPU {self.order} "
                  f"(Eq. 13 contention {self.contention:.3f})"]
         if self.solver:
-            lines.append(f"solver: {self.solver.get('status')} in {self.solver.get('solve_s', 0):.2f} s, "
-                         f"gap {self.solver.get('gap', 0):.2e}")
+            lines.append(f"solver: {self.solver.status} in {self.solver.solve_s:.2f} s, gap {self.solver.gap:.2e}")
         lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
                      f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}")
         for s in self.stages:
@@ -143,8 +178,8 @@ class Plan:
                          f"each host sums gradients and broadcasts weights over {self.network} and updates 1/"
                          f"{self.data_parallel} of the parameters (ZeRO-1)")
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
-        if self.solver.get("chosen") and self.solver["chosen"] != "mip":
-            lines.append(f"chosen: the {self.solver['chosen']} partition, within 1% of the fastest and moving the "
+        if self.solver and self.solver.chosen != "mip":
+            lines.append(f"chosen: the {self.solver.chosen} partition, within 1% of the fastest and moving the "
                          "fewest bytes between host and GPUs")
         if self.lane_floor_s:
             lines.append(self.bound_summary())
