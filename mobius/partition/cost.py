@@ -379,131 +379,162 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     stages ``resident`` kept on their devices and updated there: never loaded or offloaded, their
     weights, gradients and AdamW state taking their slot's memory for good, their update on the
     device (``g_j / (e · R_device)``) delaying the slot's next backward pass."""
-    n, m_count = machine.n, micro_batches
+    n = machine.n
     elt = element_bytes(profile.dtype)
     compute_only = stage_costs(profile, bounds, recompute, resident)
     st = on_device(compute_only, machine)
-    s_count = len(st)
-    bw = [machine.bandwidth[j % n] for j in range(s_count)]
     held = resident_by_slot(st, n, elt)
     free = [machine.memory[k] - held[k] for k in range(n)]  # what the swapped stages share
-    mem = [free[j % n] for j in range(s_count)]
-    for j, c in enumerate(st):
-        need = max(c.pass_bytes(False), c.pass_bytes(True))
-        if need > mem[j]:
-            beside = f" beside {human_bytes(held[j % n])} of resident stages" if held[j % n] else ""
-            return StepEstimate(float("inf"), False, st, [], [],
-                                reason=f"stage {j} needs {human_bytes(need)} > {human_bytes(mem[j])}{beside}")
-    overflow = None if recompute else activations_overflow(st, free, m_count)
-    if overflow:
-        slot, need = overflow
-        return StepEstimate(float("inf"), False, st, [], [],
-                            reason=f"worker {slot} would hold {need / 2**20:.0f} MiB (its stages' saved activations "
-                                   f"for all {m_count} micro-batches beside its largest stage) in a "
-                                   f"{free[slot] / 2**20:.0f} MiB budget")
-    device_adam = [c.grad_bytes / elt / machine.device_adam_params_per_s if c.resident else 0.0 for c in st]
-    handoff = machine.handoff_s if n > 1 else 0.0
-    switch = machine.stage_switch_s
-
-    def xfer(j_from: int, j_to: int, nbytes: int) -> float:
-        """Until the receiver may start: the copy to the host and the hand-off (its copy to the
-        device is on the receiver's compute stream, in ``on_device``)."""
-        return nbytes / machine.forward_d2h_bps(j_from % n) + handoff
-
-    copies: list[tuple[int, str, float, float, str]] = []
-
-    tf = [[0.0] * m_count for _ in range(s_count)]
-    tb = [[0.0] * m_count for _ in range(s_count)]
-    last = s_count - 1
-    pf = [0.0] * s_count
-    first = [float(c.loaded_bytes) for c in st[:n]]
-    for j, c in enumerate(st):
-        if j < n:
-            ready = machine.first_load_s(j, first)
-            copies.append((j, "h2d", 0.0, ready, "load"))
-            ready = max(ready, switch)
-        else:
-            prev = st[j - n]
-            span = prev.fwd_s + tf[j - n][-1] - tf[j - n][0]
-            pf[j] = (max(0.0, min(c.loaded_bytes, mem[j] - prev.pass_bytes(False), bw[j] * span))
-                     if machine.prefetch else 0.0)
-            released = tf[j - n][-1] + prev.fwd_s
-            ready = released + (c.loaded_bytes - pf[j]) / bw[j]
-            # The prefetch starts with the previous stage's pass, the rest once it is released.
-            copies += [(j % n, "h2d", tf[j - n][0], tf[j - n][0] + pf[j] / bw[j], "load"),
-                       (j % n, "h2d", released, ready, "load")]
-            ready = max(ready, released + switch)
-        for m in range(m_count):
-            t = ready
-            if m:  # the last stage runs each micro-batch's backward right after its forward
-                t = max(t, tb[j][m - 1] + c.bwd_s if j == last else tf[j][m - 1] + c.fwd_s)
-            if j:
-                t = max(t, tf[j - 1][m] + st[j - 1].fwd_s + xfer(j - 1, j, st[j - 1].out_bytes))
-            tf[j][m] = t
-            if j == last:
-                tb[j][m] = t + c.fwd_s
-
-    pb = [0.0] * s_count
-    for j in range(s_count - 2, -1, -1):
-        c = st[j]
-        if j >= s_count - n:  # still resident from its forward pass
-            ready = tf[j][-1] + c.fwd_s + switch
-        else:
-            nxt = st[j + n]
-            span = nxt.bwd_s + tb[j + n][-1] - tb[j + n][0]
-            pb[j] = (max(0.0, min(c.loaded_bytes, mem[j] - nxt.pass_bytes(True), bw[j] * span))
-                     if machine.prefetch else 0.0)
-            released = tb[j + n][-1] + nxt.bwd_s + device_adam[j + n]
-            ready = released + (c.loaded_bytes - pb[j]) / bw[j]
-            copies += [(j % n, "h2d", tb[j + n][0], tb[j + n][0] + pb[j] / bw[j], "load"),
-                       (j % n, "h2d", released, ready, "load")]
-            ready = max(ready, released + switch)
-        for m in range(m_count):
-            t = ready
-            if m:
-                t = max(t, tb[j][m - 1] + c.bwd_s)
-            if j < s_count - 1:
-                t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + c.out_bytes / machine.backward_d2h_bps((j + 1) % n)
-                        + handoff)
-            tb[j][m] = t
+    reason = _does_not_fit(st, held, free, n, micro_batches, recompute)
+    if reason:
+        return StepEstimate(float("inf"), False, st, [], [], reason=reason)
+    s = _Schedule(st, machine, micro_batches, [free[j % n] for j in range(len(st))], elt)
+    s.forward()
+    s.backward()
+    home = s.gradients_home()
+    s.pass_copies(compute_only, home)
     adam = [0.0 if c.resident else adam_s(c, machine, elt) for c in st]
     exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
-    # Gradients on the host: each stage's leave once its backward is done, through its link; the
-    # offloads of the GPUs under one root complex queue for its bandwidth in backward order.  A
-    # resident stage's are "home" once its device has updated it.
-    home = [0.0] * s_count
-    for j in range(s_count - 1, -1, -1):
-        c = st[j]
-        home[j] = tb[j][-1] + c.bwd_s + device_adam[j] + c.offloaded_bytes / machine.link_bps(j % n)
-        q = machine.previous_on_root_complex(j, s_count)
-        while q is not None and st[q].resident:  # no offload of its own to queue behind
-            q = machine.previous_on_root_complex(q, s_count)
-        if q is not None and not c.resident:
-            home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % n))
-    for j, c in enumerate(compute_only):
-        k = j % n
-        up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if c.recomputed else 0)
-        for m in range(m_count):
-            if up_f:
-                copies.append((k, "h2d", tf[j][m], tf[j][m] + up_f / machine.upload_bps(k), "upload"))
-            if up_b:
-                copies.append((k, "h2d", tb[j][m], tb[j][m] + up_b / machine.upload_backward_bps(k),
-                               "upload backward"))
-            if j + 1 < s_count:
-                a = tf[j][m] + st[j].fwd_s
-                copies.append((k, "d2h", a, a + c.out_bytes / machine.forward_d2h_bps(k), "activation"))
-            if j and c.in_bytes:
-                a = tb[j][m] + st[j].bwd_s
-                copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k), "activation gradient"))
-        copies.append((k, "d2h", home[j] - c.offloaded_bytes / machine.link_bps(k), home[j], "gradients"))
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         # each worker's optimizer, and the node's network for all of them
-        per_thread = [sum(adam[j] + 2 * exchange[j] for j in range(k, s_count, n)) for k in range(n)]
-        return StepEstimate(max(home + per_thread + [2 * sum(exchange)]), True, compute_only, pf, pb, copies=copies)
+        per_thread = [sum(adam[j] + 2 * exchange[j] for j in range(k, len(st), n)) for k in range(n)]
+        return StepEstimate(max(home + per_thread + [2 * sum(exchange)]), True, compute_only, s.pf, s.pb,
+                            copies=s.copies)
     if machine.clip:  # every update waits for the global norm: the last gradient home, on any worker
-        home = [max(home)] * s_count
+        home = [max(home)] * len(st)
     updated = host_updates(home, adam, exchange, n, [c.resident for c in st])
-    return StepEstimate(max(updated), True, compute_only, pf, pb, copies=copies)
+    return StepEstimate(max(updated), True, compute_only, s.pf, s.pb, copies=s.copies)
+
+
+def _does_not_fit(st: list[StageCost], held: list[int], free: list[int], n: int, micro_batches: int,
+                  recompute: bool) -> str:
+    """Why the stages do not fit their slots' memory (each pass beside the resident stages; without
+    recomputation, every micro-batch's saved activations too), or ``""``."""
+    for j, c in enumerate(st):
+        need = max(c.pass_bytes(False), c.pass_bytes(True))
+        if need > free[j % n]:
+            beside = f" beside {human_bytes(held[j % n])} of resident stages" if held[j % n] else ""
+            return f"stage {j} needs {human_bytes(need)} > {human_bytes(free[j % n])}{beside}"
+    overflow = None if recompute else activations_overflow(st, free, micro_batches)
+    if overflow:
+        slot, need = overflow
+        return (f"worker {slot} would hold {need / 2**20:.0f} MiB (its stages' saved activations for all "
+                f"{micro_batches} micro-batches beside its largest stage) in a {free[slot] / 2**20:.0f} MiB budget")
+    return ""
+
+
+class _Schedule:
+    """The step's event times (:func:`evaluate`): each stage's forward ``tf[j][m]`` and backward
+    ``tb[j][m]`` start per micro-batch, the bytes prefetched ahead of each pass (``pf``, ``pb``), and
+    the host<->device copies of the schedule (``copies``: slot, direction, start, end, kind)."""
+
+    def __init__(self, st: list[StageCost], machine: Machine, micro_batches: int, mem: list[int], elt: int):
+        self.st, self.machine, self.M, self.mem = st, machine, micro_batches, mem
+        n, count = machine.n, len(st)
+        self.n, self.count = n, count
+        self.bw = [machine.bandwidth[j % n] for j in range(count)]
+        self.device_adam = [c.grad_bytes / elt / machine.device_adam_params_per_s if c.resident else 0.0 for c in st]
+        self.handoff = machine.handoff_s if n > 1 else 0.0
+        self.tf = [[0.0] * micro_batches for _ in range(count)]
+        self.tb = [[0.0] * micro_batches for _ in range(count)]
+        self.pf, self.pb = [0.0] * count, [0.0] * count
+        self.copies: list[tuple[int, str, float, float, str]] = []
+
+    def _load(self, j: int, span_start: float, span: float, released: float, after: StageCost,
+              backward: bool) -> float:
+        """Stage ``j``'s load while the slot's previous pass (of ``after``, ``span`` long from
+        ``span_start``, released at ``released``) runs: what fits is prefetched, the rest follows
+        the release.  Returns when the stage is ready; records the prefetched bytes and the copies."""
+        c, bw = self.st[j], self.bw[j]
+        ahead = (max(0.0, min(c.loaded_bytes, self.mem[j] - after.pass_bytes(backward), bw * span))
+                 if self.machine.prefetch else 0.0)
+        (self.pb if backward else self.pf)[j] = ahead
+        ready = released + (c.loaded_bytes - ahead) / bw
+        # The prefetch starts with the previous stage's pass, the rest once it is released.
+        self.copies += [(j % self.n, "h2d", span_start, span_start + ahead / bw, "load"),
+                        (j % self.n, "h2d", released, ready, "load")]
+        return max(ready, released + self.machine.stage_switch_s)
+
+    def forward(self) -> None:
+        st, n, tf, tb, machine = self.st, self.n, self.tf, self.tb, self.machine
+        last = self.count - 1
+        first = [float(c.loaded_bytes) for c in st[:n]]
+        for j, c in enumerate(st):
+            if j < n:
+                ready = machine.first_load_s(j, first)
+                self.copies.append((j, "h2d", 0.0, ready, "load"))
+                ready = max(ready, machine.stage_switch_s)
+            else:
+                prev = st[j - n]
+                ready = self._load(j, tf[j - n][0], prev.fwd_s + tf[j - n][-1] - tf[j - n][0],
+                                   tf[j - n][-1] + prev.fwd_s, prev, backward=False)
+            for m in range(self.M):
+                t = ready
+                if m:  # the last stage runs each micro-batch's backward right after its forward
+                    t = max(t, tb[j][m - 1] + c.bwd_s if j == last else tf[j][m - 1] + c.fwd_s)
+                if j:  # the activation: to the host and handed off (its upload is on the compute stream)
+                    t = max(t, tf[j - 1][m] + st[j - 1].fwd_s
+                            + (st[j - 1].out_bytes / machine.forward_d2h_bps((j - 1) % n) + self.handoff))
+                tf[j][m] = t
+                if j == last:
+                    tb[j][m] = t + c.fwd_s
+
+    def backward(self) -> None:
+        st, n, tf, tb, machine, count = self.st, self.n, self.tf, self.tb, self.machine, self.count
+        for j in range(count - 2, -1, -1):
+            c = st[j]
+            if j >= count - n:  # still resident from its forward pass
+                ready = tf[j][-1] + c.fwd_s + machine.stage_switch_s
+            else:
+                nxt = st[j + n]
+                ready = self._load(j, tb[j + n][0], nxt.bwd_s + tb[j + n][-1] - tb[j + n][0],
+                                   tb[j + n][-1] + nxt.bwd_s + self.device_adam[j + n], nxt, backward=True)
+            for m in range(self.M):
+                t = ready
+                if m:
+                    t = max(t, tb[j][m - 1] + c.bwd_s)
+                if j < count - 1:
+                    t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + c.out_bytes / machine.backward_d2h_bps((j + 1) % n)
+                            + self.handoff)
+                tb[j][m] = t
+
+    def gradients_home(self) -> list[float]:
+        """When each stage's gradients are on the host: they leave once its backward is done,
+        through its link; the offloads of the GPUs under one root complex queue for its bandwidth
+        in backward order.  A resident stage's are "home" once its device has updated it."""
+        st, machine, count = self.st, self.machine, self.count
+        home = [0.0] * count
+        for j in range(count - 1, -1, -1):
+            c = st[j]
+            home[j] = self.tb[j][-1] + c.bwd_s + self.device_adam[j] + c.offloaded_bytes / machine.link_bps(j % self.n)
+            q = machine.previous_on_root_complex(j, count)
+            while q is not None and st[q].resident:  # no offload of its own to queue behind
+                q = machine.previous_on_root_complex(q, count)
+            if q is not None and not c.resident:
+                home[j] = max(home[j], home[q] + c.grad_bytes / machine.rc_bps(j % self.n))
+        return home
+
+    def pass_copies(self, compute_only: list[StageCost], home: list[float]) -> None:
+        """The copies each micro-batch's passes issue (uploads, activations and their gradients),
+        and each stage's gradients home."""
+        machine, tf, tb, st = self.machine, self.tf, self.tb, self.st
+        for j, c in enumerate(compute_only):
+            k = j % self.n
+            up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if c.recomputed else 0)
+            for m in range(self.M):
+                if up_f:
+                    self.copies.append((k, "h2d", tf[j][m], tf[j][m] + up_f / machine.upload_bps(k), "upload"))
+                if up_b:
+                    self.copies.append((k, "h2d", tb[j][m], tb[j][m] + up_b / machine.upload_backward_bps(k),
+                                        "upload backward"))
+                if j + 1 < self.count:
+                    a = tf[j][m] + st[j].fwd_s
+                    self.copies.append((k, "d2h", a, a + c.out_bytes / machine.forward_d2h_bps(k), "activation"))
+                if j and c.in_bytes:
+                    a = tb[j][m] + st[j].bwd_s
+                    self.copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k),
+                                        "activation gradient"))
+            self.copies.append((k, "d2h", home[j] - c.offloaded_bytes / machine.link_bps(k), home[j], "gradients"))
 
 
 # The runtime's stream of each kind of copy: copies of one GPU on one stream run one after another,
