@@ -7,7 +7,8 @@ topology, batch settings, partitioner), so the same command on the same machine 
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 from mobius.cache import Cache, key_of
 from mobius.errors import InputError
@@ -17,6 +18,7 @@ from mobius.models.precision import element_bytes
 from mobius.partition.baselines import BASELINES, balanced_bounds, layer_costs, uniform_bounds
 from mobius.partition.cost import (
     GB,
+    Machine,
     check_layers_fit,
     evaluate,
     exchanged_bytes,
@@ -198,6 +200,80 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
             for k in sorted(counts) if workers <= k <= profile.n and k not in have}
 
 
+@dataclass
+class _Search:
+    """What one plan's search shares: the partitions' timing under their own schedules, what a
+    partition becomes in the plan, and the race of the MIP's answer against the baselines."""
+
+    profile: Profile
+    config: GPTConfig
+    topo: Topology
+    micro_batches: int
+    precision: str
+    recompute: bool
+    prefetch: bool
+    optimizer_lag: int
+    clip: bool
+    device_optimizer: bool
+    place: Callable
+
+    def settled(self, bounds, placement, resident=()):
+        """The partition's machine and step with the contention of its own schedule."""
+        return settle(self.profile, bounds, self.topo, placement, self.micro_batches, self.recompute, self.prefetch,
+                      self.profile.host, self.optimizer_lag, resident=resident, clip=self.clip)
+
+    def candidates(self, machine, placement):
+        found = {name: fn(self.profile, machine, self.micro_batches, self.recompute) for name, fn in BASELINES.items()}
+        return found, {name: self.settled(b, placement) for name, b in found.items()}
+
+    def runnable(self, found) -> list[str]:
+        """The baselines that give every worker a stage (max-stage may give fewer)."""
+        return [name for name in found if len(found[name]) >= self.topo.n]
+
+    def finished(self, bounds):
+        """What a partition becomes in the plan: the mapping searched for its stage count, the stages
+        kept resident, and its step under its own schedule's contention."""
+        placed = self.place(self.topo, len(bounds))
+        resident = ()
+        if self.device_optimizer and not self.optimizer_lag and self.precision != "fp16":
+            # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
+            # would cost a pass over every pair of copies); the choice is then settled once.
+            rates, _ = self.settled(bounds, placed)
+            resident = resident_stages(self.profile, bounds,
+                                       lambda r: evaluate(self.profile, bounds, rates, self.micro_batches,
+                                                          self.recompute, r), tied_stages(self.config, bounds))
+        return (placed, resident, *self.settled(bounds, placed, resident))
+
+    def race(self, baselines: dict, settled_of: dict, times: dict, time_limit_s: float):
+        """The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
+        again on the rates of its own answer found plans the emulated runs ranked otherwise).  Its
+        answer and every baseline are then finished as the plan would be (mapped, resident stages
+        chosen, timed under their own contention), with balanced partitions at other stage counts,
+        and the fastest is kept: the MIP's plan is never slower than one --partitioner could have
+        given.  Returns (bounds, the solver's report, every finished candidate); ``times`` gets
+        the finished baselines' steps."""
+        profile, topo = self.profile, self.topo
+        best = min(self.runnable(baselines), key=times.get)
+        print(f"planning: the partition MIP over {profile.n} layers for {topo.n} workers, recompute "
+              f"{'on' if self.recompute else 'off'} (at most {time_limit_s:g} s; cached)", flush=True)
+        result = solve_partition(profile, settled_of[best][0], self.micro_batches, self.recompute,
+                                 time_limit_s=time_limit_s, warm_start=baselines[best])
+        solver = SolverReport(result.status, result.solve_s, result.gap, result.n_variables, result.n_constraints)
+        found = {name: baselines[name] for name in self.runnable(baselines)}
+        if result.bounds:
+            found["mip"] = result.bounds
+        done = {name: self.finished(b) for name, b in found.items()}
+        for name, bounds in other_stage_counts(profile, found, topo.n).items():
+            plan = self.finished(bounds)
+            if plan[3].feasible:  # (where none is, the error names the MIP's or a baseline's plan)
+                found[name], done[name] = bounds, plan
+        steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
+        bounds, solver.chosen = _least_traffic_among_fastest(found, steps, profile, self.micro_batches, topo.n,
+                                                             self.recompute)
+        times.update((name, t) for name, t in steps.items() if name != "mip")  # as the plans they would be
+        return bounds, solver, done
+
+
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, time_limit_s: float = 8.0, use_cache: bool = True,
@@ -211,7 +287,6 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     would need the replicas' sum on the device)."""
     check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel)
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
-    network = assumed_network(topo)
     host_adam = profile.host.adam_params_per_s
     if data_parallel > 1:
         profile = replica_profile(profile, topo, data_parallel)
@@ -225,66 +300,19 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
-
-    def settled(bounds, placement=assumed, resident=()):
-        """The partition's machine and step with the contention of its own schedule."""
-        return settle(profile, bounds, topo, placement, micro_batches, recompute, prefetch, profile.host,
-                      optimizer_lag, resident=resident, clip=clip)
-
-    def candidates(machine):
-        found = {name: fn(profile, machine, micro_batches, recompute) for name, fn in BASELINES.items()}
-        return found, {name: settled(b) for name, b in found.items()}
-
-    def runnable(found):
-        """The baselines that give every worker a stage (max-stage may give fewer)."""
-        return [name for name in found if len(found[name]) >= topo.n]
-
+    search = _Search(profile, config, topo, micro_batches, precision, recompute, prefetch, optimizer_lag, clip,
+                     device_optimizer, place)
     # The baselines choose their stage counts on the contention of the best one's schedule; each
     # is then timed under its own.
-    baselines, settled_of = candidates(machine)
-    first = min(runnable(baselines), key=lambda name: settled_of[name][1].step_s)
-    baselines, settled_of = candidates(settled_of[first][0])
+    baselines, settled_of = search.candidates(machine, assumed)
+    first = min(search.runnable(baselines), key=lambda name: settled_of[name][1].step_s)
+    baselines, settled_of = search.candidates(settled_of[first][0], assumed)
     times = {name: est.step_s for name, (_, est) in settled_of.items()}
-
-    def finished(bounds):
-        """What a partition becomes in the plan: the mapping searched for its stage count, the stages
-        kept resident, and its step under its own schedule's contention."""
-        placed = place(topo, len(bounds))
-        resident = ()
-        if device_optimizer and not optimizer_lag and precision != "fp16":
-            # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
-            # would cost a pass over every pair of copies); the choice is then settled once.
-            rates, _ = settled(bounds, placed)
-            resident = resident_stages(profile, bounds, lambda r: evaluate(profile, bounds, rates, micro_batches,
-                                                                            recompute, r), tied_stages(config, bounds))
-        return (placed, resident, *settled(bounds, placed, resident))
-
     solver = None
     if stages is not None:
         bounds, partitioner = uniform_bounds(profile.n, stages), f"uniform-{stages}"
     elif partitioner == "mip":
-        # The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
-        # again on the rates of its own answer found plans the emulated runs ranked otherwise).
-        # Its answer and every baseline are then finished as the plan would be (mapped, resident
-        # stages chosen, timed under their own contention) and the fastest is kept: the MIP's plan is
-        # never slower than one --partitioner could have given.
-        best = min(runnable(baselines), key=times.get)
-        print(f"planning: the partition MIP over {profile.n} layers for {topo.n} workers, recompute "
-              f"{'on' if recompute else 'off'} (at most {time_limit_s:g} s; cached)", flush=True)
-        result = solve_partition(profile, settled_of[best][0], micro_batches, recompute, time_limit_s=time_limit_s,
-                                 warm_start=baselines[best])
-        solver = SolverReport(result.status, result.solve_s, result.gap, result.n_variables, result.n_constraints)
-        found = {name: baselines[name] for name in runnable(baselines)}
-        if result.bounds:
-            found["mip"] = result.bounds
-        done = {name: finished(b) for name, b in found.items()}
-        for name, bounds in other_stage_counts(profile, found, topo.n).items():
-            plan = finished(bounds)
-            if plan[3].feasible:  # (where none is, the error names the MIP's or a baseline's plan)
-                found[name], done[name] = bounds, plan
-        steps = {name: f[3].step_s if f[3].feasible else float("inf") for name, f in done.items()}
-        bounds, solver.chosen = _least_traffic_among_fastest(found, steps, profile, micro_batches, topo.n, recompute)
-        times.update((name, t) for name, t in steps.items() if name != "mip")  # as the plans they would be
+        bounds, solver, done = search.race(baselines, settled_of, times, time_limit_s)
     else:
         bounds = baselines[partitioner]
     if len(bounds) < topo.n:
@@ -293,26 +321,36 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
-    placed, resident, machine, est = done[solver.chosen] if solver is not None else finished(bounds)
+    placed, resident, machine, est = done[solver.chosen] if solver is not None else search.finished(bounds)
+    plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
+                      model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
+                      micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
+                      partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
+                      mapping=mapping, prefetch=prefetch)
+    if use_cache:
+        PLANS.put(key, plan.to_dict())
+    return plan
+
+
+def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est, host_adam: float,
+               data_parallel: int, model_name: str, **fields) -> Plan:
+    """The plan of the chosen partition, as its finished candidate made it: the stage table, the
+    lanes' floors (with the network's between replicas) and what the prediction assumed."""
+    profile, topo, micro_batches = search.profile, search.topo, search.micro_batches
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
-    costs = stage_costs(profile, bounds, recompute, resident)
+    costs = stage_costs(profile, bounds, search.recompute, resident)
     floor = step_bounds(costs, micro_batches, topo.n, pcie_bps(topo), host_adam * data_parallel,
                         element_bytes(profile.dtype))
+    network = assumed_network(topo)
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
         floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
-    plan = Plan(model=model_name, topology=topo.name, micro_batch_size=micro_batch, micro_batches=micro_batches,
-                seq_len=seq_len, precision=precision, recompute=recompute, partitioner=partitioner, bounds=bounds,
-                order=list(placed.order), contention=placed.contention, predicted_step_s=est.step_s,
-                stages=stage_plans, solver=solver, profile_source=profile.source,
-                baselines=times if with_baselines else {}, mapping=mapping, prefetch=prefetch,
+    return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
+                predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
                 recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,
-                network=network.name if data_parallel > 1 else "")
-    if use_cache:
-        PLANS.put(key, plan.to_dict())
-    return plan
+                network=network.name if data_parallel > 1 else "", **fields)
