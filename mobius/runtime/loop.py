@@ -65,13 +65,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
                 bar.write(line)
             writer.write(m)
             board.write(m)
-            evaluated = [h.eval_loss for h in history if h.eval_loss is not None]
-            # Emulated runs: the emulated GPUs' step and tokens/s (the bar's ETA is wall time).
-            emulated = {} if m.emulated_step_s is None else {
-                "emulated_step": seconds_text(m.emulated_step_s),
-                "emulated_tok_s": f"{m.tokens / m.emulated_step_s:.0f}"}
-            bar.set_postfix(loss=f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
-                            tok_s=f"{m.tokens / max(m.step_time_s, 1e-9):.0f}", **emulated)
+            bar.set_postfix(postfix(history))
             want_stop = (stop is not None and stop.check()) or (
                 cfg.checkpoint.stop_after is not None and done - start_step >= cfg.checkpoint.stop_after)
             want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
@@ -97,20 +91,35 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     if switched_at is not None:
         return history  # the run goes on, on another plan
     if main and history:
-        wall = time.perf_counter() - t0
-        tokens = sum(m.tokens for m in history)
-        peak = max(m.peak_device_bytes for m in history)
-        emulated = [m.emulated_step_s for m in history if m.emulated_step_s is not None]
-        on_gpus = ""
-        if emulated:  # after the first step (warm-up), as the benchmarks count it
-            typical = sorted(emulated[1:] or emulated)[len(emulated[1:] or emulated) // 2]
-            on_gpus = (f"; emulated GPUs: {seconds_text(typical)}/step (median), "
-                       f"{history[-1].tokens / typical:.0f} tokens/s")
-        print(f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
-              f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}",
-              flush=True)
+        print(summary(history, time.perf_counter() - t0), flush=True)
     if main and stopped_at is not None:
         saved = (f"checkpoint saved to {shown(save)}; continue with --resume {shown(save)}" if save
                  else "nothing saved (no --save)")
         print(f"stopped after step {stopped_at} of {cfg.optim.steps}: {saved}", flush=True)
     return history
+
+
+def postfix(history: list[StepMetrics]) -> dict[str, str]:
+    """The progress bar's figures after the last step: loss, the last evaluation, tokens/s (and
+    emulated runs' GPU step and tokens/s: the bar's ETA is wall time)."""
+    m = history[-1]
+    evaluated = [h.eval_loss for h in history if h.eval_loss is not None]
+    shown = {"loss": f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
+             "tok_s": f"{m.tokens / max(m.step_time_s, 1e-9):.0f}"}
+    if m.emulated_step_s is not None:
+        shown.update(emulated_step=seconds_text(m.emulated_step_s),
+                     emulated_tok_s=f"{m.tokens / m.emulated_step_s:.0f}")
+    return shown
+
+
+def summary(history: list[StepMetrics], wall: float) -> str:
+    """The run's last line: its steps, loss, throughput and peak memory (emulated: the GPUs' median step)."""
+    tokens = sum(m.tokens for m in history)
+    peak = max(m.peak_device_bytes for m in history)
+    emulated = [m.emulated_step_s for m in history if m.emulated_step_s is not None]
+    on_gpus = ""
+    if emulated:  # after the first step (warm-up), as the benchmarks count it
+        typical = sorted(emulated[1:] or emulated)[len(emulated[1:] or emulated) // 2]
+        on_gpus = f"; emulated GPUs: {seconds_text(typical)}/step (median), {history[-1].tokens / typical:.0f} tokens/s"
+    return (f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
+            f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}")

@@ -348,6 +348,25 @@ def switch_plans(backend: WorkerBackend, payload: WorkerPayload, spec: RunSpec, 
     return new
 
 
+def timed_step(backend: WorkerBackend, step: int, rank: int, trace: Trace, emulation: EmulatedLinks | None
+               ) -> StepMetrics:
+    """One step of ``backend``, a span in the trace (the window its lanes are read in); under
+    ``--emulate`` its times on the emulated GPUs too."""
+    inject_fault(rank, step)
+    began = time.perf_counter()
+    m = backend.step(step)
+    trace.span(f"step {step}", "step", began, time.perf_counter())
+    if emulation is not None:
+        m.emulated_step_s = m.step_time_s / emulation.factor
+        if m.host_adam_s is not None:
+            m.host_adam_s /= emulation.factor
+        if m.compute_s is not None:
+            m.compute_s /= emulation.factor
+        if m.host_adam_params_per_s is not None:
+            m.host_adam_params_per_s *= emulation.factor
+    return m
+
+
 def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decision | None) -> WorkerResult:
     cfg, spec = payload.cfg, payload.spec
     if spec is None:  # started by torchrun: rank 0 decides, everyone follows
@@ -372,19 +391,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         started = time.perf_counter()
 
         def one_step(step: int) -> StepMetrics:
-            inject_fault(rank, step)
-            began = time.perf_counter()
-            m = backend.step(step)
-            trace.span(f"step {step}", "step", began, time.perf_counter())  # the window the lanes are read in
-            if emulation is not None:
-                m.emulated_step_s = m.step_time_s / emulation.factor
-                if m.host_adam_s is not None:
-                    m.host_adam_s /= emulation.factor
-                if m.compute_s is not None:
-                    m.compute_s /= emulation.factor
-                if m.host_adam_params_per_s is not None:
-                    m.host_adam_params_per_s *= emulation.factor
-            return m
+            return timed_step(backend, step, rank, trace, emulation)
 
         def keep_rate(params_per_s: float) -> None:
             if spec.host_rate_key:
