@@ -466,6 +466,15 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--dilation", type=float, default=None, metavar="F",
                    help="--emulate: wall seconds per emulated second, fixed (the same F for every variant of a "
                         "comparison); default: chosen from this machine's CPU work for the model")
+    _add_data_args(p)
+    _add_update_args(p, d)
+    _add_output_args(p)
+    return p
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """What the run trains and evaluates on."""
+    d = RunConfig().to_dict()
     p.add_argument("--data", default=None,
                    help="records (.jsonl, .json, .parquet, a datasets.save_to_disk directory) or text files, or a "
                         "directory of them (default: this Python's stdlib sources)")
@@ -488,6 +497,10 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="hold out this fraction of --data's records (drawn by --seed) for evaluation")
     p.add_argument("--eval-every", type=int, default=d["eval_every"],
                    help="evaluate every N steps, and at the end (0: at the end only)")
+
+
+def _add_update_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """The run's length and its update rule (AdamW, the schedule)."""
     p.add_argument("--steps", type=int, default=None,
                    help=f"total optimizer steps of the run (default: {d['steps']}, or as many as --epochs take)")
     p.add_argument("--epochs", type=float, default=None,
@@ -509,6 +522,11 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
                    help="the learning rate the decay ends at, as a fraction of --lr")
     p.add_argument("--seed", type=int, default=d["seed"], help="seed of the weights and of the data order")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """What the run writes, and the chunked backend's own options."""
+    d = RunConfig().to_dict()
     p.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
     p.add_argument("--tensorboard", default=None,
                    help="write loss, eval loss, learning rate, tokens/s and step time as TensorBoard events here")
@@ -536,7 +554,6 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chunk-prefetch", dest="chunk_prefetch", action="store_false",
                    help="chunked backend: gather each chunk only when it is needed")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    return p
 
 
 def installed(package: str) -> bool:

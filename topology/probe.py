@@ -98,43 +98,9 @@ def probe_nvml(nvml: ModuleType, sysfs_root: str = "/sys") -> Topology | None:
                     p2p_all = p2p_all and status == nvml.NVML_P2P_STATUS_OK
                 except nvml.NVMLError:
                     p2p_all = False
-        bus_to_index = {sysfs_bdf(info["bus_id"]): i for i, info in enumerate(infos)}
-        nvlink_pairs: set[tuple[int, int]] = set()
-        nvlink_count: dict[str, int] = {}
-        for a, h in enumerate(handles):
-            for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-                try:
-                    if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
-                        continue
-                    remote = sysfs_bdf(_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId))
-                except nvml.NVMLError:
-                    break  # links past the device's last one raise
-                b = bus_to_index.get(remote)
-                if b is not None and b != a:
-                    pair = (min(a, b), max(a, b))
-                    nvlink_pairs.add(pair)
-                    if a < b:
-                        key = f"{pair[0]}-{pair[1]}"
-                        nvlink_count[key] = nvlink_count.get(key, 0) + 1
+        nvlink_pairs, nvlink_count = _nvlinks(nvml, handles, infos)
 
-        # Root complexes: sysfs first, NVML levels as the cross-check and the fallback.
-        roots = [root_complex_from_sysfs(sysfs_bdf(info["bus_id"]), sysfs_root) for info in infos]
-        if all(roots):
-            ids = {r: i for i, r in enumerate(dict.fromkeys(roots))}
-            rc_of = [ids[r] for r in roots]
-            for (a, b), lvl in level_num.items():
-                if rc_of[a] == rc_of[b] and lvl >= nvml.NVML_TOPOLOGY_NODE:
-                    print(f"topology: warning: sysfs puts GPUs {a} and {b} under {roots[a]} but NVML says "
-                          f"{levels[f'{a}-{b}']}; trusting sysfs", file=sys.stderr)
-            rc_names = list(ids)
-        else:
-            rc_of = list(range(count))
-            for (a, b), lvl in sorted(level_num.items()):
-                if lvl <= nvml.NVML_TOPOLOGY_HOSTBRIDGE:
-                    rc_of[b] = rc_of[a]
-            remap = {r: i for i, r in enumerate(dict.fromkeys(rc_of))}
-            rc_of = [remap[r] for r in rc_of]
-            rc_names = [f"nvml-group-{i}" for i in range(len(remap))]
+        rc_of, rc_names = _root_complexes(nvml, infos, level_num, levels, sysfs_root)
 
         gpus = []
         for i, info in enumerate(infos):
@@ -152,6 +118,53 @@ def probe_nvml(nvml: ModuleType, sysfs_root: str = "/sys") -> Topology | None:
                         p2p=p2p_all, extra={"levels": levels, "nvlink_count": nvlink_count})
     finally:
         nvml.nvmlShutdown()
+
+
+def _nvlinks(nvml: ModuleType, handles: list, infos: list[dict]) -> tuple[set[tuple[int, int]], dict[str, int]]:
+    """The GPU pairs joined by NVLink, and how many links join each pair (``"a-b"``)."""
+    bus_to_index = {sysfs_bdf(info["bus_id"]): i for i, info in enumerate(infos)}
+    nvlink_pairs: set[tuple[int, int]] = set()
+    nvlink_count: dict[str, int] = {}
+    for a, h in enumerate(handles):
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = sysfs_bdf(_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId))
+            except nvml.NVMLError:
+                break  # links past the device's last one raise
+            b = bus_to_index.get(remote)
+            if b is not None and b != a:
+                pair = (min(a, b), max(a, b))
+                nvlink_pairs.add(pair)
+                if a < b:
+                    key = f"{pair[0]}-{pair[1]}"
+                    nvlink_count[key] = nvlink_count.get(key, 0) + 1
+    return nvlink_pairs, nvlink_count
+
+
+def _root_complexes(nvml: ModuleType, infos: list[dict], level_num: dict, levels: dict, sysfs_root: str
+                    ) -> tuple[list[int], list[str]]:
+    """Each GPU's root complex (an index) and each root complex's name: sysfs first, NVML's
+    common-ancestor levels as the cross-check and the fallback."""
+    roots = [root_complex_from_sysfs(sysfs_bdf(info["bus_id"]), sysfs_root) for info in infos]
+    if all(roots):
+        ids = {r: i for i, r in enumerate(dict.fromkeys(roots))}
+        rc_of = [ids[r] for r in roots]
+        for (a, b), lvl in level_num.items():
+            if rc_of[a] == rc_of[b] and lvl >= nvml.NVML_TOPOLOGY_NODE:
+                print(f"topology: warning: sysfs puts GPUs {a} and {b} under {roots[a]} but NVML says "
+                      f"{levels[f'{a}-{b}']}; trusting sysfs", file=sys.stderr)
+        rc_names = list(ids)
+    else:
+        rc_of = list(range(len(infos)))
+        for (a, b), lvl in sorted(level_num.items()):
+            if lvl <= nvml.NVML_TOPOLOGY_HOSTBRIDGE:
+                rc_of[b] = rc_of[a]
+        remap = {r: i for i, r in enumerate(dict.fromkeys(rc_of))}
+        rc_of = [remap[r] for r in rc_of]
+        rc_names = [f"nvml-group-{i}" for i in range(len(remap))]
+    return rc_of, rc_names
 
 
 def probe(cpu_workers: int = 2, cpu_memory_gb: float = 2.0, nvml: ModuleType | None = None,
