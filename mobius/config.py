@@ -209,6 +209,7 @@ class PipelineConfig:
     device_optimizer: str = "auto"  # auto: stages that fit stay on their device, updated there | off
     data_parallel: int | None = None  # replicas of the pipeline (None: the nodes under torchrun, else 1)
     replan: str = "off"  # auto: re-plan once, mid-run, with the rates the run measured (mobius.replan) | off
+    offload_dir: str | None = None  # AdamW's moments of the host's stages wait here, on disk (mobius.swap.disk)
 
     def __post_init__(self):
         _positive(self, ("stages", "data_parallel"))
@@ -425,6 +426,11 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the stages whose weights, gradients and AdamW state fit in a GPU's spare memory "
                         "stay there and are updated there, when the plan says the step is faster for it; off: "
                         "every stage swaps and is updated by the host's AdamW")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, "
+                        "between updates, read back ahead of each stage's update and written after it, overlapped "
+                        "(ZeRO-Infinity's disk tier): for a host with less memory than the run needs; DIR must be "
+                        "empty or absent, and the files go when the run ends (pipeline backend)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="D",
                    help="D replicas of the pipeline, each on M/D of the step's micro-batches, gradients summed across "
                         "them and the host AdamW sharded across them (ZeRO-1); default: the number of nodes under "

@@ -15,11 +15,12 @@ from pathlib import Path
 from mobius.errors import InputError, first_line
 
 # Settings of one invocation, never inherited from a checkpoint's run.
-NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs")
+NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs",
+                 "offload_dir")  # where the state waits is the machine's: named again on the next, or not
 # Settings that name files the run reads: a resume takes them from the user, never from the checkpoint.
 READ_PATHS = ("model", "data", "eval_data", "chat_template", "topology")
 # Settings that name files: stored resolved, so a resume from another directory finds them.
-PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "report_dir", "trace", "save", "export",
+PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "report_dir", "offload_dir", "trace", "save", "export",
                  "export_merged", "topology", "model")
 
 

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from mobius.checks import read_json
-from mobius.errors import InputError, RunError
+from mobius.errors import InputError, RunError, shown
 
 MARKER = ".mobius-owned.json"
 LOCK_TAG = b"mobius output lock\n"  # what a lock file of ours holds (an empty one: an older Mobius's)
@@ -413,3 +413,29 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def working_dir(option: str, path: str | os.PathLike | None):
+    """A directory the run fills with files of its own while it lasts (``--offload-dir``): it must
+    be absent (made here, removed at the end) or empty (left empty at the end), never a directory
+    that holds a file of the user's.  The run removes the files it made; what remains is not ours."""
+    if path is None:
+        yield
+        return
+    where = Path(path)
+    if where.is_symlink() or (where.exists() and not where.is_dir()):
+        raise InputError(f"{option} {shown(where)} is not a directory")
+    if where.is_dir() and any(where.iterdir()):
+        raise InputError(f"{option} {shown(where)} holds files Mobius did not write: give an empty or new directory")
+    made = not where.exists()
+    try:
+        where.mkdir(exist_ok=True)
+    except OSError as err:
+        raise InputError(f"{option} {shown(where)}: cannot make it ({err.strerror})") from None
+    try:
+        yield
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                where.rmdir()  # empty again; anything left in it is not ours to remove

@@ -32,6 +32,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
+from mobius.swap.disk import POOL_BUFFERS
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -80,10 +81,11 @@ class DoesNotFit(InputError):
 
 
 def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0, data_parallel: int = 1,
-                      replicas_here: int = 1) -> int:
+                      replicas_here: int = 1, moments_on_disk: bool = False) -> int:
     """What the workers' stage stores hold on the host for this model (all stages together), on a
     host with ``replicas_here`` of a run's ``data_parallel`` replicas: each holds every weight and
-    gradient, and 1/``data_parallel`` of the AdamW state (:mod:`mobius.stages.replicas`).
+    gradient, and 1/``data_parallel`` of the AdamW state (:mod:`mobius.stages.replicas`); with the
+    ``moments_on_disk`` (:mod:`mobius.swap.disk`), only the pool their updates pass through.
     Counted from the three distinct layers (every block has the same parameters), so a config of
     absurd depth is refused at once instead of being built."""
     last = layer_count(config) - 1
@@ -101,7 +103,13 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     per_trained = HOST_BYTES_PER_PARAM[precision] - ADAM_STATE_BYTES + ADAM_STATE_BYTES / data_parallel
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
         per_trained += element_bytes(precision) * (2 if precision == "fp32" else 1)
-    return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision)))
+    pool = 0
+    if moments_on_disk:  # the moments pass through a pool of a few stages' worth; counted at a layer a stage
+        per_trained -= ADAM_STATE_BYTES / data_parallel
+        largest = max(sum(p.numel() for p in build_layer(config, i, seed=0, device="meta").parameters()
+                          if p.requires_grad) for i in layers)
+        pool = POOL_BUFFERS * ADAM_STATE_BYTES * largest
+    return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision) + pool))
 
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
@@ -110,15 +118,18 @@ COST_MODEL_VERSION = 14
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
-                      where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1) -> None:
+                      where: str, data_bytes: int = 0, data_parallel: int = 1, replicas_here: int = 1,
+                      moments_on_disk: bool = False) -> None:
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
     weights, AdamW state, gradients (with ``--optimizer-lag``, the second compute copy) and the data
     every process holds (``data_bytes``, all of them together) must fit in ``available`` bytes."""
-    need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here) + data_bytes
+    need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here, moments_on_disk) + data_bytes
     if need > available:
-        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, AdamW state, "
+        state = "AdamW state on disk" if moments_on_disk else "AdamW state"
+        hint = "" if moments_on_disk else "; --offload-dir DIR keeps AdamW's moments on disk"
+        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, {state}, "
                          f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
-                         f"{available / GB:.1f} GB")
+                         f"{available / GB:.1f} GB{hint}")
 
 
 def available_host_memory() -> int | None:

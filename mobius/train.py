@@ -17,7 +17,7 @@ import math
 import resource
 
 from mobius import ownership
-from mobius.backends import check_options, join_torchrun, resolve_backend, resolved
+from mobius.backends import Backend, check_options, join_torchrun, resolve_backend, resolved
 from mobius.config import RunConfig, parse_train_args
 from mobius.errors import InputError, exits_cleanly, shown
 from mobius.launcher import running_under_torchrun
@@ -27,6 +27,7 @@ from mobius.models.hf import check_export_target
 from mobius.planner import available_host_memory, check_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
+from topology import Topology
 
 
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
@@ -38,6 +39,7 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                           {"--metrics": (cfg.outputs.metrics, "file"), "--trace": (cfg.outputs.trace, "file"),
                            "--tensorboard": (cfg.outputs.tensorboard, "dir"),
                            "--report-dir": (cfg.outputs.report_dir, "dir"),
+                           "--offload-dir": (cfg.pipeline.offload_dir, "dir"),
                            "--save": (cfg.checkpoint.save, "dir"), "--export": (cfg.outputs.export, "dir"),
                            "--export-merged": (cfg.outputs.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.outputs.metrics)
@@ -73,7 +75,7 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
     out = cfg.outputs
     outputs = {"--save": cfg.checkpoint.save, "--export": out.export, "--export-merged": out.export_merged,
                "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard,
-               "--report-dir": out.report_dir}
+               "--report-dir": out.report_dir, "--offload-dir": cfg.pipeline.offload_dir}
     with ownership.made_parents(outputs), ownership.output_locks(outputs):  # written by this run alone
         return _run_locked(cfg, model_config)
 
@@ -82,6 +84,12 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     check_outputs(cfg, model_config)
     backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
     check_options(cfg, backend, topo.n if topo is not None else 1)
+    with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
+        return _run_prepared(cfg, model_config, backend, topo)
+
+
+def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None
+                  ) -> list[StepMetrics] | None:
     inputs = ck.input_digests(cfg, model_config)
     if cfg.checkpoint.resume:
         ck.check_inputs(cfg, inputs)
@@ -105,7 +113,8 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     if available is not None:  # every replica of the pipeline this machine runs
         replicas = backend.replicas(cfg)
         check_host_memory(cfg.model, model_config, cfg.optim.precision or "fp32", cfg.optim.optimizer_lag, available,
-                          "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas)
+                          "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas,
+                          moments_on_disk=bool(cfg.pipeline.offload_dir))
     return backend.train(cfg, model_config, topo, data=(batches, held_out), inputs=inputs)
 
 

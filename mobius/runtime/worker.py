@@ -98,6 +98,7 @@ class WorkerResult:
     budget_bytes: int | None = None  # pipeline: the device budget the worker ran under
     peak_bytes_max: int | None = None  # pipeline: the most device memory any worker held in a step
     host_bytes: int | None = None  # pipeline: what the worker's stage store holds on the host
+    disk_bytes: tuple[int, int] | None = None  # pipeline, --offload-dir: AdamW state read and written
     counters: dict | None = None  # chunked: the engine's traffic and cache counters of the last step
     chunks: int | None = None  # chunked: how many chunks
     chunk_size: int | None = None  # chunked: elements per chunk

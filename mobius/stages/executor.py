@@ -63,6 +63,7 @@ from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.stages.working_memory import WorkingMemory
+from mobius.swap.disk import DiskMoments
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
 from mobius.swap.store import HostStageStore
@@ -95,7 +96,7 @@ class StageRunner:
     def __init__(self, plan: Plan, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
                  traffic: Traffic, trace: Trace, batches: BatchSource, device: Device,
                  scaler: DynamicLossScaler, transport: Transport,
-                 replicas: ReplicaGroup | None = None):
+                 replicas: ReplicaGroup | None = None, disk: DiskMoments | None = None):
         self.plan, self.store, self.prefetcher, self.trace, self.batches = plan, store, prefetcher, trace, batches
         self.device, self.scaler = device, scaler
         self.n_stages = len(plan.bounds)
@@ -118,7 +119,7 @@ class StageRunner:
         self.working = WorkingMemory(memory, plan)
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
                                        TiedEmbedding(store, plan, transport, traffic), transport,
-                                       replicas)
+                                       replicas, disk)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
         self.grad_norm: float | None = None  # the last step's global gradient norm, where it clips
         # The compute stream's work of each micro-batch (inputs' uploads included), between two of

@@ -34,6 +34,7 @@ from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, sq
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
+from mobius.swap.disk import DiskMoments
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.store import HostStageStore, view
 
@@ -52,8 +53,9 @@ class ResidentUpdates(Protocol):
 class HostOptimizer:
     def __init__(self, store: HostStageStore, device: Device, memory: DeviceMemory, traffic: Traffic, trace: Trace,
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
-                 replicas: ReplicaGroup | None = None):
+                 replicas: ReplicaGroup | None = None, disk: DiskMoments | None = None):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
+        self.disk = disk  # where AdamW's moments wait between updates (--offload-dir), or None: in memory
         self.scaler, self.tied, self.transport, self.replicas = scaler, tied, transport, replicas
         self.lag = store.lag
         self.compute = device.compute
@@ -111,6 +113,8 @@ class HostOptimizer:
         arrived = self.grads_out.record()
         self.memory.will_free(host.grad_bytes)
         job = self._pool.submit(self._to_master, s, arrived, phase)
+        if self.disk is not None and host.optimizer is not None:
+            self.disk.read_ahead(s)  # its moments come from disk while the gradients come home
         self._to_master_jobs.append(job)
         self._last_job[s] = job
         if self.waits_for_the_step(s):
@@ -148,6 +152,7 @@ class HostOptimizer:
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
         t0, cpu0, updated = time.perf_counter(), time.thread_time(), []
+        paged = self.disk.page_in(s) if self.disk is not None and host.optimizer is not None else None
         if apply and host.optimizer is not None:
             updated = [p for group in host.optimizer.param_groups for p in group["params"]]
             if unscale is not None:
@@ -164,6 +169,8 @@ class HostOptimizer:
             with self._busy_lock:
                 self._busy[0] += time.perf_counter() - began
                 self._busy[1] += numel
+        if paged is not None:
+            self.disk.page_out(s, paged)
         if host.optimizer is not None:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
@@ -243,3 +250,5 @@ class HostOptimizer:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.grads_out.synchronize()
+        if self.disk is not None:
+            self.disk.close()

@@ -34,6 +34,7 @@ from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, Worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
+from mobius.swap.disk import DiskMoments
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
@@ -111,15 +112,23 @@ class PipelineWorker:
                 if store.lag:
                     files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
             if host.optimizer is not None:
+                disk = self.parts.runner.optimizer.disk
+                if disk is not None:
+                    disk.loaded(s)
                 files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
+                if disk is not None:
+                    disk.forget(s)  # the file keeps them; the checkpoint holds these copies until it is saved
         return files
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
         store = self.store
         aliases = tied_parameter_names(store.config)
+        disk = self.parts.runner.optimizer.disk
         for s, host in store.stages.items():
             ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
+            if disk is not None:
+                disk.unload(s)
             for b in range(len(host.compute_buffers)):
                 store.refresh_compute_copy(s, b)
         if store.lag:  # the weights the first step computes with: one update behind the master
@@ -134,8 +143,10 @@ class PipelineWorker:
             for s, host in store.stages.items():
                 write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
                                    layer_states(dict(host.named_params())), merged)
+        disk = self.parts.runner.optimizer.disk
         out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
-               "host_bytes": store.host_bytes()}
+               "host_bytes": store.host_bytes(),
+               "disk_bytes": (disk.read_bytes, disk.written_bytes) if disk is not None else None}
         if payload.return_weights:
             out["weights"] = store.state_dict()
         return out
@@ -183,8 +194,13 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
+    disk = None
+    if cfg.pipeline.offload_dir:  # AdamW's moments of the stages the host updates wait on disk
+        rank_here = dist.get_rank() if dist.is_initialized() else rank
+        disk = DiskMoments(cfg.pipeline.offload_dir, rank_here, {s: host.optimizer for s, host in store.stages.items()
+                                                                 if host.optimizer is not None and s not in plan.resident})
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
-                         scaler, transport, replicas)
+                         scaler, transport, replicas, disk)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
 
 

@@ -1,0 +1,175 @@
+"""The disk tier of the host store: AdamW's two moments of a worker's stages on NVMe
+(``--offload-dir``), as ZeRO-Infinity keeps optimizer state, so that a host with less memory than
+full fine-tuning asks for (16 bytes a parameter) trains with 8 bytes a parameter fewer.
+
+Each stage's moments are one file, ``[exp_avg | exp_avg_sq]`` in fp32, written and read whole
+(one large sequential request each).  Between updates the optimizer holds only AdamW's step count:
+:meth:`DiskMoments.page_in` binds the moments to a buffer of a small pool just before the stage's
+update, :meth:`DiskMoments.page_out` writes them back and returns the buffer.  The read of a
+stage's moments starts as soon as its gradients leave the device (:meth:`read_ahead`), on a reader
+thread, and the write after its update runs on a writer thread: the read of the next stage, this
+stage's update and the last stage's write are in flight together.  The pool bounds the host memory
+the tier takes (``POOL_BUFFERS`` buffers of the largest stage's moments); the reader waits for a
+free buffer, the writer frees them, and reads and updates come in the same order, so the pool
+cannot deadlock.
+
+The files are the run's own: created exclusively (never a file of the user's), removed when the
+worker closes.  AdamW is elementwise, and a moment's trip through a file is exact: a run with its
+moments on disk computes the same bits as one with them in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from mobius.errors import RunError, shown
+
+POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DiskMoments:
+    def __init__(self, directory: str | os.PathLike, rank: int, optimizers: dict[int, torch.optim.Optimizer]):
+        """``optimizers``: each stage's AdamW (the stages whose moments go to disk)."""
+        self.directory = Path(directory)
+        self.optimizers = optimizers
+        self.params = {s: [p for g in opt.param_groups for p in g["params"]] for s, opt in optimizers.items()}
+        self.numel = {s: sum(p.numel() for p in ps) for s, ps in self.params.items()}
+        self.paths = {s: self.directory / f"rank{rank:03d}-stage{s:04d}.adam" for s in optimizers}
+        self.written = {s: False for s in optimizers}  # AdamW has made the moments (first update done)
+        self.fds: dict[int, int] = {}
+        try:
+            for s, path in self.paths.items():  # exclusively: never a file that was there
+                self.fds[s] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                os.ftruncate(self.fds[s], 2 * 4 * self.numel[s])
+        except OSError as err:
+            self.close()
+            raise RunError(f"--offload-dir {shown(self.directory)}: cannot create its files ({err.strerror})") from None
+        largest = max(self.numel.values(), default=0)
+        self.pool: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(POOL_BUFFERS if largest else 0):
+            self.pool.put(torch.empty(2 * largest, dtype=torch.float32))
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-write")
+        self._reads: dict[int, Future] = {}
+        self._writes: dict[int, Future] = {}
+        self.read_bytes = self.written_bytes = 0
+
+    def holds(self, s: int) -> bool:
+        return s in self.optimizers
+
+    # ---- the update's path -------------------------------------------------------------------
+    def read_ahead(self, s: int) -> None:
+        """Start reading stage ``s``'s moments (its update is coming)."""
+        if self.holds(s) and s not in self._reads:
+            self._reads[s] = self._reader.submit(self._read, s)
+
+    def _read(self, s: int) -> torch.Tensor:
+        if s in self._writes:  # its last update's moments must be on disk first
+            self._writes.pop(s).result()
+        buffer = self.pool.get()  # waits for the writer to hand one back
+        if self.written[s]:
+            flat = buffer[:2 * self.numel[s]]
+            self._transfer(os.preadv, s, flat)
+            self.read_bytes += flat.numel() * 4
+        return buffer
+
+    def page_in(self, s: int) -> torch.Tensor:
+        """Stage ``s``'s moments bound to AdamW's state (views of a pool buffer), before its update;
+        returns the buffer, for :meth:`page_out`.  Before the first update there are none: AdamW
+        makes them."""
+        self.read_ahead(s)
+        buffer = self._reads.pop(s).result()
+        if self.written[s]:
+            self._bind(s, buffer)
+        return buffer
+
+    def page_out(self, s: int, buffer: torch.Tensor) -> None:
+        """After stage ``s``'s update: its moments (in ``buffer``, or where AdamW made them on its
+        first update) leave for the disk, and the optimizer keeps only its step count."""
+        state = self.optimizers[s].state
+        if not all(key in state.get(p, {}) for p in self.params[s] for key in MOMENTS):
+            self.pool.put(buffer)  # no update has made them yet (an fp16 step skipped before the first)
+            return
+        flat = buffer[:2 * self.numel[s]]
+        offset = 0
+        for key in MOMENTS:
+            for p in self.params[s]:
+                part = flat[offset: offset + p.numel()]
+                moment = state[p].pop(key)
+                if moment.data_ptr() != part.data_ptr():
+                    part.copy_(moment.reshape(-1))
+                offset += p.numel()
+        self.written[s] = True
+        self._writes[s] = self._writer.submit(self._write, s, flat, buffer)
+
+    def _write(self, s: int, flat: torch.Tensor, buffer: torch.Tensor) -> None:
+        try:
+            self._transfer(os.pwritev, s, flat)
+            self.written_bytes += flat.numel() * 4
+        finally:
+            self.pool.put(buffer)
+
+    def _bind(self, s: int, flat: torch.Tensor) -> None:
+        state, offset = self.optimizers[s].state, 0
+        for key in MOMENTS:
+            for p in self.params[s]:
+                state[p][key] = flat[offset: offset + p.numel()].view(p.shape)
+                offset += p.numel()
+
+    def _transfer(self, call, s: int, flat: torch.Tensor) -> None:
+        """``flat`` read from or written to stage ``s``'s file whole (the calls may move less than asked)."""
+        view = memoryview(flat.numpy()).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                moved = call(self.fds[s], [view[done:]], done)
+                if moved <= 0:
+                    raise OSError(0, "the file ended early")
+                done += moved
+        except OSError as err:
+            raise RunError(f"--offload-dir {shown(self.paths[s])}: {'reading' if call is os.preadv else 'writing'} "
+                           f"AdamW's state failed ({err.strerror})") from None
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def loaded(self, s: int) -> None:
+        """Stage ``s``'s moments in AdamW's state again, in tensors of their own (a checkpoint reads
+        them; :meth:`unload` sends them back)."""
+        if not self.holds(s) or not self.written[s]:
+            return
+        if s in self._writes:
+            self._writes.pop(s).result()
+        flat = torch.empty(2 * self.numel[s], dtype=torch.float32)
+        self._transfer(os.preadv, s, flat)
+        self._bind(s, flat)
+
+    def forget(self, s: int) -> None:
+        """Drop the moments :meth:`loaded` bound (the file holds the same)."""
+        if self.holds(s) and self.written[s]:
+            for st in self.optimizers[s].state.values():
+                for key in MOMENTS:
+                    st.pop(key, None)
+
+    def unload(self, s: int) -> None:
+        """Stage ``s``'s moments, as its AdamW's state holds them now (a checkpoint's, restored),
+        written to disk; the optimizer keeps only its step count."""
+        if not self.holds(s) or not any(k in st for st in self.optimizers[s].state.values() for k in MOMENTS):
+            return
+        buffer = self.pool.get()
+        self.page_out(s, buffer)
+        self._writes[s].result()
+
+    def close(self) -> None:
+        """Every write finished; the files removed (they are the run's, and only the run's)."""
+        for pool in ("_reader", "_writer"):
+            if hasattr(self, pool):
+                getattr(self, pool).shutdown(wait=True)
+        for s, fd in self.fds.items():
+            os.close(fd)
+            self.paths[s].unlink(missing_ok=True)
+        self.fds = {}

@@ -1,0 +1,127 @@
+"""The disk tier (--offload-dir): AdamW's moments through files give the bits they give in memory,
+in process and on pipeline workers, across a resume between tiers; the files are the run's own."""
+
+import json
+
+import pytest
+import torch
+from conftest import TINY, one_line_exit_2, reference
+
+from mobius.backends.pipeline import launch_pipeline
+from mobius.config import RunConfig
+from mobius.errors import RunError
+from mobius.models import get_config
+from mobius.prepare import resolve_topology
+from mobius.runtime.optim import UpdateRule, make_adamw
+from mobius.swap.disk import DiskMoments
+from mobius.train import main as train_main
+
+
+def stages(seed: int) -> dict[int, list[torch.nn.Parameter]]:
+    g = torch.Generator().manual_seed(seed)
+    return {s: [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
+            for s, shapes in {0: [(8, 4), (4,)], 1: [(16, 16)], 2: [(3,), (5, 2)]}.items()}
+
+
+def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path):
+    """Five AdamW updates of three stages, the moments read ahead, updated, written behind (and
+    one stage skipped once, as an fp16 overflow skips a step): every weight and moment equal to the
+    same updates in memory, bit for bit; a checkpoint's view and a restore go through the files;
+    closing removes them."""
+    rule = UpdateRule(lr=1e-2)
+    ours, theirs = stages(0), stages(0)
+    opt_ours = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in ours.items()}
+    opt_theirs = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in theirs.items()}
+    disk = DiskMoments(tmp_path, 0, opt_ours)
+    try:
+        g = torch.Generator().manual_seed(1)
+        for step in range(5):
+            grads = {s: [torch.randn(p.shape, generator=g) for p in ps] for s, ps in ours.items()}
+            for s in ours:
+                disk.read_ahead(s)
+            for s in (2, 1, 0):  # backward order
+                skipped = step == 1 and s == 1
+                for p, q, grad in zip(ours[s], theirs[s], grads[s]):
+                    p.grad, q.grad = grad.clone(), grad.clone()
+                buffer = disk.page_in(s)
+                if not skipped:
+                    opt_ours[s].step()
+                    opt_theirs[s].step()
+                disk.page_out(s, buffer)
+                assert all(set(st) == {"step"} for st in opt_ours[s].state.values())  # only the count stays
+        for s in ours:
+            for p, q in zip(ours[s], theirs[s]):
+                assert torch.equal(p, q)
+            disk.loaded(s)
+            for p, q in zip(ours[s], theirs[s]):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opt_ours[s].state[p][key], opt_theirs[s].state[q][key])
+                opt_ours[s].state[p]["exp_avg"] = opt_ours[s].state[p]["exp_avg"] * 0 + 7.0  # a restored state
+            disk.unload(s)
+            disk.loaded(s)
+            assert all(torch.all(opt_ours[s].state[p]["exp_avg"] == 7.0) for p in ours[s])
+            disk.forget(s)
+        assert disk.read_bytes > 0 and disk.written_bytes > 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(3)]
+    finally:
+        disk.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_is_there_is_never_opened(tmp_path):
+    (tmp_path / "rank000-stage0001.adam").write_text("the user's")
+    params = stages(0)
+    optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2)) for s, ps in params.items()}
+    with pytest.raises(RunError, match="cannot create its files"):
+        DiskMoments(tmp_path, 0, optimizers)
+    assert (tmp_path / "rank000-stage0001.adam").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank000-stage0001.adam"]
+
+
+@pytest.mark.slow
+def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_across_tiers(tmp_path):
+    """Two workers, every stage's moments on disk, clipped, then with the optimizer lag: per-step
+    losses and weights equal the reference trainer's; each worker read and wrote its moments; the
+    directory is gone at the end.  A run saved with its moments on disk resumes without the disk
+    tier, and one saved without resumes onto it, each ending equal to a straight run."""
+    base = dict(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2, micro_batches=4,
+                seq_len=32, lr=3e-3, progress=False, backend="pipeline", device_optimizer="off")
+    for changes in ({"max_grad_norm": 0.1}, {"optimizer_lag": 1}):
+        cfg = RunConfig.of(**base, **changes, offload_dir=str(tmp_path / "nvme"))
+        ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=None)
+        (tmp_path / "nvme").mkdir()
+        history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
+        assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
+        for name, w in weights.items():
+            assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
+        assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
+        assert list((tmp_path / "nvme").iterdir()) == []
+        (tmp_path / "nvme").rmdir()
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4"]
+    train_main(run + ["--metrics", str(tmp_path / "straight.jsonl")])
+    train_main(run + ["--offload-dir", str(tmp_path / "nvme"), "--stop-after", "2", "--save", str(tmp_path / "ck"),
+                      "--metrics", str(tmp_path / "resumed.jsonl")])
+    assert not (tmp_path / "nvme").exists()  # made by the run, removed by it
+    train_main(["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "resumed.jsonl")])  # no disk tier
+    train_main(run + ["--stop-after", "2", "--save", str(tmp_path / "ck2"), "--metrics", str(tmp_path / "onto.jsonl")])
+    train_main(["--resume", str(tmp_path / "ck2"), "--offload-dir", str(tmp_path / "nvme"),  # onto the disk tier
+                "--metrics", str(tmp_path / "onto.jsonl")])
+    losses = [[json.loads(line)["loss"] for line in open(tmp_path / f)]
+              for f in ("straight.jsonl", "resumed.jsonl", "onto.jsonl")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] == pytest.approx(losses[2], rel=1e-6)
+
+
+def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tmp_path, capsys):
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme" / "notes.txt").write_text("mine")
+    assert "--offload-dir" in one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu",
+                                                                  "--offload-dir", str(tmp_path / "nvme")], capsys)
+    assert (tmp_path / "nvme" / "notes.txt").read_text() == "mine"
+    message = one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir",
+                                                  str(tmp_path / "nvme")], capsys)
+    assert "holds files Mobius did not write" in message
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu",
+                                                                       "--offload-dir", str(tmp_path / "file")], capsys)
+    assert "--offload-dir applies to --backend pipeline" in one_line_exit_2(
+        train_main, TINY + ["--backend", "single", "--offload-dir", str(tmp_path / "new")], capsys)
