@@ -122,3 +122,10 @@ def test_compare_trl():
     (row,) = read("trl.json")["rows"]
     for who in ("mobius", "trl"):
         assert 0 < row[who]["answer_loss"] < 10 and 0 <= row[who]["exact_match"] <= 1
+
+
+def test_bench_offload():
+    run_script("bench_offload", ["--smoke", "--json", "offload.json"])
+    row = read("offload.json")
+    assert all(row["median"][k] > 0 for k in ("read_s", "write_s", "adam_s", "step_s"))
+    assert row["step_over_read_plus_write"] > 0
