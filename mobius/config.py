@@ -298,6 +298,8 @@ class RunConfig:
     host_adam_gbps: float | None = None  # the planned host's memory bandwidth for its AdamW (analytic profiles)
     cpu_workers: int = 2
     network: str | None = None  # between nodes: a preset (25gbe) or GB/s; None: the topology's, else assumed
+    host_mem_gb: float | None = None  # the host memory the run may use (None: the topology's, or what is available)
+    drive_gbps: tuple[str, ...] = ()  # the disk tier's drives, GB/s each (none: the topology's, else one assumed)
     data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()
     optim: OptimConfig = OptimConfig()
@@ -309,7 +311,17 @@ class RunConfig:
     emulation: EmulationConfig = EmulationConfig()
 
     def __post_init__(self):
-        _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps"))
+        _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps", "host_mem_gb"))
+        for text in self.drive_gbps:
+            try:
+                ok = 0 < float(text) < 1e4
+            except ValueError:
+                ok = False
+            if not ok:
+                raise InputError(f"--drive-gbps {','.join(self.drive_gbps)!r}: give each drive's GB/s, a positive "
+                                 "number")
+        if (self.host_mem_gb or self.drive_gbps) and not self.pipeline.offload_dir:
+            raise InputError("--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR")
         if self.gpu_mem_gb is not None and self.gpu_mem_gb > MAX_DEVICE_MEMORY_GB:
             raise InputError(f"--gpu-mem-gb {self.gpu_mem_gb:g} is more than any device has (at most "
                              f"{MAX_DEVICE_MEMORY_GB} GB)")
@@ -431,6 +443,12 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
                         "between updates, read back ahead of each stage's update and written after it, overlapped "
                         "(ZeRO-Infinity's disk tier): for a host with less memory than the run needs; DIR must be "
                         "empty or absent, and the files go when the run ends (pipeline backend)")
+    p.add_argument("--host-mem-gb", type=float, default=None,
+                   help="with --offload-dir: the host memory the run may use; the plan puts the AdamW moments of as "
+                        "many stages on disk as it takes to fit (default: every stage's)")
+    p.add_argument("--drive-gbps", type=comma_names, default=(), metavar="GBPS[,GBPS...]",
+                   help="with --offload-dir: the drives the disk tier uses, each one's sequential GB/s (default: the "
+                        "topology's drives, else one of 3.5 GB/s assumed)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="D",
                    help="D replicas of the pipeline, each on M/D of the step's micro-batches, gradients summed across "
                         "them and the host AdamW sharded across them (ZeRO-1); default: the number of nodes under "

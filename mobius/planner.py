@@ -7,6 +7,7 @@ topology, batch settings, partitioner), so the same command on the same machine 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
@@ -19,6 +20,7 @@ from mobius.partition.baselines import BASELINES, balanced_bounds, layer_costs, 
 from mobius.partition.cost import (
     GB,
     Machine,
+    StageCost,
     check_layers_fit,
     evaluate,
     exchanged_bytes,
@@ -169,11 +171,11 @@ def pcie_bps(topo: Topology) -> float:
 
 
 def check_plannable(model_name: str, config: GPTConfig, topo: Topology, precision: str, stages: int | None = None,
-                    optimizer_lag: int = 0, data_parallel: int = 1) -> None:
-    """What refuses a plan before any profiling: the host memory, and a stage for every worker,
-    each stage at least one layer."""
+                    optimizer_lag: int = 0, data_parallel: int = 1, moments_on_disk: bool = False) -> None:
+    """What refuses a plan before any profiling: the host memory (with AdamW's moments on disk,
+    where the disk tier may take them), and a stage for every worker, each stage at least one layer."""
     check_host_memory(model_name, config, precision, optimizer_lag, topo.host_memory_gb * GB, topo.name,
-                      data_parallel=data_parallel)
+                      data_parallel=data_parallel, moments_on_disk=moments_on_disk)
     layers = layer_count(config)
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
     if layers < topo.n:
@@ -209,6 +211,38 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
     have = {len(b) for b in found.values()}
     return {f"balanced-{k}": balanced_bounds(costs, k)
             for k in sorted(counts) if workers <= k <= profile.n and k not in have}
+
+
+# The disk tier's drive where the topology states none: a PCIe 4.0 NVMe's sequential rate, assumed.
+ASSUMED_DRIVE_GBPS = 3.5
+
+
+def drive_gbps(topo: Topology) -> tuple[float, float]:
+    """(read, write) GB/s of ``topo``'s drives together, or of one assumed drive."""
+    if not topo.drives:
+        return ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS
+    return sum(d.read_gbps for d in topo.drives), sum(d.write_gbps for d in topo.drives)
+
+
+def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, excess: float) -> list[int]:
+    """The host stages whose AdamW moments wait on disk: the largest first, until they free
+    ``excess`` bytes of host memory (``inf``: every one) beside the pool they pass through."""
+    if excess <= 0:
+        return []
+    moments = {j: c.grad_bytes // element_bytes * ADAM_STATE_BYTES // data_parallel for j, c in enumerate(costs)
+               if not c.resident and c.grad_bytes}
+    chosen: list[int] = []
+    freed = 0.0
+    for j in sorted(moments, key=lambda j: -moments[j]):
+        if freed - POOL_BUFFERS * max(moments[k] for k in chosen or [j]) >= excess:
+            break
+        chosen.append(j)
+        freed += moments[j]
+    if excess != math.inf and freed - POOL_BUFFERS * max((moments[k] for k in chosen), default=0) < excess:
+        short = excess - freed + POOL_BUFFERS * max((moments[k] for k in chosen), default=0)
+        raise InputError(f"with every host stage's AdamW moments on disk the host still needs {short / GB:.2f} GB "
+                         "more than --host-mem-gb gives (the master weights on disk are not built yet)")
+    return sorted(chosen)
 
 
 @dataclass
@@ -289,14 +323,15 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
               stages: int | None = None, time_limit_s: float = 8.0, use_cache: bool = True,
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
-              device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False) -> Plan:
+              device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False, disk: str = "off") -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
     from ``profile`` (:func:`mobius.prepare.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
     broadcasts them (:func:`replica_profile`, on ``topo``'s network, else
     :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident (its update
-    would need the replicas' sum on the device)."""
-    check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel)
+    would need the replicas' sum on the device).  ``disk``: the host stages whose AdamW moments
+    wait on disk (``--offload-dir``): ``off``, ``all``, or as many as fitting the host memory takes."""
+    check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel, disk != "off")
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
     host_adam = profile.host.adam_params_per_s
     if data_parallel > 1:
@@ -307,7 +342,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, clip=clip)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip])
+                  stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip,
+                  disk])
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
@@ -333,11 +369,21 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
     placed, resident, machine, est = done[solver.chosen] if solver is not None else search.finished(bounds)
+    on_disk, drives = [], (0.0, 0.0)
+    if disk != "off":
+        costs = stage_costs(profile, bounds, recompute, resident)
+        need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel)
+        on_disk = disk_stages(costs, element_bytes(profile.dtype), data_parallel,
+                              need - topo.host_memory_gb * GB if disk == "fit" else math.inf)
+        drives = drive_gbps(topo)
+        machine = replace(machine, on_disk=tuple(on_disk),
+                          disk_s_per_param=topo.n * ADAM_STATE_BYTES * (1 / drives[0] + 1 / drives[1]) / GB)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
                       micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
-                      mapping=mapping, prefetch=prefetch)
+                      mapping=mapping, prefetch=prefetch, disk_stages=on_disk, disk_gbps=drives)
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan
@@ -359,8 +405,13 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
         floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
+    disk_bytes = sum(costs[j].grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES // data_parallel
+                     for j in fields.get("disk_stages", ()))
+    if disk_bytes:  # every worker's moments read and written through the drives, all of them at once
+        read, write = fields["disk_gbps"]
+        floor[Lane.DISK] = disk_bytes / (read * GB) + disk_bytes / (write * GB)
     return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
-                predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
+                disk_bytes=disk_bytes, predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
                 recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,

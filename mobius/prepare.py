@@ -55,7 +55,7 @@ from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
-from topology import Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
+from topology import Drive, Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
 
 GB = 10**9
 
@@ -244,6 +244,10 @@ def resolve_topology(cfg: RunConfig) -> Topology:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
     if cfg.host_adam_gbps is not None:
         topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
+    if cfg.host_mem_gb is not None:
+        topo.host_memory_gb = cfg.host_mem_gb
+    if cfg.drive_gbps:
+        topo.drives = [Drive(f"drive{k}", float(g), float(g)) for k, g in enumerate(cfg.drive_gbps)]
     if cfg.network is not None:
         try:
             topo.network = network_of(cfg.network)
@@ -318,7 +322,10 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
     replicas = data_parallel_of(cfg)
     batch, pipe = cfg.batch, cfg.pipeline
-    check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas)
+    # The disk tier: every host stage's moments on disk, or (--host-mem-gb) those of as many as the host needs.
+    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb is None else "fit"
+    check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas,
+                    moments_on_disk=disk != "off")
     if profile is None:
         profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
                               fresh=not plan_options.get("use_cache", True))
@@ -328,7 +335,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
-                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), **plan_options)
+                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), disk=disk, **plan_options)
 
     if cfg.pipeline.recompute == "on":
         return make(recompute=True)

@@ -71,7 +71,8 @@ def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path):
 def test_a_file_that_is_there_is_never_opened(tmp_path):
     (tmp_path / "rank000-stage0001.adam").write_text("the user's")
     params = stages(0)
-    optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2)) for s, ps in params.items()}
+    optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2))
+                  for s, ps in params.items()}
     with pytest.raises(RunError, match="cannot create its files"):
         DiskMoments(tmp_path, 0, optimizers)
     assert (tmp_path / "rank000-stage0001.adam").read_text() == "the user's"
@@ -125,3 +126,54 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
                                                                        "--offload-dir", str(tmp_path / "file")], capsys)
     assert "--offload-dir applies to --backend pipeline" in one_line_exit_2(
         train_main, TINY + ["--backend", "single", "--offload-dir", str(tmp_path / "new")], capsys)
+
+
+def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(tmp_path, capsys):
+    """``--host-mem-gb`` below what the run holds in memory: the largest host stages' moments go
+    to disk until the rest fits (none where it fits, all without the cap); the prediction charges
+    their way through the drives, and the disk lane's floor is their bytes there and back."""
+    from mobius.planner import host_bytes_needed
+    from mobius.prepare import plan_on
+    from mobius.runtime.spec import Lane
+
+    base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
+                precision="bf16", progress=False, offload_dir=str(tmp_path / "nvme"), drive_gbps=("2",),
+                device_optimizer="off")
+    config = get_config("small")
+    need = host_bytes_needed(config, "bf16") / 1e9
+    plans = {}
+    for name, host in (("all", None), ("half", need * 0.75), ("fits", need * 2)):
+        cfg = RunConfig.of(**base, **({"host_mem_gb": host} if host else {}))
+        plans[name] = plan_on(cfg, config, resolve_topology(cfg), time_limit_s=2)
+    host_stages = [j for j in range(len(plans["all"].bounds)) if j not in plans["all"].resident]
+    assert plans["all"].disk_stages == host_stages and plans["fits"].disk_stages == []
+    assert 0 < len(plans["half"].disk_stages) < len(host_stages)
+    half = plans["half"]
+    assert half.disk_bytes >= (need - need * 0.75) * 1e9  # at least what the host lacks
+    assert half.lane_floor_s[Lane.DISK] == pytest.approx(2 * half.disk_bytes / 2e9)
+    assert plans["all"].predicted_step_s > plans["fits"].predicted_step_s
+    assert Lane.DISK not in plans["fits"].lane_floor_s
+    assert "disk tier: AdamW's moments of stages" in half.render() and not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--host-mem-gb", "8"], "--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR"),
+    (["--offload-dir", "x", "--drive-gbps", "fast"], "--drive-gbps 'fast': give each drive's GB/s"),
+    (["--offload-dir", "x", "--host-mem-gb", "0.0001"],
+     "of host memory (weights, AdamW state on disk, gradients), but 4x4090 has 0.0 GB"),
+])
+def test_bad_disk_tier_settings_are_one_line(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from mobius.plan import main as plan_main
+
+    assert message in one_line_exit_2(plan_main, ["--model", "small", "--topology", "4x4090", *args], capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_drives_in_a_topology_file_round_trip(tmp_path):
+    from topology import Drive, load_preset, load_topology_file
+
+    box = load_preset("4x4090")
+    box.drives = [Drive("nvme0", 7.0, 5.5), Drive("nvme1", 7.0, 5.5)]
+    box.save(tmp_path / "box.json")
+    assert load_topology_file(tmp_path / "box.json").drives == box.drives

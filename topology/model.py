@@ -53,6 +53,15 @@ class Network:
     latency_us: float
 
 
+@dataclass(frozen=True)
+class Drive:
+    """A drive the disk tier can keep state on (``--offload-dir``): its sequential bandwidths."""
+
+    name: str
+    read_gbps: float
+    write_gbps: float
+
+
 @dataclass
 class Topology:
     name: str
@@ -67,6 +76,7 @@ class Topology:
     # the host AdamW every worker's optimizer runs.  None: not known (the planner assumes a rate).
     host_memory_bandwidth_gbps: float | None = None
     network: Network | None = None  # to the other nodes; None: not stated (a single box)
+    drives: list[Drive] = field(default_factory=list)  # for the disk tier; none stated: none planned
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -152,6 +162,8 @@ class Topology:
         if self.network is not None:
             d["network"] = {"name": self.network.name, "bandwidth_gbps": self.network.bandwidth_gbps,
                             "latency_us": self.network.latency_us}
+        if self.drives:
+            d["drives"] = [{"name": v.name, "read_gbps": v.read_gbps, "write_gbps": v.write_gbps} for v in self.drives]
         d.update(self.extra)
         return d
 
@@ -261,11 +273,22 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
                           float(_get(net, "latency_us", NUMBER, "network", source, default=10.0)))
         if network.bandwidth_gbps <= 0 or network.latency_us < 0:
             raise TopologyError(f"{source}: key network: bandwidth_gbps must be positive and latency_us not negative")
-    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual", "network")
+    drives = []
+    for k, raw in enumerate(_get(d, "drives", list, "", source, default=[])):
+        if not isinstance(raw, dict):
+            raise TopologyError(f"{source}: key drives[{k}] must be an object")
+        drive = Drive(_get(raw, "name", str, "drives[]", source, default=f"drive{k}"),
+                      float(_get(raw, "read_gbps", NUMBER, "drives[]", source)),
+                      float(_get(raw, "write_gbps", NUMBER, "drives[]", source)))
+        if not (0 < drive.read_gbps < 1e4 and 0 < drive.write_gbps < 1e4):
+            raise TopologyError(f"{source}: key drives[{k}]: read_gbps and write_gbps must be positive GB/s")
+        drives.append(drive)
+    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual", "network", "drives")
     return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
                     nvlink=nvlink, p2p=p2p, virtual=virtual,
                     extra={k: v for k, v in d.items() if k not in top_known},
-                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw), network=network)
+                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw), network=network,
+                    drives=drives)
 
 
 def load_topology_file(path: str | os.PathLike) -> Topology:

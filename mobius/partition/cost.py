@@ -98,6 +98,10 @@ class Machine:
     upload_backward: tuple[float, ...] = ()
     d2h_forward: tuple[float, ...] = ()
     d2h_backward: tuple[float, ...] = ()
+    # The disk tier (mobius.swap.disk): the stages whose AdamW moments wait on disk between updates,
+    # and the seconds a parameter's moments take there and back for one worker, its drives shared.
+    on_disk: tuple[int, ...] = ()
+    disk_s_per_param: float = 0.0
 
     def first_load_s(self, j: int, sizes: list[float]) -> float:
         """When slot ``j``'s first stage (``sizes[j]`` bytes; ``sizes`` of the first stage of every
@@ -225,9 +229,12 @@ def on_device(st: list[StageCost], machine: Machine) -> list[StageCost]:
     return out
 
 
-def adam_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
-    """Host AdamW of stage ``c`` on one worker: its share of the parameters, with replicas."""
-    return c.grad_bytes / element_bytes / machine.replicas / machine.adam_params_per_s
+def adam_s(c: StageCost, machine: Machine, element_bytes: int, on_disk: bool = False) -> float:
+    """Host AdamW of stage ``c`` on one worker: its share of the parameters, with replicas; with
+    its moments ``on_disk``, at least their way there and back (read ahead and written behind,
+    overlapped with the updates: the longer of the two)."""
+    params = c.grad_bytes / element_bytes / machine.replicas
+    return max(params / machine.adam_params_per_s, params * machine.disk_s_per_param if on_disk else 0.0)
 
 
 def exchanged_bytes(params: float, replicas: int) -> float:
@@ -393,7 +400,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     s.backward()
     home = s.gradients_home()
     s.pass_copies(compute_only, home)
-    adam = [0.0 if c.resident else adam_s(c, machine, elt) for c in st]
+    adam = [0.0 if c.resident else adam_s(c, machine, elt, j in machine.on_disk) for j, c in enumerate(st)]
     exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         # each worker's optimizer, and the node's network for all of them

@@ -22,6 +22,7 @@ class Lane(str, Enum):
     D2H = "d2h"  # and from them
     HOST_ADAM = "host AdamW"
     NETWORK = "network"  # between the nodes of data-parallel replicas
+    DISK = "disk"  # AdamW's moments to the drives and back (--offload-dir)
 
     def __str__(self) -> str:
         return self.value
@@ -34,7 +35,8 @@ class Lane(str, Enum):
 HELPS = {Lane.HOST_ADAM: "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
          Lane.PCIE: "more micro-batches per step amortise the stage loads",
          Lane.COMPUTE: "the GPUs themselves are the limit",
-         Lane.NETWORK: "a faster network between the nodes, or fewer replicas with more micro-batches each"}
+         Lane.NETWORK: "a faster network between the nodes, or fewer replicas with more micro-batches each",
+         Lane.DISK: "more host memory (fewer stages' state on disk), more or faster drives, or more tokens per step"}
 
 
 @dataclass
@@ -94,6 +96,11 @@ class Plan:
     # Data-parallel replicas of this plan (one per node), and the network between them.
     data_parallel: int = 1
     network: str = ""
+    # The disk tier (--offload-dir): the stages whose AdamW moments wait on disk, their bytes, and
+    # the drives' bandwidth the prediction assumed (GB/s, read and write, all drives).
+    disk_stages: list[int] = field(default_factory=list)
+    disk_bytes: int = 0
+    disk_gbps: tuple[float, float] = (0.0, 0.0)
 
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
@@ -133,6 +140,7 @@ class Plan:
         d["bounds"] = [tuple(b) for b in d["bounds"]]
         d["lane_floor_s"] = {Lane(k): v for k, v in d.get("lane_floor_s", {}).items()}
         d["solver"] = SolverReport(**d["solver"]) if d.get("solver") else None
+        d["disk_gbps"] = tuple(d.get("disk_gbps", (0.0, 0.0)))
         return cls(**d)
 
     def checked(self, layers: int, workers: int) -> "Plan":
@@ -172,6 +180,10 @@ class Plan:
         if self.resident:
             lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
                          "(no swap, no gradient offload, no host update)")
+        if self.disk_stages:
+            lines.append(f"disk tier: AdamW's moments of stages {self.disk_stages} ({self.disk_bytes / 1e9:.1f} GB) "
+                         f"wait on the drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write) "
+                         "between updates, read ahead and written behind")
         if self.data_parallel > 1:
             lines.append(f"replicas: {self.data_parallel}, one per node, each running this plan on "
                          f"{self.micro_batches} of the step's {self.micro_batches * self.data_parallel} micro-batches; "
