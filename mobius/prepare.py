@@ -42,7 +42,14 @@ from mobius.partition.profile import (
     host_adam_rate,
     measure_profile,
 )
-from mobius.planner import DoesNotFit, available_host_memory, check_plannable, host_bytes_needed, make_plan
+from mobius.planner import (
+    DoesNotFit,
+    available_host_memory,
+    check_plannable,
+    drive_gbps,
+    host_bytes_needed,
+    make_plan,
+)
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import (
     CUDA_RESERVE_BYTES,
@@ -420,8 +427,8 @@ def check_cpu_workers_fit(cfg: RunConfig, model_config: GPTConfig, plan: Plan, b
     workers = replicas * sum(min(budget, planned_device_bytes(plan, k)) + CPU_WORKER_PROCESS_BYTES
                              for k, budget in enumerate(budgets))
     if host + workers > available:
-        raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs {(host + workers) / GB:.1f} "
-                         f"GB of this machine's memory ({host / GB:.1f} GB on the host, {workers / GB:.1f} GB in the "
+        raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs "
+                         f"{(host + workers) / GB:.1f} GB of this machine's memory ({host / GB:.1f} GB on the host, {workers / GB:.1f} GB in the "
                          f"workers as planned), but {available / GB:.1f} GB are available: use fewer --cpu-workers, a "
                          "smaller --gpu-mem-gb or a smaller model")
 
@@ -493,7 +500,9 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
                          counters="", how=how, floor=step_floor,  # the launcher makes the counters file
                          replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB,
-                         host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n))
+                         host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n),
+                         disk_bps=tuple(g * GB for g in drive_gbps(topo)) if cfg.pipeline.offload_dir else
+                         (float("inf"), float("inf")))
 
 
 def _round_up(x: float) -> float:

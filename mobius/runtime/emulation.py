@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-DIRECTIONS = ("h2d", "d2h", "net")  # "net": a box's network to the other boxes
+DIRECTIONS = ("h2d", "d2h", "net", "disk-read", "disk-write")  # "net": a box's network to the other boxes
 SLICE_S = 0.002  # wall seconds between re-reads of the sharing (the fluid model's time step)
 
 
@@ -53,13 +53,15 @@ class EmulationSpec:
     network: str = ""  # between the boxes (replicas > 1)
     network_bps: float = 0.0  # each box's link to it, bytes per emulated second each way
     host_adam_params_per_s: float = float("inf")  # one worker's optimizer thread on the emulated host
+    disk_bps: tuple[float, float] = (float("inf"), float("inf"))  # the box's drives, read and write (--offload-dir)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "EmulationSpec":
-        return cls(**{**d, "link_bps": tuple(d["link_bps"]), "root_complex": tuple(d["root_complex"])})
+        return cls(**{**d, "link_bps": tuple(d["link_bps"]), "root_complex": tuple(d["root_complex"]),
+                      "disk_bps": tuple(d.get("disk_bps", (float("inf"), float("inf"))))})
 
     def header(self, predicted_step_s: float, steps: int) -> str:
         """What the run emulates, at which factor, and the wall time that implies."""
@@ -93,10 +95,11 @@ class EmulatedLinks:
         box_workers = [box * n + w for w in range(n)]
         self._peers = {"h2d": [r for r in box_workers if spec.root_complex[r % n] == rc]}
         self._peers["d2h"] = self._peers["h2d"]
-        self._peers["net"] = box_workers
-        self._cap = {"h2d": spec.link_bps[gpu], "d2h": spec.link_bps[gpu], "net": float("inf")}
+        self._peers["net"] = self._peers["disk-read"] = self._peers["disk-write"] = box_workers  # the box's own
+        self._cap = {"h2d": spec.link_bps[gpu], "d2h": spec.link_bps[gpu], "net": float("inf"),
+                     "disk-read": float("inf"), "disk-write": float("inf")}
         self._shared = {"h2d": float(spec.rc_bps[str(rc)]), "d2h": float(spec.rc_bps[str(rc)]),
-                        "net": spec.network_bps}
+                        "net": spec.network_bps, "disk-read": spec.disk_bps[0], "disk-write": spec.disk_bps[1]}
         self._lock = threading.Lock()  # this worker's streams share its slots
         self._thread = threading.local()  # wall seconds this thread spent in transfers
 
@@ -136,6 +139,11 @@ class EmulatedLinks:
         """Return when ``nbytes`` would have crossed the box's network (a collective between the
         replicas has just run for real: its wait for the slowest replica is not network time)."""
         self.transfer(nbytes, "net", lambda: None)
+
+    def disk(self, nbytes: int, write: bool, io) -> None:
+        """Run ``io()`` (the real read or write of the disk tier) and return when ``nbytes`` would
+        have crossed the box's drives, which all its workers share."""
+        self.transfer(nbytes, "disk-write" if write else "disk-read", io)
 
     def _in_transfers(self) -> float:
         return getattr(self._thread, "in_transfers", 0.0)

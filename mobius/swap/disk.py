@@ -24,6 +24,7 @@ import os
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,9 +35,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class DiskMoments:
-    def __init__(self, directory: str | os.PathLike, rank: int, optimizers: dict[int, torch.optim.Optimizer]):
-        """``optimizers``: each stage's AdamW (the stages whose moments go to disk)."""
+    def __init__(self, directory: str | os.PathLike, rank: int, optimizers: dict[int, torch.optim.Optimizer],
+                 through: Callable[[int, bool, Callable[[], None]], None] | None = None):
+        """``optimizers``: each stage's AdamW (the stages whose moments go to disk); ``through``:
+        how a read or write of ``n`` bytes is done (the device layer's ``disk_transfer``, which
+        ``--emulate`` times at the emulated drives' rate), else at once."""
         self.directory = Path(directory)
+        self.through = through or (lambda nbytes, write, io: io())
         self.optimizers = optimizers
         self.params = {s: [p for g in opt.param_groups for p in g["params"]] for s, opt in optimizers.items()}
         self.numel = {s: sum(p.numel() for p in ps) for s, ps in self.params.items()}
@@ -125,13 +130,17 @@ class DiskMoments:
     def _transfer(self, call, s: int, flat: torch.Tensor) -> None:
         """``flat`` read from or written to stage ``s``'s file whole (the calls may move less than asked)."""
         view = memoryview(flat.numpy()).cast("B")
-        done = 0
-        try:
+
+        def io() -> None:
+            done = 0
             while done < len(view):
                 moved = call(self.fds[s], [view[done:]], done)
                 if moved <= 0:
                     raise OSError(0, "the file ended early")
                 done += moved
+
+        try:
+            self.through(len(view), call is os.pwritev, io)
         except OSError as err:
             raise RunError(f"--offload-dir {shown(self.paths[s])}: {'reading' if call is os.preadv else 'writing'} "
                            f"AdamW's state failed ({err.strerror})") from None

@@ -123,6 +123,11 @@ class Device:
         thread: the emulated host's time on emulated GPUs; nothing otherwise."""
         return nullcontext()
 
+    def disk_transfer(self, nbytes: int, write: bool, io) -> None:
+        """The disk tier's read or write of ``nbytes`` (``io()`` does it): on emulated GPUs it
+        lasts at least the emulated drives' time; otherwise it is what it is."""
+        io()
+
     def network_time(self, nbytes: int) -> None:
         """A collective between data-parallel replicas that moved ``nbytes`` over this box's
         network has just run: emulated boxes take their network's time for it; nothing otherwise."""

@@ -145,6 +145,12 @@ class CpuDevice(Device):
         if self.emulation is not None:
             self.emulation.exchange(nbytes)
 
+    def disk_transfer(self, nbytes: int, write: bool, io) -> None:
+        if self.emulation is None:
+            io()
+        else:
+            self.emulation.disk(nbytes, write, io)
+
     def start_steps(self) -> None:
         # Only now: while the stage store is built, the fp32 layers it copies from must go back
         # to the kernel, not stay in the heap.  MOBIUS_KEEP_FREED_MEMORY=0 turns the policy off
