@@ -23,13 +23,13 @@ MB = 10**6
 
 
 def links(tmp_path, root_complex=(0, 0, 1), link_bps=1e9, rc_bps=1e9, boxes=1,
-          network_bps=0.0) -> list[EmulatedLinks]:
+          network_bps=0.0, disk_bps=(float("inf"), float("inf"))) -> list[EmulatedLinks]:
     """The emulated links of ``boxes`` boxes of GPUs hanging off ``root_complex``, worker by worker."""
     path = str(tmp_path / "counters")
     create_counters(path, len(root_complex) * boxes)
     spec = EmulationSpec("test", FACTOR, (link_bps,) * len(root_complex), tuple(root_complex),
                          {str(r): rc_bps for r in set(root_complex)}, path, replicas=boxes, network="net",
-                         network_bps=network_bps)
+                         network_bps=network_bps, disk_bps=disk_bps)
     return [EmulatedLinks(spec, rank) for rank in range(len(root_complex) * boxes)]
 
 
@@ -100,6 +100,21 @@ def test_each_box_has_its_own_root_complexes_and_shares_its_network(tmp_path):
     CpuDevice(check=False, emulation=w[3]).network_time(MB)
     CpuDevice(check=False).network_time(MB)
     assert charged == [MB]
+
+
+def test_a_boxs_drives_are_shared_by_all_its_workers_reads_apart_from_writes(tmp_path):
+    """The disk tier's reads share the box's drives' read rate among every worker reading at once
+    (whatever their root complexes), writes the write rate; the device layer routes the disk tier's
+    transfers there under --emulate (and does them at once otherwise)."""
+    w = links(tmp_path, disk_bps=(2e9, 1e9))
+    assert rate_beside(w[0], "disk-read") == 2e9
+    assert rate_beside(w[0], "disk-read", (w[2], "disk-read")) == 1e9
+    assert rate_beside(w[0], "disk-read", (w[1], "disk-write"), (w[2], "h2d")) == 2e9
+    assert rate_beside(w[1], "disk-write", (w[0], "disk-write"), (w[2], "disk-write")) == pytest.approx(1e9 / 3)
+    done = []
+    CpuDevice(check=False, emulation=w[0]).disk_transfer(MB, True, lambda: done.append("emulated"))
+    CpuDevice(check=False).disk_transfer(MB, False, lambda: done.append("at once"))
+    assert done == ["emulated", "at once"]
 
 
 def test_the_gpu_link_caps_a_transfer_below_its_share(tmp_path):
