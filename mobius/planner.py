@@ -377,7 +377,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                               need - topo.host_memory_gb * GB if disk == "fit" else math.inf)
         drives = drive_gbps(topo)
         machine = replace(machine, on_disk=tuple(on_disk),
-                          disk_s_per_param=topo.n * ADAM_STATE_BYTES * (1 / drives[0] + 1 / drives[1]) / GB)
+                          disk_s_per_param=topo.n * ADAM_STATE_BYTES * max(1 / drives[0], 1 / drives[1]) / GB)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
@@ -407,9 +407,9 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
         floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
     disk_bytes = sum(costs[j].grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES // data_parallel
                      for j in fields.get("disk_stages", ()))
-    if disk_bytes:  # every worker's moments read and written through the drives, all of them at once
+    if disk_bytes:  # every worker's moments read and written through the drives (reads beside writes)
         read, write = fields["disk_gbps"]
-        floor[Lane.DISK] = disk_bytes / (read * GB) + disk_bytes / (write * GB)
+        floor[Lane.DISK] = max(disk_bytes / (read * GB), disk_bytes / (write * GB))
     return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
                 disk_bytes=disk_bytes, predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),

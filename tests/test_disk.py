@@ -150,7 +150,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     assert 0 < len(plans["half"].disk_stages) < len(host_stages)
     half = plans["half"]
     assert half.disk_bytes >= (need - need * 0.75) * 1e9  # at least what the host lacks
-    assert half.lane_floor_s[Lane.DISK] == pytest.approx(2 * half.disk_bytes / 2e9)
+    assert half.lane_floor_s[Lane.DISK] == pytest.approx(half.disk_bytes / 2e9)  # read beside write
     assert plans["all"].predicted_step_s > plans["fits"].predicted_step_s
     assert Lane.DISK not in plans["fits"].lane_floor_s
     assert "disk tier: AdamW's moments of stages" in half.render() and not (tmp_path / "nvme").exists()

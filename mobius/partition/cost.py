@@ -99,7 +99,8 @@ class Machine:
     d2h_forward: tuple[float, ...] = ()
     d2h_backward: tuple[float, ...] = ()
     # The disk tier (mobius.swap.disk): the stages whose AdamW moments wait on disk between updates,
-    # and the seconds a parameter's moments take there and back for one worker, its drives shared.
+    # and the seconds a parameter's moments take there and back for one worker, its drives shared
+    # (reads and writes in flight together: a drive's read and write queues are its own).
     on_disk: tuple[int, ...] = ()
     disk_s_per_param: float = 0.0
 
