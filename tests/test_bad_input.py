@@ -530,20 +530,31 @@ def test_deeply_nested_json_is_one_line(hf, tmp_path, capsys):
     assert "config.json: JSON nested too deeply" in one_line_exit_2(train_main, SINGLE + ["--model", str(model)], capsys)
 
 
-def test_cpu_workers_that_would_hold_more_than_the_machine_has_are_refused_before_they_start(monkeypatch, capsys):
+def test_cpu_workers_that_would_hold_more_than_the_machine_has_are_refused_before_they_start():
     """On CPU workers a device's memory is the machine's: the host's share, every worker process and
-    what each holds of its budget as planned must fit what is available, or the run is one line."""
-    from mobius import launcher, prepare
+    what each holds of its budget as planned must fit what is available, or the run is one line
+    (checked on the plan, before any worker starts)."""
+    from mobius.config import RunConfig
+    from mobius.errors import InputError
+    from mobius.models import get_config
+    from mobius.partition.profile import analytic_profile
+    from mobius.planner import make_plan
+    from mobius.prepare import CPU_WORKER_PROCESS_BYTES, check_cpu_workers_fit, planned_device_bytes
+    from topology import cpu_topology
 
-    def never(*args, **kwargs):
-        raise AssertionError("no worker may start")
-
-    monkeypatch.setattr(prepare, "available_host_memory", lambda: 500 * 2**20)
-    monkeypatch.setattr(launcher, "launch_workers", never)
-    message = one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu", "--gpu-mem-gb", "64"],
-                              capsys)
-    assert "model tiny on 2 CPU workers needs 0.9 GB of this machine's memory (0.0 GB on the host, 0.8 GB in the " \
-           "workers as planned), but 0.5 GB are available: use fewer --cpu-workers" in message
+    cfg = RunConfig.of(model="tiny", backend="pipeline", topology="cpu", gpu_mem_gb=64.0, seq_len=32)
+    config, topo = get_config("tiny"), cpu_topology(2, memory_gb=64.0)
+    profile = analytic_profile("tiny", config, 4, 32, 0.05, "fp32")
+    plan = make_plan("tiny", config, topo, 4, 4, 32, "fp32", profile=profile, use_cache=False, time_limit_s=1)
+    held = [planned_device_bytes(plan, k) for k in range(2)]
+    assert all(0 < h < 64e9 for h in held)  # what the plan uses, not the budget
+    need = sum(held) + 2 * CPU_WORKER_PROCESS_BYTES
+    check_cpu_workers_fit(cfg, config, plan, (64 * 10**9,) * 2, int(need * 1.5))
+    with pytest.raises(InputError, match=r"model tiny on 2 CPU workers needs 0.\d GB of this machine's memory "
+                                         r"\(0.0 GB on the host, 0.\d GB in the workers as planned\), but 0.5 GB are "
+                                         "available: use fewer --cpu-workers"):
+        check_cpu_workers_fit(cfg, config, plan, (64 * 10**9,) * 2, 500 * 2**20)
+    check_cpu_workers_fit(cfg, config, plan, (64 * 10**9,) * 2, None)  # unknown: not checked
 
 
 @pytest.mark.parametrize("env,message", [

@@ -8,7 +8,7 @@ import torch
 from conftest import TINY, one_line_exit_2, reference
 
 from mobius.backends.pipeline import launch_pipeline
-from mobius.config import RunConfig
+from mobius.config import RunConfig, parse_train_args
 from mobius.errors import RunError
 from mobius.models import get_config
 from mobius.prepare import resolve_topology
@@ -81,35 +81,31 @@ def test_a_file_that_is_there_is_never_opened(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_across_tiers(tmp_path):
-    """Two workers, every stage's moments on disk, clipped, then with the optimizer lag: per-step
+    """Two workers, every stage's moments on disk, clipped and with the optimizer lag: per-step
     losses and weights equal the reference trainer's; each worker read and wrote its moments; the
     directory is gone at the end.  A run saved with its moments on disk resumes without the disk
-    tier, and one saved without resumes onto it, each ending equal to a straight run."""
-    base = dict(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2, micro_batches=4,
-                seq_len=32, lr=3e-3, progress=False, backend="pipeline", device_optimizer="off")
-    for changes in ({"max_grad_norm": 0.1}, {"optimizer_lag": 1}):
-        cfg = RunConfig.of(**base, **changes, offload_dir=str(tmp_path / "nvme"))
-        ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=None)
-        (tmp_path / "nvme").mkdir()
-        history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
-        assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
-        for name, w in weights.items():
-            assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
-        assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
-        assert list((tmp_path / "nvme").iterdir()) == []
-        (tmp_path / "nvme").rmdir()
+    tier, and one saved without resumes onto it, each ending equal to the reference."""
+    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2,
+                       micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
+                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1, offload_dir=str(tmp_path / "nvme"))
+    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=None)
+    (tmp_path / "nvme").mkdir()
+    history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
+    assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
+    for name, w in weights.items():
+        assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
+    assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
+    assert list((tmp_path / "nvme").iterdir()) == []
+    (tmp_path / "nvme").rmdir()
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4"]
-    train_main(run + ["--metrics", str(tmp_path / "straight.jsonl")])
-    train_main(run + ["--offload-dir", str(tmp_path / "nvme"), "--stop-after", "2", "--save", str(tmp_path / "ck"),
-                      "--metrics", str(tmp_path / "resumed.jsonl")])
-    assert not (tmp_path / "nvme").exists()  # made by the run, removed by it
-    train_main(["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "resumed.jsonl")])  # no disk tier
-    train_main(run + ["--stop-after", "2", "--save", str(tmp_path / "ck2"), "--metrics", str(tmp_path / "onto.jsonl")])
-    train_main(["--resume", str(tmp_path / "ck2"), "--offload-dir", str(tmp_path / "nvme"),  # onto the disk tier
-                "--metrics", str(tmp_path / "onto.jsonl")])
-    losses = [[json.loads(line)["loss"] for line in open(tmp_path / f)]
-              for f in ("straight.jsonl", "resumed.jsonl", "onto.jsonl")]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] == pytest.approx(losses[2], rel=1e-6)
+    straight, _ = reference(parse_train_args(run), precision="fp32")
+    disk = ["--offload-dir", str(tmp_path / "nvme")]
+    for first, then, name in ((disk, [], "off-the-disk"), ([], disk, "onto-the-disk")):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        train_main(run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics])
+        train_main(["--resume", str(tmp_path / name), "--metrics", metrics, *then])  # the tier is not inherited
+        assert [json.loads(line)["loss"] for line in open(metrics)] == pytest.approx(straight, rel=1e-5), name
+        assert not (tmp_path / "nvme").exists()  # made by the run, removed by it
 
 
 def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tmp_path, capsys):
