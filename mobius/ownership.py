@@ -431,8 +431,14 @@ def working_dir(option: str, path: str | os.PathLike | None):
     made = not where.exists()
     try:
         where.mkdir(exist_ok=True)
+        probe = where / f".mobius-probe-{os.getpid()}"  # a name of ours: can the run write here?
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        probe.unlink()
     except OSError as err:
-        raise InputError(f"{option} {shown(where)}: cannot make it ({err.strerror})") from None
+        if made:
+            with contextlib.suppress(OSError):
+                where.rmdir()
+        raise InputError(f"{option} {shown(where)}: cannot write there ({err.strerror})") from None
     try:
         yield
     finally:

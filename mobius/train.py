@@ -14,6 +14,7 @@ if __name__ == "__main__":
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
 import math
+import os
 import resource
 
 from mobius import ownership
@@ -24,7 +25,7 @@ from mobius.launcher import running_under_torchrun
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.hf import check_export_target
-from mobius.planner import available_host_memory, check_host_memory
+from mobius.planner import ADAM_STATE_BYTES, available_host_memory, check_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
 from topology import Topology
@@ -85,7 +86,22 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
     check_options(cfg, backend, topo.n if topo is not None else 1)
     with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
+        check_offload_space(cfg, model_config)
         return _run_prepared(cfg, model_config, backend, topo)
+
+
+def check_offload_space(cfg: RunConfig, model_config: GPTConfig) -> None:
+    """``--offload-dir``'s file system must hold AdamW's moments of every trained parameter (the
+    most the disk tier writes there), or the run is refused before it trains."""
+    if not cfg.pipeline.offload_dir:
+        return
+    need = ADAM_STATE_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
+                                  if p.requires_grad)
+    fs = os.statvfs(cfg.pipeline.offload_dir)
+    free = fs.f_bavail * fs.f_frsize
+    if need > free:
+        raise InputError(f"--offload-dir {shown(cfg.pipeline.offload_dir)}: AdamW's moments take up to "
+                         f"{need / 1e9:.2f} GB there, but its file system has {free / 1e9:.2f} GB free")
 
 
 def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None

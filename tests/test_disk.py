@@ -173,3 +173,32 @@ def test_drives_in_a_topology_file_round_trip(tmp_path):
     box.drives = [Drive("nvme0", 7.0, 5.5), Drive("nvme1", 7.0, 5.5)]
     box.save(tmp_path / "box.json")
     assert load_topology_file(tmp_path / "box.json").drives == box.drives
+
+
+def test_an_offload_dir_on_a_full_or_read_only_file_system_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """Its file system cannot hold the moments (statvfs says so), or cannot be written: one line,
+    exit 2, nothing trained, nothing left (the directory the run made is gone again)."""
+    import errno
+    import os
+    import types
+
+    from mobius import ownership, train
+
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir", str(tmp_path / "nvme"),
+                  "--metrics", str(tmp_path / "m.jsonl")]
+    monkeypatch.setattr(train.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=10, f_frsize=4096))
+    message = one_line_exit_2(train_main, run, capsys)
+    assert "AdamW's moments take up to 0.00 GB there, but its file system has 0.00 GB free" in message
+    monkeypatch.undo()
+
+    real_open = os.open
+
+    def read_only(path, flags, mode=0o777, **kwargs):  # the offload directory's file system only
+        if ".mobius-probe-" in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(ownership.os, "open", read_only)
+    assert "cannot write there (Read-only file system)" in one_line_exit_2(train_main, run, capsys)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
