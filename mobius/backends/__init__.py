@@ -17,7 +17,8 @@ from mobius.backends.pipeline import launch_pipeline, torchrun_worker
 from mobius.backends.single import train_single
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
 from mobius.errors import InputError
-from mobius.prepare import cuda_available, data_parallel_of, resolve_devices, resolve_precision, resolve_topology
+from mobius.prepare import data_parallel_of, resolve_devices, resolve_precision, resolve_topology
+from mobius.runtime.device import cuda_available
 from topology import Topology
 
 
