@@ -628,7 +628,8 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None, re
     if args.print_config:
         import yaml
 
-        shown = {k: list(v) if isinstance(v, tuple) else v for k, v in (resolve(cfg) if resolve else cfg).to_dict().items()}
+        settings = (resolve(cfg) if resolve else cfg).to_dict()
+        shown = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}  # YAML lists
         print(yaml.safe_dump(shown, sort_keys=False), end="")
         raise SystemExit(0)
     return cfg

@@ -20,8 +20,8 @@ NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print
 # Settings that name files the run reads: a resume takes them from the user, never from the checkpoint.
 READ_PATHS = ("model", "data", "eval_data", "chat_template", "topology")
 # Settings that name files: stored resolved, so a resume from another directory finds them.
-PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "report_dir", "offload_dir", "trace", "save", "export",
-                 "export_merged", "topology", "model")
+PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "report_dir", "offload_dir", "trace",
+                 "save", "export", "export_merged", "topology", "model")
 
 
 MAX_CONFIG_BYTES = 1 << 20

@@ -125,7 +125,8 @@ def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimi
     """The host-memory pre-flight, the one check both of a planned host and of this machine: master
     weights, AdamW state, gradients (with ``--optimizer-lag``, the second compute copy) and the data
     every process holds (``data_bytes``, all of them together) must fit in ``available`` bytes."""
-    need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here, moments_on_disk) + data_bytes
+    need = data_bytes + host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here,
+                                          moments_on_disk)
     if need > available:
         state = "AdamW state on disk" if moments_on_disk else "AdamW state"
         hint = "" if moments_on_disk else "; --offload-dir DIR keeps AdamW's moments on disk"

@@ -428,9 +428,9 @@ def check_cpu_workers_fit(cfg: RunConfig, model_config: GPTConfig, plan: Plan, b
                              for k, budget in enumerate(budgets))
     if host + workers > available:
         raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs "
-                         f"{(host + workers) / GB:.1f} GB of this machine's memory ({host / GB:.1f} GB on the host, {workers / GB:.1f} GB in the "
-                         f"workers as planned), but {available / GB:.1f} GB are available: use fewer --cpu-workers, a "
-                         "smaller --gpu-mem-gb or a smaller model")
+                         f"{(host + workers) / GB:.1f} GB of this machine's memory ({host / GB:.1f} GB on the host, "
+                         f"{workers / GB:.1f} GB in the workers as planned), but {available / GB:.1f} GB are "
+                         "available: use fewer --cpu-workers, a smaller --gpu-mem-gb or a smaller model")
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.repeats}:")
     # One drive reads and writes through one queue: their sum is its lane where they cannot overlap.
     shared = median["read_s"] + median["write_s"]
-    print(f"{'read':>8} {'write':>8} {'AdamW':>8} {'step':>8} {'step / longest lane':>20} {'step / (read + write)':>22}")
+    print(f"{'read':>8} {'write':>8} {'AdamW':>8} {'step':>8} {'step / longest lane':>20} "
+          f"{'step / (read + write)':>22}")
     print(f"{median['read_s']:>7.3f}s {median['write_s']:>7.3f}s {median['adam_s']:>7.3f}s {median['step_s']:>7.3f}s "
           f"{median['step_s'] / bound:>20.2f} {median['step_s'] / shared:>22.2f}")
     if args.json:

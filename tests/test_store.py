@@ -18,7 +18,8 @@ from mobius.swap.store import HostStageStore
 def test_flat_buffers_hold_exactly_the_bytes_the_preflight_assumes(precision, lora, lag):
     config = get_config("tiny")
     if lora:
-        config = dataclasses.replace(config, lora_rank=lora, lora_alpha=8.0, lora_targets=("qkv", "proj", "fc", "fc_out"))
+        config = dataclasses.replace(config, lora_rank=lora, lora_alpha=8.0,
+                                     lora_targets=("qkv", "proj", "fc", "fc_out"))
     store = HostStageStore(config, [(0, 2), (2, 6)], [0, 1], seed=0, rule=UpdateRule(lr=1e-3),
                            compute_dtype=DTYPES[precision],
                            device=CpuDevice(check=False), optimizer_lag=lag)
