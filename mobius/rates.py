@@ -30,6 +30,7 @@ import math
 import multiprocessing
 import statistics
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,8 @@ from mobius.partition.profile import (
 from mobius.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
 from mobius.runtime.plan_check import HOST_RATES
-from topology import Topology, TopologyError, load_topology
+from mobius.swap.disk import measure_drive
+from topology import Drive, Topology, TopologyError, load_topology
 
 RATES = Cache("rates", "measured rates")
 RATES_VERSION = 1  # part of every entry's key: rates measured by older code are measured again
@@ -193,6 +195,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--precision", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--drive", action="append", default=[], metavar="DIR",
+                   help="time the drive under DIR (sequential write and read, as --offload-dir uses it) and record it "
+                        "in --write's topology as one of its drives; give it once per drive")
+    p.add_argument("--drive-gb", type=float, default=2.0, help="bytes each drive is timed with, in GB")
     p.add_argument("--write", default=None, help="write the measured topology to this (new) file")
     p.add_argument("--no-cache", action="store_true", help="measure again, replacing what is cached")
     return p
@@ -215,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.cpu_workers < 1 or args.micro_batch_size < 1 or args.seq_len < 1:
         raise InputError("--cpu-workers, --micro-batch-size and --seq-len must be positive")
+    if not 1e-6 <= args.drive_gb <= 1e4:
+        raise InputError(f"--drive-gb must be between 1e-6 and 10000, got {args.drive_gb}")
+    for directory in args.drive:
+        if not Path(directory).is_dir():
+            raise InputError(f"--drive {shown(directory)} is not a directory")
     try:
         topo = load_topology(args.topology, cpu_workers=args.cpu_workers)
     except TopologyError as err:
@@ -241,8 +252,16 @@ def main(argv: list[str] | None = None) -> None:
         HOST_RATES.put(this_host_key(int(w)), {"adam_params_per_s": statistics.median(each)})
     print(table(rates, topo, args.model, args.micro_batch_size, args.seq_len, precision))
     print("the host AdamW rates are kept for the next plans on this machine")
+    drives = []
+    for k, directory in enumerate(args.drive):
+        read, write = measure_drive(directory, int(args.drive_gb * 1e9))
+        drives.append(Drive(f"drive{k}", round(read, 3), round(write, 3)))
+        print(f"drive {k} under {shown(directory)}: read {read:.2f} GB/s, write {write:.2f} GB/s (sequential, "
+              f"{args.drive_gb:g} GB, past the page cache)")
     if args.write:
-        measured_topology(topo, rates, args.micro_batch_size, args.seq_len).save(args.write)
+        measured = measured_topology(topo, rates, args.micro_batch_size, args.seq_len)
+        measured.drives = drives or measured.drives
+        measured.save(args.write)
         print(f"wrote {shown(args.write)}")
 
 

@@ -21,8 +21,9 @@ def test_the_rates_are_measured_once_printed_kept_for_the_next_plan_and_written(
     args = ["--topology", "cpu", "--cpu-workers", "2", "--model", "tiny", "--micro-batch-size", "1", "--seq-len", "16",
             "--workers", "1,2"]
     keys = [this_host_key(w) for w in (1, 2)]
+    (tmp_path / "nvme").mkdir()
     try:
-        main(args + ["--write", str(tmp_path / "box.json")])
+        main(args + ["--write", str(tmp_path / "box.json"), "--drive", str(tmp_path / "nvme"), "--drive-gb", "0.01"])
         out = capsys.readouterr().out
         assert "measuring on this CPU" in out
         rows = {line.split("  ")[0]: line for line in out.splitlines()}
@@ -35,6 +36,9 @@ def test_the_rates_are_measured_once_printed_kept_for_the_next_plan_and_written(
         assert get_profile("tiny", PRESETS["tiny"], cpu_topology(2), 1, 16, "fp32").host.adam_params_per_s == two
         written = load_topology_file(tmp_path / "box.json")
         assert written.host_memory_bandwidth_gbps == pytest.approx(two * 28 * 2 / 1e9, rel=1e-3)
+        (drive,) = written.drives  # timed through a file of its own, gone again
+        assert drive.read_gbps > 0 and drive.write_gbps > 0 and f"drive 0 under {tmp_path / 'nvme'}: read" in out
+        assert list((tmp_path / "nvme").iterdir()) == []
 
         capsys.readouterr()
         main(args)  # the second time, from the cache
@@ -82,7 +86,8 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
 
     for args, said in ((["--workers", "0"], "--workers counts must be between 1 and 256"),
                        (["--workers", "a,b"], "--workers must be comma-separated counts"),
-                       (["--model", "tiny", "--seq-len", "100000"], "exceeds tiny's context")):
+                       (["--model", "tiny", "--seq-len", "100000"], "exceeds tiny's context"),
+                       (["--drive", "/nonexistent/nvme"], "--drive /nonexistent/nvme is not a directory")):
         with pytest.raises(SystemExit) as exit_:
             main(args + ["--topology", "cpu"])
         assert exit_.value.code == 2

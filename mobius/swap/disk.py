@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -182,3 +183,33 @@ class DiskMoments:
             os.close(fd)
             self.paths[s].unlink(missing_ok=True)
         self.fds = {}
+
+
+def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2**20) -> tuple[float, float]:
+    """(read, write) GB/s of the drive under ``directory``, sequential, as the disk tier uses it:
+    ``nbytes`` written in ``block``-sized requests and flushed to the drive (``fsync``), then read
+    back with its pages dropped from the page cache first, through a file of our own (created
+    exclusively, removed after)."""
+    path = Path(directory) / f".mobius-drive-{os.getpid()}"
+    buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise RunError(f"{shown(directory)}: cannot write a file there to time the drive ({err.strerror})") from None
+    try:
+        t0 = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.pwritev(fd, [buffer[:min(block, nbytes - offset)]], offset)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.preadv(fd, [buffer[:min(block, nbytes - offset)]], offset)
+        read_s = time.perf_counter() - t0
+    except OSError as err:
+        raise RunError(f"{shown(directory)}: timing the drive failed ({err.strerror})") from None
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return nbytes / read_s / 1e9, nbytes / write_s / 1e9
