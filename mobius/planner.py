@@ -93,23 +93,24 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     last = layer_count(config) - 1
     tied = tied_parameter_names(config)
     layers = {0: 1, 1: config.n_layer, last: 1}
-    trained = frozen = 0
+    trained = frozen = largest = 0  # largest: the most trained parameters of one layer
     for index, times in layers.items():
+        in_layer = 0
         for name, p in build_layer(config, index, seed=0, device="meta").named_parameters():
             if f"layers.{index}.{name}" in tied:
                 continue  # the head's copy of the token table is the embedding's
             if p.requires_grad:
-                trained += times * p.numel()
+                in_layer += p.numel()
             else:
                 frozen += times * p.numel()
+        trained += times * in_layer
+        largest = max(largest, in_layer)
     per_trained = HOST_BYTES_PER_PARAM[precision] - ADAM_STATE_BYTES + ADAM_STATE_BYTES / data_parallel
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
         per_trained += element_bytes(precision) * (2 if precision == "fp32" else 1)
     pool = 0
     if moments_on_disk:  # the moments pass through a pool of a few stages' worth; counted at a layer a stage
         per_trained -= ADAM_STATE_BYTES / data_parallel
-        largest = max(sum(p.numel() for p in build_layer(config, i, seed=0, device="meta").parameters()
-                          if p.requires_grad) for i in layers)
         pool = POOL_BUFFERS * ADAM_STATE_BYTES * largest
     return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision) + pool))
 
@@ -232,17 +233,19 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
         return []
     moments = {j: c.grad_bytes // element_bytes * ADAM_STATE_BYTES // data_parallel for j, c in enumerate(costs)
                if not c.resident and c.grad_bytes}
+    order = sorted(moments, key=lambda j: -moments[j])
+    pool = POOL_BUFFERS * moments[order[0]] if order else 0  # a few of the largest, the first taken
     chosen: list[int] = []
-    freed = 0.0
-    for j in sorted(moments, key=lambda j: -moments[j]):
-        if freed - POOL_BUFFERS * max(moments[k] for k in chosen or [j]) >= excess:
+    freed = 0
+    for j in order:
+        if chosen and freed - pool >= excess:
             break
         chosen.append(j)
         freed += moments[j]
-    if excess != math.inf and freed - POOL_BUFFERS * max((moments[k] for k in chosen), default=0) < excess:
-        short = excess - freed + POOL_BUFFERS * max((moments[k] for k in chosen), default=0)
-        raise InputError(f"with every host stage's AdamW moments on disk the host still needs {short / GB:.2f} GB "
-                         "more than --host-mem-gb gives (the master weights on disk are not built yet)")
+    if excess != math.inf and freed - pool < excess:
+        raise InputError(f"with every host stage's AdamW moments on disk the host still needs "
+                         f"{(excess - freed + pool) / GB:.2f} GB more than --host-mem-gb gives (the master weights "
+                         "on disk are not built yet)")
     return sorted(chosen)
 
 

@@ -83,14 +83,15 @@ class WandbLog:
         self.directory = directory
         own = {"WANDB_CACHE_DIR": directory / ".cache", "WANDB_CONFIG_DIR": directory / ".config",
                "WANDB_DATA_DIR": directory / ".data", "WANDB_ARTIFACT_DIR": directory / ".artifacts"}
-        self._environment = environment(**{k: str(v) for k, v in own.items()})
-        self._environment.__enter__()
-        with writing(self.option, directory):
-            directory.mkdir(parents=True, exist_ok=True)
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mobius"), dir=str(directory.parent),
-                                  mode=os.environ.get("WANDB_MODE", "offline"), config=settings,
-                                  settings=wandb.Settings(silent=True, disable_git=True, save_code=False,
-                                                          console="off"))
+        with contextlib.ExitStack() as settings_here:  # undone if the run does not start
+            settings_here.enter_context(environment(**{k: str(v) for k, v in own.items()}))
+            with writing(self.option, directory):
+                directory.mkdir(parents=True, exist_ok=True)
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mobius"), dir=str(directory.parent),
+                                      mode=os.environ.get("WANDB_MODE", "offline"), config=settings,
+                                      settings=wandb.Settings(silent=True, disable_git=True, save_code=False,
+                                                              console="off"))
+            self._environment = settings_here.pop_all()  # the run's for as long as it lasts: close() ends it
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         with writing(self.option, self.directory):
@@ -101,7 +102,7 @@ class WandbLog:
             with writing(self.option, self.directory):
                 self.run.finish()
         finally:
-            self._environment.__exit__(None, None, None)
+            self._environment.close()
 
 
 class MlflowLog:

@@ -44,7 +44,9 @@ def one_repeat(directory: Path, stages: int, params: int, seed: int) -> dict[str
     disk = DiskMoments(directory, 0, optimizers)
     try:
         for s in range(stages):  # the first update makes the moments; they go to disk
-            disk.page_out(s, (disk.page_in(s), optimizers[s].step())[0])
+            buffer = disk.page_in(s)
+            optimizers[s].step()
+            disk.page_out(s, buffer)
         for s in range(stages):
             disk.loaded(s)
             disk.forget(s)

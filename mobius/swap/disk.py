@@ -48,14 +48,6 @@ class DiskMoments:
         self.numel = {s: sum(p.numel() for p in ps) for s, ps in self.params.items()}
         self.paths = {s: self.directory / f"rank{rank:03d}-stage{s:04d}.adam" for s in optimizers}
         self.written = {s: False for s in optimizers}  # AdamW has made the moments (first update done)
-        self.fds: dict[int, int] = {}
-        try:
-            for s, path in self.paths.items():  # exclusively: never a file that was there
-                self.fds[s] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                os.ftruncate(self.fds[s], 2 * 4 * self.numel[s])
-        except OSError as err:
-            self.close()
-            raise RunError(f"--offload-dir {shown(self.directory)}: cannot create its files ({err.strerror})") from None
         largest = max(self.numel.values(), default=0)
         self.pool: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(POOL_BUFFERS if largest else 0):
@@ -65,6 +57,14 @@ class DiskMoments:
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
         self.read_bytes = self.written_bytes = 0
+        self.fds: dict[int, int] = {}
+        try:
+            for s, path in self.paths.items():  # exclusively: never a file that was there
+                self.fds[s] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                os.ftruncate(self.fds[s], 2 * 4 * self.numel[s])
+        except OSError as err:
+            self.close()
+            raise RunError(f"--offload-dir {shown(self.directory)}: cannot create its files ({err.strerror})") from None
 
     def holds(self, s: int) -> bool:
         return s in self.optimizers
@@ -176,9 +176,8 @@ class DiskMoments:
 
     def close(self) -> None:
         """Every write finished; the files removed (they are the run's, and only the run's)."""
-        for pool in ("_reader", "_writer"):
-            if hasattr(self, pool):
-                getattr(self, pool).shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
         for s, fd in self.fds.items():
             os.close(fd)
             self.paths[s].unlink(missing_ok=True)
