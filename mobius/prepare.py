@@ -15,6 +15,7 @@ measures."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -61,7 +62,8 @@ from mobius.runtime.device import (
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.runtime.spec import Plan, RunSpec
-from mobius.stages.calibrate import CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs
+from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs,
+                                     finish_early, started_early)
 from topology import Drive, Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
 
 GB = 10**9
@@ -90,6 +92,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         t0 = time.perf_counter()
         print(f"profiling: measuring {model_name}'s layers on this machine's {device} (once for these settings on "
               "this machine and code; cached)", flush=True)
+        finish_early()
         profile = measure_profile(model_name, config, micro_batch, seq_len, precision, device, workers=workers,
                                   host_workers=topo.n)
         print(f"profiling: {profile.distinct_measured} distinct of {profile.n} layers timed, host AdamW "
@@ -197,8 +200,7 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
     gloo = measure_handoff(max(l.out_bytes for l in profile.layers))
     if device != "cpu":
         return {"handoff_s": gloo}
-    threads = cpu_threads_per_worker(workers)
-    key = key_of([CALIBRATION_VERSION, threads, measured_on()])
+    key = runtime_costs_key(workers)
     costs = RUNTIME_COSTS.get(key, _runtime_costs_of)
     if costs is None:
         t0 = time.perf_counter()
@@ -208,6 +210,25 @@ def runtime_costs(profile: Profile, device: str, workers: int) -> dict[str, floa
         RUNTIME_COSTS.put(key, costs)
         print(f"calibrating: done ({time.perf_counter() - t0:.1f} s)", flush=True)
     return {**costs, "handoff_s": costs["handoff_s"] + max(0.0, gloo - measure_handoff(calibration_bytes()))}
+
+
+def runtime_costs_key(workers: int) -> str:
+    """The cache entry of the calibration of CPU workers with the threads of one of ``workers``."""
+    return key_of([CALIBRATION_VERSION, cpu_threads_per_worker(workers), measured_on()])
+
+
+@contextlib.contextmanager
+def early_calibration(cfg: RunConfig, model_config: GPTConfig, topo: Topology):
+    """Within the block, the calibration a pipeline run on CPU workers will need (its profile measured
+    here, neither it nor the calibration cached) runs in the background
+    (:func:`mobius.stages.calibrate.started_early`): the command reads its data meanwhile."""
+    cuda, seen = resolve_devices(topo, cfg.emulation.enabled)
+    needed = (not cuda and not cfg.emulation.enabled and profile_how(model_config, seen, "auto") == "measure"
+              and PROFILES.get(profile_key(model_config, seen, cfg.batch.micro_batch_size, cfg.batch.seq_len,
+                                           resolve_precision(cfg, cuda)), dict) is None
+              and RUNTIME_COSTS.get(runtime_costs_key(seen.n), dict) is None)
+    with started_early(cpu_threads_per_worker(seen.n)) if needed else contextlib.nullcontext():
+        yield
 
 
 @functools.cache

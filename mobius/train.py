@@ -13,6 +13,7 @@ if __name__ == "__main__":
 
 # The imports below take seconds; the guard above must come first.
 # ruff: noqa: E402
+import contextlib
 import math
 import os
 import resource
@@ -113,6 +114,12 @@ def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, top
                  "held-out data": cfg.data.eval_path, "chat template": cfg.data.chat_template}
         print(f"resuming from {shown(cfg.checkpoint.resume)}: " + ", ".join(f"{what} {shown(path)}" for what, path in
                                                                           reads.items() if path), flush=True)
+    with backend.meanwhile(cfg, model_config, topo) if backend.meanwhile else contextlib.nullcontext():
+        return _run_read(cfg, model_config, backend, topo, inputs)
+
+
+def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None,
+              inputs: dict[str, str]) -> list[StepMetrics] | None:
     # The data, read and checked before any worker starts; the workers map what this process made.
     batches, held_out = make_data(cfg, model_config)
     if cfg.optim.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs

@@ -37,3 +37,65 @@ def test_the_calibration_runs_two_worker_processes_on_the_real_runtime():
 def test_the_handoff_is_a_gloo_round_trip_and_grows_with_the_message():
     small, large = calibrate.measure_handoff(4096), calibrate.measure_handoff(16 * 2**20)
     assert 0 < small < large < 1
+
+
+class _Runs:
+    """Stands in for the calibration's worker processes, saying what was asked of them."""
+
+    def __init__(self, events: list, threads: int):
+        self.events = events
+        events.append(("start", threads))
+
+    def times(self):
+        self.events.append("times")
+        return {(2, 2): 0.01}
+
+    def close(self):
+        self.events.append("close")
+
+
+def test_runs_started_early_are_waited_for_before_anything_is_timed_taken_once_and_stopped_if_unused(monkeypatch):
+    events: list = []
+    monkeypatch.setattr(calibrate, "CalibrationRuns", lambda threads, steps=calibrate.STEPS: _Runs(events, threads))
+    with calibrate.started_early(3):
+        calibrate.finish_early()  # what the profile does before it times a layer
+        assert calibrate.time_calibration_runs(3) == {(2, 2): 0.01}
+        assert events == [("start", 3), "times", "times"]
+        calibrate.time_calibration_runs(3)  # taken once: another calibration starts its own
+        assert events[-2:] == [("start", 3), "times"]
+    assert events[-1] == "close"
+    events.clear()
+    with calibrate.started_early(1):  # the run failed before it profiled: the workers are stopped
+        pass
+    assert events == [("start", 1), "close"]
+
+
+def test_a_pipeline_run_on_cpu_workers_starts_its_calibration_only_where_it_will_need_it(monkeypatch):
+    import contextlib
+
+    from mobius import prepare
+    from mobius.config import RunConfig
+    from mobius.runtime.device import cpu_threads_per_worker
+
+    started: list = []
+    monkeypatch.setattr(prepare, "started_early", lambda threads: started.append(threads) or contextlib.nullcontext())
+    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, seq_len=27)  # a profile never measured
+    topo = prepare.resolve_topology(cfg)
+    monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: None)
+    with prepare.early_calibration(cfg, get_config("tiny"), topo):
+        assert started == [cpu_threads_per_worker(2)]
+    with prepare.early_calibration(cfg.changed(emulate=True), get_config("tiny"), topo):
+        pass  # emulated GPUs are planned from FLOPs and bytes first
+    monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: {"micro_batch_s": 0.0})  # calibrated
+    with prepare.early_calibration(cfg, get_config("tiny"), topo):
+        pass
+    assert started == [cpu_threads_per_worker(2)]
+
+
+@pytest.mark.slow
+def test_calibration_workers_started_early_and_left_unused_are_gone_when_the_block_ends():
+    runs = calibrate.CalibrationRuns(threads=1, steps=2)
+    processes = list(runs._context.processes)
+    assert any(p.is_alive() for p in processes)
+    runs.close()
+    assert not any(p.is_alive() for p in processes)

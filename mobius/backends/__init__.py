@@ -17,7 +17,7 @@ from mobius.backends.pipeline import launch_pipeline, torchrun_worker
 from mobius.backends.single import train_single
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
 from mobius.errors import InputError
-from mobius.prepare import data_parallel_of, resolve_devices, resolve_precision, resolve_topology
+from mobius.prepare import data_parallel_of, early_calibration, resolve_devices, resolve_precision, resolve_topology
 from mobius.runtime.device import cuda_available
 from topology import Topology
 
@@ -34,6 +34,9 @@ class Backend:
     check: Callable[[RunConfig, int], None] | None = None  # what it does not build, refused (cfg, workers)
     emulates: bool = True  # --emulate rehearses it on CPU workers
     under_torchrun: Callable[[RunConfig], None] | None = None  # this process as one of torchrun's workers
+    # What it starts while the command reads the data: (cfg, model_config, topology) -> a context
+    # within which that runs.
+    meanwhile: Callable | None = None
 
     def replicas(self, cfg: RunConfig) -> int:
         return data_parallel_of(cfg) if self.replicated else 1
@@ -41,7 +44,7 @@ class Backend:
 
 BACKENDS = {
     "pipeline": Backend("pipeline", launch_pipeline, in_workers=True, replicated=True, options="pipeline",
-                        under_torchrun=torchrun_worker),
+                        under_torchrun=torchrun_worker, meanwhile=early_calibration),
     "chunked": Backend("chunked", launch_chunked, in_workers=True, replicated=False, options="chunked",
                        check=check_chunked_options),
     "single": Backend("single", train_single, in_workers=False, replicated=False, emulates=False),

@@ -18,11 +18,13 @@ stage holds a copy and the runtime sums the two gradients before the (identical)
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mobius.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
@@ -440,6 +442,22 @@ class Head(GPTLayer):
         nn.init.normal_(self.lm_head.weight, std=0.02)
 
 
+class _NothingDrawn(TorchFunctionMode):
+    """Random initialisation skipped: on the meta device there is nothing to draw into, and torch
+    draws meta tensors through its Python references, whose first use imports the compiler stack
+    (most of a second, in every process that describes a model)."""
+
+    DRAWS = (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.trunc_normal_,
+             nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.kaiming_normal_,
+             torch.Tensor.normal_, torch.Tensor.uniform_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DRAWS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.device = "cpu") -> GPTLayer:
     """Layer ``index`` of the list, initialised from ``(seed, index)`` alone.
 
@@ -456,7 +474,7 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
             f"hidden size {config.hidden} is not divisible by {config.heads} heads: "
             "this preset can be planned (meta device) but not run"
         )
-    with torch.device(device):
+    with torch.device(device), _NothingDrawn() if device.type == "meta" else contextlib.nullcontext():
         layer = Block(config, index) if cls is Block else cls(config)
     if device.type != "meta" and config.checkpoint:
         load_layer_weights(config, index, layer)

@@ -11,10 +11,15 @@ activation between two workers.  The layer profile cannot see them: they are the
   those four step times best.  (Measured with one worker alone, ``o`` came out 4x smaller than a
   two-worker run shows: the messages between workers' processes are most of it.)
 * :func:`measure_handoff` times gloo alone, for the part of a hand-off that grows with the message.
+
+Starting two processes (an interpreter, torch, gloo) is most of the calibration's time: a run that
+will need it starts it early (:func:`started_early`), while it reads its data, and takes its times
+before it profiles anything, so that neither measurement shares the cores with the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -25,12 +30,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus
+from mobius.data import BatchSource
 from mobius.janitor import scratch_dir
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
@@ -53,6 +59,7 @@ MODEL, SEQ_LEN, MICRO_BATCH = "tiny8", 16, 1
 WORKERS = 2  # a hand-off needs two
 FEW, MANY = 2, 12  # micro-batches per step
 STEPS = 6  # per configuration; the first warms up, the fastest of the rest counts (noise only adds)
+CORPUS_TOKENS = 4096  # random byte tokens: what the steps cost does not depend on the text
 HANDOFF_REPEATS = 15
 FIT_STEPS = 6  # Gauss-Newton steps at most
 SEARCH_ROUNDS = 8
@@ -90,7 +97,7 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
                             timeout=datetime.timedelta(seconds=120))
     try:
         fastest = {}
-        corpus = load_corpus(None)  # read once; each configuration draws its own batches from it
+        corpus = np.random.default_rng(0).integers(0, 256, CORPUS_TOKENS, dtype=np.uint8)
         for stages, micro_batches in calibration_configs():
             cfg = RunConfig.of(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
                                micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
@@ -117,28 +124,76 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
         dist.destroy_process_group()
 
 
+class CalibrationRuns:
+    """The calibration's two worker processes, started now (over gloo, ``threads`` threads each: a
+    rehearsal's workers' share of the cores); :meth:`times` waits for their fastest steps."""
+
+    def __init__(self, threads: int, steps: int = STEPS):
+        self._done = contextlib.ExitStack()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        tmp = self._done.enter_context(scratch_dir("mobius-calibration-"))
+        self._out = Path(tmp) / "times.json"
+        start_resource_tracker()  # before the first spawn, as the launcher's
+        try:
+            with outside_torchrun():
+                self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid()),
+                                                   nprocs=WORKERS, start_method="spawn", join=False)
+        except BaseException:
+            self._done.close()
+            raise
+        self._done.callback(self._kill)
+        self._times: dict[tuple[int, int], float] | None = None
+
+    def _kill(self) -> None:
+        """Interrupted or abandoned: the workers go now, not when they finish (multiprocessing would wait)."""
+        for process in self._context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+    def times(self) -> dict[tuple[int, int], float]:
+        """The fastest step of each calibration configuration (waits for the workers to finish)."""
+        if self._times is None:
+            with self._done:
+                while not self._context.join():
+                    pass
+                found = json.loads(self._out.read_text())
+            self._times = {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
+        return self._times
+
+    def close(self) -> None:
+        self._done.close()
+
+
+# Runs started ahead of their use, by threads per worker (:func:`started_early`).
+_EARLY: dict[int, CalibrationRuns] = {}
+
+
+@contextlib.contextmanager
+def started_early(threads: int):
+    """Within the block the calibration with ``threads`` threads a worker runs in the background, for
+    :func:`time_calibration_runs` to take; left unused, it is stopped when the block ends."""
+    _EARLY[threads] = runs = CalibrationRuns(threads)
+    try:
+        yield
+    finally:
+        _EARLY.pop(threads, None)
+        runs.close()
+
+
+def finish_early() -> None:
+    """Waits for the runs started early: what is timed next must not share the cores with them."""
+    for runs in _EARLY.values():
+        runs.times()
+
+
 def time_calibration_runs(threads: int, steps: int = STEPS) -> dict[tuple[int, int], float]:
     """The fastest step of each calibration configuration, two worker processes over gloo with
-    ``threads`` threads each (a rehearsal's workers' share of the cores)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with scratch_dir("mobius-calibration-") as tmp:
-        out = str(Path(tmp) / "times.json")
-        parent = os.getpid()
-        start_resource_tracker()  # before the first spawn, as the launcher's
-        with outside_torchrun():
-            context = mp.start_processes(_worker, args=(port, threads, steps, out, parent), nprocs=WORKERS,
-                                         start_method="spawn", join=False)
-        try:
-            while not context.join():
-                pass
-        finally:  # interrupted: the workers go now, not when they finish (multiprocessing would wait)
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-        found = json.loads(Path(out).read_text())
-    return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
+    ``threads`` threads each; those started early are taken when there are (the same ``steps``)."""
+    runs = _EARLY.pop(threads, None) if steps == STEPS else None
+    return (runs or CalibrationRuns(threads, steps)).times()
 
 
 def predicted_times(profile: Profile, costs: tuple[float, float, float],
