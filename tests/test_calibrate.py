@@ -84,7 +84,7 @@ def test_a_pipeline_run_on_cpu_workers_starts_its_calibration_only_where_it_will
     monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: None)
     with prepare.early_calibration(cfg, get_config("tiny"), topo):
         assert started == [cpu_threads_per_worker(2)]
-    with prepare.early_calibration(cfg.changed(emulate=True), get_config("tiny"), topo):
+    with prepare.early_calibration(cfg.changed(emulate=True, topology="4x3090"), get_config("tiny"), topo):
         pass  # emulated GPUs are planned from FLOPs and bytes first
     monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: {"micro_batch_s": 0.0})  # calibrated
     with prepare.early_calibration(cfg, get_config("tiny"), topo):
