@@ -237,6 +237,7 @@ class LoraConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
     use_dora: bool = False  # DoRA (PEFT's use_dora): magnitudes trained apart from the directions
+    load_in_4bit: bool = False  # QLoRA: the frozen base's projections in NF4 (mobius.models.quant)
 
     def __post_init__(self):
         if self.rank < 0:
@@ -244,7 +245,7 @@ class LoraConfig:
         if not self.rank:
             default = {f.name: f.default for f in fields(self)}
             changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(self, k) != default[k]]
-            changed += ["--use-dora"] if self.use_dora else []
+            changed += [flag for flag, on in (("--use-dora", self.use_dora), ("--load-in-4bit", self.load_in_4bit)) if on]
             if changed:
                 raise InputError(f"{', '.join(changed)} needs --lora-rank R")
             return
@@ -327,6 +328,9 @@ class RunConfig:
                              f"{MAX_DEVICE_MEMORY_GB} GB)")
         if self.outputs.export_merged and not self.lora.rank:
             raise InputError("--export-merged needs --lora-rank R (without LoRA, --export writes the full model)")
+        if self.outputs.export_merged and self.lora.load_in_4bit:
+            raise InputError("--export-merged with --load-in-4bit: the base is 4-bit; --export the adapter and merge "
+                             "it into the full-precision base")
         if self.emulation.enabled and self.topology == "auto":
             raise InputError("--emulate rehearses the GPUs of --topology PRESET|FILE on CPU workers; "
                              "--topology auto is this machine")
@@ -410,6 +414,9 @@ def add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-dora", action="store_true",
                    help="DoRA (weight-decomposed LoRA, PEFT's use_dora): each output row's magnitude trains apart "
                         "from the adapted direction, whose norm is held constant in backward, as PEFT does")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: hold every block's projections as a frozen 4-bit NF4 base (bitsandbytes' format, "
+                        "blocks of 64, fp32 scales), dequantized where they compute; --backend single")
     p.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=d["micro_batches"],
                    help="micro-batches per optimizer step")

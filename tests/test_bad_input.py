@@ -94,6 +94,10 @@ TRAIN_OPTIONS = [
       "--gpu-mem-gb", "0.001"], "needs 0.0016 GB of rCache on each device, more than its 0.001 GB"),
     (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number at least 0"),
     (["--use-dora"], "--use-dora needs --lora-rank R"),
+    (["--load-in-4bit"], "--load-in-4bit needs --lora-rank R"),
+    (["--lora-rank", "2", "--load-in-4bit", "--export-merged", "m"], "--export-merged with --load-in-4bit"),
+    (["--lora-rank", "2", "--load-in-4bit", "--backend", "pipeline", "--topology", "cpu"],
+     "--load-in-4bit is built for --backend single"),
     (["--lr-scheduler", "exponential"], "invalid choice: 'exponential'"),
 ]
 

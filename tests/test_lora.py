@@ -216,10 +216,36 @@ def test_a_resume_notices_changed_base_weights_and_data(hf_dirs, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_lora_checkpoint_resumes_exactly(hf_dirs, tmp_path):
+def test_qlora_equals_peft_on_bitsandbytes_4bit_base(hf_dirs):
+    """``--load-in-4bit``: our NF4 base gives the losses of PEFT on ``transformers``' 4-bit model
+    (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``, fp32 compute), trained as a
+    Trainer trains it (train mode: bitsandbytes' CPU inference kernel computes in bf16), and not those of
+    LoRA on the full-precision base; with DoRA too.  The base never moves."""
+    pytest.importorskip("bitsandbytes")
+    path = hf_dirs["llama64"]  # widths of whole blocks: bitsandbytes' CPU kernels want them
+    quantized = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_compute_dtype=torch.float32)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    for dora in (False, True):
+        cfg = lora_cfg(path, load_in_4bit=True, use_dora=dora)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                       lambda p, **kw: load(p, quantization_config=quantized, device_map="cpu", **kw).train())
+            want = peer_losses(path, cfg)
+        assert want != pytest.approx(peer_losses(path, lora_cfg(path, use_dora=dora)), rel=1e-4)
+        config = model_config_for(cfg)
+        trainer = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
+        base = {n: b.clone() for n, b in trainer.model.named_buffers()}
+        assert [trainer.step(k).loss for k in range(STEPS)] == pytest.approx(want, rel=1e-5), dora
+        assert len(base) == 2 * 4 * 2 and all(torch.equal(b, base[n]) for n, b in trainer.model.named_buffers())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["full", "4bit"])
+def test_lora_checkpoint_resumes_exactly(hf_dirs, tmp_path, base):
     path, a, b = hf_dirs["gpt2"], tmp_path / "a", tmp_path / "b"
     args = ["--model", path, "--backend", "single", "--steps", "6", "--micro-batches", "2", "--micro-batch-size", "2",
-            "--seq-len", "16", "--lora-rank", "4", "--no-progress"]
+            "--seq-len", "16", "--lora-rank", "4", "--no-progress"] + (["--load-in-4bit"] if base == "4bit" else [])
     main(args + ["--stop-after", "3", "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
     main(args + ["--resume", str(a), "--save", str(a), "--metrics", str(tmp_path / "a.jsonl")])
     main(args + ["--save", str(b), "--metrics", str(tmp_path / "b.jsonl")])

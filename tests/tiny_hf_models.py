@@ -17,6 +17,10 @@ def make_dirs(root):
         "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                   intermediate_size=48)),
+        # Llama with widths of whole 64-value blocks, as bitsandbytes' CPU kernels want (QLoRA).
+        "llama64": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, max_position_embeddings=64, hidden_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    intermediate_size=128)),
         # Qwen3: a head size of its own (16, not 32 / 4), q/k RMSNorm per head; tied like Llama 3.2.
         "qwen3": T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=300, max_position_embeddings=64, hidden_size=32,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mobius.backends.chunked import check_chunked_options, launch_chunked
-from mobius.backends.pipeline import launch_pipeline, torchrun_worker
+from mobius.backends.pipeline import check_pipeline_options, launch_pipeline, torchrun_worker
 from mobius.backends.single import train_single
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
 from mobius.errors import InputError
@@ -44,7 +44,7 @@ class Backend:
 
 BACKENDS = {
     "pipeline": Backend("pipeline", launch_pipeline, in_workers=True, replicated=True, options="pipeline",
-                        under_torchrun=torchrun_worker, meanwhile=early_calibration),
+                        check=check_pipeline_options, under_torchrun=torchrun_worker, meanwhile=early_calibration),
     "chunked": Backend("chunked", launch_chunked, in_workers=True, replicated=False, options="chunked",
                        check=check_chunked_options),
     "single": Backend("single", train_single, in_workers=False, replicated=False, emulates=False),

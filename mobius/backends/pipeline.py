@@ -51,6 +51,13 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     return history
 
 
+def check_pipeline_options(cfg: RunConfig, workers: int) -> None:
+    """What the pipeline does not build, refused before the data is read."""
+    if cfg.lora.load_in_4bit:
+        raise InputError("--load-in-4bit is built for --backend single: the pipeline's stage stores hold 16- and "
+                         "32-bit weights")
+
+
 def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
     """The run's first line: where it runs, the model, the plan and its prediction."""
     plan = spec.plan

@@ -51,7 +51,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
         start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
     n = trainer.model.num_parameters()
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
-              f"{cfg.batch.describe()}, {cfg.optim.precision}"
+              f"{cfg.batch.describe()}, {cfg.optim.precision}" + (", 4-bit NF4 base" if model_config.lora_4bit else "")
               + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}")
     evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
     with StopRequest() as stop:

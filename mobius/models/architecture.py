@@ -63,6 +63,7 @@ class GPTConfig:
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0  # on the adapters' input, in training steps (mobius.models.lora)
     lora_dora: bool = False  # DoRA: each output's magnitude trained apart from the adapted direction
+    lora_4bit: bool = False  # QLoRA: every block's projections a frozen NF4 base (mobius.models.quant)
 
     def shape_problem(self) -> str | None:
         """Why this shape cannot run, or None.  (Table 3 prints 80 heads for h=9216, which do not

@@ -30,7 +30,8 @@ from mobius.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
 from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
-from mobius.models.lora import add_lora, freeze
+from mobius.models.lora import LORA_MODULES, add_lora, freeze, parts
+from mobius.models.quant import quantize_projections
 
 
 class GPTLayer(nn.Module):
@@ -489,6 +490,8 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
         torch.random.set_rng_state(gen_state)
     if config.lora_rank:
         if cls is Block:
+            if config.lora_4bit:  # quantized from the weights just built or read
+                quantize_projections(layer, LORA_MODULES, lambda name: parts(config, name))
             add_lora(layer, config, None if device.type == "meta" else seed * 100_003 + index, index)
         else:
             freeze(layer)

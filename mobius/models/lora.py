@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mobius.models.architecture import GPTConfig
+from mobius.models.quant import Linear4bit
 
 # Every projection an adapter can sit on (q|k|v, attention output, MLP in, MLP out), numbered for
 # the dropout masks.
@@ -112,7 +113,7 @@ class LoRALinear(nn.Linear):
         return x * keep.to(device=x.device, dtype=x.dtype) * (1.0 / (1.0 - self.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.to(x.dtype), self.bias)  # (a 4-bit base's weight is dequantized in fp32)
         if len(self.lora_magnitude):
             return y + self._dora(x, y)
         deltas = [F.linear(F.linear(self._dropped(x, k), a), b) for k, (a, b) in enumerate(zip(self.lora_A, self.lora_B))]
@@ -140,6 +141,10 @@ class LoRALinear(nn.Linear):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+class LoRALinear4bit(LoRALinear, Linear4bit):
+    """Adapters on a 4-bit base (QLoRA): LoRA's forward, the base weight dequantized."""
+
+
 def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int = 0) -> None:
     """Freeze every parameter of ``block`` (layer ``index``) and put adapters on its target
     projections, initialised from ``seed`` (None: left uninitialised, e.g. on the meta device)."""
@@ -148,7 +153,7 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
     for name in config.lora_targets:
         lin = getattr(block, name)
-        lin.__class__ = LoRALinear
+        lin.__class__ = LoRALinear4bit if isinstance(lin, Linear4bit) else LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
                          (index, LORA_MODULES.index(name)), config.lora_dora)
         if generator is not None:

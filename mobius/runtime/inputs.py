@@ -24,7 +24,8 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     targets = set(cfg.lora.targets)  # a set: the order they were named in changes nothing
     return dataclasses.replace(config, lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha or cfg.lora.rank),
                                lora_targets=tuple(t for t in LORA_MODULES if t in targets),
-                               lora_dropout=cfg.lora.dropout, lora_dora=cfg.lora.use_dora)
+                               lora_dropout=cfg.lora.dropout, lora_dora=cfg.lora.use_dora,
+                               lora_4bit=cfg.lora.load_in_4bit)
 
 
 def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
