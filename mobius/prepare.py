@@ -62,8 +62,8 @@ from mobius.runtime.device import (
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.runtime.spec import Plan, RunSpec
-from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, measure_handoff, measure_runtime_costs,
-                                     finish_early, started_early)
+from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, finish_early, measure_handoff,
+                                     measure_runtime_costs, started_early)
 from topology import Drive, Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
 
 GB = 10**9
