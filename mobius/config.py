@@ -245,7 +245,8 @@ class LoraConfig:
         if not self.rank:
             default = {f.name: f.default for f in fields(self)}
             changed = [f"--lora-{k}" for k in ("alpha", "dropout", "targets") if getattr(self, k) != default[k]]
-            changed += [flag for flag, on in (("--use-dora", self.use_dora), ("--load-in-4bit", self.load_in_4bit)) if on]
+            switches = (("--use-dora", self.use_dora), ("--load-in-4bit", self.load_in_4bit))
+            changed += [flag for flag, on in switches if on]
             if changed:
                 raise InputError(f"{', '.join(changed)} needs --lora-rank R")
             return

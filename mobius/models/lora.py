@@ -113,21 +113,22 @@ class LoRALinear(nn.Linear):
         return x * keep.to(device=x.device, dtype=x.dtype) * (1.0 / (1.0 - self.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.to(x.dtype), self.bias)  # (a 4-bit base's weight is dequantized in fp32)
+        weight = self.weight.to(x.dtype)  # taken once: a 4-bit base's is dequantized (in fp32) on each read
+        y = F.linear(x, weight, self.bias)
         if len(self.lora_magnitude):
-            return y + self._dora(x, y)
+            return y + self._dora(x, y, weight)
         deltas = [F.linear(F.linear(self._dropped(x, k), a), b) for k, (a, b) in enumerate(zip(self.lora_A, self.lora_B))]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return y + delta * self.scaling
 
-    def _dora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """DoRA's addition to the base output ``y``, part by part, as PEFT computes it: the rows of
+    def _dora(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """DoRA's addition to the base output ``y`` of ``weight`` (in ``x``'s dtype), part by part, as PEFT computes it: the rows of
         ``W + s B A`` rescaled to the trained magnitudes ``m``, their norms a constant in backward
         (DoRA §4.3): ``(m / |W + s B A| - 1) x W^T + (m / |W + s B A|) s (x A^T) B^T``."""
         outs, row = [], 0
         for k, (a, b, magnitude) in enumerate(zip(self.lora_A, self.lora_B, self.lora_magnitude)):
             n = b.shape[0]
-            w = self.weight[row:row + n].to(x.dtype)
+            w = weight[row:row + n]
             lora_weight = (b @ a).detach().to(x.dtype)
             scale = (magnitude / torch.linalg.norm(w + self.scaling * lora_weight, dim=1).detach()).view(1, -1)
             dropped = self._dropped(x, k)

@@ -16,6 +16,8 @@ Our fused projections (q|k|v, gate|up) quantize each Hugging Face module's rows 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,9 +55,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The weight of ``shape`` that :func:`quantize` gave ``packed`` and ``absmax`` for, in ``dtype``."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
     values = _levels(packed.device)[codes]
     scale = absmax.repeat_interleave(BLOCK)[:n]
