@@ -99,3 +99,31 @@ def test_calibration_workers_started_early_and_left_unused_are_gone_when_the_blo
     assert any(p.is_alive() for p in processes)
     runs.close()
     assert not any(p.is_alive() for p in processes)
+
+
+class _Context:
+    """Stands in for the workers' spawn context: joined, it raises ``error`` (or reports them done)."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def join(self):
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_times_written_before_a_worker_aborts_are_kept_and_a_crash_before_them_is_raised(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "times.json"
+    aborted = mp.ProcessExitedException("process 1 terminated with signal SIGABRT", error_index=1, error_pid=1,
+                                        exit_code=-6, signal_name="SIGABRT")
+    with pytest.raises(mp.ProcessExitedException):
+        calibrate.joined(_Context(aborted), out)
+    out.write_text('{"2,2": 0.5, "10,12": 1.5}')
+    assert calibrate.joined(_Context(aborted), out) == {(2, 2): 0.5, (10, 12): 1.5}
+    assert calibrate.joined(_Context(), out) == {(2, 2): 0.5, (10, 12): 1.5}
+    raised = mp.ProcessRaisedException("Traceback ...", error_index=0, error_pid=1)
+    with pytest.raises(mp.ProcessRaisedException):  # a Python error is the run's error, times or not
+        calibrate.joined(_Context(raised), out)

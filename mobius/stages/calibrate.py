@@ -118,8 +118,11 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
             finally:
                 parts.close()
             fastest[f"{stages},{micro_batches}"] = min(times[1:])
+        dist.barrier()  # both workers are done: the times are complete once written
         if rank == 0:
-            Path(out).write_text(json.dumps(fastest))
+            written = Path(out).with_suffix(".partial")
+            written.write_text(json.dumps(fastest))
+            written.replace(out)
     finally:
         dist.destroy_process_group()
 
@@ -157,14 +160,26 @@ class CalibrationRuns:
         """The fastest step of each calibration configuration (waits for the workers to finish)."""
         if self._times is None:
             with self._done:
-                while not self._context.join():
-                    pass
-                found = json.loads(self._out.read_text())
-            self._times = {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
+                self._times = joined(self._context, self._out)
         return self._times
 
     def close(self) -> None:
         self._done.close()
+
+
+def joined(context: mp.ProcessContext, out: Path) -> dict[tuple[int, int], float]:
+    """The times the workers of ``context`` wrote to ``out``, once both have exited.  A worker that
+    dies by a signal after the times were written does not lose them: rank 0 writes them (whole,
+    by a rename) only after both workers' last step.  (Rarely, on a loaded machine, a worker has
+    aborted as it exited, in C++ teardown: ``terminate called without an active exception``.)"""
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException:
+        if not out.exists():
+            raise
+    found = json.loads(out.read_text())
+    return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
 
 
 # Runs started ahead of their use, by threads per worker (:func:`started_early`).
