@@ -127,3 +127,30 @@ def test_times_written_before_a_worker_aborts_are_kept_and_a_crash_before_them_i
     raised = mp.ProcessRaisedException("Traceback ...", error_index=0, error_pid=1)
     with pytest.raises(mp.ProcessRaisedException):  # a Python error is the run's error, times or not
         calibrate.joined(_Context(raised), out)
+
+
+def test_calibration_workers_killed_before_their_times_are_written_run_once_more(monkeypatch):
+    import torch.multiprocessing as mp
+
+    class Started:
+        processes: list = []
+
+    starts, outcomes = [], []
+    monkeypatch.setattr(calibrate.mp, "start_processes", lambda *a, **k: starts.append(1) or Started())
+
+    def joined(context, out):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(calibrate, "joined", joined)
+    killed = mp.ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=1,
+                                       exit_code=-9, signal_name="SIGKILL")
+    outcomes[:] = [killed, {(2, 2): 0.25}]
+    assert calibrate.CalibrationRuns(threads=1).times() == {(2, 2): 0.25}
+    assert len(starts) == 2
+    outcomes[:] = [killed, killed]  # twice: the run's error
+    with pytest.raises(mp.ProcessExitedException):
+        calibrate.CalibrationRuns(threads=1).times()
+    assert len(starts) == 4

@@ -131,7 +131,8 @@ class CalibrationRuns:
     """The calibration's two worker processes, started now (over gloo, ``threads`` threads each: a
     rehearsal's workers' share of the cores); :meth:`times` waits for their fastest steps."""
 
-    def __init__(self, threads: int, steps: int = STEPS):
+    def __init__(self, threads: int, steps: int = STEPS, retries: int = 1):
+        self._threads, self._steps, self._retries = threads, steps, retries
         self._done = contextlib.ExitStack()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -159,8 +160,13 @@ class CalibrationRuns:
     def times(self) -> dict[tuple[int, int], float]:
         """The fastest step of each calibration configuration (waits for the workers to finish)."""
         if self._times is None:
-            with self._done:
-                self._times = joined(self._context, self._out)
+            try:
+                with self._done:
+                    self._times = joined(self._context, self._out)
+            except mp.ProcessExitedException:  # a worker killed before the times were written
+                if not self._retries:
+                    raise
+                self._times = CalibrationRuns(self._threads, self._steps, self._retries - 1).times()
         return self._times
 
     def close(self) -> None:
@@ -171,7 +177,7 @@ def joined(context: mp.ProcessContext, out: Path) -> dict[tuple[int, int], float
     """The times the workers of ``context`` wrote to ``out``, once both have exited.  A worker that
     dies by a signal after the times were written does not lose them: rank 0 writes them (whole,
     by a rename) only after both workers' last step.  (Rarely, on a loaded machine, a worker has
-    aborted as it exited, in C++ teardown: ``terminate called without an active exception``.)"""
+    aborted in native code: ``terminate called without an active exception``.)"""
     try:
         while not context.join():
             pass
