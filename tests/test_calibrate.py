@@ -124,6 +124,10 @@ def test_times_written_before_a_worker_aborts_are_kept_and_a_crash_before_them_i
     out.write_text('{"2,2": 0.5, "10,12": 1.5}')
     assert calibrate.joined(_Context(aborted), out) == {(2, 2): 0.5, (10, 12): 1.5}
     assert calibrate.joined(_Context(), out) == {(2, 2): 0.5, (10, 12): 1.5}
+    exited = mp.ProcessExitedException("process 1 terminated with exit code 1", error_index=1, error_pid=1,
+                                       exit_code=1)
+    with pytest.raises(mp.ProcessExitedException):  # an exit of its own is an error, times or not
+        calibrate.joined(_Context(exited), out)
     raised = mp.ProcessRaisedException("Traceback ...", error_index=0, error_pid=1)
     with pytest.raises(mp.ProcessRaisedException):  # a Python error is the run's error, times or not
         calibrate.joined(_Context(raised), out)
@@ -154,3 +158,9 @@ def test_calibration_workers_killed_before_their_times_are_written_run_once_more
     with pytest.raises(mp.ProcessExitedException):
         calibrate.CalibrationRuns(threads=1).times()
     assert len(starts) == 4
+    exited = mp.ProcessExitedException("process 0 terminated with exit code 1", error_index=0, error_pid=1,
+                                       exit_code=1)
+    outcomes[:] = [exited, {(2, 2): 0.25}]  # an exit of its own is an error: not run again
+    with pytest.raises(mp.ProcessExitedException):
+        calibrate.CalibrationRuns(threads=1).times()
+    assert len(starts) == 5

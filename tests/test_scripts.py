@@ -74,6 +74,11 @@ def test_plan_scripts():
     one, two = read("replicas.json")["rows"]
     # The plans' quality depends on what a 1 s MIP finds on a busy machine: the rows are checked, not the speed-up.
     assert (one["boxes"], two["boxes"]) == (1, 2) and two["network_s"] > 0 and two["speedup"] > 0
+    run_script("plan_dispatched", ["--smoke", "--json", "dispatched.json"])
+    one, two = read("dispatched.json")
+    assert (one["gpus"], two["gpus"]) == (1, 2)
+    assert all(r["bound_simulated_s"] > 0 and r["dispatched_simulated_s"] > 0 for r in (one, two))
+    assert two["dispatched_stages"][1] >= two["dispatched_stages"][0]  # backward stages are the smaller
 
 
 def test_bench_optimizer():

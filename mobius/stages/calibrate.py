@@ -163,8 +163,8 @@ class CalibrationRuns:
             try:
                 with self._done:
                     self._times = joined(self._context, self._out)
-            except mp.ProcessExitedException:  # a worker killed before the times were written
-                if not self._retries:
+            except mp.ProcessExitedException as err:  # a worker killed before the times were written
+                if not (err.signal_name and self._retries):
                     raise
                 self._times = CalibrationRuns(self._threads, self._steps, self._retries - 1).times()
         return self._times
@@ -181,8 +181,8 @@ def joined(context: mp.ProcessContext, out: Path) -> dict[tuple[int, int], float
     try:
         while not context.join():
             pass
-    except mp.ProcessExitedException:
-        if not out.exists():
+    except mp.ProcessExitedException as err:
+        if not (err.signal_name and out.exists()):
             raise
     found = json.loads(out.read_text())
     return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}

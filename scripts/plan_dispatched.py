@@ -1,0 +1,101 @@
+"""The bound schedule beside the dispatched one (:mod:`mobius.sim.dispatched`), predicted for
+Llama-3.1-8B (or ``--model``) on 1, 2, 4 and 8 of ``8x4090-4+4``'s GPUs (half under each root
+complex where there are two or more), ``--micro-batches`` of 1 x ``--seq-len``, bf16.
+
+For every GPU count: the bound plan's predicted step (the cost model, as ``mobius.plan`` prints it)
+and the simulator's step for the same plan; the dispatched schedule's simulated step with the
+stage counts its search found; each schedule's speed-up over one GPU (simulated).  Everything here
+is a prediction from config.json alone (analytic profile), not a measurement; the runtime runs the
+bound schedule only.
+
+    python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--json out.json] [--smoke]
+
+``--smoke``: 1 and 2 GPUs, GPT-2, 4 micro-batches of 128, the MIP stopped at 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from published_models import CONFIGS, model_dir  # noqa: E402
+
+from mobius.config import RunConfig  # noqa: E402
+from mobius.janitor import scratch_dir  # noqa: E402
+from mobius.prepare import get_profile, plan_on, reserve_cuda_memory, resolve_topology  # noqa: E402
+from mobius.runtime.inputs import model_config_for  # noqa: E402
+from mobius.sim.dispatched import plan_dispatched  # noqa: E402
+from mobius.sim.schedules import simulate_mobius  # noqa: E402
+
+BOX = Path(__file__).resolve().parents[1] / "topology" / "presets" / "8x4090-4+4.json"
+
+
+def box_of(gpus: int, directory: str) -> str:
+    """A topology file of ``gpus`` of the box's GPUs, split evenly between its root complexes."""
+    box = json.loads(BOX.read_text())
+    under = [[g for g in box["gpus"] if g["root_complex"] == rc["id"]] for rc in box["root_complexes"]]
+    per = [gpus - gpus // 2, gpus // 2] if gpus > 1 else [1, 0]
+    chosen = [g for rc, k in zip(under, per) for g in rc[:k]]
+    box["gpus"] = [{**g, "index": i} for i, g in enumerate(chosen)]
+    box["root_complexes"] = [rc for rc, k in zip(box["root_complexes"], per) if k]
+    box["name"] = f"{gpus} of 8x4090-4+4"
+    path = Path(directory) / f"{gpus}.json"
+    path.write_text(json.dumps(box))
+    return str(path)
+
+
+def row(model: str, gpus: int, directory: str, args) -> dict:
+    cfg = RunConfig.of(model=model, topology=box_of(gpus, directory), micro_batch_size=1,
+                       micro_batches=args.micro_batches, seq_len=args.seq_len, precision="bf16")
+    model_config = model_config_for(cfg)
+    topo = resolve_topology(cfg)
+    with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
+        plan = plan_on(cfg, model_config, topo, profile_how="analytic", time_limit_s=args.time_limit)
+    reserved = reserve_cuda_memory(topo)
+    profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic")
+    bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute)
+    dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches)
+    return {"gpus": gpus, "bound_predicted_s": plan.predicted_step_s, "bound_simulated_s": bound.step_s,
+            "bound_stages": len(plan.bounds), "dispatched_simulated_s": dispatched.step_s if dispatched else None,
+            "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="Llama-3.1-8B",
+                   help="a published config (scripts/published_models.py) or a preset")
+    p.add_argument("--micro-batches", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--time-limit", type=float, default=8.0, help="the MIP's limit per plan, seconds")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    counts = (1, 2, 4, 8)
+    if args.smoke:
+        args.model, args.micro_batches, args.seq_len, args.time_limit, counts = "gpt2", 4, 128, 1.0, (1, 2)
+    with scratch_dir("mobius-boxes-") as directory, (model_dir(args.model) if args.model in CONFIGS
+                                                    else contextlib.nullcontext(args.model)) as model:
+        rows = [row(model, g, directory, args) for g in counts]
+    one = rows[0]
+    print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, GPUs of 8x4090-4+4 "
+          "(predictions, not measurements)")
+    print("| GPUs | bound: plan s | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
+          "| dispatched/bound |")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        d = r["dispatched_simulated_s"]
+        print(f"| {r['gpus']} | {r['bound_predicted_s']:.2f} | {r['bound_simulated_s']:.2f} | "
+              f"{one['bound_simulated_s'] / r['bound_simulated_s']:.2f}x | "
+              + (f"{d:.2f} | {one['dispatched_simulated_s'] / d:.2f}x | {r['dispatched_stages'][0]}/"
+                 f"{r['dispatched_stages'][1]} | {d / r['bound_simulated_s']:.3f} |" if d else "does not fit | | | |"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
