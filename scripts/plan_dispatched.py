@@ -8,7 +8,8 @@ stage counts its search found; each schedule's speed-up over one GPU (simulated)
 is a prediction from config.json alone (analytic profile), not a measurement; the runtime runs the
 bound schedule only.
 
-    python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--json out.json] [--smoke]
+    python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--optimizer-lag 1]
+                                      [--json out.json] [--smoke]
 
 ``--smoke``: 1 and 2 GPUs, GPT-2, 4 micro-batches of 128, the MIP stopped at 1 s.
 """
@@ -51,15 +52,17 @@ def box_of(gpus: int, directory: str) -> str:
 
 def row(model: str, gpus: int, directory: str, args) -> dict:
     cfg = RunConfig.of(model=model, topology=box_of(gpus, directory), micro_batch_size=1,
-                       micro_batches=args.micro_batches, seq_len=args.seq_len, precision="bf16")
+                       micro_batches=args.micro_batches, seq_len=args.seq_len, precision="bf16",
+                       optimizer_lag=args.optimizer_lag)
     model_config = model_config_for(cfg)
     topo = resolve_topology(cfg)
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
         plan = plan_on(cfg, model_config, topo, profile_how="analytic", time_limit_s=args.time_limit)
     reserved = reserve_cuda_memory(topo)
     profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic")
-    bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute)
-    dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches)
+    bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute,
+                            optimizer_lag=args.optimizer_lag)
+    dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)
     return {"gpus": gpus, "bound_predicted_s": plan.predicted_step_s, "bound_simulated_s": bound.step_s,
             "bound_stages": len(plan.bounds), "dispatched_simulated_s": dispatched.step_s if dispatched else None,
             "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None}
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--time-limit", type=float, default=8.0, help="the MIP's limit per plan, seconds")
+    p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
+                   help="1: each step's host AdamW runs on while the next step computes, in both schedules")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -82,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                                                     else contextlib.nullcontext(args.model)) as model:
         rows = [row(model, g, directory, args) for g in counts]
     one = rows[0]
-    print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, GPUs of 8x4090-4+4 "
-          "(predictions, not measurements)")
+    print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, optimizer lag "
+          f"{args.optimizer_lag}, GPUs of 8x4090-4+4 (predictions, not measurements)")
     print("| GPUs | bound: plan s | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
           "| dispatched/bound |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|")

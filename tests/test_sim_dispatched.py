@@ -70,3 +70,14 @@ def test_where_the_head_outweighs_the_other_stages_dispatch_is_faster_than_bindi
                 for s in (4, 8, 12))
     assert found is not None and found.step_s < 0.95 * bound
     assert all(gpu == order[i % 4] for i, (_, gpu) in enumerate(found.gpu_of_tasks()))
+
+
+def test_with_optimizer_lag_the_step_ends_with_the_device_work_unless_a_host_thread_needs_longer():
+    profile, topo = _profile("gpt2"), load_topology("topo2+2")
+    forward, backward = [(0, 7), (7, 14)], [(0, 3), (3, 6), (6, 10), (10, 14)]
+    plain = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M)
+    lagged = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=1)
+    device_end = max(t.end for t in lagged.tasks if t.kind not in ("cpu", "delay"))
+    adam = [sum(t.work for t in lagged.tasks if t.kind == "cpu" and t.gpu == g) for g in range(4)]
+    assert lagged.step_s == pytest.approx(max(device_end, *adam), rel=1e-12)
+    assert lagged.step_s < plain.step_s  # the last stages' AdamW no longer ends the step

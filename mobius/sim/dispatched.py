@@ -29,6 +29,7 @@ from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
+from mobius.sim.schedules import lagged_step_s
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, i
 
 def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]], topo,
                         order: list[int], micro_batches: int, memory_bytes: list[int] | None = None,
-                        adam_params_per_s: float | None = None) -> SimResult | None:
-    """One step of the dispatched schedule; None where a task does not fit its GPU's memory."""
+                        adam_params_per_s: float | None = None, optimizer_lag: int = 0) -> SimResult | None:
+    """One step of the dispatched schedule; None where a task does not fit its GPU's memory.  With
+    ``optimizer_lag`` the step's AdamW runs on while the next step computes (the result's
+    ``step_s`` as :func:`mobius.sim.schedules.lagged_step_s` says)."""
     if not valid_partitions(forward, backward):
         raise ValueError(f"backward partition {backward} does not end within forward partition {forward}")
     n, M = len(order), micro_batches
@@ -126,12 +129,13 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
             off = sim.add(f"grads T{i} to host", D2H, gpu[i], trained.grad_bytes, (last,), len(tasks) + i,
                           "gradients")
             sim.add(f"AdamW T{i}", CPU, gpu[i], trained.grad_bytes / element_bytes(profile.dtype) / adam_rate, (off,))
-    return sim.run()
+    result = sim.run()
+    return replace(result, step_s=lagged_step_s(result, host)) if optimizer_lag else result
 
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
-                    memory_bytes: list[int] | None = None,
-                    adam_params_per_s: float | None = None) -> DispatchedPlan | None:
+                    memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
+                    optimizer_lag: int = 0) -> DispatchedPlan | None:
     """The fastest dispatched step found over the two partitions' stage counts (each partition
     time-balanced, exactly, for its count): forward stages from one to four a GPU, backward stages
     from as many to three times as many, in steps of half the GPU count (each simulation of an 8-GPU
@@ -148,7 +152,7 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
             if not valid_partitions(forward, backward):
                 continue
             result = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
-                                         adam_params_per_s)
+                                         adam_params_per_s, optimizer_lag)
             if result is not None and math.isfinite(result.step_s) and (best is None or result.step_s < best.step_s):
                 best = DispatchedPlan(forward, backward, list(order), micro_batches, result.step_s, result)
     return best

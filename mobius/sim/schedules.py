@@ -58,112 +58,144 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     ``adam_params_per_s`` (default: the profile's host rate); with data-parallel replicas
     (``profile.host.replicas``) on 1/D of each stage, between the sum of its gradients and the
     broadcast of its weights, which share the node's network.  With ``optimizer_lag`` the CPU
-    updates of a step run on while the next step computes: the step ends when its device work and
-    gradient offloads do, unless a worker's optimizer thread needs longer than that for its
-    stages' updates.  Without ``prefetch`` a stage's load starts once the previous one is done."""
-    n, M, S = len(order), micro_batches, len(bounds)
+    updates of a step run on while the next step computes (:func:`lagged_step_s`).  Without
+    ``prefetch`` a stage's load starts once the previous one is done."""
     st = stage_costs(profile, bounds, recompute)
-    gpu = [order[j % n] for j in range(S)]
+    gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
     for j, c in enumerate(st):
         need = max(c.mem_fwd, c.mem_bwd)
         if need > mem[gpu[j]]:
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
-    elt = element_bytes(profile.dtype)
-    host = profile.host
-    adam_params_per_s = adam_params_per_s or host.adam_params_per_s
-    link = replace(link_for(topo), network_bw=host.network_bps)
-    sim = Simulator(link)
-    F = [[None] * M for _ in range(S)]
-    B = [[None] * M for _ in range(S)]
-    load_f: dict[int, list[int]] = {}
-    load_b: dict[int, list[int]] = {}
+    step = _BoundStep(profile, st, topo, len(order), gpu, mem, micro_batches,
+                      adam_params_per_s or profile.host.adam_params_per_s, prefetch)
+    step.forward()
+    step.backward()
+    r = step.sim.run()
+    return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else r.step_s, result=r)
 
-    def load(j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
-        size = st[j].param_bytes
-        first = max(0.0, min(size, prefetch_bytes)) if prefetch else 0.0
-        a = sim.add(f"{tag} load S{j} (prefetch)", H2D, gpu[j], first, (early_dep,), prio, "params")
-        b = sim.add(f"{tag} load S{j}", H2D, gpu[j], size - first, (a, late_dep), prio, "params")
-        return [a, b]
 
-    def compute(name: str, j: int, upload_bytes: float, work: float, deps: list, passes: int = 1) -> int:
-        """The copies the runtime issues on the compute stream (stage inputs, at the link's rate),
-        then the compute and the runtime's fixed per-micro-batch work of each pass."""
-        return sim.add(name, COMPUTE, gpu[j], work + upload_bytes / link.gpu_bw[gpu[j]] + passes * host.micro_batch_s,
-                       deps)
-
-    def switch(name: str, j: int, after) -> int:
-        """The runtime's work between two passes of one device, after the previous one (if any)."""
-        return sim.add(name, COMPUTE, gpu[j], host.stage_switch_s, (after,) if after is not None else ())
-
-    grad_in: dict[tuple[int, int], int] = {}
-
-    def backward(j: int, m: int, deps: list) -> None:
-        """Micro-batch ``m``'s backward of stage ``j``, and its input gradient to stage ``j - 1``."""
-        upload = st[j].out_bytes + (st[j].in_bytes if st[j].recomputed else 0.0)
-        B[j][m] = compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps, passes=2 if st[j].recomputed else 1)
-        if j > 0:
-            prio = S + (S - 1 - j)
-            out = sim.add(f"grad S{j}.{m} to host", D2H, gpu[j], st[j].in_bytes, (B[j][m],), prio + 1, "activations")
-            grad_in[(j - 1, m)] = sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, gpu[j - 1], host.handoff_s, (out,))
-
-    # Forward; the head runs each micro-batch's backward right after its forward.
-    act_in: dict[tuple[int, int], int] = {}
-    for j in range(S):
-        if j < n:
-            load_f[j] = [sim.add(f"F load S{j}", H2D, gpu[j], st[j].param_bytes, (), j, "params")]
-        else:
-            room = mem[gpu[j]] - st[j - n].mem_fwd
-            load_f[j] = load(j, room, load_f[j - n][-1], F[j - n][M - 1], j, "F")
-        begin = switch(f"F switch S{j}", j, F[j - n][M - 1] if j >= n else None)
-        for m in range(M):
-            deps = [*load_f[j], begin]
-            if j:
-                deps.append(act_in[(j, m)])
-            if j == S - 1 and m:  # the head: each micro-batch's backward before the next forward
-                deps.append(B[j][m - 1])
-            F[j][m] = compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
-            if j == S - 1:
-                backward(j, m, [F[j][m]])
-            if j + 1 < S:
-                out = sim.add(f"act S{j}.{m} to host", D2H, gpu[j], st[j].out_bytes, (F[j][m],), j + 1, "activations")
-                act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, gpu[j + 1], host.handoff_s, (out,))
-
-    # Backward.
-    optimizer: dict[int, int] = {}  # with replicas: each optimizer thread's last exchange
-    for j in range(S - 1, -1, -1):
-        prio = S + (S - 1 - j)
-        if j + n >= S:
-            load_b[j] = []  # still resident from forward
-        else:
-            room = mem[gpu[j]] - st[j + n].mem_bwd
-            early = load_b[j + n][-1] if load_b[j + n] else F[j + n][M - 1]
-            load_b[j] = load(j, room, early, B[j + n][M - 1], prio, "B")
-        if j < S - 1:  # the head's ran with its forward
-            begin = switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else F[j][M - 1])
-            for m in range(M):
-                backward(j, m, [*load_b[j], begin, grad_in[(j, m)]])
-        off = sim.add(f"grads S{j} to host", D2H, gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio, "gradients")
-        adam = st[j].grad_bytes / elt / host.replicas / adam_params_per_s
-        if host.replicas == 1:
-            sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (off,))
-            continue
-        # The optimizer thread: the sum into the owners, AdamW on this host's share, the broadcast.
-        exchanged = exchanged_bytes(st[j].grad_bytes / elt, host.replicas)
-        summed = sim.add(f"sum S{j}", NET, gpu[j], exchanged, (off, optimizer.get(gpu[j])), prio, "network")
-        updated = sim.add(f"AdamW S{j}", CPU, gpu[j], adam, (summed,))
-        optimizer[gpu[j]] = sim.add(f"broadcast S{j}", NET, gpu[j], exchanged, (updated,), prio, "network")
-    r = sim.run()
-    if not optimizer_lag:
-        return SimOutcome("mobius", r.step_s, result=r)
+def lagged_step_s(r: SimResult, host) -> float:
+    """The step with ``--optimizer-lag 1``: it ends when its device work and gradient offloads do,
+    unless a worker's optimizer thread (its AdamW, and its exchanges alone on the network) or the
+    network needs longer than that for the step's updates."""
     device_end = max((t.end for t in r.tasks if t.kind not in (CPU, NET, DELAY)), default=0.0)
-    optimizer_busy: dict[int, float] = {}  # each optimizer thread's work, its exchanges alone on the network
+    optimizer_busy: dict[int, float] = {}
     for t in r.tasks:
         if t.kind in (CPU, NET):
             optimizer_busy[t.gpu] = optimizer_busy.get(t.gpu, 0.0) + (t.work if t.kind == CPU else
                                                                       t.work / host.network_bps)
     network = sum(t.work for t in r.tasks if t.kind == NET) / host.network_bps if host.replicas > 1 else 0.0
-    return SimOutcome("mobius", max(device_end, network, *optimizer_busy.values(), 0.0), result=r)
+    return max(device_end, network, *optimizer_busy.values(), 0.0)
+
+
+class _BoundStep:
+    """The task graph of one bound step (:func:`simulate_mobius`): stage ``j`` on GPU ``gpu[j]``
+    for the whole step, ``n`` GPUs; ``F`` and ``B`` hold each stage's and micro-batch's compute."""
+
+    def __init__(self, profile: Profile, st: list, topo, n: int, gpu: list[int], mem: list[int],
+                 micro_batches: int, adam_params_per_s: float, prefetch: bool):
+        self.profile, self.st, self.n, self.gpu, self.mem = profile, st, n, gpu, mem
+        self.M, self.S = micro_batches, len(st)
+        self.host, self.adam_params_per_s, self.prefetch = profile.host, adam_params_per_s, prefetch
+        self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
+        self.sim = Simulator(self.link)
+        self.F = [[None] * micro_batches for _ in st]
+        self.B = [[None] * micro_batches for _ in st]
+        self.load_f: dict[int, list[int]] = {}
+        self.act_in: dict[tuple[int, int], int] = {}
+        self.grad_in: dict[tuple[int, int], int] = {}
+        self.optimizer: dict[int, int] = {}  # with replicas: each optimizer thread's last exchange
+
+    def load(self, j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
+        """Stage ``j``'s weights: what fits beside the running stage once ``early_dep`` is done, the
+        rest once ``late_dep`` (that stage) is."""
+        size = self.st[j].param_bytes
+        first = max(0.0, min(size, prefetch_bytes)) if self.prefetch else 0.0
+        a = self.sim.add(f"{tag} load S{j} (prefetch)", H2D, self.gpu[j], first, (early_dep,), prio, "params")
+        b = self.sim.add(f"{tag} load S{j}", H2D, self.gpu[j], size - first, (a, late_dep), prio, "params")
+        return [a, b]
+
+    def compute(self, name: str, j: int, upload_bytes: float, work: float, deps: list, passes: int = 1) -> int:
+        """The copies the runtime issues on the compute stream (stage inputs, at the link's rate),
+        then the compute and the runtime's fixed per-micro-batch work of each pass."""
+        g = self.gpu[j]
+        return self.sim.add(name, COMPUTE, g, work + upload_bytes / self.link.gpu_bw[g]
+                            + passes * self.host.micro_batch_s, deps)
+
+    def switch(self, name: str, j: int, after) -> int:
+        """The runtime's work between two passes of one device, after the previous one (if any)."""
+        return self.sim.add(name, COMPUTE, self.gpu[j], self.host.stage_switch_s, (after,) if after is not None else ())
+
+    def backward_of(self, j: int, m: int, deps: list) -> None:
+        """Micro-batch ``m``'s backward of stage ``j``, and its input gradient to stage ``j - 1``."""
+        st, S = self.st, self.S
+        upload = st[j].out_bytes + (st[j].in_bytes if st[j].recomputed else 0.0)
+        self.B[j][m] = self.compute(f"B{j}.{m}", j, upload, st[j].bwd_s, deps, passes=2 if st[j].recomputed else 1)
+        if j > 0:
+            prio = S + (S - 1 - j)
+            out = self.sim.add(f"grad S{j}.{m} to host", D2H, self.gpu[j], st[j].in_bytes, (self.B[j][m],), prio + 1,
+                               "activations")
+            self.grad_in[(j - 1, m)] = self.sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, self.gpu[j - 1],
+                                                    self.host.handoff_s, (out,))
+
+    def forward(self) -> None:
+        """Every stage's forward; the head runs each micro-batch's backward right after its forward."""
+        st, S, n, M, F, sim = self.st, self.S, self.n, self.M, self.F, self.sim
+        for j in range(S):
+            if j < n:
+                self.load_f[j] = [sim.add(f"F load S{j}", H2D, self.gpu[j], st[j].param_bytes, (), j, "params")]
+            else:
+                room = self.mem[self.gpu[j]] - st[j - n].mem_fwd
+                self.load_f[j] = self.load(j, room, self.load_f[j - n][-1], F[j - n][M - 1], j, "F")
+            begin = self.switch(f"F switch S{j}", j, F[j - n][M - 1] if j >= n else None)
+            for m in range(M):
+                deps = [*self.load_f[j], begin]
+                if j:
+                    deps.append(self.act_in[(j, m)])
+                if j == S - 1 and m:  # the head: each micro-batch's backward before the next forward
+                    deps.append(self.B[j][m - 1])
+                F[j][m] = self.compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
+                if j == S - 1:
+                    self.backward_of(j, m, [F[j][m]])
+                if j + 1 < S:
+                    out = sim.add(f"act S{j}.{m} to host", D2H, self.gpu[j], st[j].out_bytes, (F[j][m],), j + 1,
+                                  "activations")
+                    self.act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, self.gpu[j + 1],
+                                                      self.host.handoff_s, (out,))
+
+    def backward(self) -> None:
+        """Every stage's backward, last to first, and its update on the host."""
+        st, S, n, M, B, sim = self.st, self.S, self.n, self.M, self.B, self.sim
+        load_b: dict[int, list[int]] = {}
+        for j in range(S - 1, -1, -1):
+            prio = S + (S - 1 - j)
+            if j + n >= S:
+                load_b[j] = []  # still resident from forward
+            else:
+                room = self.mem[self.gpu[j]] - st[j + n].mem_bwd
+                early = load_b[j + n][-1] if load_b[j + n] else self.F[j + n][M - 1]
+                load_b[j] = self.load(j, room, early, B[j + n][M - 1], prio, "B")
+            if j < S - 1:  # the head's ran with its forward
+                begin = self.switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else self.F[j][M - 1])
+                for m in range(M):
+                    self.backward_of(j, m, [*load_b[j], begin, self.grad_in[(j, m)]])
+            off = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio,
+                          "gradients")
+            self.update(j, off, prio)
+
+    def update(self, j: int, offloaded: int, prio: int) -> None:
+        """Stage ``j``'s AdamW on the host once its gradients are there; with replicas, the
+        optimizer thread's sum into the owners, AdamW on this host's share, and the broadcast."""
+        st, host, sim, g = self.st, self.host, self.sim, self.gpu[j]
+        adam = st[j].grad_bytes / element_bytes(self.profile.dtype) / host.replicas / self.adam_params_per_s
+        if host.replicas == 1:
+            sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
+            return
+        exchanged = exchanged_bytes(st[j].grad_bytes / element_bytes(self.profile.dtype), host.replicas)
+        summed = sim.add(f"sum S{j}", NET, g, exchanged, (offloaded, self.optimizer.get(g)), prio, "network")
+        updated = sim.add(f"AdamW S{j}", CPU, g, adam, (summed,))
+        self.optimizer[g] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio, "network")
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:
