@@ -325,8 +325,10 @@ def data_parallel_of(cfg: RunConfig) -> int:
 
 
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
-    """``--precision`` or the default for the devices.  The run's spec carries it; the workers'
-    configuration is given it (:func:`mobius.launcher.launch_workers`), and so are checkpoints."""
+    """``--precision`` or the default for the devices.  ``mobius.train`` and ``mobius.plan`` decide
+    it once, at their start (:func:`mobius.backends.run_precision`, :func:`plan_on`); the functions
+    below that scripts call directly decide it the same way where it is not set.  The run's spec
+    carries it, and so do the workers' configuration and the checkpoints."""
     return cfg.optim.precision or default_precision(cuda)
 
 
@@ -400,8 +402,9 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
     :func:`mobius.runtime.inputs.check_model_input` checked it."""
     cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
-    if cuda and data_parallel_of(cfg) > nodes_under_torchrun():
-        raise InputError(f"--data-parallel {data_parallel_of(cfg)} on the GPUs of one machine is not built: start one "
+    replicas = data_parallel_of(cfg)
+    if cuda and replicas > nodes_under_torchrun():
+        raise InputError(f"--data-parallel {replicas} on the GPUs of one machine is not built: start one "
                          "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg.changed(precision=precision), model_config)
@@ -413,7 +416,7 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
         if measured else ""
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
-                   data_parallel=data_parallel_of(cfg), host_rate_key=host_key(topo, measured),
+                   data_parallel=replicas, host_rate_key=host_key(topo, measured),
                    profile_key=layers_key), plan
 
 

@@ -19,7 +19,7 @@ import os
 import resource
 
 from mobius import ownership
-from mobius.backends import Backend, check_options, join_torchrun, resolve_backend, resolved
+from mobius.backends import Backend, check_options, join_torchrun, resolve_backend, resolved, run_precision
 from mobius.config import RunConfig, parse_train_args
 from mobius.errors import InputError, exits_cleanly, shown
 from mobius.launcher import running_under_torchrun
@@ -86,6 +86,7 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     check_outputs(cfg, model_config)
     backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
     check_options(cfg, backend, topo.n if topo is not None else 1)
+    cfg = cfg.changed(precision=run_precision(cfg, topo))  # decided once: everything after reads it
     with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
         check_offload_space(cfg, model_config)
         return _run_prepared(cfg, model_config, backend, topo)
@@ -135,7 +136,7 @@ def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: T
     available = available_host_memory()
     if available is not None:  # every replica of the pipeline this machine runs
         replicas = backend.replicas(cfg)
-        check_host_memory(cfg.model, model_config, cfg.optim.precision or "fp32", cfg.optim.optimizer_lag, available,
+        check_host_memory(cfg.model, model_config, cfg.optim.precision, cfg.optim.optimizer_lag, available,
                           "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas,
                           moments_on_disk=bool(cfg.pipeline.offload_dir))
     return backend.train(cfg, model_config, topo, data=(batches, held_out), inputs=inputs)

@@ -66,3 +66,30 @@ def test_every_source_file_the_docs_name_exists(doc):
     text = (ROOT / doc).read_text()
     named = set(re.findall(r"`((?:mobius|chunked_dp|topology|scripts|tests)/[\w/]+\.py)", text))
     assert named and not sorted(n for n in named if not (ROOT / n).exists())
+
+
+@pytest.mark.parametrize("cuda, precision", [(False, "fp32"), (True, "bf16")])
+def test_the_precision_is_decided_once_and_read_by_every_check_after(monkeypatch, tmp_path, cuda, precision):
+    """Unset, the precision is the devices' default: the host-memory check before training counts
+    the bytes of the precision the run will train in, not a default of its own."""
+    import mobius.backends as backends
+    import mobius.train as train
+    from mobius.config import RunConfig
+    from mobius.errors import InputError
+
+    monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(train, "available_host_memory", lambda: 2**40)
+    checked = []
+
+    def check_host_memory(model, config, precision, *args, **kwargs):
+        checked.append(precision)
+        raise InputError("checked")
+
+    monkeypatch.setattr(train, "check_host_memory", check_host_memory)
+    data = tmp_path / "text.txt"
+    data.write_text("the house in order " * 200)
+    cfg = RunConfig.of(model="tiny", backend="single", data=str(data), steps=1, seq_len=16, micro_batch_size=1,
+                       micro_batches=1)
+    with pytest.raises(InputError, match="checked"):
+        train.run(cfg)
+    assert checked == [precision]

@@ -95,12 +95,18 @@ def check_options(cfg: RunConfig, backend: Backend, workers: int) -> None:
         backend.check(cfg, workers)
 
 
+def run_precision(cfg: RunConfig, topo: Topology | None) -> str:
+    """The precision a run on ``topo`` (None: the command's own process, ``--backend single``)
+    trains in: decided here once, for the whole command to read (:func:`resolve_precision`)."""
+    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
+    return resolve_precision(cfg, cuda)
+
+
 def resolved(cfg: RunConfig) -> RunConfig:
     """``cfg`` with what the run decides from the machine: the backend, the precision, the replicas
     (``--print-config``)."""
     backend, topo = resolve_backend(cfg)
-    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
-    changes = {"backend": backend.name, "precision": resolve_precision(cfg, cuda)}
+    changes = {"backend": backend.name, "precision": run_precision(cfg, topo)}
     if backend.replicated:
         changes["data_parallel"] = data_parallel_of(cfg)
     return cfg.changed(**changes)

@@ -11,7 +11,6 @@ from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import start_export
-from mobius.prepare import resolve_precision
 from mobius.reference import ReferenceTrainer
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
@@ -23,10 +22,10 @@ from topology import Topology
 def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None, data: tuple,
                  inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     """The reference trainer (plain PyTorch) in this process, on this machine's device, on the
-    run's ``data`` (training batches, held-out examples or None); ``topo`` is not used."""
+    run's ``data`` (training batches, held-out examples or None); ``topo`` is not used.  The
+    precision is the command's decision (:func:`mobius.backends.run_precision`)."""
     batches, held_out = data
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
-    cfg = cfg.changed(precision=resolve_precision(cfg, device.type == "cuda"))
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
 
     def restore(ckpt: ck.Checkpoint) -> None:
