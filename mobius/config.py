@@ -321,7 +321,7 @@ class RunConfig:
                 ok = False
             if not ok:
                 raise InputError(f"--drive-gbps {','.join(self.drive_gbps)!r}: give each drive's GB/s, a positive "
-                                 "number")
+                                 "number below 10000")
         if (self.host_mem_gb or self.drive_gbps) and not self.pipeline.offload_dir:
             raise InputError("--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR")
         if self.gpu_mem_gb is not None and self.gpu_mem_gb > MAX_DEVICE_MEMORY_GB:

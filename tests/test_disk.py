@@ -202,3 +202,21 @@ def test_an_offload_dir_on_a_full_or_read_only_file_system_is_refused_before_tra
     assert "cannot write there (Read-only file system)" in one_line_exit_2(train_main, run, capsys)
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_passes(tmp_path, capsys):
+    """The drive under --offload-dir is timed through a file of the run's own where the plan is given
+    drive rates: far below them, one line, exit 2, nothing trained and nothing left; at or above
+    them the check passes and leaves the directory empty."""
+    from mobius.train import check_offload_drive
+
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir", str(tmp_path / "nvme"),
+                  "--drive-gbps", "9000", "--metrics", str(tmp_path / "m.jsonl")]
+    message = one_line_exit_2(train_main, run, capsys)
+    assert "its drive reads" in message and "but the plan was given 9000 and 9000 GB/s" in message
+    assert list(tmp_path.iterdir()) == []
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    cfg = RunConfig.of(model="tiny", topology="cpu", offload_dir=str(slow), drive_gbps=("0.0001",))
+    check_offload_drive(cfg, resolve_topology(cfg))
+    assert list(slow.iterdir()) == []
