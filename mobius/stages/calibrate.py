@@ -52,15 +52,16 @@ from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
 
-CALIBRATION_VERSION = 2  # part of the cached results' key: a changed measurement is made again
+CALIBRATION_VERSION = 3  # part of the cached results' key: a changed measurement is made again
 # The calibration model: ten layers (embedding, eight blocks, head) that cost little, so the
 # runtime's own work is much of each step.
 MODEL, SEQ_LEN, MICRO_BATCH = "tiny8", 16, 1
 WORKERS = 2  # a hand-off needs two
 FEW, MANY = 2, 12  # micro-batches per step
-STEPS = 6  # per configuration; the first warms up, the fastest of the rest counts (noise only adds)
+STEPS = 4  # per configuration; the first warms up, the fastest of the rest counts (noise only adds)
 CORPUS_TOKENS = 4096  # random byte tokens: what the steps cost does not depend on the text
 HANDOFF_REPEATS = 15
+POLL_S = 0.02  # how often the calibration's owner looks for its workers' times
 FIT_STEPS = 6  # Gauss-Newton steps at most
 SEARCH_ROUNDS = 8
 
@@ -151,7 +152,8 @@ class CalibrationRuns:
         self._times: dict[tuple[int, int], float] | None = None
 
     def _kill(self) -> None:
-        """Interrupted or abandoned: the workers go now, not when they finish (multiprocessing would wait)."""
+        """Done (their times written), interrupted or abandoned: the workers go now, not when they
+        finish (multiprocessing would wait)."""
         for process in self._context.processes:
             if process.is_alive():
                 process.kill()
@@ -174,15 +176,17 @@ class CalibrationRuns:
 
 
 def joined(context: mp.ProcessContext, out: Path) -> dict[tuple[int, int], float]:
-    """The times the workers of ``context`` wrote to ``out``, once both have exited.  A worker that
-    dies by a signal after the times were written does not lose them: rank 0 writes them (whole,
-    by a rename) only after both workers' last step.  (Rarely, on a loaded machine, a worker has
-    aborted in native code: ``terminate called without an active exception``.)"""
+    """The times the workers of ``context`` wrote to ``out``, as soon as they are there: rank 0
+    writes them (whole, by a rename) only after both workers' last step, so what is left of the
+    workers then is their teardown, which their owner kills rather than waits for (most of a second
+    of a process group's and an interpreter's shutdown).  Once written, the times are the result,
+    whatever a worker does after: one lost before is the run's error.  (Rarely, on a loaded machine,
+    a worker has aborted in native code: ``terminate called without an active exception``.)"""
     try:
-        while not context.join():
+        while not out.exists() and not context.join(timeout=POLL_S):
             pass
-    except mp.ProcessExitedException as err:
-        if not (err.signal_name and out.exists()):
+    except (mp.ProcessExitedException, mp.ProcessRaisedException):
+        if not out.exists():
             raise
     found = json.loads(out.read_text())
     return {tuple(int(x) for x in key.split(",")): t for key, t in found.items()}
