@@ -160,7 +160,7 @@ class CalibrationRuns:
             process.join()
 
     def times(self) -> dict[tuple[int, int], float]:
-        """The fastest step of each calibration configuration (waits for the workers to finish)."""
+        """The fastest step of each calibration configuration (waits for the workers to write them)."""
         if self._times is None:
             try:
                 with self._done:
