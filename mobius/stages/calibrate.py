@@ -245,9 +245,14 @@ def fit_runtime_costs(profile: Profile, measured: dict[tuple[int, int], float]) 
     target = torch.tensor([measured[c] for c in configs], dtype=torch.float64)
     costs = torch.full((3,), 1e-4, dtype=torch.float64)
 
+    seen: dict[tuple[float, ...], torch.Tensor] = {}  # the search comes back to points: each costs 4 settles
+
     def times(x: torch.Tensor) -> torch.Tensor:
-        got = predicted_times(profile, tuple(x.tolist()), configs)
-        return torch.tensor([got[c] for c in configs], dtype=torch.float64)
+        key = tuple(x.tolist())
+        if key not in seen:
+            got = predicted_times(profile, key, configs)
+            seen[key] = torch.tensor([got[c] for c in configs], dtype=torch.float64)
+        return seen[key]
 
     def miss(x: torch.Tensor) -> float:
         return float(((times(x) / target - 1) ** 2).sum())
