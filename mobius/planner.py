@@ -215,17 +215,6 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
             for k in sorted(counts) if workers <= k <= profile.n and k not in have}
 
 
-# The disk tier's drive where the topology states none: a PCIe 4.0 NVMe's sequential rate, assumed.
-ASSUMED_DRIVE_GBPS = 3.5
-
-
-def drive_gbps(topo: Topology) -> tuple[float, float]:
-    """(read, write) GB/s of ``topo``'s drives together, or of one assumed drive."""
-    if not topo.drives:
-        return ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS
-    return sum(d.read_gbps for d in topo.drives), sum(d.write_gbps for d in topo.drives)
-
-
 def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, excess: float) -> list[int]:
     """The host stages whose AdamW moments wait on disk: the largest first, until they free
     ``excess`` bytes of host memory (``inf``: every one) beside the pool they pass through."""
@@ -379,7 +368,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel)
         on_disk = disk_stages(costs, element_bytes(profile.dtype), data_parallel,
                               need - topo.host_memory_gb * GB if disk == "fit" else math.inf)
-        drives = drive_gbps(topo)
+        drives = topo.drive_gbps()
         machine = replace(machine, on_disk=tuple(on_disk),
                           disk_s_per_param=topo.n * ADAM_STATE_BYTES * max(1 / drives[0], 1 / drives[1]) / GB)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)

@@ -47,7 +47,6 @@ from mobius.planner import (
     DoesNotFit,
     available_host_memory,
     check_plannable,
-    drive_gbps,
     host_bytes_needed,
     make_plan,
 )
@@ -525,7 +524,7 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          counters="", how=how, floor=step_floor,  # the launcher makes the counters file
                          replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB,
                          host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n),
-                         disk_bps=tuple(g * GB for g in drive_gbps(topo)) if cfg.pipeline.offload_dir else
+                         disk_bps=tuple(g * GB for g in topo.drive_gbps()) if cfg.pipeline.offload_dir else
                          (float("inf"), float("inf")))
 
 

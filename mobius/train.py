@@ -15,7 +15,6 @@ if __name__ == "__main__":
 # ruff: noqa: E402
 import contextlib
 import math
-import os
 import resource
 
 from mobius import ownership
@@ -26,10 +25,10 @@ from mobius.launcher import running_under_torchrun
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.hf import check_export_target
-from mobius.planner import ADAM_STATE_BYTES, available_host_memory, check_host_memory, drive_gbps
+from mobius.planner import available_host_memory, check_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
-from mobius.swap.disk import measure_drive
+from mobius.swap.disk import check_offload_dir
 from topology import Topology
 
 
@@ -89,44 +88,8 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     check_options(cfg, backend, topo.n if topo is not None else 1)
     cfg = cfg.changed(precision=run_precision(cfg, topo))  # decided once: everything after reads it
     with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
-        check_offload_space(cfg, model_config)
-        check_offload_drive(cfg, topo)
+        check_offload_dir(cfg, model_config, topo)
         return _run_prepared(cfg, model_config, backend, topo)
-
-
-def check_offload_space(cfg: RunConfig, model_config: GPTConfig) -> None:
-    """``--offload-dir``'s file system must hold AdamW's moments of every trained parameter (the
-    most the disk tier writes there), or the run is refused before it trains."""
-    if not cfg.pipeline.offload_dir:
-        return
-    need = ADAM_STATE_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
-                                  if p.requires_grad)
-    fs = os.statvfs(cfg.pipeline.offload_dir)
-    free = fs.f_bavail * fs.f_frsize
-    if need > free:
-        raise InputError(f"--offload-dir {shown(cfg.pipeline.offload_dir)}: AdamW's moments take up to "
-                         f"{need / 1e9:.2f} GB there, but its file system has {free / 1e9:.2f} GB free")
-
-
-# A drive timed below this share of the rates the plan was given is refused: the plan would be wrong.
-DRIVE_SHARE_REQUIRED = 0.5
-DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fraction of a second on NVMe
-
-
-def check_offload_drive(cfg: RunConfig, topo: Topology | None) -> None:
-    """The drive under ``--offload-dir`` is timed (:func:`mobius.swap.disk.measure_drive`, through a
-    file of our own) where the plan is given its rates (the topology's drives, ``--drive-gbps``):
-    one that reads or writes at less than half of them is refused before training.  Under
-    ``--emulate`` the stated rates are what the run is charged: nothing to check."""
-    if not cfg.pipeline.offload_dir or topo is None or not topo.drives or cfg.emulation.enabled:
-        return
-    stated = drive_gbps(topo)
-    read, write = measure_drive(cfg.pipeline.offload_dir, DRIVE_TIMING_BYTES)
-    if read < DRIVE_SHARE_REQUIRED * stated[0] or write < DRIVE_SHARE_REQUIRED * stated[1]:
-        raise InputError(f"--offload-dir {shown(cfg.pipeline.offload_dir)}: its drive reads {read:.2f} GB/s and "
-                         f"writes {write:.2f} GB/s here, but the plan was given {stated[0]:g} and {stated[1]:g} GB/s "
-                         "(the topology's drives or --drive-gbps): state what it does (python -m mobius.rates "
-                         "--drive DIR --write FILE) or use a faster drive")
 
 
 def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None

@@ -182,11 +182,12 @@ def test_an_offload_dir_on_a_full_or_read_only_file_system_is_refused_before_tra
     import os
     import types
 
-    from mobius import ownership, train
+    from mobius import ownership
+    from mobius.swap import disk
 
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir", str(tmp_path / "nvme"),
                   "--metrics", str(tmp_path / "m.jsonl")]
-    monkeypatch.setattr(train.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=10, f_frsize=4096))
+    monkeypatch.setattr(disk.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=10, f_frsize=4096))
     message = one_line_exit_2(train_main, run, capsys)
     assert "AdamW's moments take up to 0.00 GB there, but its file system has 0.00 GB free" in message
     monkeypatch.undo()
@@ -208,7 +209,7 @@ def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_p
     """The drive under --offload-dir is timed through a file of the run's own where the plan is given
     drive rates: far below them, one line, exit 2, nothing trained and nothing left; at or above
     them the check passes and leaves the directory empty."""
-    from mobius.train import check_offload_drive
+    from mobius.swap.disk import check_offload_dir
 
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir", str(tmp_path / "nvme"),
                   "--drive-gbps", "9000", "--metrics", str(tmp_path / "m.jsonl")]
@@ -218,5 +219,5 @@ def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_p
     slow = tmp_path / "slow"
     slow.mkdir()
     cfg = RunConfig.of(model="tiny", topology="cpu", offload_dir=str(slow), drive_gbps=("0.0001",))
-    check_offload_drive(cfg, resolve_topology(cfg))
+    check_offload_dir(cfg, get_config("tiny"), resolve_topology(cfg))
     assert list(slow.iterdir()) == []

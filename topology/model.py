@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 GB = 10**9
+# The disk tier's drive where a topology states none: a PCIe 4.0 NVMe's sequential rate, assumed.
+ASSUMED_DRIVE_GBPS = 3.5
 
 
 class TopologyError(ValueError):
@@ -77,6 +79,12 @@ class Topology:
     host_memory_bandwidth_gbps: float | None = None
     network: Network | None = None  # to the other nodes; None: not stated (a single box)
     drives: list[Drive] = field(default_factory=list)  # for the disk tier; none stated: none planned
+
+    def drive_gbps(self) -> tuple[float, float]:
+        """(read, write) GB/s of the drives together, or of one assumed drive where none is stated."""
+        if not self.drives:
+            return ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS
+        return sum(d.read_gbps for d in self.drives), sum(d.write_gbps for d in self.drives)
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -29,10 +29,15 @@ from typing import Callable
 
 import torch
 
-from mobius.errors import RunError, shown
+from mobius.errors import InputError, RunError, shown
+from mobius.models import build_model
 
 POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENT_BYTES = 4 * len(MOMENTS)  # a trained parameter's moments in its file (fp32)
+# A drive timed below this share of the rates the plan was given is refused: the plan would be wrong.
+DRIVE_SHARE_REQUIRED = 0.5
+DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fraction of a second on NVMe
 
 
 class DiskMoments:
@@ -212,3 +217,30 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
         os.close(fd)
         path.unlink(missing_ok=True)
     return nbytes / read_s / 1e9, nbytes / write_s / 1e9
+
+
+def check_offload_dir(cfg, model_config, topo) -> None:
+    """``--offload-dir`` before training.  Its file system must hold the moments of every trained
+    parameter (the most the tier writes there).  Where the plan is given drive rates (the
+    topology's drives, ``--drive-gbps``), the drive is timed (:func:`measure_drive`) and one that
+    reads or writes at less than half of them is refused: the plan would be wrong.  Under
+    ``--emulate`` the stated rates are what the run is charged: nothing to time."""
+    directory = cfg.pipeline.offload_dir
+    if not directory:
+        return
+    need = MOMENT_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
+                              if p.requires_grad)
+    fs = os.statvfs(directory)
+    free = fs.f_bavail * fs.f_frsize
+    if need > free:
+        raise InputError(f"--offload-dir {shown(directory)}: AdamW's moments take up to {need / 1e9:.2f} GB there, "
+                         f"but its file system has {free / 1e9:.2f} GB free")
+    if topo is None or not topo.drives or cfg.emulation.enabled:
+        return
+    stated = topo.drive_gbps()
+    read, write = measure_drive(directory, DRIVE_TIMING_BYTES)
+    if read < DRIVE_SHARE_REQUIRED * stated[0] or write < DRIVE_SHARE_REQUIRED * stated[1]:
+        raise InputError(f"--offload-dir {shown(directory)}: its drive reads {read:.2f} GB/s and writes "
+                         f"{write:.2f} GB/s here, but the plan was given {stated[0]:g} and {stated[1]:g} GB/s (the "
+                         "topology's drives or --drive-gbps): state what it does (python -m mobius.rates --drive "
+                         "DIR --write FILE) or use a faster drive")
