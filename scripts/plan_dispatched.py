@@ -4,9 +4,11 @@ complex where there are two or more), ``--micro-batches`` of 1 x ``--seq-len``, 
 
 For every GPU count: the bound plan's predicted step (the cost model, as ``mobius.plan`` prints it)
 and the simulator's step for the same plan; the dispatched schedule's simulated step with the
-stage counts its search found; each schedule's speed-up over one GPU (simulated).  Everything here
-is a prediction from config.json alone (analytic profile), not a measurement; the runtime runs the
-bound schedule only.
+stage counts its search found; each schedule's speed-up over one GPU (simulated).  The simulator
+swaps every stage: where the bound plan keeps stages resident on their GPUs (updated there, its
+"resident" column; without --optimizer-lag), the plan's own figure is the bound schedule's, and the
+dispatched schedule (which keeps none) is compared with that.  Everything here is a prediction from
+config.json alone (analytic profile), not a measurement; the runtime runs the bound schedule only.
 
     python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--optimizer-lag 1]
                                       [--json out.json] [--smoke]
@@ -64,7 +66,8 @@ def row(model: str, gpus: int, directory: str, args) -> dict:
                             optimizer_lag=args.optimizer_lag)
     dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)
     return {"gpus": gpus, "bound_predicted_s": plan.predicted_step_s, "bound_simulated_s": bound.step_s,
-            "bound_stages": len(plan.bounds), "dispatched_simulated_s": dispatched.step_s if dispatched else None,
+            "bound_stages": len(plan.bounds), "bound_resident": len(plan.resident),
+            "dispatched_simulated_s": dispatched.step_s if dispatched else None,
             "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None}
 
 
@@ -89,12 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     one = rows[0]
     print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, optimizer lag "
           f"{args.optimizer_lag}, GPUs of 8x4090-4+4 (predictions, not measurements)")
-    print("| GPUs | bound: plan s | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
-          "| dispatched/bound |")
-    print("|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("| GPUs | bound: plan s | resident | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
+          "| dispatched/bound sim |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         d = r["dispatched_simulated_s"]
-        print(f"| {r['gpus']} | {r['bound_predicted_s']:.2f} | {r['bound_simulated_s']:.2f} | "
+        print(f"| {r['gpus']} | {r['bound_predicted_s']:.2f} | {r['bound_resident']} | {r['bound_simulated_s']:.2f} | "
               f"{one['bound_simulated_s'] / r['bound_simulated_s']:.2f}x | "
               + (f"{d:.2f} | {one['dispatched_simulated_s'] / d:.2f}x | {r['dispatched_stages'][0]}/"
                  f"{r['dispatched_stages'][1]} | {d / r['bound_simulated_s']:.3f} |" if d else "does not fit | | | |"))
