@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -340,7 +341,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained.
 
-    ``--recompute auto`` plans both ways and keeps the faster prediction: activations kept on the
+    ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction: activations kept on the
     device, where some partition lets every worker hold all of its stages' saved activations for
     all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
     or recomputed, which leaves the memory to more prefetch and to resident stages
@@ -368,17 +369,21 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
 
     if cfg.pipeline.recompute == "on":
         return make(recompute=True)
-    try:
-        kept = make(recompute=False)
-    except DoesNotFit as err:
-        if cfg.pipeline.recompute == "off":
+    if cfg.pipeline.recompute == "off":
+        try:
+            return make(recompute=False)
+        except DoesNotFit as err:
             raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
                              "micro-batches, or more memory") from None
-        return make(recompute=True)
-    if cfg.pipeline.recompute == "off":
-        return kept
-    recomputed = make(recompute=True)
-    return kept if kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
+    # Both plans at once: HiGHS solves without the GIL, and each thread has a solver of its own.
+    with ThreadPoolExecutor(2, thread_name_prefix="mobius-plan") as pool:
+        keeping, recomputing = pool.submit(make, recompute=False), pool.submit(make, recompute=True)
+        try:
+            kept = keeping.result()
+        except DoesNotFit:
+            kept = None
+        recomputed = recomputing.result()
+    return kept if kept is not None and kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
 
 
 def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:

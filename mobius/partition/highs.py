@@ -33,8 +33,7 @@ class Solved:
 
 @contextlib.contextmanager
 def _native_stdout_silenced():
-    """HiGHS prints its banner from C++ when a solver is created, whatever its options say: our
-    stdout (``mobius.plan --json``, the run's header) must carry only what we print."""
+    """Our stdout (``mobius.plan --json``, the run's header) must carry only what we print."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -44,6 +43,14 @@ def _native_stdout_silenced():
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+
+
+# HiGHS prints its banner from C++ when the process's first solver is created, whatever its
+# options say.  That solver is made here, at import, with stdout silenced; the solvers made after
+# print nothing (``output_flag`` off), so solves need no silencing and may run on several threads
+# at once, each with a solver of its own (HiGHS releases the GIL while it solves).
+with _native_stdout_silenced():
+    highspy.Highs()
 
 
 def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float, gap: float) -> Solved:
@@ -78,8 +85,7 @@ def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float,
         row_lo.append(rhs if c["sense"] in (pulp.LpConstraintGE, pulp.LpConstraintEQ) else -inf)
         row_hi.append(rhs if c["sense"] in (pulp.LpConstraintLE, pulp.LpConstraintEQ) else inf)
 
-    with _native_stdout_silenced():
-        highs = highspy.Highs()
+    highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(gap))
@@ -93,8 +99,7 @@ def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float,
     if known:
         highs.setSolution(len(known), np.array([j for j, _ in known], np.int32),
                           np.array([x for _, x in known], np.float64))
-    with _native_stdout_silenced():
-        highs.run()
+    highs.run()
     info = highs.getInfo()
     found = int(info.primal_solution_status) == int(highspy.SolutionStatus.kSolutionStatusFeasible)
     values = dict(zip(column, highs.getSolution().col_value)) if found else None
