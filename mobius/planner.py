@@ -34,7 +34,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
-from mobius.swap.disk import POOL_BUFFERS
+from mobius.swap.disk import MOMENT_BYTES, POOL_BUFFERS
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -42,7 +42,7 @@ PLANS = Cache("plans", "plan")
 # plus for 16-bit compute the compute-dtype copy and the gradient staging buffer.  A frozen
 # parameter (LoRA's base weights) is held once, in the compute dtype.
 HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 20, "fp16": 20}
-ADAM_STATE_BYTES = 8  # of those: AdamW's two fp32 moments, which data-parallel replicas shard
+ADAM_STATE_BYTES = MOMENT_BYTES  # of those: AdamW's two fp32 moments, which data-parallel replicas shard
 
 
 MAPPINGS = {"cross": cross_map, "sequential": sequential_map}

@@ -341,9 +341,9 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained.
 
-    ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction: activations kept on the
-    device, where some partition lets every worker hold all of its stages' saved activations for
-    all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
+    ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction:
+    activations kept on the device, where some partition lets every worker hold all of its stages'
+    saved activations for all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
     or recomputed, which leaves the memory to more prefetch and to resident stages
     (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts.  ``profile``: plan from this one (a script's own

@@ -122,9 +122,10 @@ class LoRALinear(nn.Linear):
         return y + delta * self.scaling
 
     def _dora(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """DoRA's addition to the base output ``y`` of ``weight`` (in ``x``'s dtype), part by part, as PEFT computes it: the rows of
-        ``W + s B A`` rescaled to the trained magnitudes ``m``, their norms a constant in backward
-        (DoRA §4.3): ``(m / |W + s B A| - 1) x W^T + (m / |W + s B A|) s (x A^T) B^T``."""
+        """DoRA's addition to the base output ``y`` of ``weight`` (in ``x``'s dtype), part by part, as
+        PEFT computes it: the rows of ``W + s B A`` rescaled to the trained magnitudes ``m``, their
+        norms a constant in backward (DoRA §4.3):
+        ``(m / |W + s B A| - 1) x W^T + (m / |W + s B A|) s (x A^T) B^T``."""
         outs, row = [], 0
         for k, (a, b, magnitude) in enumerate(zip(self.lora_A, self.lora_B, self.lora_magnitude)):
             n = b.shape[0]

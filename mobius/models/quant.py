@@ -62,6 +62,11 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...
     return (values * scale).reshape(shape).to(dtype)
 
 
+def buffer_sizes(n: int) -> tuple[int, int]:
+    """(bytes of codes, blocks) of a weight of ``n`` values."""
+    return (n + 1) // 2, -(-n // BLOCK)
+
+
 class Linear4bit(nn.Linear):
     """An ``nn.Linear`` whose frozen weight is held as NF4 codes, one set per Hugging Face module
     fused in it (buffers ``weight_codes`` and ``weight_absmax``, the parts' concatenated).  Its
@@ -76,8 +81,9 @@ class Linear4bit(nn.Linear):
         codes, absmax = [], []
         for rows in weight.detach().split(sizes):
             if weight.device.type == "meta":  # a description: the buffers' shapes alone
-                codes.append(torch.empty((rows.numel() + 1) // 2, dtype=torch.uint8, device="meta"))
-                absmax.append(torch.empty(-(-rows.numel() // BLOCK), dtype=torch.float32, device="meta"))
+                n_codes, n_blocks = buffer_sizes(rows.numel())
+                codes.append(torch.empty(n_codes, dtype=torch.uint8, device="meta"))
+                absmax.append(torch.empty(n_blocks, dtype=torch.float32, device="meta"))
             else:
                 c, a = quantize(rows)
                 codes.append(c)
@@ -91,7 +97,7 @@ class Linear4bit(nn.Linear):
         absmax = self.weight_absmax.view(torch.float32)
         for rows in self.sizes:
             n = rows * self.in_features
-            codes, blocks = (n + 1) // 2, -(-n // BLOCK)
+            codes, blocks = buffer_sizes(n)
             parts.append(dequantize(self.weight_codes[at_code:at_code + codes], absmax[at_block:at_block + blocks],
                                     (rows, self.in_features), torch.float32))
             at_code, at_block = at_code + codes, at_block + blocks

@@ -66,7 +66,7 @@ class DiskMoments:
         try:
             for s, path in self.paths.items():  # exclusively: never a file that was there
                 self.fds[s] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                os.ftruncate(self.fds[s], 2 * 4 * self.numel[s])
+                os.ftruncate(self.fds[s], MOMENT_BYTES * self.numel[s])
         except OSError as err:
             self.close()
             raise RunError(f"--offload-dir {shown(self.directory)}: cannot create its files ({err.strerror})") from None
