@@ -31,8 +31,13 @@ DEFAULT_CORPUS_BYTES = 16 * 2**20
 def stdlib_corpus_files() -> tuple[Path, ...]:
     """The running Python's standard-library ``.py`` files: real text on every machine (found
     once per process: the walk of the tree costs more than reading what the run needs)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts))
+    files = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        # Pruned, not filtered: the installed packages are most of the tree (walking them cost
+        # 0.4 s of every default run's start).
+        subfolders[:] = [s for s in subfolders if s != "site-packages"]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
+    return tuple(sorted(files))
 
 
 def _stdlib_text(max_bytes: int) -> bytes:
