@@ -23,7 +23,17 @@ from mobius.errors import InputError, shown
 
 T = TypeVar("T")
 
-CACHE_DIR = Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
+CACHE_DIR: Path | None = None  # None: $MOBIUS_CACHE, else ~/.cache/mobius (read at each use); tests point it elsewhere
+
+
+def cache_root() -> Path:
+    """Where the caches are: read at each use, so that a worker forked from a server started
+    earlier (:mod:`mobius.launcher`) sees the environment its launcher gave it."""
+    if CACHE_DIR is not None:
+        return CACHE_DIR
+    return Path(os.environ.get("MOBIUS_CACHE", Path.home() / ".cache" / "mobius"))
+
+
 MAX_ENTRY_BYTES = 64 * 2**20  # a plan or profile of 2^14 layers is a few MB
 ENTRY_FORMAT = 1  # part of every key: entries of another layout are simply not found
 
@@ -68,7 +78,7 @@ class Cache:
 
     @property
     def directory(self) -> Path:
-        return CACHE_DIR / self.kind  # read at each use: tests point CACHE_DIR elsewhere
+        return cache_root() / self.kind
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
@@ -116,7 +126,7 @@ class Cache:
             finally:
                 os.close(lock)
         except OSError as err:
-            _say_once(f"cannot write the {self.kind} cache under {shown(CACHE_DIR)} ({err.strerror}); "
+            _say_once(f"cannot write the {self.kind} cache under {shown(cache_root())} ({err.strerror}); "
                       "going on without it")
 
     def _set_aside(self, path: Path, reason: str) -> None:

@@ -24,10 +24,10 @@ for d in dirs:
 
 
 @contextlib.contextmanager
-def scratch_dir(prefix: str):
-    """A fresh temporary directory (ours: made here), removed when the block ends, however this
-    process ends."""
-    directory = tempfile.mkdtemp(prefix=prefix)
+def scratch_dir(prefix: str, under: str | None = None):
+    """A fresh temporary directory (ours: made here; under ``under``, else the temporary
+    directory), removed when the block ends, however this process ends."""
+    directory = tempfile.mkdtemp(prefix=prefix, dir=under)
     watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), directory],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                process_group=0)

@@ -2,13 +2,23 @@
 machinery, standalone rendezvous on loopback), after every pre-flight check has passed; the
 backends (:mod:`mobius.backends`) say what the workers run.
 
+Workers are forked from multiprocessing's fork server, which imports what every worker needs once
+(:data:`WORKER_MODULES`), in the background from :func:`start_worker_server` on: a worker that
+imported torch and our modules itself took 2 s of CPU to start.  The server is a fresh interpreter
+that has only imported modules: no CUDA context, no thread of ours, nothing to inherit but code.
+A worker takes the launcher's environment as of the launch (its payload's, adopted first); where
+the launcher's stdout or stderr is no longer the server's (a caller capturing them), the workers are
+spawned instead, as their output goes where their parent's goes.
+
 A worker that dies ends the run: the elastic agent stops the others (no restarts) and we exit
 non-zero naming the rank and its error; collectives time out after 60 s, so nothing hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -28,7 +38,71 @@ from mobius.janitor import scratch_dir
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import WorkerPayload, outside_torchrun
-from mobius.signals import LauncherSignals
+from mobius.signals import LauncherSignals, start_fork_server
+
+
+# What a worker imports: the backends' workers, and the compiler stack torch.optim imports when a
+# process makes its first optimizer (0.8 s; a name the server cannot import, it skips).
+WORKER_MODULES = ("mobius.backends", "torch._dynamo")
+
+
+def start_worker_server() -> None:
+    """Start the fork server the workers (and the calibration's, :mod:`mobius.stages.calibrate`)
+    will be forked from; it imports :data:`WORKER_MODULES` while the caller goes on.  Nothing it
+    forks starts before those imports end, so they never share the cores with a calibration's
+    steps; a run whose profile is measured without a calibration starts it after the profile
+    (:func:`mobius.prepare.run_plan`'s ``profiled``).  Idempotent.  The environment every worker
+    needs is set first, torchrun's variables left out: the server's environment is the one its
+    workers start with."""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
+    # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
+    # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    multiprocessing.set_forkserver_preload(list(WORKER_MODULES))
+    global _server_dir, _server_output
+    if _server_dir is None:
+        # multiprocessing keeps the server's socket in a directory it removes only at a clean exit:
+        # made inside one of ours, it goes however this process ends.  A socket's path has room
+        # for 107 bytes: below a temporary directory too deep for it, under /tmp.
+        base = tempfile.gettempdir()
+        under = base if len(base) + SOCKET_PATH_BELOW <= 107 else "/tmp"
+        _server_dir = _lifetime.enter_context(scratch_dir("mobius-server-", under))
+    previous, tempfile.tempdir = tempfile.tempdir, _server_dir
+    try:
+        with outside_torchrun():
+            start_fork_server()
+    finally:
+        tempfile.tempdir = previous
+    if _server_output is None:
+        _server_output = output_files()
+
+
+def worker_start_method() -> str:
+    """``forkserver``, or ``spawn`` where this process's stdout or stderr is no longer what the
+    server was started with (a caller capturing them, as a test does): a worker's output goes
+    where its parent's goes, and only a spawned worker's parent is this process."""
+    start_worker_server()
+    return "forkserver" if output_files() == _server_output else "spawn"
+
+
+def output_files() -> tuple:
+    """What this process's stdout and stderr are (device and inode of each; None where closed)."""
+    def identity(fd: int):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    return identity(1), identity(2)
+
+
+# What the server's socket path adds below the temporary directory: our directory, multiprocessing's
+# in it, and the socket's name ("/mobius-server-XXXXXXXX/pymp-XXXXXXXX/listener-XXXXXXXX").
+SOCKET_PATH_BELOW = 55
+_lifetime = contextlib.ExitStack()  # closed by nobody: what it holds lasts as long as this process
+_server_dir: str | None = None
+_server_output: tuple | None = None  # output_files() when the server started: its workers write there
 
 
 def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
@@ -58,10 +132,7 @@ def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     payload = replace(payload, t_origin=time.perf_counter())
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
-    # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
-    # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    method = worker_start_method()  # the server started before the temporary directory below: it outlives the run
     with scratch_dir("mobius-run-") as run_dir:
         # torch's own files of the launch (each worker's error file) go into it too, so a killed
         # launcher leaves none of them behind either.
@@ -69,15 +140,15 @@ def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None
         try:
             if data is not None:
                 payload = replace(payload, data=share(*data, run_dir))
-            return _launch(n, entry, payload, run_dir)
+            return _launch(n, entry, payload, run_dir, method)
         finally:
             tempfile.tempdir = previous
 
 
-def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
+def _launch(n: int, entry, payload: WorkerPayload, run_dir: str, method: str) -> dict:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn", signals_to_handle="",  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: ours
+                          start_method=method, signals_to_handle="",  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: ours
                           logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)
@@ -85,7 +156,7 @@ def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
                       started_file=str(signals.started_file), run_dir=run_dir)
     try:
         with signals, outside_torchrun():
-            return elastic_launch(launch, entry)(payload)
+            return elastic_launch(launch, entry)(replace(payload, environ=dict(os.environ)))
     except ChildFailedError as err:
         if signals.aborted:
             print(f"interrupted ({signal.Signals(signals.aborted).name}) before training started", file=sys.stderr)

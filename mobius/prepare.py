@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -337,7 +338,7 @@ def budgets_of(topo: Topology) -> tuple[int, ...]:
 
 
 def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
-             **plan_options) -> Plan:
+             profiled: Callable[[], None] | None = None, **plan_options) -> Plan:
     """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
     ``mobius.plan`` both call this, so the plan printed is the plan trained.
 
@@ -347,7 +348,9 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     or recomputed, which leaves the memory to more prefetch and to resident stages
     (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts.  ``profile``: plan from this one (a script's own
-    figures) instead of the one measured or computed for ``topo``."""
+    figures) instead of the one measured or computed for ``topo``; ``profiled``: called once the
+    profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed
+    after)."""
     # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
     how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
     replicas = data_parallel_of(cfg)
@@ -359,6 +362,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     if profile is None:
         profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
                               fresh=not plan_options.get("use_cache", True))
+    if profiled is not None:
+        profiled()
 
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
@@ -402,9 +407,10 @@ def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
         ck.open_for_resume(cfg, model_config)
 
 
-def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> tuple[RunSpec, Plan]:
+def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
+                     profiled: Callable[[], None] | None = None) -> tuple[RunSpec, Plan]:
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
-    :func:`mobius.runtime.inputs.check_model_input` checked it."""
+    :func:`mobius.runtime.inputs.check_model_input` checked it; ``profiled``: :func:`run_plan`'s."""
     cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
     replicas = data_parallel_of(cfg)
     if cuda and replicas > nodes_under_torchrun():
@@ -412,7 +418,7 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig) ->
                          "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
     precision = resolve_precision(cfg, cuda)
     check_run_inputs(cfg.changed(precision=precision), model_config)
-    plan = run_plan(cfg, model_config, topo, precision)
+    plan = run_plan(cfg, model_config, topo, precision, profiled=profiled)
     if not cuda:
         check_cpu_workers_fit(cfg, model_config, plan, budgets_of(topo), available_host_memory())
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None

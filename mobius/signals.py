@@ -8,8 +8,9 @@ process of the group).
 
 Before training has started there is nothing to save: a signal then kills the workers and exits
 130 with one line.  The launcher blocks the signals while it spawns the workers, so they start
-with them blocked (a signal mask is inherited) and see one only once their handler is installed:
-no half-imported worker ever prints a ``KeyboardInterrupt`` traceback.
+with them blocked (a signal mask is inherited; the fork server they are forked from starts with
+them blocked too) and see one only once their handler is installed: no half-started worker ever
+prints a ``KeyboardInterrupt`` traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 # SIGHUP (the terminal closed) and SIGQUIT are handled as SIGTERM: the step finishes and is saved,
@@ -32,12 +33,28 @@ def start_resource_tracker() -> None:
     SIGINT and SIGTERM by itself; a closing terminal's SIGHUP (and SIGQUIT) reach the whole process
     group, so it is started ignoring those too (the setting survives its exec), or it would die of
     them and print a traceback for every shared-memory block it then loses track of."""
+    # (A worker killed mid-run leaves a semaphore the tracker cleans up; its warning about that
+    # would follow our one-line report.)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
     ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGHUP, signal.SIGQUIT)}
     try:
         resource_tracker.ensure_running()
     finally:
         for sig, handler in ignored.items():
             signal.signal(sig, handler)
+
+
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server (once) with our signals blocked: the server and every
+    worker forked from it start with them blocked (a signal mask survives fork and exec), so neither
+    a terminal's Ctrl-C reaches a worker before its handler is installed nor its hang-up ends the
+    server under the running workers."""
+    start_resource_tracker()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopRequest:
@@ -94,9 +111,7 @@ class LauncherSignals:
 
     def __enter__(self) -> "LauncherSignals":
         # multiprocessing's resource tracker, when it first starts, unblocks these signals in the
-        # calling thread: start it before blocking them.  (A worker killed mid-run leaves a
-        # semaphore the tracker cleans up; its warning about that would follow our one-line report.)
-        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
+        # calling thread: start it before blocking them.
         start_resource_tracker()
         # Threads started earlier (a solver's) may still take a signal: then the handler runs here.
         self._previous = {sig: signal.signal(sig, lambda signum, frame: self._on_signal(signum)) for sig in SIGNALS}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mobius.runtime import checkpoint as ck
+from mobius.runtime.worker import parent_of
 from mobius import ownership
 from mobius.train import main
 from conftest import none_left, tagged
@@ -205,15 +206,17 @@ def _spawn(args, tmp_path, env=None, **kwargs):
 
 
 def _workers(tag: str) -> list[str]:
-    """The worker processes (started by multiprocessing's spawn) among ``tagged(tag)``."""
-    found = []
-    for pid in tagged(tag):
+    """The worker processes among ``tagged(tag)``: started by multiprocessing's spawn (the
+    calibration's), or forked by its fork server (the run's; the server itself is none)."""
+    def cmdline(pid) -> bytes:
         try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
-            continue
-    return found
+            return b""
+
+    return [pid for pid in tagged(tag) if b"spawn_main" in cmdline(pid)
+            or b"forkserver" in cmdline(pid) and b"forkserver" in cmdline(parent_of(int(pid)))]
+
 
 
 # How long a test waits for what must happen before calling it a hang: a bound for a busy machine,
@@ -366,11 +369,13 @@ def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
 
 @pytest.mark.slow
 def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
-    """A terminal's Ctrl-C reaches the whole process group, workers still importing torch included."""
-    tag = uuid.uuid4().hex
-    p = _spawn(PIPELINE, tmp_path, env={"MOBIUS_TEST_TAG": tag}, start_new_session=True)
+    """A terminal's Ctrl-C reaches the whole process group, workers still starting included (held
+    before training starts)."""
+    tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
+    p = _spawn(PIPELINE, tmp_path, env={**_scratch(tmp_path, tag), "MOBIUS_FAULT": "start"}, start_new_session=True)
     t0 = time.monotonic()
-    while len(_workers(tag)) < 2 and time.monotonic() - t0 < PATIENCE_S:  # the workers exist, and import
+    # The run's workers exist (its directory does: the calibration's workers are gone), and start.
+    while not (list(scratch.glob("mobius-run-*")) and len(_workers(tag)) >= 2) and time.monotonic() - t0 < PATIENCE_S:
         time.sleep(0.05)
     assert len(_workers(tag)) >= 2
     os.killpg(p.pid, signal.SIGINT)

@@ -306,3 +306,54 @@ def test_a_cache_lock_replaced_by_a_link_to_a_users_file_leaves_that_file_alone(
     assert mine.read_text() == "years of work"
     assert store.get("k", dict) is None
     assert "cannot write the plans cache" in capsys.readouterr().err
+
+
+def _what_a_forked_worker_finds(out) -> None:
+    import os
+    import signal
+    import sys
+
+    from mobius.runtime.worker import parent_of
+    out.put((sorted(m for m in ("mobius.backends", "torch._dynamo") if m in sys.modules),
+              parent_of(os.getppid()), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()),
+              torch.cuda.is_initialized()))
+
+
+def test_workers_are_forked_from_a_server_that_imported_their_modules_with_our_signals_blocked():
+    """What makes a worker's start cheap and safe: the fork server (a child of the launcher) has
+    imported the workers' modules, no CUDA, and a worker starts with the launcher's signals
+    blocked until its own handler is installed."""
+    import multiprocessing
+    import os
+
+    from mobius.launcher import start_worker_server
+
+    start_worker_server()
+    context = multiprocessing.get_context("forkserver")
+    out = context.SimpleQueue()
+    child = context.Process(target=_what_a_forked_worker_finds, args=(out,))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert out.get() == (["mobius.backends", "torch._dynamo"], os.getpid(), True, False)
+
+
+def test_a_forked_worker_adopts_the_launchers_environment_and_keeps_its_rank(monkeypatch):
+    """A worker forked from the server starts with the server's environment, taken earlier: it
+    takes the launcher's as of the launch, with the rank torch's agent gave it."""
+    import os
+
+    from mobius.runtime.worker import adopt_environment
+
+    launcher = {k: v for k, v in os.environ.items() if k != "MOBIUS_STREAM_JITTER_MS"}
+    launcher["MOBIUS_CACHE"] = "/launchers/own/cache"
+    monkeypatch.setenv("MOBIUS_STREAM_JITTER_MS", "3")  # the server's, since unset by the launcher
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("MOBIUS_CACHE", "/the/servers/cache")
+    adopt_environment(launcher)
+    assert "MOBIUS_STREAM_JITTER_MS" not in os.environ
+    assert (os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"], os.environ["MOBIUS_CACHE"]) == (
+        "1", "run", "/launchers/own/cache")
+    from mobius.cache import cache_root
+    assert str(cache_root()) == "/launchers/own/cache"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mobius.config import RunConfig
 from mobius.errors import InputError, shown
-from mobius.launcher import devices_text, launch_workers
+from mobius.launcher import devices_text, launch_workers, start_worker_server
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
@@ -29,7 +29,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
     ``data``: the run's training and held-out batches, made here and shared with the workers (None:
     each worker makes them)."""
-    spec, plan = prepare_pipeline(cfg, topo, model_config)
+    spec, plan = prepare_pipeline(cfg, topo, model_config, profiled=start_worker_server)
     header = pipeline_header(cfg, model_config, topo, spec)
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.outputs.exports()

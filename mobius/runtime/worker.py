@@ -53,6 +53,9 @@ PARENT_POLL_S = 0.5
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
+# What torch's elastic agent gives a worker where the launcher's environment does not say.
+ELASTIC_DEFAULTS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+
 
 @contextlib.contextmanager
 def outside_torchrun():
@@ -83,6 +86,7 @@ class WorkerPayload:
     stop_file: str | None = None  # the launcher's stop request (mobius.signals)
     started_file: str | None = None  # touched once training has started
     run_dir: str | None = None  # the launcher's directory of this run, removed when it ends
+    environ: dict[str, str] | None = None  # the launcher's environment at the launch (adopt_environment)
     # --replan auto (rank 0 calls it): (spec, measured step, steps left, switch cost) -> (new spec or None, why)
     replan: Callable[[RunSpec, float, int, float], tuple[RunSpec | None, str]] | None = None
 
@@ -146,22 +150,49 @@ class WorkerBackend(Protocol):
         """Stop the backend's threads and release its device memory."""
 
 
+def adopt_environment(environ: dict[str, str] | None) -> None:
+    """This process's environment made ``environ`` (the launcher's as of the launch), torch elastic's
+    variables for this worker kept: a worker forked from the fork server (:mod:`mobius.launcher`)
+    starts with the server's, which is the launcher's as of an earlier moment."""
+    if environ is None:
+        return
+    elastic = {k: v for k, v in os.environ.items()
+               if k in TORCHRUN_ENV or k.startswith("TORCHELASTIC_") or k in ELASTIC_DEFAULTS and k not in environ}
+    os.environ.clear()
+    os.environ.update({**environ, **elastic})
+
+
 @contextlib.contextmanager
 def tied_to_launcher(launcher_pid: int | None = None):
     """A worker must not outlive the process that started it, however that one dies (SIGKILL
     included): when this process is re-parented it kills itself.  The launcher is
     ``launcher_pid``, not whoever is our parent by the time this runs: a launcher killed while we
-    imported torch must not leave us running.  (Its temporary directories are the launcher's
-    watcher's to remove: :mod:`mobius.janitor`.)"""
-    parent = launcher_pid or os.getppid()
+    started must not leave us running.  A worker forked by the launcher's fork server
+    (:mod:`mobius.launcher`) watches the server's parent: the server outlives the launcher for as
+    long as a worker it forked lives (each holds the pipe it would see closed).  (Its temporary
+    directories are the launcher's watcher's to remove: :mod:`mobius.janitor`.)"""
+    parent = os.getppid()
+    forked_by_server = launcher_pid is not None and parent != launcher_pid
+
+    def launcher_alive() -> bool:
+        return os.getppid() == parent and (not forked_by_server or parent_of(parent) == launcher_pid)
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while launcher_alive():
             time.sleep(PARENT_POLL_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="mobius-parent-watch", daemon=True).start()
     yield
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (None once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold anything: state, parent
 
 
 def install_stop(payload: WorkerPayload) -> StopRequest:
@@ -203,10 +234,17 @@ def collective_timeout_s(spec: RunSpec | None) -> float:
     return COLLECTIVE_TIMEOUT_S + 3 * spec.emulation.factor * spec.predicted_step_s()
 
 
-def inject_fault(rank: int, step: int) -> None:
-    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker."""
+def inject_fault(rank: int, step: int | None) -> None:
+    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker
+    in that step; ``MOBIUS_FAULT=start`` holds every worker before training starts (the tests of a
+    signal that comes while the workers start, whose start is otherwise a fraction of a second)."""
     if os.environ.get("MOBIUS_FAULT") == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if step is None and os.environ.get("MOBIUS_FAULT") == "start":
+        time.sleep(PATIENCE_FOR_A_SIGNAL_S)
+
+
+PATIENCE_FOR_A_SIGNAL_S = 600
 
 
 @dataclass
@@ -223,6 +261,7 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
                decision: Decision | None = None) -> WorkerResult:
     """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
     spec: it comes from the ``decision``."""
+    adopt_environment(payload.environ)
     with tied_to_launcher(payload.launcher_pid):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         spec = payload.spec
@@ -233,6 +272,8 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
             lost = lost_peer(err)
             if lost is None:
                 raise
+            if payload.launcher_pid is not None:  # our launcher reports one line: the first worker to stop
+                outlive_the_lost_peer()
             raise RunError(f"worker {rank}: another worker of the run stopped ({lost})") from None
         finally:
             dist.destroy_process_group()
@@ -313,6 +354,22 @@ def lost_peer(err: BaseException) -> str | None:
     return text.split(". This is typically")[0][:160]
 
 
+# How long a worker that lost a peer waits to be stopped: the launcher polls its workers every
+# 0.2 s, and the status of a worker killed by a signal reaches it through the fork server.
+LOST_PEER_GRACE_S = 2.0
+
+
+def outlive_the_lost_peer() -> None:
+    """A worker of our launcher that lost a peer is not the cause: it gives the launcher time to see
+    the worker that stopped first (killed, or failed with its own error), whose failure is then the
+    one reported, and dies of the launcher's SIGTERM at once.  (Under torchrun every worker says
+    in its own line why it stopped: none waits.)"""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    time.sleep(LOST_PEER_GRACE_S)
+
+
 def decided(decision: Decision, rank: int, world: int) -> tuple[RunSpec, str]:
     """The spec and header rank 0 decided from every node's description; a refusal is raised on
     every rank, so each node ends with the same one line."""
@@ -388,6 +445,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         if cfg.checkpoint.resume:  # the launcher checked it; each file is checked as it is read
             start = ck.resume(ck.load_checkpoint(cfg.checkpoint.resume, verify=False), backend.restore, backend.scaler,
                               cfg.optim.precision)
+        inject_fault(rank, None)
         stop = install_stop(payload)
         started = time.perf_counter()
 
