@@ -144,10 +144,9 @@ class CalibrationRuns:
         method = worker_start_method()  # the run's workers are forked from the same server
         try:
             with outside_torchrun():  # (rank 0 of a torchrun plans: its workers rendezvous afresh)
-                environ = dict(os.environ)
-            self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid(),
-                                                              environ),
-                                               nprocs=WORKERS, start_method=method, join=False)
+                self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid(),
+                                                                  dict(os.environ)),
+                                                   nprocs=WORKERS, start_method=method, join=False)
         except BaseException:
             self._done.close()
             raise
