@@ -1,7 +1,10 @@
 """Temporary directories a process makes for its children (a run's stop file and links, the
 calibration's results) are removed even when that process is killed (``kill -9`` leaves it no
 chance): a small watcher process, in a process group of its own so a terminal's Ctrl-C passes it by,
-removes them once its parent is gone, and then exits."""
+removes them once its parent is gone, and then exits.  What a library makes through :mod:`tempfile`
+for our children (torch's error file per worker, multiprocessing's socket directory) is made in one
+of them (:func:`temporary_files_in`): a child failing after its launcher was killed cannot leave a
+file in the user's temporary directory either."""
 
 from __future__ import annotations
 
@@ -37,3 +40,13 @@ def scratch_dir(prefix: str, under: str | None = None):
         shutil.rmtree(directory, ignore_errors=True)
         watcher.kill()
         watcher.wait()
+
+
+@contextlib.contextmanager
+def temporary_files_in(directory: str):
+    """Within the block, what :mod:`tempfile` makes in this process goes into ``directory``."""
+    previous, tempfile.tempdir = tempfile.tempdir, directory
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous

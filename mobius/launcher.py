@@ -34,7 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mobius.data.shared import share
 from mobius.errors import InputError, shown
-from mobius.janitor import scratch_dir
+from mobius.janitor import scratch_dir, temporary_files_in
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import WorkerPayload, outside_torchrun
@@ -67,12 +67,8 @@ def start_worker_server() -> None:
         base = tempfile.gettempdir()
         under = base if len(base) + SOCKET_PATH_BELOW <= 107 else "/tmp"
         _server_dir = _lifetime.enter_context(scratch_dir("mobius-server-", under))
-    previous, tempfile.tempdir = tempfile.tempdir, _server_dir
-    try:
-        with outside_torchrun():
-            start_fork_server()
-    finally:
-        tempfile.tempdir = previous
+    with temporary_files_in(_server_dir), outside_torchrun():
+        start_fork_server()
     if _server_output is None:
         _server_output = output_files()
 
@@ -133,16 +129,10 @@ def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None
             logging.getLogger(name).setLevel(logging.CRITICAL)
     payload = replace(payload, t_origin=time.perf_counter())
     method = worker_start_method()  # the server started before the temporary directory below: it outlives the run
-    with scratch_dir("mobius-run-") as run_dir:
-        # torch's own files of the launch (each worker's error file) go into it too, so a killed
-        # launcher leaves none of them behind either.
-        previous, tempfile.tempdir = tempfile.tempdir, run_dir
-        try:
-            if data is not None:
-                payload = replace(payload, data=share(*data, run_dir))
-            return _launch(n, entry, payload, run_dir, method)
-        finally:
-            tempfile.tempdir = previous
+    with scratch_dir("mobius-run-") as run_dir, temporary_files_in(run_dir):
+        if data is not None:
+            payload = replace(payload, data=share(*data, run_dir))
+        return _launch(n, entry, payload, run_dir, method)
 
 
 def _launch(n: int, entry, payload: WorkerPayload, run_dir: str, method: str) -> dict:

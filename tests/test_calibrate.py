@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mobius.models import get_config
@@ -93,12 +95,21 @@ def test_a_pipeline_run_on_cpu_workers_starts_its_calibration_only_where_it_will
 
 
 @pytest.mark.slow
-def test_calibration_workers_started_early_and_left_unused_are_gone_when_the_block_ends():
+def test_calibration_workers_left_unused_are_gone_with_their_files(tmp_path, monkeypatch):
+    """Closed early, the workers are gone, and so are torch's error files (one a worker writes
+    when it fails, on a lost peer say): they are made in the calibration's own directory, never
+    in the user's temporary directory, where nobody would remove them."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     runs = calibrate.CalibrationRuns(threads=1, steps=2)
     processes = list(runs._context.processes)
     assert any(p.is_alive() for p in processes)
+    (ours,) = tmp_path.glob("mobius-calibration-*")
+    assert [Path(f).parent for f in runs._context.error_files] == [ours] * len(processes)
     runs.close()
     assert not any(p.is_alive() for p in processes)
+    assert list(tmp_path.iterdir()) == []
 
 
 class _Context:

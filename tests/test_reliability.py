@@ -206,8 +206,8 @@ def _spawn(args, tmp_path, env=None, **kwargs):
 
 
 def _workers(tag: str) -> list[str]:
-    """The worker processes among ``tagged(tag)``: started by multiprocessing's spawn (the
-    calibration's), or forked by its fork server (the run's; the server itself is none)."""
+    """The worker processes among ``tagged(tag)`` (the calibration's and the run's): forked by
+    multiprocessing's fork server (the server itself is none), or started by its spawn."""
     def cmdline(pid) -> bytes:
         try:
             return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -329,12 +329,22 @@ def _until(lines: queue.Queue, marker: str | None) -> list[str]:
             return got
 
 
-def _gone(tag: str, scratch: Path, within: float = PATIENCE_S) -> bool:
-    """No process carrying ``tag`` and nothing left in the run's temporary directory ``scratch``."""
+def _left(tag: str, scratch: Path, within: float = PATIENCE_S) -> list[str]:
+    """What is left of a run once it has had time to end: the command lines of the processes
+    carrying ``tag`` and the entries of its temporary directory ``scratch`` (none: all gone)."""
+    def left() -> list[str]:
+        procs = []
+        for pid in tagged(tag):
+            try:
+                procs.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+            except OSError:
+                continue
+        return procs + [str(entry) for entry in scratch.rglob("*")]
+
     t0 = time.monotonic()
-    while (tagged(tag) or any(scratch.iterdir())) and time.monotonic() - t0 < within:
+    while left() and time.monotonic() - t0 < within:
         time.sleep(0.2)
-    return not tagged(tag) and not any(scratch.iterdir())
+    return left()
 
 
 @pytest.mark.slow
@@ -346,7 +356,7 @@ def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
     assert len(_workers(tag)) >= 2 and any(scratch.iterdir())  # two workers; the run's directories
     p.kill()
     p.communicate()
-    assert _gone(tag, scratch)
+    assert _left(tag, scratch) == []
 
 
 @pytest.mark.slow
@@ -364,7 +374,7 @@ def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
     _, err = p.communicate(timeout=PATIENCE_S)
     assert p.returncode == -signal.SIGKILL if sig == signal.SIGKILL else (
         p.returncode == 143 and err.strip().splitlines() == ["interrupted (SIGTERM)"]), err
-    assert _gone(tag, scratch)
+    assert _left(tag, scratch) == []
 
 
 @pytest.mark.slow

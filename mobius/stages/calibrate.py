@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from mobius.config import RunConfig
 from mobius.data import BatchSource
-from mobius.janitor import scratch_dir
+from mobius.janitor import scratch_dir, temporary_files_in
 from mobius.launcher import worker_start_method
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
@@ -143,7 +143,8 @@ class CalibrationRuns:
         self._out = Path(tmp) / "times.json"
         method = worker_start_method()  # the run's workers are forked from the same server
         try:
-            with outside_torchrun():  # (rank 0 of a torchrun plans: its workers rendezvous afresh)
+            # (rank 0 of a torchrun plans: its workers rendezvous afresh)
+            with outside_torchrun(), temporary_files_in(tmp):  # torch's error files: ours to remove
                 self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid(),
                                                                   dict(os.environ)),
                                                    nprocs=WORKERS, start_method=method, join=False)
@@ -155,10 +156,12 @@ class CalibrationRuns:
 
     def _kill(self) -> None:
         """Done (their times written), interrupted or abandoned: the workers go now, not when they
-        finish (multiprocessing would wait)."""
+        finish (multiprocessing would wait), all of them before any is waited for (a worker that
+        outlives its peer fails on the lost connection)."""
         for process in self._context.processes:
             if process.is_alive():
                 process.kill()
+        for process in self._context.processes:
             process.join()
 
     def times(self) -> dict[tuple[int, int], float]:
