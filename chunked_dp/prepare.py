@@ -10,12 +10,12 @@ from dataclasses import replace
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import DoesNotFit, search
+from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
-from mobius.errors import InputError
 from mobius.models import GPTConfig, build_model
 from mobius.models.precision import DTYPES
 from mobius.partition.profile import Profile
-from mobius.prepare import (
+from mobius.planning.prepare import (
     budgets_of,
     check_run_inputs,
     emulation_spec,

@@ -32,9 +32,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mobius.boundary.errors import InputError, shown
+from mobius.boundary.janitor import scratch_dir, temporary_files_in
 from mobius.data.shared import share
-from mobius.errors import InputError, shown
-from mobius.janitor import scratch_dir, temporary_files_in
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import WorkerPayload, outside_torchrun
@@ -51,7 +51,7 @@ def start_worker_server() -> None:
     will be forked from; it imports :data:`WORKER_MODULES` while the caller goes on.  Nothing it
     forks starts before those imports end, so they never share the cores with a calibration's
     steps; a run whose profile is measured without a calibration starts it after the profile
-    (:func:`mobius.prepare.run_plan`'s ``profiled``).  Idempotent.  The environment every worker
+    (:func:`mobius.planning.pipeline.run_plan`'s ``profiled``).  Idempotent.  The environment every worker
     needs is set first, torchrun's variables left out: the server's environment is the one its
     workers start with."""
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do

@@ -3,7 +3,7 @@ as a stages table with the predicted step time, without training."""
 
 from __future__ import annotations
 
-from mobius.errors import quiet_interrupts_while_importing
+from mobius.boundary.errors import quiet_interrupts_while_importing
 
 if __name__ == "__main__":
     quiet_interrupts_while_importing()
@@ -15,15 +15,16 @@ import json
 import math
 import sys
 
-from mobius.config import OneLineParser, RunConfig, add_model_and_batch_args, resolve_max_grad_norm
-from mobius.errors import InputError, exits_cleanly
-from mobius.prepare import plan_on, resolve_topology
+from mobius.boundary.errors import InputError, exits_cleanly
+from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
+from mobius.planning.pipeline import plan_on
+from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m mobius.plan", description=__doc__)
-    add_model_and_batch_args(p)
+    p = OneLineParser(prog="python -m mobius.plan", description=__doc__, formatter_class=DefaultsHelp)
+    add_options(p, plans_only=True)
     p.add_argument("--profile", choices=("auto", "measure", "analytic"), default="auto",
                    help="measure layers on this machine or compute them from the topology's GPUs "
                         "(auto: measure when the topology is this machine)")
@@ -31,9 +32,6 @@ def build_parser() -> OneLineParser:
     p.add_argument("--baselines", action="store_true", help="also print the baselines' predicted step times")
     p.add_argument("--no-cache", action="store_true",
                    help="measure the layers and solve the partition again, replacing what is cached")
-    p.add_argument("--emulate", action="store_true",
-                   help="the plan mobius.train --emulate runs: CPU workers standing for --topology's GPUs, each "
-                        "budgeting the whole --gpu-mem-gb (no CUDA context to leave room for)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

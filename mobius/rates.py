@@ -12,7 +12,7 @@ are used and at the sizes they are used, printed as one table.
   fraction of the topology's peak; AdamW on the device.  On CPU workers the same code times the
   CPU (no peak to compare with; no copies to time).
 
-Measured once per machine, settings and code (:func:`mobius.prepare.measured_on`), cached and
+Measured once per machine, settings and code (:func:`mobius.planning.prepare.measured_on`), cached and
 validated on read; ``--write FILE`` stores the measured topology (copy rates, the host's AdamW as
 its memory bandwidth, each GPU's block efficiency) for plans made elsewhere (``mobius.plan
 --topology FILE``).
@@ -20,7 +20,7 @@ its memory bandwidth, each GPU's block efficiency) for plans made elsewhere (``m
 
 from __future__ import annotations
 
-from mobius.errors import quiet_interrupts_while_importing
+from mobius.boundary.errors import quiet_interrupts_while_importing
 
 if __name__ == "__main__":
     quiet_interrupts_while_importing()
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mobius.cache import Cache, key_of
+from mobius.boundary.cache import Cache, key_of
+from mobius.boundary.errors import InputError, exits_cleanly, shown
 from mobius.config import OneLineParser
-from mobius.errors import InputError, exits_cleanly, shown
 from mobius.models import PRESETS, build_layer
 from mobius.models.precision import DTYPES
 from mobius.partition.profile import (
@@ -47,7 +47,7 @@ from mobius.partition.profile import (
     measure_device_adam_rate,
     time_layer,
 )
-from mobius.prepare import measured_on, this_host_key
+from mobius.planning.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
 from mobius.runtime.plan_check import HOST_RATES
 from mobius.swap.disk import measure_drive
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     except TopologyError as err:
         raise InputError(str(err)) from None
     if args.write:
-        from mobius.ownership import check_output_file
+        from mobius.boundary.ownership import check_output_file
 
         check_output_file("--write", args.write)
     on_gpus = cuda_available() and not topo.virtual

@@ -6,7 +6,7 @@ outputs, makes the data, then hands the run to the backend.
 
 from __future__ import annotations
 
-from mobius.errors import quiet_interrupts_while_importing
+from mobius.boundary.errors import quiet_interrupts_while_importing
 
 if __name__ == "__main__":
     quiet_interrupts_while_importing()
@@ -17,24 +17,24 @@ import contextlib
 import math
 import resource
 
-from mobius import ownership
-from mobius.backends import Backend, check_options, join_torchrun, resolve_backend, resolved, run_precision
+from mobius.backends import Backend, check_options, join_torchrun, resolve, resolved
+from mobius.boundary import ownership
+from mobius.boundary.errors import InputError, exits_cleanly, shown
 from mobius.config import RunConfig, parse_train_args
-from mobius.errors import InputError, exits_cleanly, shown
 from mobius.launcher import running_under_torchrun
 from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.hf import check_export_target
-from mobius.planner import available_host_memory, check_host_memory
+from mobius.planning.planner import available_host_memory, check_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
-from mobius.swap.disk import check_offload_dir
 from topology import Topology
 
 
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """Before the first step: every path the run writes is free or provably ours, and none of
     them is an input or another output."""
+    check_file_size_limit(cfg, model_config)
     ownership.check_paths({"--data": cfg.data.path, "--eval-data": cfg.data.eval_path,
                            "--chat-template": cfg.data.chat_template,
                            "--model": model_config.checkpoint, "--resume": cfg.checkpoint.resume},
@@ -46,7 +46,6 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                            "--export-merged": (cfg.outputs.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.outputs.metrics)
     ownership.check_output_file("--trace", cfg.outputs.trace)
-    check_file_size_limit(cfg, model_config)
     ck.check_save_target(cfg)
     for option, out, _ in cfg.outputs.exports():
         check_export_target(model_config, out, option)
@@ -84,11 +83,9 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
 
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
-    backend, topo = resolve_backend(cfg)  # options the backend does not take are refused before the data is read
-    check_options(cfg, backend, topo.n if topo is not None else 1)
-    cfg = cfg.changed(precision=run_precision(cfg, topo))  # decided once: everything after reads it
     with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
-        check_offload_dir(cfg, model_config, topo)
+        cfg, backend, topo = resolve(cfg)  # decided once: everything after reads them
+        check_options(cfg, model_config, backend, topo)  # before the data is read
         return _run_prepared(cfg, model_config, backend, topo)
 
 

@@ -33,11 +33,12 @@ import torch
 from chunked_dp.chunks import trace_first_use
 from chunked_dp.prepare import prepare_chunked
 from chunked_dp.search import search
+from mobius.backends.chunked import launch_chunked
 from mobius.config import RunConfig, parse_train_args
 from mobius.data import BatchSource, load_corpus
-from mobius.backends.chunked import launch_chunked
 from mobius.models import GPTConfig, get_config
-from mobius.prepare import prepare_pipeline, resolve_topology
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.prepare import resolve_topology
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.inputs import check_model_input
 from topology import cpu_topology, load_preset, load_topology

@@ -37,12 +37,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from mobius.boundary.errors import InputError
 from mobius.config import parse_train_args
-from mobius.errors import InputError
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planner import MAPPINGS, replica_profile
-from mobius.prepare import get_profile, prepare_pipeline, resolve_topology
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.planner import MAPPINGS, replica_profile
+from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.sim.schedules import simulate_mobius
 

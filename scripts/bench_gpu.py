@@ -128,7 +128,8 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
     from mobius.backends.pipeline import launch_pipeline
-    from mobius.prepare import prepare_pipeline, resolve_topology
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
 
     trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
     cfg = RunConfig.of(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -159,7 +160,7 @@ def run_mobius_host_adam(args, cuda: bool, out_dir: str) -> dict:
 def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from chunked_dp.prepare import prepare_chunked
     from mobius.backends.chunked import launch_chunked
-    from mobius.prepare import resolve_topology
+    from mobius.planning.prepare import resolve_topology
 
     trace = os.path.join(out_dir, "chunked_trace.json")
     cfg = RunConfig.of(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
@@ -356,9 +357,10 @@ def plan_variants(cfg: RunConfig, plan) -> dict[str, dict]:
 def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
     """Each plan of :func:`plan_variants` trained for ``--steps``: predicted beside measured (on the
     emulated GPUs under ``--emulate``), at one dilation for all of them."""
-    from mobius.errors import InputError
     from mobius.backends.pipeline import launch_pipeline
-    from mobius.prepare import prepare_pipeline, resolve_topology
+    from mobius.boundary.errors import InputError
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
 
     config = get_config(args.model)
     base = {"model": args.model, "backend": "pipeline", "steps": args.steps, "micro_batch_size": args.micro_batch_size,

@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from mobius.prepare import resolve_topology
+from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
-from mobius.backends.pipeline import launch_pipeline
 from mobius.models import build_model, get_config
+from mobius.planning.prepare import resolve_topology
 from mobius.reference import ReferenceTrainer
 
 

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from mobius.config import RunConfig
 from mobius.backends.pipeline import launch_pipeline
+from mobius.config import RunConfig
 from mobius.models import get_config
 from mobius.partition.profile import measure_profile
-from mobius.prepare import resolve_topology
+from mobius.planning.prepare import resolve_topology
 from mobius.runtime.optim import UpdateRule, make_adamw
 from mobius.runtime.spec import Plan
 from mobius.sim import simulate_mobius
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     for g in topo.gpus:
         g.link_bandwidth_gbps = bw
     topo.root_complexes[0].host_bandwidth_gbps = bw  # one memory system: shared like a root complex
-    from mobius.planner import make_plan
+    from mobius.planning.planner import make_plan
 
     plan: Plan = make_plan(model, get_config(model), topo, micro_batch, micro_batches, seq_len, "bf16",
                            recompute=args.recompute == "on", stages=args.stages, profile=profile, use_cache=False,

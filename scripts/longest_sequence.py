@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.prepare import plan_on, resolve_topology  # noqa: E402
+from mobius.boundary.errors import InputError  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
-from mobius.errors import InputError  # noqa: E402
 from mobius.models import get_config  # noqa: E402
+from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.prepare import resolve_topology  # noqa: E402
 from published_models import CONFIGS, model_dir  # noqa: E402
 
 TOPOLOGIES = ["4x4090", "8x3090-4+4"]

@@ -28,9 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from published_models import CONFIGS, model_dir  # noqa: E402
 
+from mobius.boundary.janitor import scratch_dir  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
-from mobius.janitor import scratch_dir  # noqa: E402
-from mobius.prepare import get_profile, plan_on, reserve_cuda_memory, resolve_topology  # noqa: E402
+from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.prepare import get_profile, reserve_cuda_memory, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim.dispatched import plan_dispatched  # noqa: E402
 from mobius.sim.schedules import simulate_mobius  # noqa: E402

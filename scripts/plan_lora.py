@@ -1,7 +1,7 @@
 """Plans for a 70B Llama-family model on the commodity presets: full fine-tuning against LoRA, from
 ``config.json`` alone (analytic profile, bf16, as ``python -m mobius.plan --lora-rank R`` plans).
 
-For each topology and mode: the host memory the stage stores need (``mobius.planner.
+For each topology and mode: the host memory the stage stores need (``mobius.planning.planner.
 host_bytes_needed``) against what the preset states, and, when it fits, the plan's stages and
 predicted step time.  Everything here is a planner prediction, not a measurement.
 
@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mobius.prepare import plan_on, resolve_topology  # noqa: E402
+from mobius.boundary.errors import InputError  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
-from mobius.errors import InputError  # noqa: E402
 from mobius.models import build_model  # noqa: E402
-from mobius.planner import GB, host_bytes_needed  # noqa: E402
+from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.planner import GB, host_bytes_needed  # noqa: E402
+from mobius.planning.prepare import resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from published_models import model_dir  # noqa: E402
 

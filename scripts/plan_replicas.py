@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from published_models import model_dir  # noqa: E402
 
 from mobius.config import RunConfig  # noqa: E402
-from mobius.planner import replica_profile  # noqa: E402
-from mobius.prepare import get_profile, plan_on, resolve_topology  # noqa: E402
+from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.planner import replica_profile  # noqa: E402
+from mobius.planning.prepare import get_profile, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim import simulate_mobius  # noqa: E402
 

@@ -7,7 +7,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from mobius.janitor import scratch_dir
+from mobius.boundary.janitor import scratch_dir
 
 _LLAMA_3_1 = {
     "model_type": "llama", "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,

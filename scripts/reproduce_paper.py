@@ -35,7 +35,7 @@ from mobius.models.presets import PAPER_MICRO_BATCH
 from mobius.partition.baselines import max_stage, min_stage
 from mobius.partition.cost import machine_for
 from mobius.partition.profile import analytic_profile
-from mobius.prepare import plan_on
+from mobius.planning.pipeline import plan_on
 from mobius.sim import simulate_gpipe, simulate_mobius, simulate_zero3_offload
 from topology import load_preset
 from topology.model import Topology

@@ -12,7 +12,7 @@ import tempfile  # noqa: E402
 
 # The suite's own caches, made fresh for each run and removed after it: nothing under the user's
 # home is read or written, and no measurement an earlier run left (a runtime calibration taken on
-# a busy machine, say) decides a test.  Set before anything imports mobius (mobius.cache reads it
+# a busy machine, say) decides a test.  Set before anything imports mobius (mobius.boundary.cache reads it
 # once); worker processes inherit it.
 _SCRATCH = tempfile.mkdtemp(prefix="mobius-tests-")
 _OWNER = os.getpid()  # a forked child exiting through atexit must not remove it under the suite
@@ -76,8 +76,9 @@ def run_in_threads(cfg):
     transport, every stream under the order checker: per-step losses and final weights."""
     import threading
 
-    from mobius.prepare import prepare_pipeline, resolve_topology
     from mobius.metrics import Trace
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.device import CpuDevice
     from mobius.runtime.inputs import make_data, model_config_for
     from mobius.runtime.inputs import check_model_input
@@ -135,7 +136,7 @@ def none_left(tag: str, within: float = 600) -> bool:
 def host_rate_cached(params_per_s: float, workers: int):
     """A host AdamW rate for this machine as a run on it would have kept it
     (:mod:`mobius.runtime.plan_check`), for the plans made inside the block."""
-    from mobius.prepare import this_host_key
+    from mobius.planning.prepare import this_host_key
     from mobius.runtime.plan_check import HOST_RATES
 
     key = this_host_key(workers)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import SINGLE, TINY, one_line_exit_2
 
-from mobius import ownership
+from mobius.boundary import ownership
 from mobius.plan import main as plan_main
 from mobius.runtime import checkpoint as ck
 from mobius.train import main as train_main
@@ -538,12 +538,12 @@ def test_cpu_workers_that_would_hold_more_than_the_machine_has_are_refused_befor
     """On CPU workers a device's memory is the machine's: the host's share, every worker process and
     what each holds of its budget as planned must fit what is available, or the run is one line
     (checked on the plan, before any worker starts)."""
+    from mobius.boundary.errors import InputError
     from mobius.config import RunConfig
-    from mobius.errors import InputError
     from mobius.models import get_config
     from mobius.partition.profile import analytic_profile
-    from mobius.planner import make_plan
-    from mobius.prepare import CPU_WORKER_PROCESS_BYTES, check_cpu_workers_fit, planned_device_bytes
+    from mobius.planning.pipeline import CPU_WORKER_PROCESS_BYTES, check_cpu_workers_fit, planned_device_bytes
+    from mobius.planning.planner import make_plan
     from topology import cpu_topology
 
     cfg = RunConfig.of(model="tiny", backend="pipeline", topology="cpu", gpu_mem_gb=64.0, seq_len=32)

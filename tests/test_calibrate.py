@@ -75,8 +75,8 @@ def test_runs_started_early_are_waited_for_before_anything_is_timed_taken_once_a
 def test_a_pipeline_run_on_cpu_workers_starts_its_calibration_only_where_it_will_need_it(monkeypatch):
     import contextlib
 
-    from mobius import prepare
     from mobius.config import RunConfig
+    from mobius.planning import prepare
     from mobius.runtime.device import cpu_threads_per_worker
 
     started: list = []

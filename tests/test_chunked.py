@@ -12,9 +12,9 @@ from conftest import reference
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import allowed_memory, benefits, search
+from mobius.backends.chunked import launch_chunked
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
-from mobius.backends.chunked import launch_chunked
 from mobius.models import get_config
 from mobius.runtime.optim import UpdateRule
 from topology import cpu_topology, load_preset
@@ -266,8 +266,8 @@ def test_the_host_updates_start_once_the_first_offloaded_gradient_is_reduced():
 
 def test_passes_take_the_most_micro_batches_that_fit_and_the_prediction_names_the_bound():
     from chunked_dp.prepare import _first_update_s, micro_batches_per_pass, pass_activation_bytes, predict
-    from mobius.runtime.spec import ChunkedSetup
     from mobius.partition.profile import analytic_profile
+    from mobius.runtime.spec import ChunkedSetup
 
     profile = analytic_profile("small", get_config("small"), 4, 128, 989.4, "bf16", 0.24, 1e9)
     one = pass_activation_bytes(profile, 1)

@@ -9,12 +9,13 @@ import torch
 
 from conftest import host_rate_cached, reference, run_in_threads
 
-from mobius.config import RunConfig, parse_train_args
-from mobius.errors import InputError
 from mobius.backends.chunked import launch_chunked
 from mobius.backends.pipeline import launch_pipeline
+from mobius.boundary.errors import InputError
+from mobius.config import RunConfig, parse_train_args
 from mobius.models import get_config
-from mobius.prepare import prepare_pipeline, resolve_topology
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule, clip_coefficient, squares
 

@@ -8,12 +8,13 @@ the model's weights so that stages must swap while the next one is prefetched.""
 import pytest
 import torch
 
-from mobius.prepare import prepare_pipeline, resolve_topology
-from mobius.config import RunConfig
-from mobius.data import BatchSource, load_corpus
 from mobius.backends.chunked import launch_chunked
 from mobius.backends.pipeline import launch_pipeline
+from mobius.config import RunConfig
+from mobius.data import BatchSource, load_corpus
 from mobius.models import get_config
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.prepare import resolve_topology
 from mobius.reference import ReferenceTrainer
 from mobius.runtime.device import CUDA_ALLOCATOR_SLACK_BYTES, CUDA_RESERVE_BYTES
 from mobius.runtime.inputs import check_model_input

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from mobius.boundary.errors import InputError
 from mobius.data import BatchSource, ByteTokenizer, load_corpus
-from mobius.errors import InputError
 
 
 def test_same_seed_same_batches_and_targets_are_shifted():

@@ -103,7 +103,8 @@ def one_worker(recompute: str, steps: int = 2):
 
 def run_one_worker(cfg) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
-    from mobius.prepare import prepare_pipeline, resolve_topology
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
     from mobius.runtime.worker import WorkerPayload
     from mobius.stages.worker import worker_main

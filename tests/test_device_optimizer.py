@@ -9,13 +9,14 @@ import torch
 
 from conftest import host_rate_cached, reference, run_in_threads
 
-from mobius.runtime import checkpoint as ck
-from mobius.prepare import prepare_pipeline, resolve_topology
 from mobius.config import RunConfig
 from mobius.models import get_config
 from mobius.partition.cost import stage_costs, step_bounds
 from mobius.partition.profile import analytic_profile
-from mobius.planner import resident_stages
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.planner import resident_stages
+from mobius.planning.prepare import resolve_topology
+from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input
 from mobius.stages.ops import OFFLOAD, RELEASE, UPDATE, worker_ops
 from mobius.train import main

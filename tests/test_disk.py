@@ -8,10 +8,10 @@ import torch
 from conftest import TINY, one_line_exit_2, reference
 
 from mobius.backends.pipeline import launch_pipeline
+from mobius.boundary.errors import RunError
 from mobius.config import RunConfig, parse_train_args
-from mobius.errors import RunError
 from mobius.models import get_config
-from mobius.prepare import resolve_topology
+from mobius.planning.prepare import resolve_topology
 from mobius.runtime.optim import UpdateRule, make_adamw
 from mobius.swap.disk import DiskMoments
 from mobius.train import main as train_main
@@ -128,8 +128,8 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     """``--host-mem-gb`` below what the run holds in memory: the largest host stages' moments go
     to disk until the rest fits (none where it fits, all without the cap); the prediction charges
     their way through the drives, and the disk lane's floor is their bytes there and back."""
-    from mobius.planner import host_bytes_needed
-    from mobius.prepare import plan_on
+    from mobius.planning.pipeline import plan_on
+    from mobius.planning.planner import host_bytes_needed
     from mobius.runtime.spec import Lane
 
     base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
@@ -182,7 +182,7 @@ def test_an_offload_dir_on_a_full_or_read_only_file_system_is_refused_before_tra
     import os
     import types
 
-    from mobius import ownership
+    from mobius.boundary import ownership
     from mobius.swap import disk
 
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--offload-dir", str(tmp_path / "nvme"),

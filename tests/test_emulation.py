@@ -278,9 +278,10 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     sequential mapping, with and without prefetching, emulate at one factor; --dilation fixes it,
     below what a worker's CPU work of a step needs it is refused, and a run whose wall time would be
     absurd is refused naming what to change."""
+    from mobius.boundary.errors import InputError
     from mobius.config import parse_train_args
-    from mobius.errors import InputError
-    from mobius.prepare import prepare_pipeline, resolve_topology
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     common = ["--model", "tiny8", "--topology", "topo2+2", "--emulate", "--steps", "4", "--micro-batches", "6"]

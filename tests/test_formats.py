@@ -8,8 +8,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from mobius.boundary.errors import InputError  # noqa: E402
 from mobius.data import read_examples  # noqa: E402
-from mobius.errors import InputError  # noqa: E402
 from mobius.models import IGNORE  # noqa: E402
 from conftest import SINGLE, one_line_exit_2  # noqa: E402
 

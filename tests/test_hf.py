@@ -132,8 +132,8 @@ def test_packed_examples_see_only_themselves_through_a_sliding_window(hf_dirs):
 
 @pytest.mark.slow
 def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):
-    from mobius.prepare import resolve_topology
     from mobius.backends.pipeline import launch_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
@@ -167,7 +167,7 @@ def test_tokenizer_json_and_jsonl_data(tmp_path):
     assert list(ids) == [1, 2, 3, 1]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"content": "x"}\n')
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
     with pytest.raises(InputError, match="line 1: a record with fields \\['content'\\] is of no known shape"):
         load_corpus(bad)
 
@@ -175,8 +175,8 @@ def test_tokenizer_json_and_jsonl_data(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["8x3090-4+4", "4x4090"])
 def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topology):
-    from mobius.planner import make_plan
-    from mobius.prepare import get_profile
+    from mobius.planning.planner import make_plan
+    from mobius.planning.prepare import get_profile
     from topology import load_preset
 
     shapes = {
@@ -208,8 +208,8 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
 @pytest.mark.parametrize("stages", [1, 3])
 def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     """Both copies of the tied table in one stage (1) or in different stages of one worker (3)."""
-    from mobius.prepare import resolve_topology
     from mobius.backends.pipeline import launch_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 

@@ -11,22 +11,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("mobius", "chunked_dp", "topology", "scripts") for p in (ROOT / d).rglob("*.py")]
 
-# Flags whose default depends on other settings, resolved when the arguments are parsed (their help
-# says how): the dataclass field holds the value a configuration built in code gets.
-RESOLVED_WHEN_PARSED = {"steps", "lr", "max_grad_norm", "epochs"}
+def test_every_flag_is_generated_from_its_field_with_its_default_and_help():
+    """One name, one default, one help text per setting: each flag of ``mobius.train`` (and the
+    subset ``mobius.plan`` takes) is its field's; a default that depends on other settings
+    (``resolved_when_parsed``) is None on the command line and resolved when it is parsed."""
+    from mobius.config import OPTIONS, SECTIONS, RunConfig, build_train_parser
+    from mobius.plan import build_parser
 
+    def field_of(option):
+        section, attr = OPTIONS.get(option, (None, option))
+        kind = SECTIONS[section] if section else RunConfig
+        return RunConfig.__dataclass_fields__[attr] if kind is RunConfig else kind.__dataclass_fields__[attr]
 
-def test_every_flag_defaults_to_its_fields_default():
-    from mobius.config import RunConfig, build_train_parser
-
-    fields = RunConfig().to_dict()
-    checked = 0
-    for action in build_train_parser()._actions:
-        if action.dest not in fields or action.dest in RESOLVED_WHEN_PARSED:
-            continue
-        assert action.default == fields[action.dest], (action.dest, action.default, fields[action.dest])
-        checked += 1
-    assert checked > 40
+    for parser, least in ((build_train_parser(), 60), (build_parser(), 25)):
+        checked = 0
+        for action in parser._actions:
+            if action.dest not in RunConfig().to_dict():
+                continue
+            f = field_of(action.dest)
+            expected = None if f.metadata.get("resolved_when_parsed") else f.default
+            assert (action.default, action.help) == (expected, f.metadata["help"]), action.dest
+            checked += 1
+        assert checked >= least
 
 
 def _named(text: str) -> set[str]:
@@ -55,7 +61,7 @@ def _resolves(name: str) -> bool:
 
 
 def test_every_module_and_function_a_docstring_names_exists():
-    assert not _resolves("mobius.profiles.get_profile") and _resolves("mobius.prepare.get_profile")
+    assert not _resolves("mobius.profiles.get_profile") and _resolves("mobius.planning.prepare.get_profile")
     missing = sorted({(str(p.relative_to(ROOT)), name) for p in SOURCES for name in _named(p.read_text())
                       if not _resolves(name)})
     assert not missing, missing
@@ -74,8 +80,8 @@ def test_the_precision_is_decided_once_and_read_by_every_check_after(monkeypatch
     the bytes of the precision the run will train in, not a default of its own."""
     import mobius.backends as backends
     import mobius.train as train
+    from mobius.boundary.errors import InputError
     from mobius.config import RunConfig
-    from mobius.errors import InputError
 
     monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
     monkeypatch.setattr(train, "available_host_memory", lambda: 2**40)

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 from conftest import run_in_threads  # noqa: E402
 from make_tiny_chat_model import make_tiny_chat_model  # noqa: E402
 
-from mobius.config import RunConfig  # noqa: E402
 from mobius.backends.chunked import launch_chunked  # noqa: E402
 from mobius.backends.pipeline import launch_pipeline  # noqa: E402
+from mobius.config import RunConfig  # noqa: E402
 from mobius.models import IGNORE, get_config  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
 from mobius.runtime.inputs import make_batches, make_data, make_eval_batches, model_config_for  # noqa: E402

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from mobius.boundary.errors import InputError
 from mobius.models import PRESETS, build_layer, build_model, get_config, layer_count
-from mobius.errors import InputError
 
 
 def test_layer_list_in_sequence_equals_model_forward_bitwise():

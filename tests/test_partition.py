@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mobius.errors import InputError
+from mobius.boundary.errors import InputError
 from mobius.models import get_config
 from mobius.partition.baselines import BASELINES, balanced_bounds, uniform_bounds
 from mobius.partition.cost import Machine, check_layers_fit, evaluate
@@ -184,7 +184,7 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
     become the plan), and measured again, saying so, when the machine or our code changed.  The
     runtime's own costs go with every measured profile; its per-micro-batch and per-switch work is
     measured once per machine (its measurement is tested in tests/test_calibrate.py)."""
-    from mobius import prepare
+    from mobius.planning import prepare
     from topology import cpu_topology
 
     calibrations, measured = [], []
@@ -199,7 +199,7 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
         measured.append(args[0])
         return real_measure(*args, **kwargs)
 
-    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
+    monkeypatch.setattr("mobius.boundary.cache.CACHE_DIR", tmp_path)
     monkeypatch.setattr(prepare, "measure_runtime_costs", calibrate)
     monkeypatch.setattr(prepare, "measure_profile", measure)
     config, topo = get_config("tiny"), cpu_topology(2)
@@ -219,7 +219,7 @@ def test_a_cached_profile_holds_still_until_what_it_was_measured_on_changes(tmp_
 def test_gpus_are_budgeted_without_the_cuda_reserve_once():
     """What the CUDA context and libraries take is kept out of every GPU's budget, once however
     often the topology is resolved (mobius.plan and mobius.train on GPUs both reserve)."""
-    from mobius.prepare import reserve_cuda_memory
+    from mobius.planning.prepare import reserve_cuda_memory
     from mobius.runtime.device import CUDA_RESERVE_BYTES
     from topology.presets import load_preset
 
@@ -236,10 +236,10 @@ def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_pat
     be the fastest partition; a pipeline of two workers still gets two stages or more."""
     from dataclasses import replace
 
-    from mobius import planner
+    from mobius.planning import planner
     from topology import cpu_topology
 
-    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
+    monkeypatch.setattr("mobius.boundary.cache.CACHE_DIR", tmp_path)
     config, topo = get_config("tiny"), cpu_topology(2)
     profile = analytic_profile("tiny", config, 2, 16, 0.05, "fp32")
     profile.host = replace(profile.host, handoff_s=10.0, micro_batch_s=1.0)
@@ -277,7 +277,7 @@ def test_host_traffic_and_the_first_principles_floor_by_hand():
 
 
 def test_within_one_percent_the_plan_moving_fewest_bytes_wins():
-    from mobius.planner import _least_traffic_among_fastest
+    from mobius.planning.planner import _least_traffic_among_fastest
 
     prof = analytic_profile("tiny", get_config("tiny"), 2, 32, 1.0, "fp32")
     many, few = uniform_bounds(prof.n, 6), uniform_bounds(prof.n, 2)
@@ -288,7 +288,7 @@ def test_within_one_percent_the_plan_moving_fewest_bytes_wins():
 
 def test_presets_carry_tensor_core_peaks_and_the_host_bandwidth_sets_the_adam_rate(tmp_path):
     from mobius.partition.profile import ADAM_BYTES_PER_PARAM, analytic_efficiency, host_adam_rate
-    from mobius.prepare import get_profile
+    from mobius.planning.prepare import get_profile
     from topology import load_preset, load_topology_file
 
     assert load_preset("4x4090").gpus[0].tflops == 165.2 and load_preset("8x3090-4+4").gpus[0].tflops == 80.0
@@ -313,11 +313,11 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
     import json
     from pathlib import Path
 
-    from mobius import planner
-    from mobius.cache import _digest
+    from mobius.boundary.cache import _digest
+    from mobius.planning import planner
     from topology import cpu_topology
 
-    monkeypatch.setattr("mobius.cache.CACHE_DIR", tmp_path)
+    monkeypatch.setattr("mobius.boundary.cache.CACHE_DIR", tmp_path)
     config, topo = get_config("tiny"), cpu_topology(2)
     profile = analytic_profile("tiny", config, 2, 16, 0.05, "fp32")
     plan = planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile)
@@ -339,7 +339,7 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
         assert Path(f"{entry}.bad").read_text() == text
         assert json.loads(entry.read_text())["payload"]["bounds"] == payload["bounds"]  # made again
 
-    from mobius import prepare
+    from mobius.planning import prepare
 
     monkeypatch.setattr(prepare, "measure_runtime_costs", lambda workers: {"micro_batch_s": 1e-4,
                                                                             "stage_switch_s": 2e-4, "handoff_s": 3e-4})
@@ -354,7 +354,7 @@ def test_a_tampered_cache_entry_is_named_set_aside_and_rebuilt(tmp_path, monkeyp
 
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("the user's")
-    monkeypatch.setattr("mobius.cache.CACHE_DIR", not_a_directory)
+    monkeypatch.setattr("mobius.boundary.cache.CACHE_DIR", not_a_directory)
     assert planner.make_plan("tiny", config, topo, 2, 2, 16, "fp32", profile=profile).bounds == plan.bounds
     assert capsys.readouterr().err.strip().splitlines() == [
         f"note: cannot write the plans cache under {not_a_directory} (Not a directory); going on without it"]
@@ -368,7 +368,8 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
 
     from mobius.config import parse_train_args
     from mobius.plan import main as plan_main
-    from mobius.prepare import prepare_pipeline, resolve_topology
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]
@@ -406,7 +407,8 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
     min, balanced or uniform by up to 1.6x): --partitioner mip plans no slower than any of them,
     each timed as the plan --partitioner would make of it."""
     from mobius.config import parse_train_args
-    from mobius.prepare import plan_on, resolve_topology
+    from mobius.planning.pipeline import plan_on
+    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     box = json.loads((Path(__file__).parents[1] / "topology" / "presets" / "topo2+2.json").read_text())

@@ -12,10 +12,10 @@ import torch
 
 from conftest import reference
 
-from mobius.prepare import resolve_topology
-from mobius.config import RunConfig
 from mobius.backends.pipeline import launch_pipeline
+from mobius.config import RunConfig
 from mobius.models import get_config
+from mobius.planning.prepare import resolve_topology
 
 STEPS = 5
 

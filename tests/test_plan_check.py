@@ -58,7 +58,8 @@ def test_a_run_planned_on_a_stale_rate_names_the_lane_and_the_next_plan_uses_wha
     busy, say): the plan uses it, the run says its host AdamW lane is off after four steps and
     keeps what it measured, and the next plan is made with that rate."""
     from mobius.config import parse_train_args
-    from mobius.prepare import get_profile, measured_on, prepare_pipeline, resolve_topology
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import get_profile, measured_on, resolve_topology
     from mobius.runtime.inputs import check_model_input
     from mobius.runtime.plan_check import HOST_RATES, host_rate_key
     from mobius.train import main
@@ -101,7 +102,7 @@ def test_an_emulated_host_4x_faster_than_planned_is_named_and_replan_switches_wi
     import re
 
     from mobius.config import parse_train_args
-    from mobius.prepare import host_key, resolve_topology
+    from mobius.planning.prepare import host_key, resolve_topology
     from mobius.runtime.plan_check import HOST_RATES
     from mobius.train import main
 
@@ -160,7 +161,7 @@ def test_a_compute_lane_faster_than_its_profile_marks_the_profile_stale_and_a_sl
 def test_no_cache_measures_the_profile_again(capfd):
     """``mobius.plan --no-cache`` (``fresh``) measures the layers again instead of reading the cache."""
     from mobius.models import PRESETS
-    from mobius.prepare import get_profile
+    from mobius.planning.prepare import get_profile
     from topology import cpu_topology
 
     topo = cpu_topology(1)

@@ -13,7 +13,7 @@ from mobius.rates import RATES, checked
 @pytest.mark.slow
 def test_the_rates_are_measured_once_printed_kept_for_the_next_plan_and_written(tmp_path, capsys):
     from mobius.models import PRESETS
-    from mobius.prepare import get_profile, this_host_key
+    from mobius.planning.prepare import get_profile, this_host_key
     from mobius.rates import main
     from mobius.runtime.plan_check import HOST_RATES
     from topology import cpu_topology, load_topology_file
@@ -62,8 +62,8 @@ def test_a_cached_entry_must_hold_rates_only():
 def test_a_block_measured_on_the_gpu_anchors_its_efficiency_curve(tmp_path):
     """The curve keeps its shape and passes through what ``mobius.rates`` measured; a topology file
     whose measurement is not one is refused in one line."""
-    from mobius.errors import InputError
-    from mobius.prepare import block_efficiency
+    from mobius.boundary.errors import InputError
+    from mobius.planning.prepare import block_efficiency
     from topology import load_preset
 
     assert analytic_efficiency("RTX 4090", 4096, (4096, 0.3)) == pytest.approx((0.3, "measured on this GPU at 4096 "
@@ -98,10 +98,10 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
 def test_a_measured_device_adam_rate_plans_the_resident_stages(tmp_path):
     """``mobius.rates --write`` records each GPU's AdamW rate; an analytic profile for that topology
     uses it (the slowest GPU's) instead of the assumed one, and a value that is no rate is refused."""
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
     from mobius.models import PRESETS
     from mobius.partition.profile import GPU_ADAM_PARAMS_PER_S, measure_device_adam_rate
-    from mobius.prepare import get_profile
+    from mobius.planning.prepare import get_profile
     from topology import load_preset
 
     box = load_preset("4x4090")

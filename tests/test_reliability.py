@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mobius.boundary import ownership
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.worker import parent_of
-from mobius import ownership
 from mobius.train import main
 from conftest import none_left, tagged
 
@@ -418,7 +418,7 @@ def test_a_second_run_on_the_same_outputs_is_refused_before_it_trains(tmp_path):
 
 
 def test_output_locks_in_one_process(tmp_path):
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
 
     with ownership.output_locks({"--export": str(tmp_path / "out"), "--export-merged": str(tmp_path / "out")}):
         with pytest.raises(InputError, match="--export .* another run is writing it"):
@@ -432,7 +432,7 @@ def test_output_locks_in_one_process(tmp_path):
 def test_a_lock_name_that_is_not_our_lock_is_refused_and_left_alone(tmp_path):
     """A file of the user's with our lock's name is neither used nor removed; a dangling link with
     that name creates nothing where it points; a stale empty lock of ours (a killed run's) is reused."""
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
 
     lock = tmp_path / ".out.mobius-lock"
     lock.write_text("my notes")
@@ -488,10 +488,10 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_no_writer_thread_tracebac
     import resource
     import signal
 
-    from mobius.errors import RunError
+    from mobius.boundary.errors import RunError
     from mobius.config import OutputConfig
     from mobius.metrics import StepMetrics
-    from mobius.reporting import open_reports
+    from mobius.metrics.reporters import open_reports
 
     log = open_reports(OutputConfig(tensorboard=str(tmp_path / "tb")), {})
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

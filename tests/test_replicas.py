@@ -13,11 +13,12 @@ import pytest
 import torch
 from conftest import TINY, none_left, reference
 
-from mobius.config import RunConfig, parse_train_args
 from mobius.backends.pipeline import launch_pipeline
+from mobius.config import RunConfig, parse_train_args
 from mobius.models import get_config
-from mobius.planner import host_bytes_needed
-from mobius.prepare import prepare_pipeline, resolve_topology
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.planner import host_bytes_needed
+from mobius.planning.prepare import resolve_topology
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, model_config_for
 from mobius.stages.replicas import ReplicaLayout, owners
@@ -132,9 +133,9 @@ def test_nodes_that_differ_are_refused_in_one_line(monkeypatch):
     """Rank 0's decision from every process's description of its node (one per node of
     LOCAL_WORLD_SIZE processes); under torchrun the refusal is raised on every rank
     (:func:`mobius.runtime.worker.decided`)."""
-    from mobius.config import parse_train_args
-    from mobius.errors import InputError
     from mobius.backends.pipeline import torchrun_decision
+    from mobius.boundary.errors import InputError
+    from mobius.config import parse_train_args
     from topology import cpu_topology
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -163,8 +164,8 @@ def test_network_presets_files_and_the_update_rate_they_give():
 
 @pytest.mark.slow
 def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
-    from mobius.planner import make_plan
-    from mobius.prepare import get_profile
+    from mobius.planning.planner import make_plan
+    from mobius.planning.prepare import get_profile
     from topology import load_preset, network_of
 
     topo = load_preset("4x4090")
@@ -197,8 +198,8 @@ def test_the_node_network_serves_its_workers_exchanges_one_at_a_time():
 def test_cost_model_and_simulator_share_the_network_alike():
     """tiny8 on two boxes of 8x3090-4+4 over 25 GbE: the network bounds the step; the cost model
     (exchanges queued on the node's link) and the simulator (fair sharing) agree."""
-    from mobius.planner import make_plan, replica_profile
-    from mobius.prepare import get_profile
+    from mobius.planning.planner import make_plan, replica_profile
+    from mobius.planning.prepare import get_profile
     from mobius.sim import simulate_mobius
     from topology import load_preset, network_of
 

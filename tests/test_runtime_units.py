@@ -232,7 +232,7 @@ def test_an_unreachable_rendezvous_store_is_one_line_naming_it():
     one line that names the address; a store that is there is reached."""
     import socket
 
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
     from mobius.runtime.worker import reach_store
 
     with socket.socket() as listening:
@@ -250,7 +250,7 @@ def test_a_hand_launched_run_meets_in_rank_0s_store_or_says_who_is_missing():
     import socket
     import threading
 
-    from mobius.errors import InputError
+    from mobius.boundary.errors import InputError
     from mobius.runtime.worker import meet
 
     def free_port() -> int:
@@ -293,7 +293,7 @@ def test_a_cache_lock_replaced_by_a_link_to_a_users_file_leaves_that_file_alone(
     """The lock beside a cache entry, replaced by a link to a file of the user's: writing the entry
     neither truncates nor writes that file (the lock is opened without following links); the run
     goes on without the cache, saying so once."""
-    from mobius import cache
+    from mobius.boundary import cache
 
     monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(cache, "_said", set())
@@ -355,5 +355,5 @@ def test_a_forked_worker_adopts_the_launchers_environment_and_keeps_its_rank(mon
     assert "MOBIUS_STREAM_JITTER_MS" not in os.environ
     assert (os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"], os.environ["MOBIUS_CACHE"]) == (
         "1", "run", "/launchers/own/cache")
-    from mobius.cache import cache_root
+    from mobius.boundary.cache import cache_root
     assert str(cache_root()) == "/launchers/own/cache"

@@ -7,7 +7,7 @@ import torch
 
 from mobius.models import build_model, get_config
 from mobius.models.precision import DTYPES
-from mobius.planner import host_bytes_needed
+from mobius.planning.planner import host_bytes_needed
 from mobius.runtime.device import CpuDevice
 from mobius.runtime.optim import UpdateRule
 from mobius.swap.store import HostStageStore

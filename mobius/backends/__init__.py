@@ -15,9 +15,11 @@ from typing import Callable
 from mobius.backends.chunked import check_chunked_options, launch_chunked
 from mobius.backends.pipeline import check_pipeline_options, launch_pipeline, torchrun_worker
 from mobius.backends.single import train_single
+from mobius.boundary.errors import InputError
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
-from mobius.errors import InputError
-from mobius.prepare import data_parallel_of, early_calibration, resolve_devices, resolve_precision, resolve_topology
+from mobius.models import GPTConfig
+from mobius.planning.prepare import (data_parallel_of, early_calibration, resolve_devices, resolve_precision,
+                                     resolve_topology)
 from mobius.runtime.device import cuda_available
 from topology import Topology
 
@@ -31,7 +33,8 @@ class Backend:
     in_workers: bool  # its steps run in worker processes, which map the command's one copy of the data
     replicated: bool  # it runs --data-parallel replicas
     options: str | None = None  # the configuration section of the options it alone takes
-    check: Callable[[RunConfig, int], None] | None = None  # what it does not build, refused (cfg, workers)
+    # What it does not build, or cannot do on this machine, refused: (cfg, model_config, topology or None).
+    check: Callable[[RunConfig, GPTConfig, Topology | None], None] | None = None
     emulates: bool = True  # --emulate rehearses it on CPU workers
     under_torchrun: Callable[[RunConfig], None] | None = None  # this process as one of torchrun's workers
     # What it starts while the command reads the data: (cfg, model_config, topology) -> a context
@@ -51,14 +54,17 @@ BACKENDS = {
 }
 
 
-def resolve_backend(cfg: RunConfig) -> tuple[Backend, Topology | None]:
-    """The run's backend and topology; ``single`` needs no topology, but a bad one is still an error."""
+def resolve(cfg: RunConfig) -> tuple[RunConfig, Backend, Topology | None]:
+    """What a run decides from the machine, once, before anything reads them: its topology, its
+    backend (``--backend``, or the topology's choice; ``single`` needs no topology, but a bad one is
+    still an error) and ``cfg`` with the precision it trains in
+    (:func:`mobius.planning.prepare.resolve_precision`)."""
     topo = resolve_topology(cfg)
-    name = cfg.backend
-    if name == "auto":
-        name, _ = topo.choose_backend()
-    backend = BACKENDS[name]
-    return backend, topo if backend.in_workers else None
+    backend = BACKENDS[topo.choose_backend()[0] if cfg.backend == "auto" else cfg.backend]
+    topo = topo if backend.in_workers else None
+    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
+    precision = resolve_precision(cfg, cuda)
+    return cfg.changed(precision=precision), backend, topo
 
 
 def join_torchrun(cfg: RunConfig) -> bool:
@@ -76,9 +82,9 @@ def join_torchrun(cfg: RunConfig) -> bool:
     return True
 
 
-def check_options(cfg: RunConfig, backend: Backend, workers: int) -> None:
+def check_options(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None) -> None:
     """Options that ``backend`` would ignore, or that it does not build, are refused, naming the
-    backend they need; ``workers``: the devices it runs on."""
+    backend they need; then its own checks (:attr:`Backend.check`)."""
     flag = {"prefetch": "--no-prefetch", "chunk_prefetch": "--no-chunk-prefetch"}
     if cfg.emulation.enabled and not backend.emulates:
         raise InputError(f"--emulate is built for --backend pipeline and chunked, not {backend.name}")
@@ -92,21 +98,12 @@ def check_options(cfg: RunConfig, backend: Backend, workers: int) -> None:
             raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --backend "
                              f"{owner.name}, and this run uses --backend {backend.name}")
     if backend.check is not None:
-        backend.check(cfg, workers)
-
-
-def run_precision(cfg: RunConfig, topo: Topology | None) -> str:
-    """The precision a run on ``topo`` (None: the command's own process, ``--backend single``)
-    trains in: decided here once, for the whole command to read (:func:`resolve_precision`)."""
-    cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
-    return resolve_precision(cfg, cuda)
+        backend.check(cfg, model_config, topo)
 
 
 def resolved(cfg: RunConfig) -> RunConfig:
     """``cfg`` with what the run decides from the machine: the backend, the precision, the replicas
     (``--print-config``)."""
-    backend, topo = resolve_backend(cfg)
-    changes = {"backend": backend.name, "precision": run_precision(cfg, topo)}
-    if backend.replicated:
-        changes["data_parallel"] = data_parallel_of(cfg)
-    return cfg.changed(**changes)
+    cfg, backend, _ = resolve(cfg)
+    replicas = {"data_parallel": backend.replicas(cfg)} if backend.replicated else {}
+    return cfg.changed(backend=backend.name, **replicas)

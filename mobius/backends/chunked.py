@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from chunked_dp import worker as chunked_worker
 from chunked_dp.prepare import prepare_chunked
+from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
-from mobius.errors import InputError
 from mobius.launcher import devices_text, launch_workers
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
@@ -40,9 +40,10 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
     return (history, results[0].weights, results) if return_weights else history
 
 
-def check_chunked_options(cfg: RunConfig, workers: int) -> None:
-    """What the chunked engine does not build, refused before the data is read; ``workers``: the
-    data-parallel devices it runs on."""
+def check_chunked_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology) -> None:
+    """What the chunked engine does not build, refused before the data is read; ``topo``'s devices
+    are its data-parallel workers."""
+    workers = topo.n
     if cfg.outputs.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
     if cfg.lora.rank:

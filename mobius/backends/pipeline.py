@@ -7,20 +7,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mobius.boundary.errors import InputError, shown
 from mobius.config import RunConfig
-from mobius.errors import InputError, shown
 from mobius.launcher import devices_text, launch_workers, start_worker_server
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
-from mobius.prepare import prepare_pipeline, resolve_topology
-from mobius.replan import Replanner
+from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.prepare import resolve_topology
+from mobius.planning.replan import Replanner
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import RunSpec
 from mobius.runtime.worker import Decision, WorkerPayload
 from mobius.stages import worker as pipeline_worker
+from mobius.swap.disk import check_offload_dir
 from topology import Topology
 
 
@@ -51,11 +53,13 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     return history
 
 
-def check_pipeline_options(cfg: RunConfig, workers: int) -> None:
-    """What the pipeline does not build, refused before the data is read."""
+def check_pipeline_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology) -> None:
+    """What the pipeline does not build, or this machine cannot do for it, refused before the data
+    is read: the ``--offload-dir`` drive included (:func:`~mobius.swap.disk.check_offload_dir`)."""
     if cfg.lora.load_in_4bit:
         raise InputError("--load-in-4bit is built for --backend single: the pipeline's stage stores hold 16- and "
                          "32-bit weights")
+    check_offload_dir(cfg, model_config, topo)
 
 
 def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:

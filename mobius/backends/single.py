@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from mobius.boundary.errors import shown
 from mobius.config import RunConfig
-from mobius.errors import shown
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
@@ -23,7 +23,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
                  inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     """The reference trainer (plain PyTorch) in this process, on this machine's device, on the
     run's ``data`` (training batches, held-out examples or None); ``topo`` is not used.  The
-    precision is the command's decision (:func:`mobius.backends.run_precision`)."""
+    precision is the command's decision (:func:`mobius.backends.resolve`)."""
     batches, held_out = data
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     trainer = ReferenceTrainer(cfg, model_config, batches, device)

@@ -13,12 +13,12 @@ import math
 
 import numpy as np
 
+from mobius.boundary.errors import InputError
 from mobius.data.corpus import BatchSource, corpus_of, load_corpus
 from mobius.data.examples import renderer_for
 from mobius.data.packing import EvalBatches, ExampleBatches, pack
 from mobius.data.records import Record, read_examples
 from mobius.data.tokenizers import tokenizer_for
-from mobius.errors import InputError
 
 
 def build_batches(data, batch, seed: int, model: str, vocab_size: int

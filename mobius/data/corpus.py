@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mobius.boundary.errors import InputError
 from mobius.data.records import read_examples
 from mobius.data.tokenizers import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
-from mobius.errors import InputError
 from mobius.models.layout import TokenLayout
 
 Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mobius.checks import read_json_object
+from mobius.boundary.checks import read_json_object
+from mobius.boundary.errors import InputError, first_line
 from mobius.data.records import Record
 from mobius.data.tokenizers import ByteTokenizer, auto_tokenizer
-from mobius.errors import InputError, first_line
 
 # A template renders one conversation in milliseconds; one that loops for seconds or writes
 # megabytes is refused, not waited for.

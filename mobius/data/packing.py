@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mobius.boundary.errors import InputError
 from mobius.data.corpus import Batch, smallest_ids
 from mobius.data.examples import Example
-from mobius.errors import InputError
 from mobius.models.layout import IGNORE, TokenLayout
 
 

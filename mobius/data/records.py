@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mobius.checks import parse_json
-from mobius.errors import InputError, first_line
+from mobius.boundary.checks import parse_json
+from mobius.boundary.errors import InputError, first_line
 
 FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion")
 SHAPES = ("text; instruction[/input]/output (alpaca); messages (chat); conversations (ShareGPT); "

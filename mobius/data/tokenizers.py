@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mobius.checks import read_json_object
-from mobius.errors import InputError, first_line
+from mobius.boundary.checks import read_json_object
+from mobius.boundary.errors import InputError, first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 

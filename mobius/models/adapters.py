@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mobius import ownership
+from mobius.boundary import ownership
 from mobius.models.architecture import GPTConfig
 from mobius.models.hf import (
     EXPORT_KIND,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mobius.errors import InputError
+from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
 from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask

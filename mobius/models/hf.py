@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from mobius import ownership
-from mobius.checks import REQUIRED, Fields, read_json
-from mobius.errors import InputError
+from mobius.boundary import ownership
+from mobius.boundary.checks import REQUIRED, Fields, read_json
+from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 
 # Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
@@ -537,10 +537,8 @@ def export_errors(out_dir: str | os.PathLike):
 def check_export_target(config: GPTConfig, out_dir: str, option: str = "--export") -> None:
     """Pre-flight: only Hugging Face directories export, and only into a new or empty directory or
     over an export of ours that holds nothing else (the model being read is an input: see
-    :func:`mobius.ownership.check_paths`)."""
+    :func:`mobius.boundary.ownership.check_paths`)."""
     if not config.checkpoint:
         raise InputError(f"{option} needs --model to be a Hugging Face directory (presets have nothing to export to)")
-    ownership.check_output_dir_parent(option, out_dir)
-    for path in (Path(out_dir), staging_dir(out_dir), ownership.sibling(out_dir, "previous")):
-        ownership.check_removable(path, EXPORT_KIND, option)
     _model_files(config, COPIED_FILES)  # what the export will copy, checked before training
+    ownership.check_swapped_dir(option, out_dir, EXPORT_KIND, replaced=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
-from mobius.errors import InputError
+from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig
 from mobius.models.hf import is_hf_dir, load_hf_config
 

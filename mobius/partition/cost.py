@@ -62,7 +62,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from mobius.errors import InputError
+from mobius.boundary.errors import InputError
 from mobius.models.precision import element_bytes
 from mobius.partition.profile import HostCosts, Profile
 from mobius.runtime.spec import Lane

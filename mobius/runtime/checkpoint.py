@@ -18,7 +18,7 @@ a SHA-256 over its own content, so an edited step or a file removed together wit
 refused, and a checkpoint must hold every tensor a resume needs (weights, AdamW state, RNG).
 
 Files are written into a staging directory of ours and swapped into place only when complete
-(:func:`mobius.ownership.swap_into_place`).  A crash mid-save leaves the previous checkpoint in
+(:func:`mobius.boundary.ownership.swap_into_place`).  A crash mid-save leaves the previous checkpoint in
 ``DIR`` (or, between the two renames, in ``.DIR.mobius-previous``, which loading falls back to).
 Only directories that carry our marker are ever removed or replaced.
 """
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from mobius import ownership
-from mobius.checks import read_json
-from mobius.config_sources import stored_config
-from mobius.errors import InputError, RunError
+from mobius.boundary import ownership
+from mobius.boundary.checks import read_json
+from mobius.boundary.errors import InputError, RunError
+from mobius.config.sources import stored_config
 from mobius.models import GPTConfig, build_model
 from mobius.runtime.device import rng_states, set_rng_states
 
@@ -153,10 +153,8 @@ def check_save_target(cfg) -> None:
     (another run's checkpoint is never replaced), and staging siblings that are ours."""
     if not cfg.checkpoint.save:
         return
-    ownership.check_output_dir_parent("--save", cfg.checkpoint.save)
+    ownership.check_swapped_dir("--save", cfg.checkpoint.save, KIND, replaced=False)
     target = Path(cfg.checkpoint.save).resolve()
-    for role in ("partial", "previous"):
-        ownership.check_removable(ownership.sibling(target, role), KIND, "--save")
     has_checkpoint = target.is_dir() and any(target.iterdir())
     if not has_checkpoint:
         return

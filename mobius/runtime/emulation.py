@@ -47,7 +47,7 @@ class EmulationSpec:
     root_complex: tuple[int, ...]  # per worker: the root complex it hangs off
     rc_bps: dict  # root complex id (str) -> its host bandwidth, bytes per emulated second
     counters: str  # the shared file of active-transfer counters (made by the launcher)
-    how: str = ""  # how the factor was decided (mobius.prepare.emulation_for)
+    how: str = ""  # how the factor was decided (mobius.planning.pipeline.emulation_for)
     floor: float = 0.0  # the least factor this machine allows the run: its busiest worker's CPU work fits a step
     replicas: int = 1  # boxes emulated, each with the GPUs above: worker w of box d is rank d * len(link_bps) + w
     network: str = ""  # between the boxes (replicas > 1)

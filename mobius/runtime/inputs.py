@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.build import build_batches
 from mobius.data.packing import EvalBatches
 from mobius.data.shared import open_shared
-from mobius.errors import InputError
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
 from mobius.models.lora import LORA_MODULES, parts

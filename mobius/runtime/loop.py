@@ -11,10 +11,10 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from mobius.boundary.errors import RunError, shown
 from mobius.config import OutputConfig, RunConfig
-from mobius.errors import RunError, shown
 from mobius.metrics import MetricsWriter, StepMetrics, seconds_text
-from mobius.reporting import open_reports
+from mobius.metrics.reporters import open_reports
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
 

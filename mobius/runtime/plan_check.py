@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from mobius.cache import Cache, key_of
+from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models.precision import element_bytes
 from mobius.runtime.spec import Lane, Plan, RunSpec
@@ -28,7 +28,7 @@ TOLERANCE = 0.2
 MIN_PARAMS_KEPT = 2**22
 
 HOST_RATES = Cache("host", "measured host rate")
-# Measured layer profiles, by their settings and this machine (mobius.prepare): here beside the
+# Measured layer profiles, by their settings and this machine (mobius.planning.prepare): here beside the
 # host's rate because a run that finds its profile wrong forgets it.
 PROFILES = Cache("profiles", "profile")
 
@@ -130,7 +130,7 @@ def _off(measured: float, predicted: float) -> bool:
 @dataclass
 class PlanSwitch:
     """``--replan auto``: once :class:`PlanCheck` found a lane off, ``decide(measured step, steps
-    left)`` (rank 0's; :mod:`mobius.replan`) plans again with the rates the run measured and says
+    left)`` (rank 0's; :mod:`mobius.planning.replan`) plans again with the rates the run measured and says
     whether switching pays: (the new plan or None, the line that says why).  The training loop asks
     :meth:`ask` after each step on rank 0 and, when every worker has agreed, sets ``at``: the
     step boundary where the run goes on with ``spec`` (broadcast by rank 0).  One switch a run at

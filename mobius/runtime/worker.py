@@ -26,10 +26,10 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from mobius.boundary.errors import InputError, RunError, first_line, shown
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.errors import InputError, RunError, first_line, shown
 from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
@@ -170,7 +170,7 @@ def tied_to_launcher(launcher_pid: int | None = None):
     started must not leave us running.  A worker forked by the launcher's fork server
     (:mod:`mobius.launcher`) watches the server's parent: the server outlives the launcher for as
     long as a worker it forked lives (each holds the pipe it would see closed).  (Its temporary
-    directories are the launcher's watcher's to remove: :mod:`mobius.janitor`.)"""
+    directories are the launcher's watcher's to remove: :mod:`mobius.boundary.janitor`.)"""
     parent = os.getppid()
     forked_by_server = launcher_pid is not None and parent != launcher_pid
 

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mobius.boundary.janitor import scratch_dir, temporary_files_in
 from mobius.config import RunConfig
 from mobius.data import BatchSource
-from mobius.janitor import scratch_dir, temporary_files_in
 from mobius.launcher import worker_start_method
 from mobius.mapping import cross_map
 from mobius.metrics import Trace

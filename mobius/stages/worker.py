@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.errors import InputError
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard

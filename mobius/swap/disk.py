@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from mobius.errors import InputError, RunError, shown
+from mobius.boundary.errors import InputError, RunError, shown
 from mobius.models import build_model
 
 POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written

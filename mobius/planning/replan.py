@@ -3,7 +3,7 @@
 The plan check (:mod:`mobius.runtime.plan_check`) compares the first steps with the plan and keeps
 the host AdamW rate it measured where that lane was off.  :class:`Replanner` is then asked, on
 rank 0 and at a step boundary, to make the plan the run would have been given had that rate been
-known from the start (the same decisions as :func:`mobius.prepare.prepare_pipeline`, which now
+known from the start (the same decisions as :func:`mobius.planning.pipeline.prepare_pipeline`, which now
 reads the measured rate) and to weigh it: the switch is made only when the new plan's predicted
 step, over the steps left, saves more than the switch costs (about what the run's own start did:
 its workers' time to their first step).  The old plan is judged by its measured step, not by its
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from mobius.config import RunConfig
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig
-from mobius.prepare import prepare_pipeline
+from mobius.planning.pipeline import prepare_pipeline
 from mobius.runtime.spec import RunSpec
 from topology import Topology
 
@@ -37,7 +37,7 @@ class Replanner:
                  switch_s: float) -> tuple[RunSpec | None, str]:
         new, plan = prepare_pipeline(self.cfg, self.topo, self.model_config)
         # The emulated box and its clock stay as they are: the dilation holds for every plan of
-        # the model (mobius.prepare.emulation_for), and the links' shared counters are the run's.
+        # the model (mobius.planning.pipeline.emulation_for), and the links' shared counters are the run's.
         new = replace(new, emulation=spec.emulation)
         if plan.same_choices(spec.plan):
             return None, (f"replan: the plan made with the measured rates is the one running "

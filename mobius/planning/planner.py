@@ -1,6 +1,6 @@
 """Profile -> partition -> cross map: the :class:`Plan` a run executes (and ``mobius.plan`` prints).
 
-The planner takes its profile as data (:func:`mobius.prepare.get_profile` measures or computes it)
+The planner takes its profile as data (:func:`mobius.planning.prepare.get_profile` measures or computes it)
 and runs nothing.  Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile,
 topology, batch settings, partitioner), so the same command on the same machine plans the same.
 """
@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
-from mobius.cache import Cache, key_of
-from mobius.errors import InputError
+from mobius.boundary.cache import Cache, key_of
+from mobius.boundary.errors import InputError
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import GPTConfig, build_layer, layer_count, tied_parameter_names
 from mobius.models.precision import element_bytes
@@ -318,7 +318,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
               device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False, disk: str = "off") -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
-    from ``profile`` (:func:`mobius.prepare.get_profile`).  With ``data_parallel`` replicas each
+    from ``profile`` (:func:`mobius.planning.prepare.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
     broadcasts them (:func:`replica_profile`, on ``topo``'s network, else
     :data:`~topology.networks.DEFAULT_NETWORK` assumed), and no stage stays resident (its update

@@ -30,8 +30,8 @@ import stat
 import sys
 from pathlib import Path
 
-from mobius.checks import read_json
-from mobius.errors import InputError, RunError, shown
+from mobius.boundary.checks import read_json
+from mobius.boundary.errors import InputError, RunError, shown
 
 MARKER = ".mobius-owned.json"
 LOCK_TAG = b"mobius output lock\n"  # what a lock file of ours holds (an empty one: an older Mobius's)
@@ -367,11 +367,16 @@ def check_output_file(option: str, path: str | None) -> None:
                          "refusing to overwrite it")
 
 
-def check_output_dir_parent(option: str, path: str) -> None:
-    p = Path(path)
-    _check_parent(option, path)
-    if p.exists() and not p.is_dir():
-        raise InputError(f"{option} {path}: exists and is not a directory; refusing to replace it")
+def check_swapped_dir(option: str, target: str, kind: str, replaced: bool) -> None:
+    """Pre-flight for a directory written whole beside ``target`` and swapped into place
+    (:func:`swap_into_place`): its parent is a writable directory, it is not a file, and its
+    staging and parked siblings hold nothing we did not write as ``kind``; ``replaced``: nor does
+    ``target`` (a caller that may replace another kind of content checks ``target`` itself)."""
+    _check_parent(option, target)
+    if Path(target).exists() and not Path(target).is_dir():
+        raise InputError(f"{option} {target}: exists and is not a directory; refusing to replace it")
+    for path in ((Path(target),) if replaced else ()) + (sibling(target, "partial"), sibling(target, "previous")):
+        check_removable(path, kind, option)
 
 
 def _check_parent(option: str, path: str) -> None:

@@ -1,7 +1,8 @@
-"""Decide once: the topology, the backend, the device kind, the precision, the recompute decision,
-the per-device budgets, the profile and the plan (or the chunked configuration) of a run are
-resolved here, before any worker starts, into a frozen :class:`RunSpec` handed to every worker (and
-shown by ``mobius.plan``) as it is.  Nothing downstream picks a default of its own.
+"""Decide once what every backend shares: the topology, the device kind, the precision, the
+per-device budgets and the profile of a run are resolved here, before any worker starts; each
+backend makes its own decisions from them (the pipeline's plan: :mod:`mobius.planning.pipeline`;
+the chunked configuration: :mod:`chunked_dp.prepare`) into the frozen :class:`RunSpec` handed to
+every worker (and shown by ``mobius.plan``) as it is.  Nothing downstream picks a default of its own.
 
 The profile (:func:`get_profile`) is measured on this machine's device, with what the runtime
 itself costs here (:mod:`mobius.stages.calibrate`, measured by running it), or computed from the
@@ -23,19 +24,16 @@ import math
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from mobius.cache import Cache, key_of
+from mobius.boundary.cache import Cache, key_of
+from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
-from mobius.errors import InputError
 from mobius.models import GPTConfig, layer_count
-from mobius.models.precision import default_precision, element_bytes
-from mobius.partition.cost import stage_costs
+from mobius.models.precision import default_precision
 from mobius.partition.profile import (
     GPU_ADAM_PARAMS_PER_S,
     MAX_TIME_S,
@@ -44,13 +42,6 @@ from mobius.partition.profile import (
     analytic_profile,
     host_adam_rate,
     measure_profile,
-)
-from mobius.planner import (
-    DoesNotFit,
-    available_host_memory,
-    check_plannable,
-    host_bytes_needed,
-    make_plan,
 )
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import (
@@ -62,10 +53,9 @@ from mobius.runtime.device import (
 )
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
-from mobius.runtime.spec import Plan, RunSpec
 from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, finish_early, measure_handoff,
                                      measure_runtime_costs, started_early)
-from topology import Drive, Topology, TopologyError, assumed_network, cpu_topology, load_topology, network_of
+from topology import Drive, Topology, TopologyError, assumed_network, load_topology, network_of
 
 GB = 10**9
 
@@ -241,7 +231,7 @@ def measured_on() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # mobius/
     code = hashlib.sha256()
     for f in sorted([*root.glob("models/*.py"), *root.glob("stages/*.py"), *root.glob("swap/*.py"),
                      *root.glob("runtime/device/*.py"), root / "partition" / "profile.py"]):
@@ -317,7 +307,10 @@ def nodes_under_torchrun() -> int:
 
 
 def data_parallel_of(cfg: RunConfig) -> int:
-    """``--data-parallel``, or one replica per node under torchrun (one otherwise)."""
+    """``--data-parallel``, or one replica per node under torchrun (one otherwise): decided here,
+    for the plan (:func:`mobius.planning.pipeline.run_plan`; everything after reads
+    ``Plan.data_parallel``) and for the checks that come before it
+    (:meth:`mobius.backends.Backend.replicas`)."""
     replicas = cfg.pipeline.data_parallel or nodes_under_torchrun()
     if cfg.batch.micro_batches % replicas:
         raise InputError(f"--micro-batches {cfg.batch.micro_batches} is not divisible by the {replicas} replicas "
@@ -327,9 +320,10 @@ def data_parallel_of(cfg: RunConfig) -> int:
 
 def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
     """``--precision`` or the default for the devices.  ``mobius.train`` and ``mobius.plan`` decide
-    it once, at their start (:func:`mobius.backends.run_precision`, :func:`plan_on`); the functions
-    below that scripts call directly decide it the same way where it is not set.  The run's spec
-    carries it, and so do the workers' configuration and the checkpoints."""
+    it once, at their start (:func:`mobius.backends.resolve`,
+    :func:`mobius.planning.pipeline.plan_on`); the functions that scripts call directly decide it
+    the same way where it is not set.  The run's spec carries it, and so do the workers'
+    configuration and the checkpoints."""
     return cfg.optim.precision or default_precision(cuda)
 
 
@@ -337,134 +331,10 @@ def budgets_of(topo: Topology) -> tuple[int, ...]:
     return tuple(int(g.memory_gb * GB) for g in topo.gpus)
 
 
-def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
-             profiled: Callable[[], None] | None = None, **plan_options) -> Plan:
-    """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
-    ``mobius.plan`` both call this, so the plan printed is the plan trained.
-
-    ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction:
-    activations kept on the device, where some partition lets every worker hold all of its stages'
-    saved activations for all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
-    or recomputed, which leaves the memory to more prefetch and to resident stages
-    (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
-    refused here, before any worker starts.  ``profile``: plan from this one (a script's own
-    figures) instead of the one measured or computed for ``topo``; ``profiled``: called once the
-    profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed
-    after)."""
-    # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
-    how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
-    replicas = data_parallel_of(cfg)
-    batch, pipe = cfg.batch, cfg.pipeline
-    # The disk tier: every host stage's moments on disk, or (--host-mem-gb) those of as many as the host needs.
-    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb is None else "fit"
-    check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas,
-                    moments_on_disk=disk != "off")
-    if profile is None:
-        profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
-                              fresh=not plan_options.get("use_cache", True))
-    if profiled is not None:
-        profiled()
-
-    def make(recompute: bool) -> Plan:
-        return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
-                         batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
-                         stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
-                         optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
-                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), disk=disk, **plan_options)
-
-    if cfg.pipeline.recompute == "on":
-        return make(recompute=True)
-    if cfg.pipeline.recompute == "off":
-        try:
-            return make(recompute=False)
-        except DoesNotFit as err:
-            raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
-                             "micro-batches, or more memory") from None
-    # Both plans at once: HiGHS solves without the GIL, and each thread has a solver of its own.
-    with ThreadPoolExecutor(2, thread_name_prefix="mobius-plan") as pool:
-        keeping, recomputing = pool.submit(make, recompute=False), pool.submit(make, recompute=True)
-        try:
-            kept = keeping.result()
-        except DoesNotFit:
-            kept = None
-        recomputed = recomputing.result()
-    return kept if kept is not None and kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
-
-
-def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
-    """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
-    budgets them, or this machine's CPU workers), with the precision and recompute it decides:
-    what ``mobius.plan`` prints, and what every script that plans reports."""
-    on_gpus = not topo.virtual and not cfg.emulation.enabled  # emulating, CPU workers stand for the GPUs
-    if on_gpus:
-        topo = reserve_cuda_memory(topo)
-    return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
-
-
 def check_run_inputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """The checkpoint to resume, before any worker starts (the data: :func:`mobius.train.run`)."""
     if cfg.checkpoint.resume:
         ck.open_for_resume(cfg, model_config)
-
-
-def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
-                     profiled: Callable[[], None] | None = None) -> tuple[RunSpec, Plan]:
-    """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
-    :func:`mobius.runtime.inputs.check_model_input` checked it; ``profiled``: :func:`run_plan`'s."""
-    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
-    replicas = data_parallel_of(cfg)
-    if cuda and replicas > nodes_under_torchrun():
-        raise InputError(f"--data-parallel {replicas} on the GPUs of one machine is not built: start one "
-                         "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
-    precision = resolve_precision(cfg, cuda)
-    check_run_inputs(cfg.changed(precision=precision), model_config)
-    plan = run_plan(cfg, model_config, topo, precision, profiled=profiled)
-    if not cuda:
-        check_cpu_workers_fit(cfg, model_config, plan, budgets_of(topo), available_host_memory())
-    emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
-    measured = not plan.profile_source.startswith("analytic")
-    layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
-        if measured else ""
-    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
-                   data_parallel=replicas, host_rate_key=host_key(topo, measured),
-                   profile_key=layers_key), plan
-
-
-# What one CPU worker process takes before it holds any of the model: the interpreter, torch, gloo.
-CPU_WORKER_PROCESS_BYTES = 400 * 2**20
-
-
-def planned_device_bytes(plan: Plan, worker: int) -> int:
-    """The most of its device's memory ``worker`` holds under ``plan``: its resident stages' weights,
-    gradients and AdamW state (fp32 masters too in 16 bits), and its largest pass of a swapped stage
-    with the next stage prefetched beside it."""
-    elt = element_bytes(plan.precision)
-    held = passes = 0
-    for s in plan.stages:
-        if s.gpu != worker:
-            continue
-        if s.index in plan.resident:
-            held += s.param_bytes + s.grad_bytes + s.grad_bytes // elt * ((8 if elt != 4 else 0) + 8)
-        passes = max(passes, s.mem_fwd_bytes, s.mem_bwd_bytes)
-    return held + 2 * passes
-
-
-def check_cpu_workers_fit(cfg: RunConfig, model_config: GPTConfig, plan: Plan, budgets: tuple[int, ...],
-                          available: int | None) -> None:
-    """On CPU workers a device's memory is this machine's: the host's share of the model (masters,
-    AdamW state, gradients), every worker process and what each holds of its budget as planned
-    must fit in what the machine has ``available`` (None: unknown, not checked)."""
-    if available is None:
-        return
-    replicas = data_parallel_of(cfg)
-    host = host_bytes_needed(model_config, plan.precision, cfg.optim.optimizer_lag, replicas, replicas)
-    workers = replicas * sum(min(budget, planned_device_bytes(plan, k)) + CPU_WORKER_PROCESS_BYTES
-                             for k, budget in enumerate(budgets))
-    if host + workers > available:
-        raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs "
-                         f"{(host + workers) / GB:.1f} GB of this machine's memory ({host / GB:.1f} GB on the host, "
-                         f"{workers / GB:.1f} GB in the workers as planned), but {available / GB:.1f} GB are "
-                         "available: use fewer --cpu-workers, a smaller --gpu-mem-gb or a smaller model")
 
 
 # The CPU work must fit this many times into the emulated time it stands for: the margin for noise
@@ -474,38 +344,12 @@ EMULATION_MARGIN = 2.0
 MAX_EMULATED_WALL_S = 3600.0
 
 
-def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan) -> EmulationSpec:
-    """The emulated links of ``topo``'s GPUs and the dilation ``F`` (wall seconds per emulated
-    second), one for every variant of a comparison:
-
-    * the model's: its layers' measured CPU time over their GPU time, with :data:`EMULATION_MARGIN`
-      and the workers' crowding of this machine's cores.  It depends on the model, the batch, the
-      GPUs and this machine, not on the partition, the mapping, prefetching or the optimizer lag,
-      so the variants of those are measured under one factor;
-    * raised, if need be, until each worker's CPU work of a step fits into the emulated step (else
-      the CPU, not the emulated GPU, would set the pace);
-    * ``--dilation F`` instead, refused below that floor.
-
-    A run expected to take more than :data:`MAX_EMULATED_WALL_S` of wall time is refused in one line
-    saying what to change."""
-    cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                      plan.precision, "measure")
-    cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
-    gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
-    model_ratio = sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
-    work = [0.0] * topo.n  # each worker's CPU work of one step
-    passes = 3 if plan.recompute else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
-    for c, st in zip(cpu_stages, plan.stages):
-        work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
-            + 2 * cpu.host.stage_switch_s
-    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel)
-
-
 def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cpu_s: float,
                    predicted_step_s: float, replicas: int = 1) -> EmulationSpec:
-    """The emulated links of ``topo`` and the dilation (see :func:`emulation_for`), for a backend
-    whose layers take ``model_ratio`` times as long on this machine's CPU as on the emulated GPUs,
-    whose busiest worker's CPU work of a step is ``worker_cpu_s``, and whose step is predicted at
+    """The emulated links of ``topo`` and the dilation (see
+    :func:`mobius.planning.pipeline.emulation_for`), for a backend whose layers take
+    ``model_ratio`` times as long on this machine's CPU as on the emulated GPUs, whose busiest
+    worker's CPU work of a step is ``worker_cpu_s``, and whose step is predicted at
     ``predicted_step_s`` of emulated time; ``replicas`` boxes of ``topo`` on its network."""
     network = assumed_network(topo)
     # workers per core when all compute at once

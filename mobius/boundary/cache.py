@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from mobius.checks import read_json
-from mobius.errors import InputError, shown
+from mobius.boundary.checks import read_json
+from mobius.boundary.errors import InputError, shown
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from mobius.errors import InputError, first_line
+from mobius.boundary.errors import InputError, first_line
 
 # Settings of one invocation, never inherited from a checkpoint's run.
 NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs",

@@ -1,6 +1,6 @@
 """Typed, range-checked reading of the values users hand us in files (Hugging Face configs,
 tokenizer and data records, checkpoint manifests): a wrong type or range is one
-:class:`~mobius.errors.InputError` naming the file and the key, never a traceback later on."""
+:class:`~mobius.boundary.errors.InputError` naming the file and the key, never a traceback later on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from mobius.errors import InputError, shown
+from mobius.boundary.errors import InputError, shown
 
 REQUIRED = object()
 _KINDS = {"int": "an integer", "number": "a finite number", "bool": "true or false", "str": "a string",

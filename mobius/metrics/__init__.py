@@ -1,6 +1,6 @@
 """Per-step metrics (``--metrics``: one JSON line per step, the fields of :class:`StepMetrics`) and a
 Chrome trace writer (``--trace``); the reporters that also get the step's scalars are
-:mod:`mobius.reporting`'s."""
+:mod:`mobius.metrics.reporters`'s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mobius.ownership import record_file, sha256_of, write_atomically, writing
+from mobius.boundary.ownership import record_file, sha256_of, write_atomically, writing
 
 
 @dataclass
@@ -41,7 +41,7 @@ class StepMetrics:
 
 class MetricsWriter:
     """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing.
-    Each line is recorded as ours (:func:`mobius.ownership.record_file`) before it is written."""
+    Each line is recorded as ours (:func:`mobius.boundary.ownership.record_file`) before it is written."""
 
     def __init__(self, path: str | os.PathLike | None, append: bool = False):
         self.path = path

@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from mobius.errors import RunError, first_line
+from mobius.boundary.errors import RunError, first_line
+from mobius.boundary.ownership import writing
 from mobius.metrics import StepMetrics
-from mobius.ownership import writing
 
 
 def scalars_of(m: StepMetrics) -> dict[str, float]:

@@ -1,0 +1,186 @@
+"""The pipeline's own decisions, made once before any worker starts from the shared ones
+(:mod:`mobius.planning.prepare`: topology, devices, precision, profile): the plan with its
+recompute decision (:func:`run_plan`, what ``mobius.plan`` prints and ``mobius.train`` runs), the
+fit of CPU workers in this machine's memory, the emulated links and time of ``--emulate``, all into
+the frozen :class:`RunSpec` every pipeline worker gets (:func:`prepare_pipeline`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from mobius.boundary.errors import InputError
+from mobius.config import RunConfig
+from mobius.models import GPTConfig
+from mobius.models.precision import element_bytes
+from mobius.partition.cost import stage_costs
+from mobius.partition.profile import Profile
+from mobius.planning.planner import DoesNotFit, available_host_memory, check_plannable, host_bytes_needed, make_plan
+from mobius.planning.prepare import (
+    GB,
+    budgets_of,
+    check_run_inputs,
+    data_parallel_of,
+    emulation_spec,
+    get_profile,
+    host_key,
+    nodes_under_torchrun,
+    profile_key,
+    reserve_cuda_memory,
+    resolve_devices,
+    resolve_precision,
+)
+from mobius.runtime.emulation import EmulationSpec
+from mobius.runtime.spec import Plan, RunSpec
+from topology import Topology, cpu_topology
+
+
+def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
+             profiled: Callable[[], None] | None = None, **plan_options) -> Plan:
+    """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
+    ``mobius.plan`` both call this, so the plan printed is the plan trained.
+
+    ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction:
+    activations kept on the device, where some partition lets every worker hold all of its stages'
+    saved activations for all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
+    or recomputed, which leaves the memory to more prefetch and to resident stages
+    (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
+    refused here, before any worker starts.  ``profile``: plan from this one (a script's own
+    figures) instead of the one measured or computed for ``topo``; ``profiled``: called once the
+    profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed
+    after)."""
+    # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
+    how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
+    replicas = data_parallel_of(cfg)
+    batch, pipe = cfg.batch, cfg.pipeline
+    # The disk tier: every host stage's moments on disk, or (--host-mem-gb) those of as many as the host needs.
+    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb is None else "fit"
+    check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas,
+                    moments_on_disk=disk != "off")
+    if profile is None:
+        profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
+                              fresh=not plan_options.get("use_cache", True))
+    if profiled is not None:
+        profiled()
+
+    def make(recompute: bool) -> Plan:
+        return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
+                         batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
+                         stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
+                         optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
+                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), disk=disk, **plan_options)
+
+    if cfg.pipeline.recompute == "on":
+        return make(recompute=True)
+    if cfg.pipeline.recompute == "off":
+        try:
+            return make(recompute=False)
+        except DoesNotFit as err:
+            raise InputError(f"--recompute off: {err.reason}; use --recompute on or auto, fewer or smaller "
+                             "micro-batches, or more memory") from None
+    # Both plans at once: HiGHS solves without the GIL, and each thread has a solver of its own.
+    with ThreadPoolExecutor(2, thread_name_prefix="mobius-plan") as pool:
+        keeping, recomputing = pool.submit(make, recompute=False), pool.submit(make, recompute=True)
+        try:
+            kept = keeping.result()
+        except DoesNotFit:
+            kept = None
+        recomputed = recomputing.result()
+    return kept if kept is not None and kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
+
+
+def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
+    """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
+    budgets them, or this machine's CPU workers), with the precision and recompute it decides:
+    what ``mobius.plan`` prints, and what every script that plans reports."""
+    on_gpus = not topo.virtual and not cfg.emulation.enabled  # emulating, CPU workers stand for the GPUs
+    if on_gpus:
+        topo = reserve_cuda_memory(topo)
+    return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
+
+
+def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
+                     profiled: Callable[[], None] | None = None) -> tuple[RunSpec, Plan]:
+    """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
+    :func:`mobius.runtime.inputs.check_model_input` checked it; ``profiled``: :func:`run_plan`'s."""
+    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
+    asked = cfg.pipeline.data_parallel
+    if cuda and asked and asked > nodes_under_torchrun():
+        raise InputError(f"--data-parallel {asked} on the GPUs of one machine is not built: start one "
+                         "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
+    precision = resolve_precision(cfg, cuda)
+    check_run_inputs(cfg.changed(precision=precision), model_config)
+    plan = run_plan(cfg, model_config, topo, precision, profiled=profiled)
+    if not cuda:
+        check_cpu_workers_fit(cfg, model_config, plan, budgets_of(topo), available_host_memory())
+    emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
+    measured = not plan.profile_source.startswith("analytic")
+    layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
+        if measured else ""
+    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
+                   data_parallel=plan.data_parallel, host_rate_key=host_key(topo, measured),
+                   profile_key=layers_key), plan
+
+
+# What one CPU worker process takes before it holds any of the model: the interpreter, torch, gloo.
+CPU_WORKER_PROCESS_BYTES = 400 * 2**20
+
+
+def planned_device_bytes(plan: Plan, worker: int) -> int:
+    """The most of its device's memory ``worker`` holds under ``plan``: its resident stages' weights,
+    gradients and AdamW state (fp32 masters too in 16 bits), and its largest pass of a swapped stage
+    with the next stage prefetched beside it."""
+    elt = element_bytes(plan.precision)
+    held = passes = 0
+    for s in plan.stages:
+        if s.gpu != worker:
+            continue
+        if s.index in plan.resident:
+            held += s.param_bytes + s.grad_bytes + s.grad_bytes // elt * ((8 if elt != 4 else 0) + 8)
+        passes = max(passes, s.mem_fwd_bytes, s.mem_bwd_bytes)
+    return held + 2 * passes
+
+
+def check_cpu_workers_fit(cfg: RunConfig, model_config: GPTConfig, plan: Plan, budgets: tuple[int, ...],
+                          available: int | None) -> None:
+    """On CPU workers a device's memory is this machine's: the host's share of the model (masters,
+    AdamW state, gradients), every worker process and what each holds of its budget as planned
+    must fit in what the machine has ``available`` (None: unknown, not checked)."""
+    if available is None:
+        return
+    replicas = plan.data_parallel
+    host = host_bytes_needed(model_config, plan.precision, cfg.optim.optimizer_lag, replicas, replicas)
+    workers = replicas * sum(min(budget, planned_device_bytes(plan, k)) + CPU_WORKER_PROCESS_BYTES
+                             for k, budget in enumerate(budgets))
+    if host + workers > available:
+        raise InputError(f"model {cfg.model} on {replicas * len(budgets)} CPU workers needs "
+                         f"{(host + workers) / GB:.1f} GB of this machine's memory ({host / GB:.1f} GB on the host, "
+                         f"{workers / GB:.1f} GB in the workers as planned), but {available / GB:.1f} GB are "
+                         "available: use fewer --cpu-workers, a smaller --gpu-mem-gb or a smaller model")
+
+
+def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan) -> EmulationSpec:
+    """The emulated links of ``topo``'s GPUs and the dilation ``F`` (wall seconds per emulated
+    second), one for every variant of a comparison:
+
+    * the model's: its layers' measured CPU time over their GPU time, with :data:`EMULATION_MARGIN`
+      and the workers' crowding of this machine's cores.  It depends on the model, the batch, the
+      GPUs and this machine, not on the partition, the mapping, prefetching or the optimizer lag,
+      so the variants of those are measured under one factor;
+    * raised, if need be, until each worker's CPU work of a step fits into the emulated step (else
+      the CPU, not the emulated GPU, would set the pace);
+    * ``--dilation F`` instead, refused below that floor.
+
+    A run expected to take more than :data:`MAX_EMULATED_WALL_S` of wall time is refused in one line
+    saying what to change."""
+    cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
+                      plan.precision, "measure")
+    cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
+    gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
+    model_ratio = sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
+    work = [0.0] * topo.n  # each worker's CPU work of one step
+    passes = 3 if plan.recompute else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
+    for c, st in zip(cpu_stages, plan.stages):
+        work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
+            + 2 * cpu.host.stage_switch_s
+    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel)
