@@ -31,6 +31,13 @@ from mobius.runtime.inputs import check_model_input, make_data
 from topology import Topology
 
 
+def offload_dirs(cfg: RunConfig) -> dict[str, str]:
+    """The directories of ``--offload-dir``, each under the name its messages give it."""
+    dirs = cfg.pipeline.offload_dir
+    return {"--offload-dir" if len(dirs) == 1 else f"--offload-dir ({k} of {len(dirs)})": d
+            for k, d in enumerate(dirs, 1)}
+
+
 def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
     """Before the first step: every path the run writes is free or provably ours, and none of
     them is an input or another output."""
@@ -41,7 +48,7 @@ def check_outputs(cfg: RunConfig, model_config: GPTConfig) -> None:
                           {"--metrics": (cfg.outputs.metrics, "file"), "--trace": (cfg.outputs.trace, "file"),
                            "--tensorboard": (cfg.outputs.tensorboard, "dir"),
                            "--report-dir": (cfg.outputs.report_dir, "dir"),
-                           "--offload-dir": (cfg.pipeline.offload_dir, "dir"),
+                           **{option: (d, "dir") for option, d in offload_dirs(cfg).items()},
                            "--save": (cfg.checkpoint.save, "dir"), "--export": (cfg.outputs.export, "dir"),
                            "--export-merged": (cfg.outputs.export_merged, "dir")})
     ownership.check_output_file("--metrics", cfg.outputs.metrics)
@@ -76,14 +83,16 @@ def run(cfg: RunConfig) -> list[StepMetrics] | None:
     out = cfg.outputs
     outputs = {"--save": cfg.checkpoint.save, "--export": out.export, "--export-merged": out.export_merged,
                "--metrics": out.metrics, "--trace": out.trace, "--tensorboard": out.tensorboard,
-               "--report-dir": out.report_dir, "--offload-dir": cfg.pipeline.offload_dir}
+               "--report-dir": out.report_dir, **offload_dirs(cfg)}
     with ownership.made_parents(outputs), ownership.output_locks(outputs):  # written by this run alone
         return _run_locked(cfg, model_config)
 
 
 def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | None:
     check_outputs(cfg, model_config)
-    with ownership.working_dir("--offload-dir", cfg.pipeline.offload_dir):
+    with contextlib.ExitStack() as working:
+        for option, directory in offload_dirs(cfg).items():
+            working.enter_context(ownership.working_dir(option, directory))
         cfg, backend, topo = resolve(cfg)  # decided once: everything after reads them
         check_options(cfg, model_config, backend, topo)  # before the data is read
         return _run_prepared(cfg, model_config, backend, topo)

@@ -3,10 +3,11 @@
 same bytes: reading every stage's moments, writing them, and the host's AdamW with the moments in
 memory.  Overlapped, the step takes about the longest lane, not their sum.
 
-    python scripts/bench_offload.py [--dir DIR] [--stages 8] [--params 8e6] [--repeats 3] [--json out.json] [--smoke]
+    python scripts/bench_offload.py [--dir DIR[,DIR...]] [--stages 8] [--params 8e6] [--repeats 3] [--json out.json]
+                                    [--smoke]
 
 ``DIR`` (default: a new directory under the system's temporary one) should be on the drive to
-measure.  Before every read the files' pages are dropped from the page cache (``posix_fadvise``),
+measure; several, one on each drive, stripe the moments over them as ``--offload-dir`` does.  Before every read the files' pages are dropped from the page cache (``posix_fadvise``),
 so reads come from the drive; writes end with ``fsync``, so they reach it.  ``--smoke``: 2 stages
 of 1M parameters, one repeat.
 """
@@ -14,6 +15,7 @@ of 1M parameters, one repeat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,18 +32,19 @@ from mobius.swap.disk import DiskMoments  # noqa: E402
 
 
 def drop_cache(disk: DiskMoments) -> None:
-    for fd in disk.fds.values():
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    for fds in disk.fds.values():
+        for fd in fds:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def one_repeat(directory: Path, stages: int, params: int, seed: int) -> dict[str, float]:
+def one_repeat(directories: list[Path], stages: int, params: int, seed: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
     weights = {s: [torch.nn.Parameter(torch.randn(params // 1024, 1024, generator=g))] for s in range(stages)}
     optimizers = {s: make_adamw([("w", ps[0])], UpdateRule(lr=1e-3)) for s, ps in weights.items()}
     for ps in weights.values():
         ps[0].grad = torch.randn(ps[0].shape, generator=g)
-    disk = DiskMoments(directory, 0, optimizers)
+    disk = DiskMoments(directories, 0, optimizers)
     try:
         for s in range(stages):  # the first update makes the moments; they go to disk
             buffer = disk.page_in(s)
@@ -83,7 +86,8 @@ def one_repeat(directory: Path, stages: int, params: int, seed: int) -> dict[str
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--dir", type=lambda text: [Path(d) for d in text.split(",")], default=[None],
+                   help="one directory on each drive to measure, comma-separated")
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--params", type=float, default=8e6, help="parameters a stage")
     p.add_argument("--repeats", type=int, default=3)
@@ -95,13 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     params = int(args.params) // 1024 * 1024
     rows = []
     for r in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="mobius-offload-", dir=args.dir) as d:
-            rows.append(one_repeat(Path(d), args.stages, params, r))
+        with contextlib.ExitStack() as made:
+            dirs = [Path(made.enter_context(tempfile.TemporaryDirectory(prefix="mobius-offload-", dir=d)))
+                    for d in args.dir]
+            rows.append(one_repeat(dirs, args.stages, params, r))
     median = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     bound = max(median["read_s"], median["write_s"], median["adam_s"])
     moments_gb = args.stages * params * 8 / 1e9
-    print(f"{args.stages} stages of {params / 1e6:.1f}M parameters, {moments_gb:.2f} GB of moments, median of "
-          f"{args.repeats}:")
+    print(f"{args.stages} stages of {params / 1e6:.1f}M parameters, {moments_gb:.2f} GB of moments over "
+          f"{len(args.dir)} director{'y' if len(args.dir) == 1 else 'ies'}, median of {args.repeats}:")
     # One drive reads and writes through one queue: their sum is its lane where they cannot overlap.
     shared = median["read_s"] + median["write_s"]
     print(f"{'read':>8} {'write':>8} {'AdamW':>8} {'step':>8} {'step / longest lane':>20} "

@@ -2,13 +2,14 @@
 in process and on pipeline workers, across a resume between tiers; the files are the run's own."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, one_line_exit_2, reference
 
 from mobius.backends.pipeline import launch_pipeline
-from mobius.boundary.errors import RunError
+from mobius.boundary.errors import InputError, RunError
 from mobius.config import RunConfig, parse_train_args
 from mobius.models import get_config
 from mobius.planning.prepare import resolve_topology
@@ -23,16 +24,20 @@ def stages(seed: int) -> dict[int, list[torch.nn.Parameter]]:
             for s, shapes in {0: [(8, 4), (4,)], 1: [(16, 16)], 2: [(3,), (5, 2)]}.items()}
 
 
-def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path):
+@pytest.mark.parametrize("drives", [1, 3])
+def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path, drives):
     """Five AdamW updates of three stages, the moments read ahead, updated, written behind (and
-    one stage skipped once, as an fp16 overflow skips a step): every weight and moment equal to the
-    same updates in memory, bit for bit; a checkpoint's view and a restore go through the files;
-    closing removes them."""
+    one stage skipped once, as an fp16 overflow skips a step), striped over one directory or three:
+    every weight and moment equal to the same updates in memory, bit for bit; a checkpoint's view
+    and a restore go through the files; closing removes them."""
     rule = UpdateRule(lr=1e-2)
     ours, theirs = stages(0), stages(0)
     opt_ours = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in ours.items()}
     opt_theirs = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in theirs.items()}
-    disk = DiskMoments(tmp_path, 0, opt_ours)
+    directories = [tmp_path / f"nvme{k}" for k in range(drives)]
+    for d in directories:
+        d.mkdir()
+    disk = DiskMoments(directories, 0, opt_ours)
     try:
         g = torch.Generator().manual_seed(1)
         for step in range(5):
@@ -62,10 +67,19 @@ def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path):
             assert all(torch.all(opt_ours[s].state[p]["exp_avg"] == 7.0) for p in ours[s])
             disk.forget(s)
         assert disk.read_bytes > 0 and disk.written_bytes > 0
-        assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(3)]
+        for d in directories:  # each drive holds its part of every stage's moments
+            assert sorted(p.name for p in d.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(3)]
+            assert sum(p.stat().st_size for p in d.iterdir()) * drives == pytest.approx(
+                8 * sum(p.numel() for ps in ours.values() for p in ps), abs=4 * drives * 3)
     finally:
         disk.close()
-    assert list(tmp_path.iterdir()) == []
+    assert all(list(d.iterdir()) == [] for d in directories)
+
+
+def test_a_stage_is_striped_in_equal_contiguous_parts():
+    from mobius.swap.disk import stripes
+
+    assert stripes(10, 3) == [(0, 4), (4, 3), (7, 3)] and stripes(4, 1) == [(0, 4)] and stripes(2, 3)[2] == (2, 0)
 
 
 def test_a_file_that_is_there_is_never_opened(tmp_path):
@@ -74,7 +88,7 @@ def test_a_file_that_is_there_is_never_opened(tmp_path):
     optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2))
                   for s, ps in params.items()}
     with pytest.raises(RunError, match="cannot create its files"):
-        DiskMoments(tmp_path, 0, optimizers)
+        DiskMoments([tmp_path], 0, optimizers)
     assert (tmp_path / "rank000-stage0001.adam").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank000-stage0001.adam"]
 
@@ -87,16 +101,19 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     tier, and one saved without resumes onto it, each ending equal to the reference."""
     cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2,
                        micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
-                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1, offload_dir=str(tmp_path / "nvme"))
-    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=None)
-    (tmp_path / "nvme").mkdir()
+                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1,
+                       offload_dir=(str(tmp_path / "nvme0"), str(tmp_path / "nvme1")))  # striped over two
+    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=())
+    for d in cfg.pipeline.offload_dir:
+        Path(d).mkdir()
     history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
     assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
     for name, w in weights.items():
         assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
     assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
-    assert list((tmp_path / "nvme").iterdir()) == []
-    (tmp_path / "nvme").rmdir()
+    for d in cfg.pipeline.offload_dir:
+        assert list(Path(d).iterdir()) == []
+        Path(d).rmdir()
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4"]
     straight, _ = reference(parse_train_args(run), precision="fp32")
     disk = ["--offload-dir", str(tmp_path / "nvme")]
@@ -157,6 +174,9 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     (["--offload-dir", "x", "--drive-gbps", "fast"], "--drive-gbps 'fast': give each drive's GB/s"),
     (["--offload-dir", "x", "--host-mem-gb", "0.0001"],
      "of host memory (weights, AdamW state on disk, gradients), but 4x4090 has 0.0 GB"),
+    (["--offload-dir", "x", "--drive-gbps", "7,7"],
+     "--offload-dir names 1 directory, but the plan is given 2 drives (the topology's drives or --drive-gbps)"),
+    (["--offload-dir", "x,y,./x"], "--offload-dir 'x,y,./x': give each directory once"),
 ])
 def test_bad_disk_tier_settings_are_one_line(args, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -221,3 +241,44 @@ def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_p
     cfg = RunConfig.of(model="tiny", topology="cpu", offload_dir=str(slow), drive_gbps=("0.0001",))
     check_offload_dir(cfg, get_config("tiny"), resolve_topology(cfg))
     assert list(slow.iterdir()) == []
+
+
+def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
+    """Several directories stripe the moments over several drives: two on one file system are
+    refused before training (one line, nothing left); each is timed against its own drive's stated
+    rates; the plan counts one drive per directory (assumed ones where none is stated), so two
+    halve the disk lane of one."""
+    import os
+    import tempfile
+
+    from mobius.planning.pipeline import plan_on
+    from mobius.runtime.spec import Lane
+    from mobius.swap import disk
+
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--metrics", str(tmp_path / "m.jsonl"),
+                  "--offload-dir", f"{tmp_path / 'nvme0'},{tmp_path / 'nvme1'}"]
+    assert "two of these directories are on one file system" in one_line_exit_2(train_main, run, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+    other = Path("/dev/shm")
+    if not other.is_dir() or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system to stand for a second drive")
+    monkeypatch.setattr(disk, "DRIVE_TIMING_BYTES", 8 * 2**20)
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    slow = Path(tempfile.mkdtemp(dir=other, prefix="mobius-test-"))
+    try:
+        cfg = RunConfig.of(model="tiny", topology="cpu", offload_dir=(str(fast), str(slow)),
+                           drive_gbps=("0.0001", "9000"))
+        with pytest.raises(InputError, match=f"--offload-dir {slow}: its drive reads .* but the plan was given 9000"):
+            disk.check_offload_dir(cfg, get_config("tiny"), resolve_topology(cfg))
+        assert list(fast.iterdir()) == [] and list(slow.iterdir()) == []
+    finally:
+        slow.rmdir()
+
+    base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
+                precision="bf16", progress=False, device_optimizer="off")
+    floors = [plan_on(RunConfig.of(**base, offload_dir=dirs), get_config("small"),
+                      resolve_topology(RunConfig.of(**base, offload_dir=dirs)), time_limit_s=2).lane_floor_s[Lane.DISK]
+              for dirs in (("a",), ("a", "b"))]
+    assert floors[1] == pytest.approx(floors[0] / 2)

@@ -62,6 +62,7 @@ class Drive:
     name: str
     read_gbps: float
     write_gbps: float
+    assumed: bool = False  # not stated: a run's directory on a drive of ASSUMED_DRIVE_GBPS (never saved)
 
 
 @dataclass
@@ -170,8 +171,9 @@ class Topology:
         if self.network is not None:
             d["network"] = {"name": self.network.name, "bandwidth_gbps": self.network.bandwidth_gbps,
                             "latency_us": self.network.latency_us}
-        if self.drives:
-            d["drives"] = [{"name": v.name, "read_gbps": v.read_gbps, "write_gbps": v.write_gbps} for v in self.drives]
+        if any(not v.assumed for v in self.drives):
+            d["drives"] = [{"name": v.name, "read_gbps": v.read_gbps, "write_gbps": v.write_gbps} for v in self.drives
+                           if not v.assumed]
         d.update(self.extra)
         return d
 

@@ -258,14 +258,19 @@ class PipelineConfig:
         "off", "auto: when the run's first steps show a lane of its plan off by more than 20%%, plan again with the "
                "measured rates and switch plans at a step boundary if the new plan is predicted to save more than "
                "the switch costs (pipeline backend; the training state carries over)", choices=("auto", "off"))
-    offload_dir: str | None = setting(
-        None, "keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, between "
-              "updates, read back ahead of each stage's update and written after it, overlapped (ZeRO-Infinity's "
-              "disk tier): for a host with less memory than the run needs; DIR must be empty or absent, and the files "
-              "go when the run ends (pipeline backend)", metavar="DIR", plans=True)
+    offload_dir: tuple[str, ...] = setting(
+        (), "keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, between "
+            "updates, read back ahead of each stage's update and written after it, overlapped (ZeRO-Infinity's disk "
+            "tier): for a host with less memory than the run needs; several directories, one on each drive, stripe "
+            "the files over the drives; each must be empty or absent, and the files go when the run ends (pipeline "
+            "backend)", metavar="DIR[,DIR...]", plans=True)
 
     def __post_init__(self):
         _positive(self, ("stages", "data_parallel"))
+        if isinstance(self.offload_dir, str):  # one directory, or several as the command line spells them
+            object.__setattr__(self, "offload_dir", comma_names(self.offload_dir))
+        if len({str(Path(d).absolute()) for d in self.offload_dir}) < len(self.offload_dir):
+            raise InputError(f"--offload-dir {','.join(self.offload_dir)!r}: give each directory once")
         if self.replan not in ("auto", "off"):
             raise InputError(f"--replan must be auto or off, got {self.replan!r}")
 

@@ -55,7 +55,8 @@ from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, finish_early, measure_handoff,
                                      measure_runtime_costs, started_early)
-from topology import Drive, Topology, TopologyError, assumed_network, load_topology, network_of
+from topology import (ASSUMED_DRIVE_GBPS, Drive, Topology, TopologyError, assumed_network, load_topology,
+                      network_of)
 
 GB = 10**9
 
@@ -267,6 +268,15 @@ def resolve_topology(cfg: RunConfig) -> Topology:
         topo.host_memory_gb = cfg.host_mem_gb
     if cfg.drive_gbps:
         topo.drives = [Drive(f"drive{k}", float(g), float(g)) for k, g in enumerate(cfg.drive_gbps)]
+    directories = cfg.pipeline.offload_dir
+    if directories and not topo.drives:  # each directory on a drive of the assumed rate
+        topo.drives = [Drive(f"assumed{k}", ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS, assumed=True)
+                       for k in range(len(directories))]
+    if directories and len(topo.drives) != len(directories):
+        raise InputError(f"--offload-dir names {len(directories)} "
+                         f"{'directory' if len(directories) == 1 else 'directories'}, but the plan is given "
+                         f"{len(topo.drives)} drives (the topology's drives or --drive-gbps): name one directory on "
+                         "each drive the disk tier uses, in the same order, or state the drives of those directories")
     if cfg.network is not None:
         try:
             topo.network = network_of(cfg.network)

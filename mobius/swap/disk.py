@@ -2,8 +2,10 @@
 (``--offload-dir``), as ZeRO-Infinity keeps optimizer state, so that a host with less memory than
 full fine-tuning asks for (16 bytes a parameter) trains with 8 bytes a parameter fewer.
 
-Each stage's moments are one file, ``[exp_avg | exp_avg_sq]`` in fp32, written and read whole
-(one large sequential request each).  Between updates the optimizer holds only AdamW's step count:
+Each stage's moments, ``[exp_avg | exp_avg_sq]`` in fp32, are striped over the directories of
+``--offload-dir`` (one per drive): one contiguous part of equal size in a file in each, written and
+read whole (one large sequential request each), the parts of one transfer on as many threads, so
+that every drive reads and writes at once.  Between updates the optimizer holds only AdamW's step count:
 :meth:`DiskMoments.page_in` binds the moments to a buffer of a small pool just before the stage's
 update, :meth:`DiskMoments.page_out` writes them back and returns the buffer.  The read of a
 stage's moments starts as soon as its gradients leave the device (:meth:`read_ahead`), on a reader
@@ -25,7 +27,7 @@ import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,18 +42,29 @@ DRIVE_SHARE_REQUIRED = 0.5
 DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fraction of a second on NVMe
 
 
+def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
+    """(first element, count) of each drive's part of a stage's ``elements`` moments: contiguous,
+    in drive order, sizes differing by at most one element."""
+    base, extra = divmod(elements, drives)
+    starts = [k * base + min(k, extra) for k in range(drives + 1)]
+    return [(starts[k], starts[k + 1] - starts[k]) for k in range(drives)]
+
+
 class DiskMoments:
-    def __init__(self, directory: str | os.PathLike, rank: int, optimizers: dict[int, torch.optim.Optimizer],
+    def __init__(self, directories: Sequence[str | os.PathLike], rank: int,
+                 optimizers: dict[int, torch.optim.Optimizer],
                  through: Callable[[int, bool, Callable[[], None]], None] | None = None):
-        """``optimizers``: each stage's AdamW (the stages whose moments go to disk); ``through``:
-        how a read or write of ``n`` bytes is done (the device layer's ``disk_transfer``, which
-        ``--emulate`` times at the emulated drives' rate), else at once."""
-        self.directory = Path(directory)
+        """``directories``: one on each drive the moments are striped over; ``optimizers``: each
+        stage's AdamW (the stages whose moments go to disk); ``through``: how a read or write of
+        ``n`` bytes is done (the device layer's ``disk_transfer``, which ``--emulate`` times at the
+        emulated drives' rate), else at once."""
+        self.directories = [Path(d) for d in directories]
         self.through = through or (lambda nbytes, write, io: io())
         self.optimizers = optimizers
         self.params = {s: [p for g in opt.param_groups for p in g["params"]] for s, opt in optimizers.items()}
         self.numel = {s: sum(p.numel() for p in ps) for s, ps in self.params.items()}
-        self.paths = {s: self.directory / f"rank{rank:03d}-stage{s:04d}.adam" for s in optimizers}
+        self.stripes = {s: stripes(2 * n, len(self.directories)) for s, n in self.numel.items()}
+        self.paths = {s: [d / f"rank{rank:03d}-stage{s:04d}.adam" for d in self.directories] for s in optimizers}
         self.written = {s: False for s in optimizers}  # AdamW has made the moments (first update done)
         largest = max(self.numel.values(), default=0)
         self.pool: queue.Queue[torch.Tensor] = queue.Queue()
@@ -59,17 +72,24 @@ class DiskMoments:
             self.pool.put(torch.empty(2 * largest, dtype=torch.float32))
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-write")
+        # The parts of one read (or write) move on threads of their own, one per drive.
+        drives = len(self.directories)
+        self._parts = {call: ThreadPoolExecutor(drives, thread_name_prefix=f"mobius-disk-{what}")
+                       for call, what in ((os.preadv, "read-part"), (os.pwritev, "write-part"))} if drives > 1 else {}
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
         self.read_bytes = self.written_bytes = 0
-        self.fds: dict[int, int] = {}
-        try:
-            for s, path in self.paths.items():  # exclusively: never a file that was there
-                self.fds[s] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                os.ftruncate(self.fds[s], MOMENT_BYTES * self.numel[s])
-        except OSError as err:
-            self.close()
-            raise RunError(f"--offload-dir {shown(self.directory)}: cannot create its files ({err.strerror})") from None
+        self.fds: dict[int, list[int]] = {}
+        for s, paths in self.paths.items():
+            self.fds[s] = []
+            for path, (_, count) in zip(paths, self.stripes[s]):
+                try:  # exclusively: never a file that was there
+                    self.fds[s].append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+                    os.ftruncate(self.fds[s][-1], 4 * count)
+                except OSError as err:
+                    self.close()
+                    raise RunError(f"--offload-dir {shown(path.parent)}: cannot create its files "
+                                   f"({err.strerror})") from None
 
     def holds(self, s: int) -> bool:
         return s in self.optimizers
@@ -134,22 +154,31 @@ class DiskMoments:
                 offset += p.numel()
 
     def _transfer(self, call, s: int, flat: torch.Tensor) -> None:
-        """``flat`` read from or written to stage ``s``'s file whole (the calls may move less than asked)."""
+        """``flat`` read from or written to stage ``s``'s files whole, each drive's part on a thread of
+        its own (the calls may move less than asked)."""
         view = memoryview(flat.numpy()).cast("B")
 
-        def io() -> None:
-            done = 0
-            while done < len(view):
-                moved = call(self.fds[s], [view[done:]], done)
-                if moved <= 0:
-                    raise OSError(0, "the file ended early")
-                done += moved
+        def part(k: int) -> None:
+            start, count = self.stripes[s][k]
+            piece, done = view[4 * start: 4 * (start + count)], 0
+            try:
+                while done < len(piece):
+                    moved = call(self.fds[s][k], [piece[done:]], done)
+                    if moved <= 0:
+                        raise OSError(0, "the file ended early")
+                    done += moved
+            except OSError as err:
+                raise RunError(f"--offload-dir {shown(self.paths[s][k])}: "
+                               f"{'reading' if call is os.preadv else 'writing'} AdamW's state failed "
+                               f"({err.strerror})") from None
 
-        try:
-            self.through(len(view), call is os.pwritev, io)
-        except OSError as err:
-            raise RunError(f"--offload-dir {shown(self.paths[s])}: {'reading' if call is os.preadv else 'writing'} "
-                           f"AdamW's state failed ({err.strerror})") from None
+        def io() -> None:
+            if self._parts:
+                list(self._parts[call].map(part, range(len(self.directories))))
+            else:
+                part(0)
+
+        self.through(len(view), call is os.pwritev, io)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def loaded(self, s: int) -> None:
@@ -183,9 +212,12 @@ class DiskMoments:
         """Every write finished; the files removed (they are the run's, and only the run's)."""
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        for s, fd in self.fds.items():
-            os.close(fd)
-            self.paths[s].unlink(missing_ok=True)
+        for pool in self._parts.values():
+            pool.shutdown(wait=True)
+        for s, fds in self.fds.items():
+            for fd, path in zip(fds, self.paths[s]):
+                os.close(fd)
+                path.unlink(missing_ok=True)
         self.fds = {}
 
 
@@ -220,27 +252,36 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
 
 
 def check_offload_dir(cfg, model_config, topo) -> None:
-    """``--offload-dir`` before training.  Its file system must hold the moments of every trained
-    parameter (the most the tier writes there).  Where the plan is given drive rates (the
-    topology's drives, ``--drive-gbps``), the drive is timed (:func:`measure_drive`) and one that
-    reads or writes at less than half of them is refused: the plan would be wrong.  Under
+    """``--offload-dir`` before training: one directory on each drive the moments are striped over
+    (no two on one file system), each one's file system holding its part of the moments of every
+    trained parameter (the most the tier writes there).  Where the plan is given a drive's rates
+    (the topology's drives, ``--drive-gbps``; :func:`mobius.planning.prepare.resolve_topology`
+    pairs them with the directories in order), the drive is timed (:func:`measure_drive`) and one
+    that reads or writes at less than half of them is refused: the plan would be wrong.  Under
     ``--emulate`` the stated rates are what the run is charged: nothing to time."""
-    directory = cfg.pipeline.offload_dir
-    if not directory:
+    directories = cfg.pipeline.offload_dir
+    if not directories:
         return
+    devices = [os.stat(d).st_dev for d in directories]
+    if len(set(devices)) < len(devices):
+        raise InputError(f"--offload-dir {','.join(map(shown, directories))}: two of these directories are on one "
+                         "file system; name one directory on each drive (they are read and written at once)")
     need = MOMENT_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
-                              if p.requires_grad)
-    fs = os.statvfs(directory)
-    free = fs.f_bavail * fs.f_frsize
-    if need > free:
-        raise InputError(f"--offload-dir {shown(directory)}: AdamW's moments take up to {need / 1e9:.2f} GB there, "
-                         f"but its file system has {free / 1e9:.2f} GB free")
-    if topo is None or not topo.drives or cfg.emulation.enabled:
+                              if p.requires_grad) / len(directories)
+    for directory in directories:
+        fs = os.statvfs(directory)
+        free = fs.f_bavail * fs.f_frsize
+        if need > free:
+            raise InputError(f"--offload-dir {shown(directory)}: AdamW's moments take up to {need / 1e9:.2f} GB "
+                             f"there, but its file system has {free / 1e9:.2f} GB free")
+    if topo is None or cfg.emulation.enabled:
         return
-    stated = topo.drive_gbps()
-    read, write = measure_drive(directory, DRIVE_TIMING_BYTES)
-    if read < DRIVE_SHARE_REQUIRED * stated[0] or write < DRIVE_SHARE_REQUIRED * stated[1]:
-        raise InputError(f"--offload-dir {shown(directory)}: its drive reads {read:.2f} GB/s and writes "
-                         f"{write:.2f} GB/s here, but the plan was given {stated[0]:g} and {stated[1]:g} GB/s (the "
-                         "topology's drives or --drive-gbps): state what it does (python -m mobius.rates --drive "
-                         "DIR --write FILE) or use a faster drive")
+    for directory, drive in zip(directories, topo.drives):
+        if drive.assumed:
+            continue
+        read, write = measure_drive(directory, DRIVE_TIMING_BYTES)
+        if read < DRIVE_SHARE_REQUIRED * drive.read_gbps or write < DRIVE_SHARE_REQUIRED * drive.write_gbps:
+            raise InputError(f"--offload-dir {shown(directory)}: its drive reads {read:.2f} GB/s and writes "
+                             f"{write:.2f} GB/s here, but the plan was given {drive.read_gbps:g} and "
+                             f"{drive.write_gbps:g} GB/s (the topology's drives or --drive-gbps): state what it does "
+                             "(python -m mobius.rates --drive DIR --write FILE) or use a faster drive")
