@@ -11,6 +11,7 @@ from conftest import TINY, one_line_exit_2, reference
 from mobius.backends.pipeline import launch_pipeline
 from mobius.boundary.errors import InputError, RunError
 from mobius.config import RunConfig, parse_train_args
+from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.optim import UpdateRule, make_adamw
@@ -37,7 +38,8 @@ def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path, driv
     directories = [tmp_path / f"nvme{k}" for k in range(drives)]
     for d in directories:
         d.mkdir()
-    disk = DiskMoments(directories, 0, opt_ours)
+    trace = Trace(enabled=True)
+    disk = DiskMoments(directories, 0, opt_ours, trace=trace)
     try:
         g = torch.Generator().manual_seed(1)
         for step in range(5):
@@ -67,6 +69,9 @@ def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path, driv
             assert all(torch.all(opt_ours[s].state[p]["exp_avg"] == 7.0) for p in ours[s])
             disk.forget(s)
         assert disk.read_bytes > 0 and disk.written_bytes > 0
+        lanes = {lane: sum(e["args"]["bytes"] for e in trace.events if e["tid"] == lane)
+                 for lane in ("disk read", "disk write")}  # every transfer a span on the trace's disk lanes
+        assert lanes == {"disk read": disk.read_bytes, "disk write": disk.written_bytes}
         for d in directories:  # each drive holds its part of every stage's moments
             assert sorted(p.name for p in d.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(3)]
             assert sum(p.stat().st_size for p in d.iterdir()) * drives == pytest.approx(

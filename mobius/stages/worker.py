@@ -199,7 +199,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
         rank_here = dist.get_rank() if dist.is_initialized() else rank
         paged = {s: host.optimizer for s, host in store.stages.items()
                  if host.optimizer is not None and s in plan.disk_stages}
-        disk = DiskMoments(cfg.pipeline.offload_dir, rank_here, paged, through=device.disk_transfer)
+        disk = DiskMoments(cfg.pipeline.offload_dir, rank_here, paged, through=device.disk_transfer, trace=trace)
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
                          scaler, transport, replicas, disk)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)

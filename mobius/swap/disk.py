@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from mobius.boundary.errors import InputError, RunError, shown
+from mobius.metrics import Trace
 from mobius.models import build_model
 
 POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
@@ -53,11 +54,13 @@ def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
 class DiskMoments:
     def __init__(self, directories: Sequence[str | os.PathLike], rank: int,
                  optimizers: dict[int, torch.optim.Optimizer],
-                 through: Callable[[int, bool, Callable[[], None]], None] | None = None):
+                 through: Callable[[int, bool, Callable[[], None]], None] | None = None, trace: Trace | None = None):
         """``directories``: one on each drive the moments are striped over; ``optimizers``: each
         stage's AdamW (the stages whose moments go to disk); ``through``: how a read or write of
         ``n`` bytes is done (the device layer's ``disk_transfer``, which ``--emulate`` times at the
-        emulated drives' rate), else at once."""
+        emulated drives' rate), else at once; ``trace``: where each read and write is a span, on
+        the lanes ``disk read`` and ``disk write``."""
+        self.trace = trace or Trace(enabled=False)
         self.directories = [Path(d) for d in directories]
         self.through = through or (lambda nbytes, write, io: io())
         self.optimizers = optimizers
@@ -106,7 +109,9 @@ class DiskMoments:
         buffer = self.pool.get()  # waits for the writer to hand one back
         if self.written[s]:
             flat = buffer[:2 * self.numel[s]]
+            t0 = time.perf_counter()
             self._transfer(os.preadv, s, flat)
+            self.trace.span(f"moments {s} from disk", "disk read", t0, time.perf_counter(), bytes=flat.numel() * 4)
             self.read_bytes += flat.numel() * 4
         return buffer
 
@@ -141,7 +146,9 @@ class DiskMoments:
 
     def _write(self, s: int, flat: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
+            t0 = time.perf_counter()
             self._transfer(os.pwritev, s, flat)
+            self.trace.span(f"moments {s} to disk", "disk write", t0, time.perf_counter(), bytes=flat.numel() * 4)
             self.written_bytes += flat.numel() * 4
         finally:
             self.pool.put(buffer)
