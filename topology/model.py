@@ -217,6 +217,7 @@ NUMBER = (int, float)
 
 
 def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
+    """A topology from its file's dict, every key checked (``source`` names the file in messages)."""
     name = _get(d, "name", str, "", source)
     host = _get(d, "host", dict, "", source)
     host_mem = _get(host, "memory_gb", NUMBER, "host", source)
@@ -225,6 +226,18 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
     host_bw = _get(host, "memory_bandwidth_gbps", NUMBER, "host", source, default=None)
     if host_bw is not None and host_bw <= 0:
         raise TopologyError(f"{source}: key host.memory_bandwidth_gbps must be positive, got {host_bw!r}")
+    rcs = _root_complexes(d, source)
+    gpus = _gpus(d, source, {r.id for r in rcs})
+    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual", "network", "drives")
+    return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
+                    nvlink=_nvlink(d, source, len(gpus)), p2p=_get(d, "p2p", bool, "", source, default=False),
+                    virtual=_get(d, "virtual", bool, "", source, default=False),
+                    extra={k: v for k, v in d.items() if k not in top_known},
+                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw),
+                    network=_network(d, source), drives=_drives(d, source))
+
+
+def _root_complexes(d: dict, source: str) -> list[RootComplex]:
     rcs = []
     for i, r in enumerate(_get(d, "root_complexes", list, "", source)):
         where = f"root_complexes[{i}]"
@@ -236,9 +249,12 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
     for i, r in enumerate(rcs):
         if r.host_bandwidth_gbps <= 0:
             raise TopologyError(f"{source}: key root_complexes[{i}].host_bandwidth_gbps must be positive")
-    rc_ids = {r.id for r in rcs}
-    if len(rc_ids) != len(rcs):
+    if len({r.id for r in rcs}) != len(rcs):
         raise TopologyError(f"{source}: root_complexes: duplicate id")
+    return rcs
+
+
+def _gpus(d: dict, source: str, rc_ids: set[int]) -> list[GPU]:
     gpus = []
     known = ("index", "name", "memory_gb", "tflops", "root_complex", "link_bandwidth_gbps")
     for i, g in enumerate(_get(d, "gpus", list, "", source)):
@@ -261,28 +277,36 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
         raise TopologyError(f"{source}: key gpus is empty")
     if sorted(g.index for g in gpus) != list(range(len(gpus))):
         raise TopologyError(f"{source}: key gpus[].index must number the GPUs 0..{len(gpus) - 1}")
-    gpus.sort(key=lambda g: g.index)
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def _nvlink(d: dict, source: str, n_gpus: int) -> list[tuple[int, int]] | str:
     nvlink_raw = _get(d, "nvlink", (list, str), "", source, default=[])
     if isinstance(nvlink_raw, str):
         if nvlink_raw != "all":
             raise TopologyError(f"{source}: key nvlink must be a list of index pairs or \"all\", got {nvlink_raw!r}")
-        nvlink: list | str = "all"
-    else:
-        nvlink = []
-        for p in nvlink_raw:
-            if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and 0 <= x < len(gpus) for x in p)):
-                raise TopologyError(f"{source}: key nvlink: {p!r} is not a pair of GPU indices")
-            nvlink.append((p[0], p[1]))
-    p2p = _get(d, "p2p", bool, "", source, default=False)
-    virtual = _get(d, "virtual", bool, "", source, default=False)
-    network = None
+        return "all"
+    nvlink = []
+    for p in nvlink_raw:
+        if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and 0 <= x < n_gpus for x in p)):
+            raise TopologyError(f"{source}: key nvlink: {p!r} is not a pair of GPU indices")
+        nvlink.append((p[0], p[1]))
+    return nvlink
+
+
+def _network(d: dict, source: str) -> Network | None:
     net = _get(d, "network", dict, "", source, default=None)
-    if net is not None:
-        network = Network(_get(net, "name", str, "network", source, default="network"),
-                          float(_get(net, "bandwidth_gbps", NUMBER, "network", source)),
-                          float(_get(net, "latency_us", NUMBER, "network", source, default=10.0)))
-        if network.bandwidth_gbps <= 0 or network.latency_us < 0:
-            raise TopologyError(f"{source}: key network: bandwidth_gbps must be positive and latency_us not negative")
+    if net is None:
+        return None
+    network = Network(_get(net, "name", str, "network", source, default="network"),
+                      float(_get(net, "bandwidth_gbps", NUMBER, "network", source)),
+                      float(_get(net, "latency_us", NUMBER, "network", source, default=10.0)))
+    if network.bandwidth_gbps <= 0 or network.latency_us < 0:
+        raise TopologyError(f"{source}: key network: bandwidth_gbps must be positive and latency_us not negative")
+    return network
+
+
+def _drives(d: dict, source: str) -> list[Drive]:
     drives = []
     for k, raw in enumerate(_get(d, "drives", list, "", source, default=[])):
         if not isinstance(raw, dict):
@@ -293,12 +317,7 @@ def topology_from_dict(d: dict, source: str = "<topology>") -> Topology:
         if not (0 < drive.read_gbps < 1e4 and 0 < drive.write_gbps < 1e4):
             raise TopologyError(f"{source}: key drives[{k}]: read_gbps and write_gbps must be positive GB/s")
         drives.append(drive)
-    top_known = ("name", "host", "root_complexes", "gpus", "nvlink", "p2p", "virtual", "network", "drives")
-    return Topology(name=name, host_memory_gb=float(host_mem), root_complexes=rcs, gpus=gpus,
-                    nvlink=nvlink, p2p=p2p, virtual=virtual,
-                    extra={k: v for k, v in d.items() if k not in top_known},
-                    host_memory_bandwidth_gbps=None if host_bw is None else float(host_bw), network=network,
-                    drives=drives)
+    return drives
 
 
 def load_topology_file(path: str | os.PathLike) -> Topology:
