@@ -134,3 +134,8 @@ def test_bench_offload():
     row = read("offload.json")
     assert all(row["median"][k] > 0 for k in ("read_s", "write_s", "adam_s", "step_s"))
     assert row["step_over_read_plus_write"] > 0
+    run_script("bench_offload", ["--smoke", "--compare-io", "--json", "io.json"])
+    rows = read("io.json")["median"]
+    kinds = [(io, k) for io in ("buffered", "O_DIRECT") for k in (1, 4, 8)]
+    assert [(r["io"], r["in_flight"]) for r in rows] in (kinds, kinds[:3])  # O_DIRECT where the file system has it
+    assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in rows)
