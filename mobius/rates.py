@@ -28,6 +28,7 @@ if __name__ == "__main__":
 # ruff: noqa: E402
 import math
 import multiprocessing
+import os
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -52,6 +53,7 @@ from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_p
 from mobius.runtime.plan_check import HOST_RATES
 from mobius.swap.disk import measure_drive
 from topology import Drive, Topology, TopologyError, load_topology
+from topology.probe import drive_name
 
 RATES = Cache("rates", "measured rates")
 RATES_VERSION = 1  # part of every entry's key: rates measured by older code are measured again
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     for directory in args.drive:
         if not Path(directory).is_dir():
             raise InputError(f"--drive {shown(directory)} is not a directory")
+    if len({os.stat(d).st_dev for d in args.drive}) < len(args.drive):
+        raise InputError("two --drive directories are on one file system: give one directory on each drive")
     try:
         topo = load_topology(args.topology, cpu_workers=args.cpu_workers)
     except TopologyError as err:
@@ -255,9 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     drives = []
     for k, directory in enumerate(args.drive):
         read, write = measure_drive(directory, int(args.drive_gb * 1e9))
-        drives.append(Drive(f"drive{k}", round(read, 3), round(write, 3)))
-        print(f"drive {k} under {shown(directory)}: read {read:.2f} GB/s, write {write:.2f} GB/s (sequential, "
-              f"{args.drive_gb:g} GB, past the page cache)")
+        name = drive_name(os.stat(directory).st_dev) or f"drive{k}"
+        drives.append(Drive(name, round(read, 3), round(write, 3)))
+        print(f"drive {k}, {name}, under {shown(directory)}: read {read:.2f} GB/s, write {write:.2f} GB/s "
+              f"(sequential, {args.drive_gb:g} GB, past the page cache)")
     if args.write:
         measured = measured_topology(topo, rates, args.micro_batch_size, args.seq_len)
         measured.drives = drives or measured.drives

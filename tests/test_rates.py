@@ -37,7 +37,8 @@ def test_the_rates_are_measured_once_printed_kept_for_the_next_plan_and_written(
         written = load_topology_file(tmp_path / "box.json")
         assert written.host_memory_bandwidth_gbps == pytest.approx(two * 28 * 2 / 1e9, rel=1e-3)
         (drive,) = written.drives  # timed through a file of its own, gone again
-        assert drive.read_gbps > 0 and drive.write_gbps > 0 and f"drive 0 under {tmp_path / 'nvme'}: read" in out
+        assert drive.read_gbps > 0 and drive.write_gbps > 0 and f"under {tmp_path / 'nvme'}: read" in out
+        assert f"drive 0, {drive.name}, under" in out  # named as sysfs names it (this VM: vda on pci0000:00)
         assert list((tmp_path / "nvme").iterdir()) == []
 
         capsys.readouterr()
@@ -87,7 +88,8 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
     for args, said in ((["--workers", "0"], "--workers counts must be between 1 and 256"),
                        (["--workers", "a,b"], "--workers must be comma-separated counts"),
                        (["--model", "tiny", "--seq-len", "100000"], "exceeds tiny's context"),
-                       (["--drive", "/nonexistent/nvme"], "--drive /nonexistent/nvme is not a directory")):
+                       (["--drive", "/nonexistent/nvme"], "--drive /nonexistent/nvme is not a directory"),
+                       (["--drive", "/", "--drive", "/"], "two --drive directories are on one file system")):
         with pytest.raises(SystemExit) as exit_:
             main(args + ["--topology", "cpu"])
         assert exit_.value.code == 2

@@ -121,3 +121,24 @@ def test_python_m_topology_on_this_machine_prints_cpu_and_pipeline():
     r = subprocess.run([sys.executable, "-m", "topology"], capture_output=True, text=True)
     assert r.returncode == 0
     assert "CPU workers" in r.stdout and "backend: pipeline" in r.stdout
+
+
+def test_a_drive_is_named_from_sysfs_with_its_model_and_host_bridge(tmp_path):
+    """The block device under a directory: a partition's disk, its model, the host bridge it sits
+    under; a device sysfs does not know (an overlay file system) has no name."""
+    import os
+
+    from topology.probe import drive_name
+
+    disk = tmp_path / "devices" / "pci0000:40" / "0000:40:01.1" / "0000:41:00.0" / "nvme" / "nvme0" / "nvme0n1"
+    (disk / "nvme0n1p2").mkdir(parents=True)
+    (disk / "nvme0n1p2" / "partition").write_text("2\n")
+    (disk / "device").mkdir()
+    (disk / "device" / "model").write_text("Samsung SSD 990 PRO 2TB          \n")
+    (tmp_path / "dev" / "block").mkdir(parents=True)
+    (tmp_path / "dev" / "block" / "259:2").symlink_to(disk / "nvme0n1p2")
+    (tmp_path / "dev" / "block" / "259:0").symlink_to(disk)
+    expected = "nvme0n1 (Samsung SSD 990 PRO 2TB) on pci0000:40"
+    assert drive_name(os.makedev(259, 2), str(tmp_path)) == expected
+    assert drive_name(os.makedev(259, 0), str(tmp_path)) == expected
+    assert drive_name(os.makedev(0, 77), str(tmp_path)) is None

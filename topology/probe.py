@@ -8,6 +8,9 @@
   NVML's; the launcher sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees.
 * ``NVML_P2P_CAPS_INDEX_READ`` is a one-element tuple in nvidia-ml-py; the index passed is 0.
 * No driver (``NVMLError_LibraryNotFound``) or no GPU: a CPU topology of virtual workers.
+* A drive of the disk tier (:func:`drive_name`): the block device under a directory, from
+  ``/sys/dev/block/MAJOR:MINOR`` (a partition's disk is its parent), its model, and the host bridge
+  it resolves under, as for a GPU.  Its rates are measured, not read (``mobius.rates --drive``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,23 @@ def root_complex_from_sysfs(bdf: str, sysfs_root: str = "/sys") -> str | None:
         return None
     match = re.search(r"/devices/(pci[0-9a-f]{4}:[0-9a-f]{2})/", resolved + "/")
     return match.group(1) if match and os.path.exists(resolved) else None
+
+
+def drive_name(device: int, sysfs_root: str = "/sys") -> str | None:
+    """The drive of the file system whose device number is ``device`` (``os.stat(dir).st_dev``) as
+    people name it: ``nvme0n1 (Samsung SSD 990 PRO 2TB) on pci0000:40``; None where sysfs cannot
+    tell (no such entry: a network or overlay file system)."""
+    link = Path(sysfs_root) / "dev" / "block" / f"{os.major(device)}:{os.minor(device)}"
+    resolved = Path(os.path.realpath(link))
+    if not resolved.is_dir():
+        return None
+    disk = resolved.parent if (resolved / "partition").exists() else resolved
+    try:
+        model = (disk / "device" / "model").read_text().strip()
+    except OSError:
+        model = ""
+    bridge = re.search(r"/devices/(pci[0-9a-f]{4}:[0-9a-f]{2})/", str(disk) + "/")
+    return disk.name + (f" ({model})" if model else "") + (f" on {bridge.group(1)}" if bridge else "")
 
 
 def tflops_for(name: str) -> float:
