@@ -51,9 +51,9 @@ def start_worker_server() -> None:
     will be forked from; it imports :data:`WORKER_MODULES` while the caller goes on.  Nothing it
     forks starts before those imports end, so they never share the cores with a calibration's
     steps; a run whose profile is measured without a calibration starts it after the profile
-    (:func:`mobius.planning.pipeline.run_plan`'s ``profiled``).  Idempotent.  The environment every worker
-    needs is set first, torchrun's variables left out: the server's environment is the one its
-    workers start with."""
+    (:func:`mobius.planning.pipeline.run_plan`'s ``profiled``).  Idempotent.  The environment
+    every worker needs is set first, torchrun's variables left out: the server's environment is the
+    one its workers start with."""
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA numbers GPUs as NVML and the topology do
     # Stages of many sizes come and go on each GPU: with fixed segments the caching allocator held
     # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).

@@ -12,8 +12,8 @@ import tempfile  # noqa: E402
 
 # The suite's own caches, made fresh for each run and removed after it: nothing under the user's
 # home is read or written, and no measurement an earlier run left (a runtime calibration taken on
-# a busy machine, say) decides a test.  Set before anything imports mobius (mobius.boundary.cache reads it
-# once); worker processes inherit it.
+# a busy machine, say) decides a test.  Set before anything imports mobius (mobius.boundary.cache
+# reads it at each use); worker processes inherit it.
 _SCRATCH = tempfile.mkdtemp(prefix="mobius-tests-")
 _OWNER = os.getpid()  # a forked child exiting through atexit must not remove it under the suite
 atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_SCRATCH, ignore_errors=True))

@@ -41,7 +41,8 @@ class StepMetrics:
 
 class MetricsWriter:
     """Appends one JSON object per optimizer step; flushed each line so a crash loses nothing.
-    Each line is recorded as ours (:func:`mobius.boundary.ownership.record_file`) before it is written."""
+    Each line is recorded as ours (:func:`mobius.boundary.ownership.record_file`) before it is
+    written."""
 
     def __init__(self, path: str | os.PathLike | None, append: bool = False):
         self.path = path

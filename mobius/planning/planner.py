@@ -1,7 +1,7 @@
 """Profile -> partition -> cross map: the :class:`Plan` a run executes (and ``mobius.plan`` prints).
 
-The planner takes its profile as data (:func:`mobius.planning.prepare.get_profile` measures or computes it)
-and runs nothing.  Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile,
+The planner takes its profile as data (:func:`mobius.planning.prepare.get_profile` measures or
+computes it) and runs nothing.  Plans are cached under ``~/.cache/mobius/plans`` by a hash of (profile,
 topology, batch settings, partitioner), so the same command on the same machine plans the same.
 """
 

@@ -36,8 +36,8 @@ class Replanner:
     def __call__(self, spec: RunSpec, measured_step_s: float, steps_left: int,
                  switch_s: float) -> tuple[RunSpec | None, str]:
         new, plan = prepare_pipeline(self.cfg, self.topo, self.model_config)
-        # The emulated box and its clock stay as they are: the dilation holds for every plan of
-        # the model (mobius.planning.pipeline.emulation_for), and the links' shared counters are the run's.
+        # The emulated box and its clock stay as they are: the dilation holds for every plan of the
+        # model (mobius.planning.pipeline.emulation_for), and the links' shared counters are the run's.
         new = replace(new, emulation=spec.emulation)
         if plan.same_choices(spec.plan):
             return None, (f"replan: the plan made with the measured rates is the one running "

@@ -130,8 +130,8 @@ def _off(measured: float, predicted: float) -> bool:
 @dataclass
 class PlanSwitch:
     """``--replan auto``: once :class:`PlanCheck` found a lane off, ``decide(measured step, steps
-    left)`` (rank 0's; :mod:`mobius.planning.replan`) plans again with the rates the run measured and says
-    whether switching pays: (the new plan or None, the line that says why).  The training loop asks
+    left)`` (rank 0's; :mod:`mobius.planning.replan`) plans again with the rates the run measured
+    and says whether switching pays: (the new plan or None, the line that says why).  The training loop asks
     :meth:`ask` after each step on rank 0 and, when every worker has agreed, sets ``at``: the
     step boundary where the run goes on with ``spec`` (broadcast by rank 0).  One switch a run at
     most: a second plan check on the new plan does not re-plan again, so plans cannot oscillate."""

@@ -1,9 +1,10 @@
 """What a run executes, as data: the :class:`Plan` of a pipeline run, the :class:`ChunkedSetup` of a
 chunked one, and the :class:`RunSpec` every worker receives, which holds one of them (and, under
 ``--emulate``, the :class:`~mobius.runtime.emulation.EmulationSpec`).  Decided by
-:mod:`mobius.planning.prepare` (and :mod:`mobius.planning.planner`) or :mod:`chunked_dp.prepare` before any worker
-starts; plain data here, so workers need neither the solver nor the profiler to read it, and
-serialised once, at the process boundary (:meth:`RunSpec.to_dict`)."""
+:mod:`mobius.planning.prepare` (and :mod:`mobius.planning.pipeline`, :mod:`mobius.planning.planner`)
+or :mod:`chunked_dp.prepare` before any worker starts; plain data here, so workers need neither the
+solver nor the profiler to read it, and serialised once, at the process boundary
+(:meth:`RunSpec.to_dict`)."""
 
 from __future__ import annotations
 
