@@ -51,7 +51,7 @@ from mobius.partition.profile import (
 from mobius.planning.prepare import measured_on, this_host_key
 from mobius.runtime.device import cpu_threads_per_worker, cuda_available, time_per_call
 from mobius.runtime.plan_check import HOST_RATES
-from mobius.swap.disk import measure_drive
+from mobius.swap.disk import measure_drive, shares_a_file_system
 from topology import Drive, Topology, TopologyError, load_topology
 from topology.probe import drive_name
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     for directory in args.drive:
         if not Path(directory).is_dir():
             raise InputError(f"--drive {shown(directory)} is not a directory")
-    if len({os.stat(d).st_dev for d in args.drive}) < len(args.drive):
+    if shares_a_file_system(args.drive):
         raise InputError("two --drive directories are on one file system: give one directory on each drive")
     try:
         topo = load_topology(args.topology, cpu_workers=args.cpu_workers)

@@ -82,9 +82,8 @@ class Topology:
     drives: list[Drive] = field(default_factory=list)  # for the disk tier; none stated: none planned
 
     def drive_gbps(self) -> tuple[float, float]:
-        """(read, write) GB/s of the drives together, or of one assumed drive where none is stated."""
-        if not self.drives:
-            return ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS
+        """(read, write) GB/s of the drives together (a run's: stated, or assumed under each
+        ``--offload-dir`` directory by :func:`mobius.planning.prepare.resolve_topology`)."""
         return sum(d.read_gbps for d in self.drives), sum(d.write_gbps for d in self.drives)
 
     # ---- queries -------------------------------------------------------------------------

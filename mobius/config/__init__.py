@@ -385,8 +385,9 @@ class RunConfig:
         None, "with --offload-dir: the host memory the run may use; the plan puts the AdamW moments of as many stages "
               "on disk as it takes to fit (default: every stage's)", plans=True)
     drive_gbps: tuple[str, ...] = setting(
-        (), "with --offload-dir: the drives the disk tier uses, each one's sequential GB/s (default: the topology's "
-            "drives, else one of 3.5 GB/s assumed)", metavar="GBPS[,GBPS...]", plans=True)
+        (), "with --offload-dir: the drives the disk tier uses, each one's sequential GB/s, one per directory in "
+            "order (default: the topology's drives, else a 3.5 GB/s drive assumed under each directory)",
+        metavar="GBPS[,GBPS...]", plans=True)
     data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()
     optim: OptimConfig = OptimConfig()

@@ -258,6 +258,11 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
     return nbytes / read_s / 1e9, nbytes / write_s / 1e9
 
 
+def shares_a_file_system(directories) -> bool:
+    """Whether two of ``directories`` are on one file system (then on one drive, not one each)."""
+    return len({os.stat(d).st_dev for d in directories}) < len(directories)
+
+
 def check_offload_dir(cfg, model_config, topo) -> None:
     """``--offload-dir`` before training: one directory on each drive the moments are striped over
     (no two on one file system), each one's file system holding its part of the moments of every
@@ -269,8 +274,7 @@ def check_offload_dir(cfg, model_config, topo) -> None:
     directories = cfg.pipeline.offload_dir
     if not directories:
         return
-    devices = [os.stat(d).st_dev for d in directories]
-    if len(set(devices)) < len(devices):
+    if shares_a_file_system(directories):
         raise InputError(f"--offload-dir {','.join(map(shown, directories))}: two of these directories are on one "
                          "file system; name one directory on each drive (they are read and written at once)")
     need = MOMENT_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
