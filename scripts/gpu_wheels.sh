@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 version="${1:-3.12}"
 mkdir -p wheels
 python -m pip download -q --no-deps -d wheels --python-version "$version" --platform manylinux2014_x86_64 \
-    --only-binary=:all: hjson ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection \
+    --only-binary=:all: setuptools wheel hjson ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection \
     typing-extensions msgpack psutil einops nvidia-ml-py \
     "pulp>=4,<5" "highspy>=1.7,<2" numpy tqdm "safetensors<1" "pyyaml<7" pytest iniconfig pluggy packaging
 python -m pip download -q --no-deps --no-binary :all: -d wheels deepspeed
