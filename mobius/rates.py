@@ -78,16 +78,24 @@ def host_adam_rates(workers: int, numel: int = ADAM_TIMING_NUMEL, repeats: int =
                                  [repeats] * workers))
 
 
+def _warm_time(fn, device: torch.device) -> float:
+    """Seconds per call after one untimed call: the first call of a kernel pays for the library's
+    set-up (a cuBLAS handle and its heuristics, the attention backend's choice), which once counted
+    made an H100's GEMM read 6 TFLOPS."""
+    fn()
+    return time_per_call(fn, device, REPEATS)
+
+
 def device_rates(config, micro_batch: int, seq_len: int, precision: str, device: torch.device) -> dict:
     """TFLOPS of a GEMM, causal attention and one block (forward and backward) at the profile's
     shapes on ``device``, and its AdamW rate."""
     dtype, tokens, h = DTYPES[precision], micro_batch * seq_len, config.hidden
     a = torch.randn(tokens, h, device=device, dtype=dtype)
     w = torch.randn(h, 4 * h, device=device, dtype=dtype)
-    gemm_s = time_per_call(lambda: a @ w, device, REPEATS)
+    gemm_s = _warm_time(lambda: a @ w, device)
     heads = config.heads
     q = torch.randn(micro_batch, heads, seq_len, h // heads, device=device, dtype=dtype)
-    attention_s = time_per_call(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device, REPEATS)
+    attention_s = _warm_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device)
     block = 1  # the first transformer block: every block of these models costs the same
     fwd_s, fwd_bwd_s = time_layer(config, block, micro_batch, seq_len, dtype, device, REPEATS, 1)
     flops = build_layer(config, block, seed=0, device="meta").forward_flops(micro_batch, seq_len)

@@ -282,6 +282,13 @@ def run_deepspeed(args, cuda: bool, out_dir: str) -> dict:
     with single_rank_group():
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(config, seed=0)
+        # An initialisation inside zero.Init writes to partitioned placeholders: the model must be
+        # given the weights every other row starts from, one gathered parameter at a time.
+        reference = build_model(config, seed=0)
+        for p, weights in zip(model.parameters(), reference.parameters()):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                p.data.copy_(weights.data)
+        del reference
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
         batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
         times, losses = [], []
@@ -518,6 +525,8 @@ def bench(args, cuda: bool, out_dir: str, wanted: list[str], pinned: float) -> d
         try:
             r = system(args, cuda, out_dir)
         except SystemExit as e:
+            if isinstance(e.code, int) and e.code > 128:  # a signal (the caller's timeout, Ctrl-C): the bench ends too
+                raise
             r = {"system": system.__name__, "error": f"exit {e.code}"}
         except Exception as e:  # a baseline that fails is reported, not fatal
             traceback.print_exc()

@@ -12,9 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-3.12}"
 mkdir -p wheels
-python -m pip download -q --no-deps -d wheels --python-version "$version" --platform manylinux2014_x86_64 \
-    --only-binary=:all: setuptools wheel hjson ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection \
-    typing-extensions msgpack psutil einops nvidia-ml-py \
-    "pulp>=4,<5" "highspy>=1.7,<2" numpy tqdm "safetensors<1" "pyyaml<7" pytest iniconfig pluggy packaging
+# With their dependencies, resolved for the GPU machine's Python (pulp 4 needs orloge, which needs
+# cpsat-logutils: a list kept by hand missed them once).
+python -m pip download -q -d wheels --python-version "$version" --platform manylinux2014_x86_64 \
+    --only-binary=:all: setuptools wheel hjson ninja py-cpuinfo pydantic msgpack psutil einops nvidia-ml-py \
+    "pulp>=4,<5" "highspy>=1.7,<2" numpy tqdm "safetensors<1" "pyyaml<7" pytest
 python -m pip download -q --no-deps --no-binary :all: -d wheels deepspeed
 du -sh wheels
