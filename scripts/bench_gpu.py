@@ -35,12 +35,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 import torch
 
+from mobius.boundary.janitor import scratch_dir
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.models import build_model, get_config
@@ -126,12 +126,16 @@ def row(system: str, model: str, tokens: int, step_s: float, params: int, peak: 
 
 # ---- the systems --------------------------------------------------------------------------------
 
+def tokens_per_step(args) -> int:
+    return args.micro_batches * args.micro_batch_size * args.seq_len
+
+
 def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -> dict:
     from mobius.backends.pipeline import launch_pipeline
     from mobius.planning.pipeline import prepare_pipeline
     from mobius.planning.prepare import resolve_topology
 
-    trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}.json")
+    trace = os.path.join(out_dir, f"mobius_trace_{device_optimizer}_{tokens_per_step(args)}.json")
     cfg = RunConfig.of(model=args.model, backend="pipeline", topology="auto" if cuda else "cpu", cpu_workers=1,
                        steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                        seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, trace=trace,
@@ -162,7 +166,7 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     from mobius.backends.chunked import launch_chunked
     from mobius.planning.prepare import resolve_topology
 
-    trace = os.path.join(out_dir, "chunked_trace.json")
+    trace = os.path.join(out_dir, f"chunked_trace_{tokens_per_step(args)}.json")
     cfg = RunConfig.of(model=args.model, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=1,
                        steps=args.steps, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
                        seq_len=args.seq_len, gpu_mem_gb=args.gpu_mem_gb, precision=args.precision, offload="on",
@@ -456,6 +460,8 @@ def main() -> None:
     p.add_argument("--precision", default=None)
     p.add_argument("--lr", type=float, default=1e-5, help="every system's peak learning rate")
     p.add_argument("--json", default="bench_gpu.json")
+    p.add_argument("--traces", default=None, metavar="DIR",
+                   help="keep each run's trace here (named by system and tokens per step); default: not kept")
     p.add_argument("--sweep", action="store_true",
                    help="every system at each --sweep-seq and --sweep-tokens (tokens per optimizer step)")
     p.add_argument("--sweep-seq", type=int, nargs="+", default=None, help="default: 512 2048 (smoke: 32)")
@@ -492,7 +498,14 @@ def main() -> None:
         args.steps, args.micro_batch_size, args.seq_len = args.steps or 4, args.micro_batch_size or 2, args.seq_len or 512
         args.precision = args.precision or "bf16"
         args.sweep_seq, args.sweep_tokens = args.sweep_seq or [512, 2048], args.sweep_tokens or [4096, 32768, 131072]
-    out_dir = tempfile.mkdtemp(prefix="bench-gpu-")
+    with contextlib.ExitStack() as stack:
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+        out_dir = args.traces or stack.enter_context(scratch_dir("mobius-bench-gpu-"))
+        run_benchmarks(args, cuda, out_dir, wanted)
+
+
+def run_benchmarks(args, cuda: bool, out_dir: str, wanted: list[str]) -> None:
     if args.plans:
         rows = race_plans(args, cuda, out_dir)
         with open(args.json, "w") as f:
@@ -522,6 +535,7 @@ def bench(args, cuda: bool, out_dir: str, wanted: list[str], pinned: float) -> d
     """Every wanted system on one configuration; prints its table as it finishes."""
     rows = []
     for system in (SYSTEMS[name] for name in wanted):
+        t0 = time.perf_counter()
         try:
             r = system(args, cuda, out_dir)
         except SystemExit as e:
@@ -531,6 +545,7 @@ def bench(args, cuda: bool, out_dir: str, wanted: list[str], pinned: float) -> d
         except Exception as e:  # a baseline that fails is reported, not fatal
             traceback.print_exc()
             r = {"system": system.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
+        r["wall_s"] = round(time.perf_counter() - t0, 1)  # set-up included: what a GPU run's time limit must hold
         rows.append(r)
         print(f"bench: {json.dumps(r)}", flush=True)  # each row as it comes: a run cut short keeps them
         gc.collect()

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The GPU run: one call on a machine with one NVIDIA GPU, its own torch and no package index, with
 # wheels/ from scripts/gpu_wheels.sh beside this checkout.  Each part runs under its own timeout
-# and writes its log into $OUT as it goes, so a run cut short keeps what it measured:
+# and writes its log into $OUT as it goes, so a run cut short keeps what it measured.  The parts
+# the targets need come first (every system builds a 3.4B model and plans it: about a minute each):
 #
 #   install.log       the wheels (pulp 4, highspy, ...) installed without an index
-#   tests.log         tests/test_cuda.py (the runtime against the reference on the GPU) and
-#                     tests/test_partition.py on pulp 4 (the MIP through public APIs)
 #   rates.log         python -m mobius.rates: the card's copies, GEMM, attention, block and AdamW
 #                     rates and the host's AdamW (kept for the plans below; topology.json written)
-#   bench_gpu.log     scripts/bench_gpu.py --sweep at seq 512: Mobius against plain PyTorch,
-#                     DeepSpeed, FSDP2 and the chunked backend, predicted beside measured
+#   bench_32k.log     32,768 tokens a step: plain PyTorch (the 100% line), the pipeline, DeepSpeed
+#                     ZeRO-3 offload (built from source in the background meanwhile: deepspeed.log)
+#   bench_131k.log    131,072 tokens a step: plain PyTorch and the pipeline
+#   bench_4k.log      4,096 tokens a step: the pipeline
 #   plans.log         scripts/bench_gpu.py --plans at 32,768 tokens a step: the MIP's plan raced
 #                     against the alternatives, predicted beside measured
-#   deepspeed.log     DeepSpeed built from source in the background while the tests run
+#   bench_chunked.log the chunked backend at 32,768 tokens a step
+#   tests.log         tests/test_cuda.py (the runtime against the reference on the GPU) and
+#                     tests/test_partition.py on pulp 4 (the MIP through public APIs)
+#   traces/           each benchmark run's trace (lanes, spans), for what the table does not say
 #
 #   OUT=out bash scripts/gpu_run.sh        # at most 9 minutes on one H100
 set -uo pipefail
@@ -32,15 +36,25 @@ python -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT
 # Without the planner's solver nothing below can run: stop here rather than spend the card's time.
 python -c "import pulp, highspy, torch; print('pulp', pulp.__version__, 'torch', torch.__version__)" \
     >> "$OUT/install.log" 2>&1 || { echo "install failed: see install.log"; exit 1; }
-timeout 150 python -m pytest -q tests/test_cuda.py tests/test_partition.py -m "not slow" > "$OUT/tests.log" 2>&1
-echo "exit $?" >> "$OUT/tests.log"
-timeout 45 python -m mobius.rates --workers 1 --write "$OUT/topology.json" > "$OUT/rates.log" 2>&1
-echo "exit $?" >> "$OUT/rates.log"
-wait  # DeepSpeed built (or given up on) before the bench asks for it
-# 32k first: the comparison with DeepSpeed; FSDP2 and the host-AdamW-only pipeline are left to a longer run
-timeout 250 python scripts/bench_gpu.py --sweep --sweep-seq 512 --sweep-tokens 32768 131072 4096 --steps 4 \
-    --systems plain,mobius,chunked,deepspeed --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
-echo "exit $?" >> "$OUT/bench_gpu.log"
-timeout 80 python scripts/bench_gpu.py --plans --micro-batch-size 8 --seq-len 512 --micro-batches 8 --steps 3 \
-    --json "$OUT/plans.json" > "$OUT/plans.log" 2>&1
-echo "exit $?" >> "$OUT/plans.log"
+
+part() {  # part NAME SECONDS COMMAND...: one part under its own limit, its exit status last in its log
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $? after ${SECONDS}s of the run" >> "$OUT/$name.log"
+}
+bench() {  # bench NAME SECONDS TOKENS SYSTEMS [ARGS...]
+    local name=$1 limit=$2 tokens=$3 systems=$4
+    shift 4
+    part "$name" "$limit" python scripts/bench_gpu.py --sweep --sweep-seq 512 --sweep-tokens "$tokens" --steps 4 \
+        --systems "$systems" --traces "$OUT/traces" --json "$OUT/$name.json" "$@"
+}
+part rates 45 python -m mobius.rates --workers 1 --write "$OUT/topology.json"
+part deepspeed_wait 60 bash -c "while ! grep -q '^exit' '$OUT/deepspeed.log' 2>/dev/null; do sleep 1; done"
+bench bench_32k 150 32768 plain,mobius,deepspeed
+bench bench_131k 110 131072 plain,mobius
+bench bench_4k 40 4096 mobius
+part plans 70 python scripts/bench_gpu.py --plans --micro-batch-size 8 --seq-len 512 --micro-batches 8 --steps 3 \
+    --traces "$OUT/traces" --json "$OUT/plans.json"
+bench bench_chunked 40 32768 chunked
+part tests 80 python -m pytest -q tests/test_cuda.py tests/test_partition.py -m "not slow"
