@@ -5,6 +5,7 @@ the in-process transport), the activation links and the tied embedding's gradien
 
 import dataclasses
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -94,18 +95,21 @@ def tiny_store(device, bounds=((0, 2), (2, 6)), config=None, stages=(0, 1)) -> H
 def test_the_prefetcher_loads_stages_within_the_budget_under_the_checker():
     """Two stages requested at once under a budget that holds only the larger: the second load
     waits for the first stage's release; every weight arrives as the host store has it, every
-    byte is counted, and the checker (with jittered streams) sees the copies ordered."""
+    byte is counted, and the checker (with jittered streams) sees the copies ordered.  The trace's
+    prefetch lane times the copies, not the wait for memory: the second load's span begins after
+    the release it waited for."""
     device = CpuDevice(check=True, jitter_ms=1.0)
     store = tiny_store(device)
     sizes = {s: st.compute.numel() * 4 + st.frozen.numel() * st.frozen.element_size() for s, st in store.stages.items()}
-    memory, traffic = DeviceMemory(max(sizes.values()), "worker 0"), Traffic()
-    prefetcher = Prefetcher(store, store.config, memory, device, traffic, Trace(enabled=False))
+    memory, traffic, trace = DeviceMemory(max(sizes.values()), "worker 0"), Traffic(), Trace(enabled=True)
+    prefetcher = Prefetcher(store, store.config, memory, device, traffic, trace)
     try:
         first, second = prefetcher.request(0, priority=0), prefetcher.request(1, priority=1)
         layers = prefetcher.wait(first)
         for (name, host), (_, dev) in zip(store.stages[0].named_params(), layers.named_parameters()):
             assert torch.equal(dev, host), name
         assert not second._loaded.wait(0.3)  # no room beside stage 0
+        trace.span("released", "test", time.perf_counter(), time.perf_counter())  # on the trace's clock
         prefetcher.release(first)
         layers = prefetcher.wait(second)
         assert all(torch.equal(d, h) for (_, h), d in zip(store.stages[1].named_params(), layers.parameters()))
@@ -114,6 +118,12 @@ def test_the_prefetcher_loads_stages_within_the_budget_under_the_checker():
         prefetcher.close()
         device.close()
     assert traffic.h2d == sum(sizes.values()) and memory.used == 0 and memory.peak <= memory.budget
+    events = trace.collect()
+    released = next(e["ts"] for e in events if e["name"] == "released")
+    loads = [e for e in events if e["tid"] == "prefetch"]
+    assert {e["name"] for e in loads} == {"load stage 0", "load stage 1"}
+    assert all(sum(e["args"]["bytes"] for e in loads if e["name"] == f"load stage {s}") == sizes[s] for s in sizes)
+    assert all(e["ts"] >= released for e in loads if e["name"] == "load stage 1")
 
 
 def test_the_tied_embedding_sums_both_copies_alike_on_two_workers():

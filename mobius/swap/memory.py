@@ -16,6 +16,7 @@ Two kinds of users share it:
 from __future__ import annotations
 
 import threading
+from typing import Callable
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,9 +90,13 @@ class DeviceMemory:
             self.compute_peak_since_reserve = 0
             self._cond.notify_all()
 
-    def reserve_for_prefetch(self, nbytes: int, cancelled: threading.Event | None = None) -> None:
-        """Block until ``nbytes`` fit beside the compute reservation, then take them."""
+    def reserve_for_prefetch(self, nbytes: int, cancelled: threading.Event | None = None,
+                             before_waiting: Callable[[], None] | None = None) -> None:
+        """Block until ``nbytes`` fit beside the compute reservation, then take them;
+        ``before_waiting`` is called once if they do not fit yet."""
         with self._cond:
+            if before_waiting is not None and self._headroom() < nbytes:
+                before_waiting()
             while self._headroom() < nbytes:
                 if cancelled is not None and cancelled.is_set():
                     raise DeviceBudgetError(f"{self.device_name}: prefetch cancelled")

@@ -127,20 +127,36 @@ class Prefetcher:
         numel = sum(t.numel() for t in handle.sources)
         weights = self.device.empty(numel, self.store.compute_dtype, self.stream, name=f"weights of stage {handle.index}")
         self.stream.wait(handle.after)
-        begin = self.stream.record() if self.trace.enabled else None
+        # The copies' spans on the trace's "prefetch" lane, one per run of copies: a wait for device
+        # memory between two of them is not the link's time, and a span across it makes the link
+        # look slower than it is.
+        tracing = self.trace.enabled
+        bursts: list[list] = []  # [begin event, end event or None, bytes]
+
+        def end_burst() -> None:
+            if bursts and bursts[-1][1] is None:
+                bursts[-1][1] = self.stream.record()
+
         at = 0
         for source in handle.sources:
             step = max(1, COPY_CHUNK_BYTES // source.element_size())
             for a in range(0, source.numel(), step):
                 b = min(a + step, source.numel())
                 nbytes = (b - a) * source.element_size()
-                self.memory.reserve_for_prefetch(nbytes, self._stop)
+                self.memory.reserve_for_prefetch(nbytes, self._stop, before_waiting=end_burst if tracing else None)
+                if tracing and (not bursts or bursts[-1][1] is not None):
+                    bursts.append([self.stream.record(), None, 0])
                 self.stream.copy(weights[at + a:at + b], source[a:b])
                 self.traffic.h2d += nbytes
+                if tracing:
+                    bursts[-1][2] += nbytes
             at += source.numel()
         for p, slot in zip(layers.parameters(), host.slots):
             p.data = view(weights, slot)
         handle.weights, handle.layers = weights, layers
         handle.event = self.stream.record()
-        self.trace.device_span(f"load stage {handle.index}", "prefetch", begin, handle.event, self.device.time_of,
-                               bytes=handle.nbytes)
+        if bursts and bursts[-1][1] is None:
+            bursts[-1][1] = handle.event
+        for begin, end, nbytes in bursts:
+            self.trace.device_span(f"load stage {handle.index}", "prefetch", begin, end, self.device.time_of,
+                                   bytes=nbytes)
