@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mobius.runtime.optim import UpdateRule, make_adamw  # noqa: E402
-from mobius.swap.disk import DiskMoments  # noqa: E402
+from mobius.swap.disk import DiskState  # noqa: E402
 
 
-def drop_cache(disk: DiskMoments) -> None:
+def drop_cache(disk: DiskState) -> None:
     for fds in disk.fds.values():
         for fd in fds:
             os.fsync(fd)
@@ -50,7 +50,7 @@ def one_repeat(directories: list[Path], stages: int, params: int, seed: int) -> 
     optimizers = {s: make_adamw([("w", ps[0])], UpdateRule(lr=1e-3)) for s, ps in weights.items()}
     for ps in weights.values():
         ps[0].grad = torch.randn(ps[0].shape, generator=g)
-    disk = DiskMoments(directories, 0, optimizers)
+    disk = DiskState(directories, 0, optimizers)
     try:
         for s in range(stages):  # the first update makes the moments; they go to disk
             buffer = disk.page_in(s)

@@ -71,9 +71,11 @@ def reference(cfg, device: str = "cpu", **changes):
     return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
 
 
-def run_in_threads(cfg):
+def run_in_threads(cfg, plan_change=None):
     """The pipeline of ``cfg`` in this process, one thread per worker linked by an in-process
-    transport, every stream under the order checker: per-step losses and final weights."""
+    transport, every stream under the order checker: per-step losses and final weights.
+    ``plan_change``: what the plan becomes before it runs (a test's placement)."""
+    import dataclasses
     import threading
 
     from mobius.metrics import Trace
@@ -86,6 +88,9 @@ def run_in_threads(cfg):
     from mobius.stages.worker import build_worker
 
     spec, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    if plan_change is not None:
+        plan = plan_change(plan)
+        spec = dataclasses.replace(spec, plan=plan)
     data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
     group = LocalGroup(cfg.cpu_workers)
     results: dict[int, tuple] = {}
@@ -97,9 +102,10 @@ def run_in_threads(cfg):
         try:
             sums = [parts.runner.step(k) for k in range(cfg.optim.steps)]
             parts.runner.drain()  # every update in the host store (resident stages' too)
+            weights = parts.weights()
         finally:
             parts.close()
-        results[rank] = (sums, parts.store.state_dict())
+        results[rank] = (sums, weights)
 
     on_threads(worker, range(cfg.cpu_workers))
     losses = [sum(results[r][0][k] for r in results) for k in range(cfg.optim.steps)]  # the last stage's worker has it

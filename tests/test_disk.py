@@ -15,7 +15,7 @@ from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.optim import UpdateRule, make_adamw
-from mobius.swap.disk import DiskMoments
+from mobius.swap.disk import DiskState
 from mobius.train import main as train_main
 
 
@@ -39,7 +39,7 @@ def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path, driv
     for d in directories:
         d.mkdir()
     trace = Trace(enabled=True)
-    disk = DiskMoments(directories, 0, opt_ours, trace=trace)
+    disk = DiskState(directories, 0, opt_ours, trace=trace)
     try:
         g = torch.Generator().manual_seed(1)
         for step in range(5):
@@ -93,7 +93,7 @@ def test_a_file_that_is_there_is_never_opened(tmp_path):
     optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2))
                   for s, ps in params.items()}
     with pytest.raises(RunError, match="cannot create its files"):
-        DiskMoments([tmp_path], 0, optimizers)
+        DiskState([tmp_path], 0, optimizers)
     assert (tmp_path / "rank000-stage0001.adam").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank000-stage0001.adam"]
 
@@ -178,7 +178,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     (["--host-mem-gb", "8"], "--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR"),
     (["--offload-dir", "x", "--drive-gbps", "fast"], "--drive-gbps 'fast': give each drive's GB/s"),
     (["--offload-dir", "x", "--host-mem-gb", "0.0001"],
-     "of host memory (weights, AdamW state on disk, gradients), but 4x4090 has 0.0 GB"),
+     "of host memory (weights, AdamW state and master weights on disk, gradients), but 4x4090 has 0.0 GB"),
     (["--offload-dir", "x", "--drive-gbps", "7,7"],
      "--offload-dir names 1 directory, but the plan is given 2 drives (the topology's drives or --drive-gbps)"),
     (["--offload-dir", "x,y,./x"], "--offload-dir 'x,y,./x': give each directory once"),
@@ -287,3 +287,64 @@ def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
                       resolve_topology(RunConfig.of(**base, offload_dir=dirs)), time_limit_s=2).lane_floor_s[Lane.DISK]
               for dirs in (("a",), ("a", "b"))]
     assert floors[1] == pytest.approx(floors[0] / 2)
+
+
+def _on_disk(masters_of):
+    """A plan change: every host stage's moments on disk, and the master weights of
+    ``masters_of(plan)``."""
+    import dataclasses
+
+    def change(plan):
+        host = [j for j in range(len(plan.bounds)) if j not in plan.resident]
+        return dataclasses.replace(plan, disk_stages=host, disk_masters=masters_of(plan))
+    return change
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [0, 1])
+def test_master_weights_and_moments_on_disk_equal_the_reference(tmp_path, lag):
+    """Every stage's moments and three of four stages' master weights on disk (the embedding's
+    kept: 90% of AdamW's state and the master), two workers, the global norm clipped, with and without the
+    optimizer lag: per-step losses and final weights equal the reference trainer's (fp32, 1e-6);
+    the files are gone at the end."""
+    from conftest import run_in_threads
+
+    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2,
+                       micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
+                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=lag,
+                       offload_dir=(str(tmp_path / "nvme0"),))
+    Path(cfg.pipeline.offload_dir[0]).mkdir()
+    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=())
+    placed = {}
+
+    def masters(plan):
+        placed["plan"] = plan
+        return [1, 2, 3]
+
+    losses, weights = run_in_threads(cfg, _on_disk(masters))
+    sizes = [sum(p.numel() for name, p in ref_weights.items() if lo <= int(name.split(".")[1]) < hi)
+             for lo, hi in placed["plan"].bounds]
+    on_disk = 8 * sum(sizes) + 4 * sum(sizes[1:])  # every stage's moments, three stages' masters
+    assert on_disk >= 0.7 * 12 * sum(sizes)  # 70% or more of the AdamW state and the master
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for name, w in weights.items():
+        assert torch.allclose(w, ref_weights[name], rtol=1e-6, atol=1e-8), name
+    assert list(Path(cfg.pipeline.offload_dir[0]).iterdir()) == []
+
+
+@pytest.mark.slow
+def test_16_bit_master_weights_on_disk_give_the_bits_they_give_in_memory(tmp_path):
+    """bf16 compute: a master on disk comes back with its fp32 gradients made in the update's
+    buffer from the staged ones; losses and weights are those of the same run with everything in
+    memory, bit for bit (clipped: the norm reads the staged gradients)."""
+    from conftest import run_in_threads
+
+    base = dict(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=3, micro_batch_size=2, micro_batches=2,
+                seq_len=32, lr=3e-3, progress=False, backend="pipeline", device_optimizer="off", max_grad_norm=0.1,
+                precision="bf16")
+    memory_losses, memory_weights = run_in_threads(RunConfig.of(**base))
+    (tmp_path / "nvme").mkdir()
+    cfg = RunConfig.of(**base, offload_dir=(str(tmp_path / "nvme"),))
+    losses, weights = run_in_threads(cfg, _on_disk(lambda plan: list(range(len(plan.bounds)))))
+    assert losses == memory_losses
+    assert all(torch.equal(w, memory_weights[n]) for n, w in weights.items())

@@ -66,6 +66,7 @@ from mobius.boundary.errors import InputError
 from mobius.models.precision import element_bytes
 from mobius.partition.profile import HostCosts, Profile
 from mobius.runtime.spec import Lane
+from mobius.swap.disk import MASTER_BYTES, MOMENT_BYTES
 
 GB = 1e9
 
@@ -99,10 +100,12 @@ class Machine:
     d2h_forward: tuple[float, ...] = ()
     d2h_backward: tuple[float, ...] = ()
     # The disk tier (mobius.swap.disk): the stages whose AdamW moments wait on disk between updates,
-    # and the seconds a parameter's moments take there and back for one worker, its drives shared
-    # (reads and writes in flight together: a drive's read and write queues are its own).
+    # those whose fp32 master weights wait there too, and the seconds a byte of them takes there and
+    # back for one worker, its drives shared (reads and writes in flight together: a drive's read and
+    # write queues are its own).
     on_disk: tuple[int, ...] = ()
-    disk_s_per_param: float = 0.0
+    masters_on_disk: tuple[int, ...] = ()
+    disk_s_per_byte: float = 0.0
 
     def first_load_s(self, j: int, sizes: list[float]) -> float:
         """When slot ``j``'s first stage (``sizes[j]`` bytes; ``sizes`` of the first stage of every
@@ -230,12 +233,18 @@ def on_device(st: list[StageCost], machine: Machine) -> list[StageCost]:
     return out
 
 
-def adam_s(c: StageCost, machine: Machine, element_bytes: int, on_disk: bool = False) -> float:
+def adam_s(c: StageCost, machine: Machine, element_bytes: int, disk_bytes: int = 0) -> float:
     """Host AdamW of stage ``c`` on one worker: its share of the parameters, with replicas; with
-    its moments ``on_disk``, at least their way there and back (read ahead and written behind,
-    overlapped with the updates: the longer of the two)."""
+    ``disk_bytes`` of state a parameter on disk, at least their way there and back (read ahead and
+    written behind, overlapped with the updates: the longer of the two)."""
     params = c.grad_bytes / element_bytes / machine.replicas
-    return max(params / machine.adam_params_per_s, params * machine.disk_s_per_param if on_disk else 0.0)
+    return max(params / machine.adam_params_per_s, params * disk_bytes * machine.disk_s_per_byte)
+
+
+def disk_bytes_per_param(machine: Machine, j: int) -> int:
+    """fp32 bytes of state each trained parameter of stage ``j`` keeps on disk: its two moments,
+    and its master weight where that waits there too."""
+    return (MOMENT_BYTES + MASTER_BYTES * (j in machine.masters_on_disk)) if j in machine.on_disk else 0
 
 
 def exchanged_bytes(params: float, replicas: int) -> float:
@@ -401,7 +410,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     s.backward()
     home = s.gradients_home()
     s.pass_copies(compute_only, home)
-    adam = [0.0 if c.resident else adam_s(c, machine, elt, j in machine.on_disk) for j, c in enumerate(st)]
+    adam = [0.0 if c.resident else adam_s(c, machine, elt, disk_bytes_per_param(machine, j)) for j, c in enumerate(st)]
     exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         # each worker's optimizer, and the node's network for all of them

@@ -22,6 +22,7 @@ from mobius.partition.cost import (
     Machine,
     StageCost,
     check_layers_fit,
+    disk_bytes_per_param,
     evaluate,
     exchanged_bytes,
     host_traffic_bytes,
@@ -34,7 +35,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
-from mobius.swap.disk import MOMENT_BYTES, POOL_BUFFERS
+from mobius.swap.disk import MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -82,12 +83,22 @@ class DoesNotFit(InputError):
         self.reason = reason
 
 
+def master_bytes_freed(precision: str, optimizer_lag: int) -> int:
+    """Host bytes a trained parameter's master weight on disk frees: the fp32 master, where the
+    compute copy is not it (16-bit compute, or fp32 with a lag), and with 16-bit compute its fp32
+    gradient (made from the staged one in the update's buffer)."""
+    if precision == "fp32":
+        return MASTER_BYTES if optimizer_lag else 0
+    return MASTER_BYTES + 4
+
+
 def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0, data_parallel: int = 1,
                       replicas_here: int = 1, moments_on_disk: bool = False) -> int:
     """What the workers' stage stores hold on the host for this model (all stages together), on a
     host with ``replicas_here`` of a run's ``data_parallel`` replicas: each holds every weight and
     gradient, and 1/``data_parallel`` of the AdamW state (:mod:`mobius.stages.replicas`); with the
-    ``moments_on_disk`` (:mod:`mobius.swap.disk`), only the pool their updates pass through.
+    ``moments_on_disk`` (:mod:`mobius.swap.disk`), only the pool their updates pass through, and
+    the least the host can need: every master weight on disk too, where that frees memory.
     Counted from the three distinct layers (every block has the same parameters), so a config of
     absurd depth is refused at once instead of being built."""
     last = layer_count(config) - 1
@@ -112,12 +123,16 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     if moments_on_disk:  # the moments pass through a pool of a few stages' worth; counted at a layer a stage
         per_trained -= ADAM_STATE_BYTES / data_parallel
         pool = POOL_BUFFERS * ADAM_STATE_BYTES * largest
+        freed = master_bytes_freed(precision, optimizer_lag) if data_parallel == 1 else 0
+        if freed:  # and the master weights where the host would not hold them all (the least it can need)
+            per_trained -= freed
+            pool += POOL_BUFFERS * freed * largest
     return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision) + pool))
 
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 15
+COST_MODEL_VERSION = 16
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -129,7 +144,7 @@ def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimi
     need = data_bytes + host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here,
                                           moments_on_disk)
     if need > available:
-        state = "AdamW state on disk" if moments_on_disk else "AdamW state"
+        state = "AdamW state and master weights on disk" if moments_on_disk else "AdamW state"
         hint = "" if moments_on_disk else "; --offload-dir DIR keeps AdamW's moments on disk"
         raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, {state}, "
                          f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
@@ -215,27 +230,43 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
             for k in sorted(counts) if workers <= k <= profile.n and k not in have}
 
 
-def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, excess: float) -> list[int]:
-    """The host stages whose AdamW moments wait on disk: the largest first, until they free
-    ``excess`` bytes of host memory (``inf``: every one) beside the pool they pass through."""
+def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, excess: float,
+                master_freed: int = 0, keep_master: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
+    """(the host stages whose AdamW moments wait on disk, those whose master weights wait there
+    too): the moments of the largest stages first, until they free ``excess`` bytes of host memory
+    (``inf``: every one) beside the pool they pass through; where every stage's moments are not
+    enough, the master weights of the largest (``master_freed`` bytes a parameter each; not those
+    of ``keep_master``, which the host must hold), the pool then a stage's whole state large."""
     if excess <= 0:
-        return []
-    moments = {j: c.grad_bytes // element_bytes * ADAM_STATE_BYTES // data_parallel for j, c in enumerate(costs)
-               if not c.resident and c.grad_bytes}
-    order = sorted(moments, key=lambda j: -moments[j])
-    pool = POOL_BUFFERS * moments[order[0]] if order else 0  # a few of the largest, the first taken
-    chosen: list[int] = []
+        return [], []
+    params = {j: c.grad_bytes // element_bytes for j, c in enumerate(costs) if not c.resident and c.grad_bytes}
+    order = sorted(params, key=lambda j: -params[j])
+
+    def pool(chosen_masters: list[int]) -> float:
+        grads = MASTER_BYTES if master_freed > MASTER_BYTES else 0  # 16-bit: the fp32 gradients too
+        per_param = ADAM_STATE_BYTES // data_parallel + ((MASTER_BYTES + grads) if chosen_masters else 0)
+        return POOL_BUFFERS * per_param * params[order[0]] if order else 0
+
+    moments: list[int] = []
     freed = 0
     for j in order:
-        if chosen and freed - pool >= excess:
+        if moments and freed - pool([]) >= excess:
             break
-        chosen.append(j)
-        freed += moments[j]
-    if excess != math.inf and freed - pool < excess:
-        raise InputError(f"with every host stage's AdamW moments on disk the host still needs "
-                         f"{(excess - freed + pool) / GB:.2f} GB more than --host-mem-gb gives (the master weights "
-                         "on disk are not built yet)")
-    return sorted(chosen)
+        moments.append(j)
+        freed += params[j] * ADAM_STATE_BYTES // data_parallel
+    masters: list[int] = []
+    if excess != math.inf and freed - pool([]) < excess and master_freed and data_parallel == 1:
+        for j in order:
+            if masters and freed - pool(masters) >= excess:
+                break
+            if j not in keep_master:
+                masters.append(j)
+                freed += params[j] * master_freed
+    if excess != math.inf and freed - pool(masters) < excess:
+        raise InputError(f"with every host stage's AdamW moments{' and master weights' if masters else ''} on disk "
+                         f"the host still needs {(excess - freed + pool(masters)) / GB:.2f} GB more than "
+                         "--host-mem-gb gives (stage weights on disk are not built yet)")
+    return sorted(moments), sorted(masters)
 
 
 @dataclass
@@ -362,21 +393,24 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
     placed, resident, machine, est = done[solver.chosen] if solver is not None else search.finished(bounds)
-    on_disk, drives = [], (0.0, 0.0)
+    on_disk, masters, drives = [], [], (0.0, 0.0)
     if disk != "off":
         costs = stage_costs(profile, bounds, recompute, resident)
         need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel)
-        on_disk = disk_stages(costs, element_bytes(profile.dtype), data_parallel,
-                              need - topo.host_memory_gb * GB if disk == "fit" else math.inf)
+        tied = {0, len(bounds) - 1} if config.tie_embeddings else set()  # the host sums their gradients
+        on_disk, masters = disk_stages(costs, element_bytes(profile.dtype), data_parallel,
+                                       need - topo.host_memory_gb * GB if disk == "fit" else math.inf,
+                                       master_bytes_freed(precision, optimizer_lag), frozenset(tied))
         drives = topo.drive_gbps()
-        machine = replace(machine, on_disk=tuple(on_disk),
-                          disk_s_per_param=topo.n * ADAM_STATE_BYTES * max(1 / drives[0], 1 / drives[1]) / GB)
+        machine = replace(machine, on_disk=tuple(on_disk), masters_on_disk=tuple(masters),
+                          disk_s_per_byte=topo.n * max(1 / drives[0], 1 / drives[1]) / GB)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
                       micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
-                      mapping=mapping, prefetch=prefetch, disk_stages=on_disk, disk_gbps=drives)
+                      mapping=mapping, prefetch=prefetch, disk_stages=on_disk, disk_masters=masters,
+                      disk_gbps=drives)
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan
@@ -398,8 +432,8 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
         floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
-    disk_bytes = sum(costs[j].grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES // data_parallel
-                     for j in fields.get("disk_stages", ()))
+    disk_bytes = sum(costs[j].grad_bytes // element_bytes(profile.dtype) * disk_bytes_per_param(machine, j)
+                     // data_parallel for j in fields.get("disk_stages", ()))
     if disk_bytes:  # every worker's moments read and written through the drives (reads beside writes)
         read, write = fields["disk_gbps"]
         floor[Lane.DISK] = max(disk_bytes / (read * GB), disk_bytes / (write * GB))

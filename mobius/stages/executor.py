@@ -63,7 +63,7 @@ from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.stages.working_memory import WorkingMemory
-from mobius.swap.disk import DiskMoments
+from mobius.swap.disk import DiskState
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
 from mobius.swap.store import HostStageStore
@@ -96,7 +96,7 @@ class StageRunner:
     def __init__(self, plan: Plan, store: HostStageStore, prefetcher: Prefetcher, memory: DeviceMemory,
                  traffic: Traffic, trace: Trace, batches: BatchSource, device: Device,
                  scaler: DynamicLossScaler, transport: Transport,
-                 replicas: ReplicaGroup | None = None, disk: DiskMoments | None = None):
+                 replicas: ReplicaGroup | None = None, disk: DiskState | None = None):
         self.plan, self.store, self.prefetcher, self.trace, self.batches = plan, store, prefetcher, trace, batches
         self.device, self.scaler = device, scaler
         self.n_stages = len(plan.bounds)

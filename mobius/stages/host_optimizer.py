@@ -34,7 +34,7 @@ from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, sq
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
-from mobius.swap.disk import DiskMoments
+from mobius.swap.disk import DiskState
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.store import HostStageStore, view
 
@@ -53,7 +53,7 @@ class ResidentUpdates(Protocol):
 class HostOptimizer:
     def __init__(self, store: HostStageStore, device: Device, memory: DeviceMemory, traffic: Traffic, trace: Trace,
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
-                 replicas: ReplicaGroup | None = None, disk: DiskMoments | None = None):
+                 replicas: ReplicaGroup | None = None, disk: DiskState | None = None):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
         self.disk = disk  # where AdamW's moments wait between updates (--offload-dir), or None: in memory
         self.scaler, self.tied, self.transport, self.replicas = scaler, tied, transport, replicas
@@ -134,9 +134,10 @@ class HostOptimizer:
         self.host.wait(arrived)
         host = self.store.stages[s]
         self.host.reads(host.grad_staging)
-        if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
-            host.master_grad.copy_(host.grad_staging)
-        host.attach_master_grads()
+        if not host.master_on_disk:  # else the disk tier attaches them with the master, for the update
+            if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
+                host.master_grad.copy_(host.grad_staging)
+            host.attach_master_grads()
         self.memory.free(host.grad_bytes, phase, announced=True)
         self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.grad_bytes)
         return self.host.record()
@@ -169,8 +170,6 @@ class HostOptimizer:
             with self._busy_lock:
                 self._busy[0] += time.perf_counter() - began
                 self._busy[1] += numel
-        if paged is not None:
-            self.disk.page_out(s, paged)
         if host.optimizer is not None:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
@@ -181,6 +180,8 @@ class HostOptimizer:
         buffer = self.store.buffer_updated_by(step)
         self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
         self.store.refresh_compute_copy(s, buffer)
+        if paged is not None:  # after the refresh: a master on disk leaves with the rest of the state
+            self.disk.page_out(s, paged)
         return self.host.record()
 
     def take_busy(self) -> tuple[float, int]:
@@ -206,8 +207,7 @@ class HostOptimizer:
             deferred, self._deferred = self._deferred, []
             overflow, unscale = False, None
             if self.scaler.enabled:
-                local = any(not torch.isfinite(p.grad).all() for s in deferred
-                            for p in self.store.stages[s].master_params if p.grad is not None)
+                local = any(not torch.isfinite(g).all() for s in deferred for g in self.store.stages[s].gradients())
                 overflow, unscale = self.transport.any_rank(local), self.scaler.scale
             clip, reduced = 1.0, False
             if self.store.rule.max_grad_norm and not overflow:
@@ -237,9 +237,11 @@ class HostOptimizer:
         parameters its AdamW updates (its stages' trained ones; with replicas, those it owns,
         summed over the replicas), the tied table counted once (its head copy holds the same sum)."""
         duplicate = self.tied.head_copy()
-        return squares(p.grad for s in stages if self.store.stages[s].optimizer is not None
-                       for group in self.store.stages[s].optimizer.param_groups for p in group["params"]
-                       if p.grad is not None and p is not duplicate)
+        on_disk = [g for s in stages if self.store.stages[s].master_on_disk for g in self.store.stages[s].gradients()]
+        return squares(on_disk) + squares(
+            p.grad for s in stages if self.store.stages[s].optimizer is not None and not self.store.stages[s].master_on_disk
+            for group in self.store.stages[s].optimizer.param_groups for p in group["params"]
+            if p.grad is not None and p is not duplicate)
 
     def drain(self) -> None:
         """Wait for every update issued so far (before a checkpoint or the final weights are read)."""

@@ -10,6 +10,7 @@ peer-to-peer path, so device -> host -> device is the real route, and gloo moves
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, Worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
-from mobius.swap.disk import DiskMoments
+from mobius.swap.disk import DiskState
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
@@ -105,19 +106,18 @@ class PipelineWorker:
         # Every replica holds the same weights: the first writes them.  Each writes the AdamW state
         # of the parameters it updates; a checkpoint is read by name, whatever file holds a tensor.
         part = f"-replica{layout.index}" if layout.count > 1 else ""
+        disk = self.parts.runner.optimizer.disk
         for s, host in store.stages.items():
-            named = _stage_state(store, s)
-            if layout.index == 0:
-                files[f"weights-stage{s:04d}.safetensors"] = named
-                if store.lag:
-                    files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
-            if host.optimizer is not None:
-                disk = self.parts.runner.optimizer.disk
-                if disk is not None:
-                    disk.loaded(s)
-                files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
-                if disk is not None:
-                    disk.forget(s)  # the file keeps them; the checkpoint holds these copies until it is saved
+            # State on disk is read into tensors of its own, which the checkpoint holds until it is
+            # saved; the disk tier then drops its binding (the files keep the same).
+            with disk.present(s) if disk is not None else contextlib.nullcontext():
+                named = _stage_state(store, s)
+                if layout.index == 0:
+                    files[f"weights-stage{s:04d}.safetensors"] = {n: p.detach() for n, p in named.items()}
+                    if store.lag:
+                        files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
+                if host.optimizer is not None:
+                    files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
         return files
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
@@ -126,11 +126,13 @@ class PipelineWorker:
         aliases = tied_parameter_names(store.config)
         disk = self.parts.runner.optimizer.disk
         for s, host in store.stages.items():
-            ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
             if disk is not None:
-                disk.unload(s)
+                disk.loaded(s)  # a master on disk bound, to be restored into
+            ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
             for b in range(len(host.compute_buffers)):
                 store.refresh_compute_copy(s, b)
+            if disk is not None:
+                disk.unload(s)
         if store.lag:  # the weights the first step computes with: one update behind the master
             with torch.no_grad():
                 for name, buf in store.lagged_state(ckpt.step).items():
@@ -139,16 +141,21 @@ class PipelineWorker:
     def finish(self) -> dict:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
+        disk = self.parts.runner.optimizer.disk
+
+        def present(s: int):  # a master on disk read back while it is written out
+            return disk.present(s) if disk is not None else contextlib.nullcontext()
+
         for staging, merged in payload.exports if self.layout.index == 0 else ():
             for s, host in store.stages.items():
-                write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
-                                   layer_states(dict(host.named_params())), merged)
-        disk = self.parts.runner.optimizer.disk
+                with present(s):
+                    write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
+                                       layer_states(dict(host.named_params())), merged)
         out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
                "host_bytes": store.host_bytes(),
                "disk_bytes": (disk.read_bytes, disk.written_bytes) if disk is not None else None}
         if payload.return_weights:
-            out["weights"] = store.state_dict()
+            out["weights"] = self.parts.weights()
         return out
 
     def close(self) -> None:
@@ -168,6 +175,14 @@ class WorkerParts:
     device: Device
     held_out: EvalBatches | None  # the run's held-out examples, if it evaluates
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Copies of this worker's weights by name, masters on disk read back for it."""
+        disk, out = self.runner.optimizer.disk, {}
+        for s in self.store.stages:
+            with disk.present(s) if disk is not None else contextlib.nullcontext():
+                out.update(self.store.stage_state_dict(s))
+        return out
+
     def close(self) -> None:
         self.prefetcher.close()
         self.runner.close()
@@ -186,20 +201,27 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
     model_config = model_config_for(cfg)
-    store = HostStageStore(model_config, plan.bounds, plan.stages_of_gpu(rank), cfg.optim.seed,
-                           UpdateRule.of(cfg.optim), DTYPES[spec.precision], device, cfg.optim.optimizer_lag)
+    mine = plan.stages_of_gpu(rank)
+    disk = None
+    if cfg.pipeline.offload_dir:  # the optimizer state of the stages the plan puts on disk waits there
+        tied = {0, len(plan.bounds) - 1} if model_config.tie_embeddings else set()
+        if plan.disk_masters and (replicas is not None or set(plan.disk_masters) & tied):
+            raise ValueError(f"stages {plan.disk_masters} cannot keep their master weights on disk: replicas or "
+                             "the tied embedding sum gradients on the host")
+        rank_here = dist.get_rank() if dist.is_initialized() else rank
+        disk = DiskState(cfg.pipeline.offload_dir, rank_here, through=device.disk_transfer, trace=trace,
+                         masters=[s for s in plan.disk_masters if s in mine])
+    store = HostStageStore(model_config, plan.bounds, mine, cfg.optim.seed, UpdateRule.of(cfg.optim),
+                           DTYPES[spec.precision], device, cfg.optim.optimizer_lag, disk)
     if replicas is not None:  # each parameter's AdamW runs on one replica's host
         replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
         store.update_only(replicas.updates)
+    if disk is not None:
+        disk.attach({s: host.optimizer for s, host in store.stages.items()
+                     if host.optimizer is not None and s in plan.disk_stages})
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
-    disk = None
-    if cfg.pipeline.offload_dir:  # AdamW's moments of the stages the host updates wait on disk
-        rank_here = dist.get_rank() if dist.is_initialized() else rank
-        paged = {s: host.optimizer for s, host in store.stages.items()
-                 if host.optimizer is not None and s in plan.disk_stages}
-        disk = DiskMoments(cfg.pipeline.offload_dir, rank_here, paged, through=device.disk_transfer, trace=trace)
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
                          scaler, transport, replicas, disk)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)

@@ -56,6 +56,9 @@ class HostStage:
     names: list[str] = field(default_factory=list)  # "layers.<i>.<param>"
     device_layers: nn.ModuleList | None = None  # the stage's device modules, weights swapped in and out
     compute: torch.Tensor | None = None  # the buffer this step's loads read (HostStageStore.begin_step)
+    # The master weights wait on disk between updates (mobius.swap.disk): ``master`` (and, 16-bit,
+    # ``master_grad``) are empty but while the disk tier binds them.
+    master_on_disk: bool = False
 
     @property
     def param_bytes(self) -> int:
@@ -83,7 +86,14 @@ class HostStage:
     @property
     def trains(self) -> bool:
         """Whether any weight of the stage trains (its optimizer may still be another replica's)."""
-        return self.master.numel() > 0
+        return any(sl.trained for sl in self.slots)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's gradients of the trained weights: the master's, or (master on disk, not
+        bound now) as they came home, the same values."""
+        if not self.master_on_disk:
+            return [p.grad for p in self.master_params if p.grad is not None]
+        return [view(self.grad_staging, slot) for slot in self.grad_slots() if slot is not None]
 
     @property
     def master_params(self) -> list[nn.Parameter]:
@@ -124,15 +134,19 @@ def _fill(meta: nn.Module, built: nn.Module, homes: list[torch.Tensor], at: int)
 
 class HostStageStore:
     def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, rule: UpdateRule,
-                 compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0):
+                 compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0, disk=None):
+        """``disk``: the disk tier (:class:`~mobius.swap.disk.DiskState`) whose ``masters`` are the
+        stages whose master weights wait on disk: each is handed to it as soon as it is built, so
+        the host never holds more than one of them."""
         self.config = config
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
         self.lag = optimizer_lag
         self.rule = rule  # each stage's AdamW's
         n_buffers = optimizer_lag + 1
-        same = compute_dtype == torch.float32 and n_buffers == 1
+        parked = disk.masters if disk is not None else set()
         for s in stages:
+            same = compute_dtype == torch.float32 and n_buffers == 1 and s not in parked
             lo, hi = bounds[s]
             # The stage's shape from meta layers; the weights are then built one layer at a time
             # and copied into the flat buffers, so building never holds more than one fp32 layer.
@@ -169,6 +183,9 @@ class HostStageStore:
             self.stages[s] = stage
             for b in range(n_buffers):
                 self.refresh_compute_copy(s, b)
+            if s in parked:
+                stage.master_on_disk = True
+                disk.park(stage)
         self.begin_step(0)
 
     def update_only(self, updates) -> None:
@@ -206,8 +223,10 @@ class HostStageStore:
             out.update({n: view(buf, slot) for n, slot in zip(st.names, st.grad_slots()) if slot is not None})
         return out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for st in self.stages.values() for n, p in st.named_params()}
+    def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
+        """Copies of stage ``stage``'s weights by name (a master on disk must be bound: its
+        disk tier's ``present``)."""
+        return {n: p.detach().clone() for n, p in self.stages[stage].named_params()}
 
     def host_bytes(self) -> int:
         return sum(st.host_bytes() for st in self.stages.values())
