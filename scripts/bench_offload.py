@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mobius.runtime.optim import UpdateRule, make_adamw  # noqa: E402
 from mobius.swap.disk import DiskState  # noqa: E402
+from mobius.swap.store import HostStage, Slot  # noqa: E402
 
 
 def drop_cache(disk: DiskState) -> None:
@@ -44,45 +45,57 @@ def drop_cache(disk: DiskState) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def host_stage(s: int, params: int, g: torch.Generator) -> HostStage:
+    """A stage of one ``params``-element weight (its master flat), with AdamW and gradients."""
+    master, grads = torch.randn(params, generator=g), torch.randn(params, generator=g)
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(master.view(params // 1024, 1024))
+    host = HostStage(s, [s], torch.nn.ModuleList([holder]), make_adamw([("w", holder.w)], UpdateRule(lr=1e-3)),
+                     torch.empty(0), master, grads, [master], grads, [Slot(0, params, (params // 1024, 1024))], ["w"])
+    host.attach_master_grads()
+    return host
+
+
+def transfers(disk: DiskState, call) -> float:
+    """Seconds to read (or write and flush) every block of every stage alone, as the tier moves them
+    (its own block transfer: the lane without the update)."""
+    t0 = time.perf_counter()
+    for s, blocks in disk.blocks.items():
+        for b in blocks:
+            disk._move(call, s, b, torch.zeros(disk.fields(s) * b.count))
+    if call is os.pwritev:
+        for fds in disk.fds.values():
+            for fd in fds:
+                os.fsync(fd)
+    return time.perf_counter() - t0
+
+
 def one_repeat(directories: list[Path], stages: int, params: int, seed: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
-    weights = {s: [torch.nn.Parameter(torch.randn(params // 1024, 1024, generator=g))] for s in range(stages)}
-    optimizers = {s: make_adamw([("w", ps[0])], UpdateRule(lr=1e-3)) for s, ps in weights.items()}
-    for ps in weights.values():
-        ps[0].grad = torch.randn(ps[0].shape, generator=g)
-    disk = DiskState(directories, 0, optimizers)
+    hosts = {s: host_stage(s, params, g) for s in range(stages)}
+    disk = DiskState(directories, 0)
+    disk.attach(hosts)
     try:
         for s in range(stages):  # the first update makes the moments; they go to disk
-            buffer = disk.page_in(s)
-            optimizers[s].step()
-            disk.page_out(s, buffer)
+            disk.update(s, 1e-3, None, 1.0, None)
+        disk.finish_writes()
+        drop_cache(disk)
+        read_s = transfers(disk, os.preadv)  # the read lane alone: the same blocks, the same requests
         for s in range(stages):
             disk.loaded(s)
-            disk.forget(s)
-        drop_cache(disk)
         t0 = time.perf_counter()
-        for s in range(stages):  # the read lane alone
-            disk.loaded(s)
-        read_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for s in range(stages):  # the AdamW lane alone, moments in memory
-            optimizers[s].step()
+        for s in range(stages):  # the AdamW lane alone, the state in memory
+            hosts[s].optimizer.step()
         adam_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for s in range(stages):  # the write lane alone
+        for s in range(stages):
             disk.unload(s)
         drop_cache(disk)
-        write_s = time.perf_counter() - t0
+        write_s = transfers(disk, os.pwritev)  # the write lane alone (made durable)
+        drop_cache(disk)
         t0 = time.perf_counter()
-        for s in reversed(range(stages)):  # the step: reads ahead (as gradients leave), updates, writes behind
-            disk.read_ahead(s)
-        for s in reversed(range(stages)):
-            buffer = disk.page_in(s)
-            optimizers[s].step()
-            disk.page_out(s, buffer)
-        for s in range(stages):
-            disk.loaded(s)  # waits for its write
-            disk.forget(s)
+        for s in reversed(range(stages)):  # the step: each stage's blocks read ahead, updated, written behind
+            disk.update(s, 1e-3, None, 1.0, None)
+        disk.finish_writes()
         drop_cache(disk)
         step_s = time.perf_counter() - t0
     finally:

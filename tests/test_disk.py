@@ -19,63 +19,77 @@ from mobius.swap.disk import DiskState
 from mobius.train import main as train_main
 
 
-def stages(seed: int) -> dict[int, list[torch.nn.Parameter]]:
-    g = torch.Generator().manual_seed(seed)
-    return {s: [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
-            for s, shapes in {0: [(8, 4), (4,)], 1: [(16, 16)], 2: [(3,), (5, 2)]}.items()}
+def _stores(tmp_path, drives: int, masters: list[int], precision=torch.float32):
+    """The same four stages of ``tiny`` twice: with their state in memory, and through a disk tier
+    (every stage's moments, ``masters``' master weights, blocks of 1,000 parameters striped over
+    ``drives`` directories)."""
+    from mobius.runtime.device import CpuDevice
+    from mobius.swap.store import HostStageStore
+
+    config, rule = get_config("tiny"), UpdateRule(lr=1e-2)
+    bounds = [(0, 1), (1, 3), (3, 5), (5, 6)]
+    directories = [tmp_path / f"nvme{k}" for k in range(drives)]
+    for d in directories:
+        d.mkdir(exist_ok=True)
+    disk = DiskState(directories, 0, trace=Trace(enabled=True), masters=masters, block=1000)
+    ours = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, precision, CpuDevice(), disk=disk)
+    disk.attach(dict(ours.stages))
+    theirs = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, precision, CpuDevice())
+    return ours, theirs, disk, directories
 
 
 @pytest.mark.parametrize("drives", [1, 3])
-def test_moments_through_files_give_the_bits_of_moments_in_memory(tmp_path, drives):
-    """Five AdamW updates of three stages, the moments read ahead, updated, written behind (and
-    one stage skipped once, as an fp16 overflow skips a step), striped over one directory or three:
-    every weight and moment equal to the same updates in memory, bit for bit; a checkpoint's view
-    and a restore go through the files; closing removes them."""
-    rule = UpdateRule(lr=1e-2)
-    ours, theirs = stages(0), stages(0)
-    opt_ours = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in ours.items()}
-    opt_theirs = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], rule) for s, ps in theirs.items()}
-    directories = [tmp_path / f"nvme{k}" for k in range(drives)]
-    for d in directories:
-        d.mkdir()
-    trace = Trace(enabled=True)
-    disk = DiskState(directories, 0, opt_ours, trace=trace)
+def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives):
+    """Five AdamW updates of four stages, block by block (blocks cutting through parameters),
+    every stage's moments and two stages' master weights through the files, clipped, one stage's
+    update skipped once (as fp16's overflow skips a step): the compute copies the loads read, the
+    master weights and the moments equal the same updates in memory, bit for bit; a checkpoint's
+    view and a restore go through the files; every transfer is a span on the trace's disk lanes;
+    closing removes the files."""
+    ours, theirs, disk, directories = _stores(tmp_path, drives, masters=[1, 2])
     try:
+        assert [ours.stages[s].master.numel() == 0 for s in range(4)] == [False, True, True, False]
         g = torch.Generator().manual_seed(1)
         for step in range(5):
-            grads = {s: [torch.randn(p.shape, generator=g) for p in ps] for s, ps in ours.items()}
-            for s in ours:
-                disk.read_ahead(s)
-            for s in (2, 1, 0):  # backward order
-                skipped = step == 1 and s == 1
-                for p, q, grad in zip(ours[s], theirs[s], grads[s]):
-                    p.grad, q.grad = grad.clone(), grad.clone()
-                buffer = disk.page_in(s)
-                if not skipped:
-                    opt_ours[s].step()
-                    opt_theirs[s].step()
-                disk.page_out(s, buffer)
-                assert all(set(st) == {"step"} for st in opt_ours[s].state.values())  # only the count stays
-        for s in ours:
-            for p, q in zip(ours[s], theirs[s]):
-                assert torch.equal(p, q)
+            for s in (3, 2, 1, 0):  # backward order
+                mine, other = ours.stages[s], theirs.stages[s]
+                grads = torch.randn(mine.grad_staging.numel(), generator=g)
+                mine.grad_staging.copy_(grads)
+                other.grad_staging.copy_(grads)
+                other.attach_master_grads()
+                apply = not (step == 1 and s == 1)
+                disk.update(s, 1e-2, None, 0.5, mine.compute_buffers[0], apply=apply)
+                if apply:
+                    for p in other.master_params:
+                        p.grad.mul_(0.5)
+                    other.optimizer.step()
+                    theirs.refresh_compute_copy(s)
+                if not mine.master_on_disk:
+                    ours.refresh_compute_copy(s)
+                assert all(st == {} for st in mine.optimizer.state.values())  # the state is on disk
+        for s in range(4):
+            assert torch.equal(ours.stages[s].compute_buffers[0], theirs.stages[s].compute_buffers[0]), s
+            with disk.present(s):
+                mine, other = ours.stages[s], theirs.stages[s]
+                for p, q in zip(mine.master_params, other.master_params):
+                    assert torch.equal(p, q)
+                    for key in ("exp_avg", "exp_avg_sq", "step"):
+                        assert torch.equal(mine.optimizer.state[p][key], other.optimizer.state[q][key]), key
             disk.loaded(s)
-            for p, q in zip(ours[s], theirs[s]):
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert torch.equal(opt_ours[s].state[p][key], opt_theirs[s].state[q][key])
-                opt_ours[s].state[p]["exp_avg"] = opt_ours[s].state[p]["exp_avg"] * 0 + 7.0  # a restored state
+            for p in mine.master_params:
+                mine.optimizer.state[p]["exp_avg"] = mine.optimizer.state[p]["exp_avg"] * 0 + 7.0  # a restore
             disk.unload(s)
-            disk.loaded(s)
-            assert all(torch.all(opt_ours[s].state[p]["exp_avg"] == 7.0) for p in ours[s])
-            disk.forget(s)
+            with disk.present(s):
+                assert all(torch.all(mine.optimizer.state[p]["exp_avg"] == 7.0) for p in mine.master_params)
         assert disk.read_bytes > 0 and disk.written_bytes > 0
-        lanes = {lane: sum(e["args"]["bytes"] for e in trace.events if e["tid"] == lane)
-                 for lane in ("disk read", "disk write")}  # every transfer a span on the trace's disk lanes
+        lanes = {lane: sum(e["args"]["bytes"] for e in disk.trace.events if e["tid"] == lane)
+                 for lane in ("disk read", "disk write")}
         assert lanes == {"disk read": disk.read_bytes, "disk write": disk.written_bytes}
-        for d in directories:  # each drive holds its part of every stage's moments
-            assert sorted(p.name for p in d.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(3)]
-            assert sum(p.stat().st_size for p in d.iterdir()) * drives == pytest.approx(
-                8 * sum(p.numel() for ps in ours.values() for p in ps), abs=4 * drives * 3)
+        for d in directories:  # each drive holds its part of every stage's state
+            assert sorted(p.name for p in d.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(4)]
+        trained = {s: ours.stages[s].compute_buffers[0].numel() for s in range(4)}
+        assert sum(p.stat().st_size for d in directories for p in d.iterdir()) == 4 * sum(
+            (3 if s in (1, 2) else 2) * n for s, n in trained.items())
     finally:
         disk.close()
     assert all(list(d.iterdir()) == [] for d in directories)
@@ -88,14 +102,12 @@ def test_a_stage_is_striped_in_equal_contiguous_parts():
 
 
 def test_a_file_that_is_there_is_never_opened(tmp_path):
-    (tmp_path / "rank000-stage0001.adam").write_text("the user's")
-    params = stages(0)
-    optimizers = {s: make_adamw([(str(i), p) for i, p in enumerate(ps)], UpdateRule(lr=1e-2))
-                  for s, ps in params.items()}
+    (tmp_path / "nvme0").mkdir()
+    (tmp_path / "nvme0" / "rank000-stage0001.adam").write_text("the user's")
     with pytest.raises(RunError, match="cannot create its files"):
-        DiskState([tmp_path], 0, optimizers)
-    assert (tmp_path / "rank000-stage0001.adam").read_text() == "the user's"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank000-stage0001.adam"]
+        _stores(tmp_path, 1, masters=[])
+    assert (tmp_path / "nvme0" / "rank000-stage0001.adam").read_text() == "the user's"
+    assert sorted(p.name for p in (tmp_path / "nvme0").iterdir()) == ["rank000-stage0001.adam"]
 
 
 @pytest.mark.slow

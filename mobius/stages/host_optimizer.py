@@ -113,8 +113,6 @@ class HostOptimizer:
         arrived = self.grads_out.record()
         self.memory.will_free(host.grad_bytes)
         job = self._pool.submit(self._to_master, s, arrived, phase)
-        if self.disk is not None and host.optimizer is not None:
-            self.disk.read_ahead(s)  # its moments come from disk while the gradients come home
         self._to_master_jobs.append(job)
         self._last_job[s] = job
         if self.waits_for_the_step(s):
@@ -152,36 +150,39 @@ class HostOptimizer:
             return self.host.record()
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
-        t0, cpu0, updated = time.perf_counter(), time.thread_time(), []
-        paged = self.disk.page_in(s) if self.disk is not None and host.optimizer is not None else None
+        t0, cpu0, numel = time.perf_counter(), time.thread_time(), 0
+        buffer = self.store.buffer_updated_by(step)
+        on_disk = self.disk is not None and self.disk.holds(s)
         if apply and host.optimizer is not None:
             updated = [p for group in host.optimizer.param_groups for p in group["params"]]
-            if unscale is not None:
-                for p in updated:
-                    p.grad.div_(unscale)
-            if clip < 1.0:
-                for p in updated:
-                    p.grad.mul_(clip)
             set_lr(host.optimizer, lr)
-            numel = sum(p.numel() for p in updated)
+            numel = self.disk.numel(s) if on_disk else sum(p.numel() for p in updated)
             began = time.perf_counter()
             with self.device.host_update_span(numel):
-                host.optimizer.step()
+                if on_disk:  # block by block through the drives, the compute copy of a master there with it
+                    self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer])
+                else:
+                    for p in updated:
+                        if unscale is not None:
+                            p.grad.div_(unscale)
+                        if clip < 1.0:
+                            p.grad.mul_(clip)
+                    host.optimizer.step()
             with self._busy_lock:
                 self._busy[0] += time.perf_counter() - began
                 self._busy[1] += numel
+        elif on_disk:  # an fp16 step skipped: a master on disk still gives the compute copy its values
+            self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer], apply=False)
         if host.optimizer is not None:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
         self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter(), cpu_s=time.thread_time() - cpu0,
-                        params=sum(p.numel() for p in updated))
+                        params=numel)
         if apply and self.replicas is not None:
             self.replicas.broadcast_weights(host)
-        buffer = self.store.buffer_updated_by(step)
         self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
-        self.store.refresh_compute_copy(s, buffer)
-        if paged is not None:  # after the refresh: a master on disk leaves with the rest of the state
-            self.disk.page_out(s, paged)
+        if not host.master_on_disk:
+            self.store.refresh_compute_copy(s, buffer)
         return self.host.record()
 
     def take_busy(self) -> tuple[float, int]:

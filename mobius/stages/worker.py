@@ -217,7 +217,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
         replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
         store.update_only(replicas.updates)
     if disk is not None:
-        disk.attach({s: host.optimizer for s, host in store.stages.items()
+        disk.attach({s: host for s, host in store.stages.items()
                      if host.optimizer is not None and s in plan.disk_stages})
     prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")

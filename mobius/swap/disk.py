@@ -27,6 +27,7 @@ import os
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,9 +36,13 @@ import torch
 from mobius.boundary.errors import InputError, RunError, shown
 from mobius.metrics import Trace
 from mobius.models import build_model
-from mobius.swap.store import HostStage, view
+from mobius.runtime.optim import UpdateRule, adamw
+from mobius.swap.store import HostStage, Slot, view
 
 POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
+# The most parameters updated and moved at once: a pool buffer holds a block's state (up to 16 bytes
+# a parameter, 512 MB): few, large sequential requests, and a pool of a few GB whatever the stage.
+BLOCK_PARAMS = 2**25
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 4 * len(MOMENTS)  # a trained parameter's moments in its file (fp32)
 MASTER_BYTES = 4  # and its master weight, where that waits there too (fp32)
@@ -54,180 +59,228 @@ def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
     return [(starts[k], starts[k + 1] - starts[k]) for k in range(drives)]
 
 
+@dataclass
+class _Block:
+    """A run of a stage's updated parameters, updated and moved whole: ``pieces`` (parameter, its
+    master flat's first element of the run, count, weight decay), and each drive's part of the
+    block's record ``[master |] exp_avg | exp_avg_sq`` (element in the record, count, element in
+    that drive's file)."""
+
+    count: int
+    pieces: list[tuple[torch.nn.Parameter, int, int, float]]
+    parts: list[tuple[int, int, int]]
+
+
+def _blocks(pieces: list[tuple[torch.nn.Parameter, int, int, float]], fields: int, block: int,
+            drives: int) -> list[_Block]:
+    """A stage's parameters ``pieces`` (as in :class:`_Block`, whole parameters) cut into blocks
+    of at most ``block`` values, each one's record striped over ``drives`` files."""
+    out: list[_Block] = []
+    current: list = []
+    filled = 0
+    for p, first, count, decay in pieces:
+        while count:
+            take = min(count, block - filled)
+            current.append((p, first, take, decay))
+            first, count, filled = first + take, count - take, filled + take
+            if filled == block:
+                out.append(_Block(filled, current, []))
+                current, filled = [], 0
+    if filled:
+        out.append(_Block(filled, current, []))
+    at = [0] * drives  # each file's next element
+    for b in out:
+        for k, (start, n) in enumerate(stripes(fields * b.count, drives)):
+            b.parts.append((start, n, at[k]))
+            at[k] += n
+    return out
+
+
 class DiskState:
     def __init__(self, directories: Sequence[str | os.PathLike], rank: int,
-                 optimizers: dict[int, torch.optim.Optimizer] | None = None,
                  through: Callable[[int, bool, Callable[[], None]], None] | None = None, trace: Trace | None = None,
-                 masters: Sequence[int] = ()):
-        """``directories``: one on each drive the state is striped over; ``optimizers``: each
-        stage's AdamW (the stages whose moments go to disk; more may be given by :meth:`attach`);
-        ``masters``: the stages whose fp32 master weights wait there too (the store hands each to
-        :meth:`park` as it is built); ``through``: how a read or write of ``n`` bytes is done (the
-        device layer's ``disk_transfer``, which ``--emulate`` times at the emulated drives' rate),
-        else at once; ``trace``: where each read and write is a span, on the lanes ``disk read``
-        and ``disk write``."""
+                 masters: Sequence[int] = (), block: int = BLOCK_PARAMS):
+        """``directories``: one on each drive the state is striped over; ``masters``: the stages
+        whose fp32 master weights wait there too (the store hands each to :meth:`park` as it is
+        built; :meth:`attach` gives the tier every stage whose moments wait there); ``block``: the
+        most parameters updated and moved at once; ``through``: how a read or write of ``n`` bytes
+        is done (the device layer's ``disk_transfer``, which ``--emulate`` times at the emulated
+        drives' rate), else at once; ``trace``: where each read and write is a span, on the lanes
+        ``disk read`` and ``disk write``."""
         self.trace = trace or Trace(enabled=False)
         self.directories = [Path(d) for d in directories]
-        self.rank = rank
+        self.rank, self.block = rank, block
         self.through = through or (lambda nbytes, write, io: io())
         self.masters = set(masters)
-        self.hosts: dict[int, HostStage] = {}  # the parked stages
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.params: dict[int, list[torch.Tensor]] = {}
-        self.numel: dict[int, int] = {}  # trained parameters of each stage
-        self.stripes: dict[int, list[tuple[int, int]]] = {}
+        self.hosts: dict[int, HostStage] = {}  # every stage of the tier (parked or attached)
+        self.blocks: dict[int, list[_Block]] = {}
+        self.slots: dict[int, dict[int, Slot]] = {}  # each stage's trained parameters' places in its master flat
+        self.steps: dict[int, int] = {}  # updates applied to each stage (AdamW's step count)
         self.paths: dict[int, list[Path]] = {}
         self.fds: dict[int, list[int]] = {}
-        self.written: dict[int, bool] = {}  # AdamW has made the moments (first update done)
         self.pool: queue.Queue[torch.Tensor] = queue.Queue()
-        self._pool_elements = 0
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-write")
         # The parts of one read (or write) move on threads of their own, one per drive.
         drives = len(self.directories)
         self._parts = {call: ThreadPoolExecutor(drives, thread_name_prefix=f"mobius-disk-{what}")
                        for call, what in ((os.preadv, "read-part"), (os.pwritev, "write-part"))} if drives > 1 else {}
-        self._reads: dict[int, Future] = {}
-        self._writes: dict[int, Future] = {}
+        self._writes: dict[int, list[Future]] = {}  # each stage's blocks being written
         self.read_bytes = self.written_bytes = 0
-        if optimizers:
-            self.attach(optimizers)
 
     def holds(self, s: int) -> bool:
-        return s in self.optimizers
+        return s in self.blocks
+
+    def numel(self, s: int) -> int:
+        """The parameters the tier updates of stage ``s``."""
+        return sum(b.count for b in self.blocks[s])
 
     def fields(self, s: int) -> int:
-        """fp32 values a trained parameter of stage ``s`` has in its files: ``[master |] exp_avg | exp_avg_sq``."""
+        """fp32 values a parameter of stage ``s`` has in its files: ``[master |] exp_avg | exp_avg_sq``."""
         return len(MOMENTS) + (s in self.masters)
 
-    def _open(self, s: int, numel: int) -> None:
-        """Stage ``s``'s files, one per drive, created exclusively (never a file that was there)."""
-        self.numel[s] = numel
-        self.stripes[s] = stripes(self.fields(s) * numel, len(self.directories))
+    def _add(self, host: HostStage, params: list[torch.nn.Parameter], decay: dict[int, float]) -> None:
+        """Stage ``host``'s files (created exclusively: never a file that was there) and blocks."""
+        s = host.index
+        slots = self.slots[s] = dict(zip(map(id, host.master_params), [sl for sl in host.grad_slots() if sl]))
+        pieces = [(p, slots[id(p)].offset, slots[id(p)].numel, decay[id(p)]) for p in params]
+        self.blocks[s] = _blocks(pieces, self.fields(s), self.block, len(self.directories))
+        self.hosts[s], self.steps[s] = host, 0
         self.paths[s] = [d / f"rank{self.rank:03d}-stage{s:04d}.adam" for d in self.directories]
         self.fds[s] = []
-        self.written[s] = False
-        for path, (_, count) in zip(self.paths[s], self.stripes[s]):
+        for k, path in enumerate(self.paths[s]):
             try:
                 self.fds[s].append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-                os.ftruncate(self.fds[s][-1], 4 * count)
+                os.ftruncate(self.fds[s][-1], 4 * sum(b.parts[k][1] for b in self.blocks[s]))  # zeros: no moments yet
             except OSError as err:
-                self.close()
+                self._close()
                 raise RunError(f"--offload-dir {shown(path.parent)}: cannot create its files "
                                f"({err.strerror})") from None
 
     def park(self, host: HostStage) -> None:
         """Stage ``host``'s master weights (just built) to its files; the host keeps none of them.
         Its compute copy must already hold them: the loads read that."""
-        s = host.index
-        self._open(s, host.master.numel())
-        self._transfer(os.pwritev, s, host.master)
-        self.written_bytes += host.master.numel() * 4
-        self.hosts[s] = host
+        params = host.master_params
+        self._add(host, params, {id(p): 0.0 for p in params})  # decay: known at attach
+        for b in self.blocks[host.index]:
+            record = torch.zeros(self.fields(host.index) * b.count)
+            self._gather(b, host.master, record[:b.count])
+            self._move(os.pwritev, host.index, b, record)
         self._unbind_master(host)
 
-    def attach(self, optimizers: dict[int, torch.optim.Optimizer]) -> None:
-        """The stages whose moments (and, parked, master weights) go through the files: each
-        one's AdamW.  Every parked stage must be among them."""
-        for s, opt in optimizers.items():
-            self.optimizers[s] = opt
-            self.params[s] = [p for g in opt.param_groups for p in g["params"]]
-            if s not in self.fds:
-                self._open(s, sum(p.numel() for p in self.params[s]))
-        if set(self.hosts) - set(self.optimizers):
-            raise ValueError(f"parked stages {sorted(set(self.hosts) - set(self.optimizers))} have no optimizer")
-        grads = {s: self.numel[s] for s, h in self.hosts.items() if h.grad_staging.dtype != torch.float32}
-        largest = max((self.fields(s) * n + grads.get(s, 0) for s, n in self.numel.items()), default=0)
-        if largest > self._pool_elements:  # before any update: the pool is made once, at its final size
-            while not self.pool.empty():
-                self.pool.get()
-            self._pool_elements = largest
-            for _ in range(POOL_BUFFERS):
-                self.pool.put(torch.empty(largest, dtype=torch.float32))
+    def attach(self, stages: dict[int, HostStage]) -> None:
+        """Every stage whose moments (and, parked, master weights) go through the files, with the
+        AdamW that updates them (what it updates of the stage: with replicas, a share)."""
+        for s, host in stages.items():
+            groups = host.optimizer.param_groups
+            decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+            mine = [p for p in host.master_params if id(p) in decay]
+            if s in self.hosts:  # parked: its blocks hold every parameter; now with their decay
+                self.blocks[s] = [replace(b, pieces=[(p, f, n, decay[id(p)]) for p, f, n, _ in b.pieces])
+                                  for b in self.blocks[s]]
+            else:
+                self._add(host, mine, decay)
+        unparked = set(self.masters) & set(self.hosts) - set(stages)
+        if unparked:
+            raise ValueError(f"parked stages {sorted(unparked)} have no optimizer")
+        largest = max((min(self.block, sum(b.count for b in bs)) * (self.fields(s) + self._grads_in_pool(s))
+                       for s, bs in self.blocks.items()), default=0)
+        for _ in range(POOL_BUFFERS if largest else 0):
+            self.pool.put(torch.empty(largest, dtype=torch.float32))
+
+    def _grads_in_pool(self, s: int) -> int:
+        """1 where a block's fp32 gradients are made in its buffer (a 16-bit master on disk)."""
+        return int(s in self.masters and self.hosts[s].grad_staging.dtype != torch.float32)
 
     # ---- the update's path -------------------------------------------------------------------
-    def read_ahead(self, s: int) -> None:
-        """Start reading stage ``s``'s state (its update is coming)."""
-        if self.holds(s) and s not in self._reads:
-            self._reads[s] = self._reader.submit(self._read, s)
-
-    def _read(self, s: int) -> torch.Tensor:
-        if s in self._writes:  # its last update's state must be on disk first
-            self._writes.pop(s).result()
-        buffer = self.pool.get()  # waits for the writer to hand one back
-        if self.written[s] or s in self.hosts:
-            flat = buffer[:self.fields(s) * self.numel[s]]
-            t0 = time.perf_counter()
-            self._transfer(os.preadv, s, flat)
-            self.trace.span(f"state {s} from disk", "disk read", t0, time.perf_counter(), bytes=flat.numel() * 4)
-            self.read_bytes += flat.numel() * 4
-        return buffer
-
-    def page_in(self, s: int) -> torch.Tensor:
-        """Stage ``s``'s state bound for its update (views of a pool buffer): the master weights
-        of a parked stage, with their gradients (as they came home) attached, and AdamW's
-        moments (before the first update there are none: AdamW makes them); returns the buffer,
-        for :meth:`page_out`."""
-        self.read_ahead(s)
-        buffer = self._reads.pop(s).result()
-        if s in self.hosts:
-            self._bind_master(s, buffer)
-        if self.written[s]:
-            self._bind(s, buffer)
-        return buffer
-
-    def page_out(self, s: int, buffer: torch.Tensor) -> None:
-        """After stage ``s``'s update (and its compute copy's refresh): its state (in ``buffer``,
-        or where AdamW made the moments on its first update) leaves for the disk; the optimizer
-        keeps only its step count, the host no master weights."""
-        state = self.optimizers[s].state
-        made = all(key in state.get(p, {}) for p in self.params[s] for key in MOMENTS)
-        flat = buffer[:self.fields(s) * self.numel[s]]
-        if made:
-            offset = self.numel[s] if s in self.hosts else 0
-            for key in MOMENTS:
-                for p in self.params[s]:
-                    part = flat[offset: offset + p.numel()]
-                    moment = state[p].pop(key)
-                    if moment.data_ptr() != part.data_ptr():
-                        part.copy_(moment.reshape(-1))
-                    offset += p.numel()
-            self.written[s] = True
-        if s in self.hosts:
-            self._unbind_master(self.hosts[s])
-        if not made and s not in self.hosts:
-            self.pool.put(buffer)  # no update has made them yet (an fp16 step skipped before the first)
+    def update(self, s: int, lr: float, unscale: float | None, clip: float, compute: torch.Tensor | None,
+               apply: bool = True) -> None:
+        """Stage ``s``'s AdamW step, block by block: the read of the next block, the update of this
+        one (its gradients divided by ``unscale``, then multiplied by ``clip``, as in memory) and
+        the write of the last in flight together; a master on disk also refreshes ``compute`` (the compute-dtype
+        copy the next loads read) block by block.  ``apply`` off (an fp16 step skipped): nothing
+        changes, but a master on disk still refreshes ``compute``."""
+        host, blocks = self.hosts[s], self.blocks[s]
+        if not apply and s not in self.masters:
             return
-        self._writes[s] = self._writer.submit(self._write, s, flat, buffer)
+        group = host.optimizer.param_groups[0]
+        for w in self._writes.pop(s, []):  # its last update's blocks on disk before they are read again
+            w.result()
+        reads = [self._reader.submit(self._read, s, blocks[0])]
+        for i, b in enumerate(blocks):
+            buffer = reads[i].result()
+            if i + 1 < len(blocks):
+                reads.append(self._reader.submit(self._read, s, blocks[i + 1]))
+            record = buffer[:self.fields(s) * b.count]
+            master = record[:b.count] if s in self.masters else None
+            if apply:
+                self._step(s, b, buffer, master, lr, unscale, clip, group)
+            if master is not None and compute is not None:
+                self._scatter(b, master, compute)
+            if apply:
+                self._writes.setdefault(s, []).append(self._writer.submit(self._write, s, b, record, buffer))
+            else:
+                self.pool.put(buffer)
+        if apply:
+            self.steps[s] += 1
 
-    def _write(self, s: int, flat: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _step(self, s: int, b: _Block, buffer: torch.Tensor, master: torch.Tensor | None, lr: float,
+              unscale: float | None, clip: float, group: dict) -> None:
+        """AdamW on block ``b``: the moments in its record, the master there or in the host's
+        store, the gradients the host's (or made, 16-bit, in the buffer's last part)."""
+        host, n = self.hosts[s], b.count
+        moments = buffer[self.fields(s) * n - 2 * n:self.fields(s) * n]
+        grads = host.master_grad if not self._grads_in_pool(s) else None
+        if grads is None:
+            made = buffer[self.fields(s) * n:(self.fields(s) + 1) * n]
+            self._gather(b, host.grad_staging, made)
+        decays: dict[float, list] = {}
+        at = 0
+        for p, first, count, decay in b.pieces:
+            weight = master[at:at + count] if master is not None else host.master[first:first + count]
+            grad = made[at:at + count] if grads is None else grads[first:first + count]
+            if unscale is not None:
+                grad.div_(unscale)
+            if clip < 1.0:
+                grad.mul_(clip)
+            param = torch.nn.Parameter(weight, requires_grad=True)  # a view: AdamW writes the block's values
+            param.grad = grad
+            state = {"step": torch.tensor(float(self.steps[s])), "exp_avg": moments[at:at + count],
+                     "exp_avg_sq": moments[n + at:n + at + count]}
+            decays.setdefault(decay, []).append((param, state))
+            at += count
+        optimizer = adamw([{"params": [p for p, _ in ps], "weight_decay": d} for d, ps in decays.items()],
+                          UpdateRule(lr=lr, betas=group["betas"], eps=group["eps"]))
+        for ps in decays.values():
+            for p, state in ps:
+                optimizer.state[p] = state
+        optimizer.step()
+
+    def _read(self, s: int, b: _Block) -> torch.Tensor:
+        buffer = self.pool.get()  # waits for the writer to hand one back
+        self._move(os.preadv, s, b, buffer[:self.fields(s) * b.count])
+        return buffer
+
+    def _write(self, s: int, b: _Block, record: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
-            t0 = time.perf_counter()
-            self._transfer(os.pwritev, s, flat)
-            self.trace.span(f"state {s} to disk", "disk write", t0, time.perf_counter(), bytes=flat.numel() * 4)
-            self.written_bytes += flat.numel() * 4
+            self._move(os.pwritev, s, b, record)
         finally:
             self.pool.put(buffer)
 
-    def _bind(self, s: int, flat: torch.Tensor) -> None:
-        state, offset = self.optimizers[s].state, self.numel[s] if s in self.hosts else 0
-        for key in MOMENTS:
-            for p in self.params[s]:
-                state[p][key] = flat[offset: offset + p.numel()].view(p.shape)
-                offset += p.numel()
+    @staticmethod
+    def _gather(b: _Block, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (the block's length) from the block's pieces of a stage's master-layout ``flat``."""
+        at = 0
+        for _, first, count, _ in b.pieces:
+            out[at:at + count].copy_(flat[first:first + count])
+            at += count
 
-    def _bind_master(self, s: int, flat: torch.Tensor) -> None:
-        """The parked stage's master weights as views of ``flat``'s first part (the store's
-        layout), and their gradients: the staging buffer itself (fp32), or (16-bit) an fp32 copy
-        of it in the buffer's last part."""
-        host, n = self.hosts[s], self.numel[s]
-        host.master = flat[:n]
-        if host.grad_staging.dtype != torch.float32:
-            host.master_grad = flat[self.fields(s) * n:(self.fields(s) + 1) * n]
-            host.master_grad.copy_(host.grad_staging)
-        for p, slot in zip(host.master_params, [sl for sl in host.grad_slots() if sl is not None]):
-            p.data = view(host.master, slot)
-        host.attach_master_grads()
+    @staticmethod
+    def _scatter(b: _Block, values: torch.Tensor, flat: torch.Tensor) -> None:
+        at = 0
+        for _, first, count, _ in b.pieces:
+            flat[first:first + count].copy_(values[at:at + count])
+            at += count
 
     @staticmethod
     def _unbind_master(host: HostStage) -> None:
@@ -238,17 +291,17 @@ class DiskState:
             p.grad = None
             p.data = torch.empty(0)
 
-    def _transfer(self, call, s: int, flat: torch.Tensor) -> None:
-        """``flat`` read from or written to stage ``s``'s files from their start, each drive's part on
-        a thread of its own (the calls may move less than asked)."""
-        view_ = memoryview(flat.numpy()).cast("B")
+    def _move(self, call, s: int, b: _Block, record: torch.Tensor) -> None:
+        """Block ``b``'s ``record`` read from or written to stage ``s``'s files, each drive's part on a
+        thread of its own (the calls may move less than asked), as a span on the trace."""
+        view_ = memoryview(record.numpy()).cast("B")
 
         def part(k: int) -> None:
-            start, count = self.stripes[s][k]
-            piece, done = view_[4 * start: 4 * min(start + count, flat.numel())], 0
+            start, count, offset = b.parts[k]
+            piece, done = view_[4 * start: 4 * (start + count)], 0
             try:
                 while done < len(piece):
-                    moved = call(self.fds[s][k], [piece[done:]], done)
+                    moved = call(self.fds[s][k], [piece[done:]], 4 * offset + done)
                     if moved <= 0:
                         raise OSError(0, "the file ended early")
                     done += moved
@@ -263,36 +316,60 @@ class DiskState:
             else:
                 part(0)
 
-        self.through(len(view_), call is os.pwritev, io)
+        write = call is os.pwritev
+        t0 = time.perf_counter()
+        self.through(len(view_), write, io)
+        self.trace.span(f"state {s} {'to' if write else 'from'} disk", "disk write" if write else "disk read", t0,
+                        time.perf_counter(), bytes=len(view_))
+        if write:
+            self.written_bytes += len(view_)
+        else:
+            self.read_bytes += len(view_)
 
     # ---- checkpoints and the final weights ----------------------------------------------------
+    def finish_writes(self) -> None:
+        """Every write issued so far done (before the files are read whole)."""
+        writes, self._writes = self._writes, {}
+        for w in [w for ws in writes.values() for w in ws]:
+            w.result()
+
     def loaded(self, s: int) -> None:
-        """Stage ``s``'s state bound again in tensors of its own: the master weights of a parked
-        stage, the moments in AdamW's state (a checkpoint reads them, a restore writes them;
-        :meth:`unload` sends them back, :meth:`forget` drops them)."""
-        if not self.holds(s) or (not self.written[s] and s not in self.hosts):
+        """Stage ``s``'s state in tensors of its own: the master weights of a parked stage bound to
+        its parameters, the moments and step count in its AdamW's state (a checkpoint reads them, a
+        restore writes into them; :meth:`unload` sends them back, :meth:`forget` drops them)."""
+        if not self.holds(s):
             return
-        if s in self._writes:
-            self._writes.pop(s).result()
-        flat = torch.empty(self.fields(s) * self.numel[s], dtype=torch.float32)
-        self._transfer(os.preadv, s, flat)
-        if s in self.hosts:
-            host = self.hosts[s]
-            host.master = flat[:self.numel[s]]
+        self.finish_writes()
+        host, optimizer = self.hosts[s], self.hosts[s].optimizer
+        if s in self.masters:
+            host.master = torch.empty(sum(sl.numel for sl in host.grad_slots() if sl is not None))
             for p, slot in zip(host.master_params, [sl for sl in host.grad_slots() if sl is not None]):
                 p.data = view(host.master, slot)
-        if self.written[s]:
-            self._bind(s, flat)
+        if self.steps[s] == 0:
+            return  # no moments yet
+        moments = {id(p): (torch.empty(p.shape), torch.empty(p.shape)) for p in host.master_params}
+        for b in self.blocks[s]:
+            record = torch.empty(self.fields(s) * b.count)
+            self._move(os.preadv, s, b, record)
+            n, at = b.count, 0
+            if s in self.masters:
+                self._scatter(b, record[:n], host.master)
+            for p, first, count, _ in b.pieces:
+                start = first - self.slots[s][id(p)].offset  # where the piece lies in p's own values
+                for k, moment in enumerate(moments[id(p)]):
+                    base = self.fields(s) * n - 2 * n + k * n
+                    moment.view(-1)[start:start + count].copy_(record[base + at:base + at + count])
+                at += count
+        for p in [q for g in optimizer.param_groups for q in g["params"]]:
+            optimizer.state[p] = {"step": torch.tensor(float(self.steps[s])), "exp_avg": moments[id(p)][0],
+                                  "exp_avg_sq": moments[id(p)][1]}
 
     def forget(self, s: int) -> None:
         """Drop what :meth:`loaded` bound (the files hold the same)."""
         if not self.holds(s):
             return
-        if self.written[s]:
-            for st in self.optimizers[s].state.values():
-                for key in MOMENTS:
-                    st.pop(key, None)
-        if s in self.hosts:
+        self.hosts[s].optimizer.state.clear()
+        if s in self.masters:
             self._unbind_master(self.hosts[s])
 
     @contextlib.contextmanager
@@ -305,26 +382,38 @@ class DiskState:
             self.forget(s)
 
     def unload(self, s: int) -> None:
-        """Stage ``s``'s state, as it is bound now (a checkpoint's, restored into what
-        :meth:`loaded` bound), written to disk; the optimizer keeps only its step count."""
+        """Stage ``s``'s state as it is bound now (a checkpoint's, restored into what :meth:`loaded`
+        bound) written to its files; then :meth:`forget`."""
         if not self.holds(s):
             return
-        made = any(k in st for st in self.optimizers[s].state.values() for k in MOMENTS)
-        if not made and s not in self.hosts:
-            return
-        buffer = self.pool.get()
-        if s in self.hosts:
-            buffer[:self.numel[s]].copy_(self.hosts[s].master)
-        if not made and self.written[s]:  # the restore had no moments: the file's stay as they were
-            self._transfer(os.pwritev, s, buffer[:self.numel[s]])
-            self._unbind_master(self.hosts[s])
-            self.pool.put(buffer)
-            return
-        self.page_out(s, buffer)
-        self._writes[s].result()
+        host, optimizer = self.hosts[s], self.hosts[s].optimizer
+        states = [optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]]
+        made = [st for st in states if all(k in st for k in MOMENTS)]
+        self.steps[s] = int(made[0]["step"]) if made else 0
+        by_id = {id(p): optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]}
+        for b in self.blocks[s]:
+            record = torch.zeros(self.fields(s) * b.count)
+            n, at = b.count, 0
+            if s in self.masters:
+                self._gather(b, host.master, record[:n])
+            for p, first, count, _ in b.pieces:
+                start, st = first - self.slots[s][id(p)].offset, by_id[id(p)]
+                for k, key in enumerate(MOMENTS):
+                    if key in st:
+                        base = self.fields(s) * n - 2 * n + k * n
+                        record[base + at:base + at + count].copy_(st[key].reshape(-1)[start:start + count])
+                at += count
+            self._move(os.pwritev, s, b, record)
+        self.forget(s)
 
     def close(self) -> None:
         """Every write finished; the files removed (they are the run's, and only the run's)."""
+        try:
+            self.finish_writes()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         for pool in self._parts.values():
