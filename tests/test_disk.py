@@ -172,7 +172,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     config = get_config("small")
     need = host_bytes_needed(config, "bf16") / 1e9
     plans = {}
-    for name, host in (("all", None), ("half", need * 0.75), ("fits", need * 2)):
+    for name, host in (("all", None), ("half", need * 0.75), ("fits", need * 2), ("masters", need * 0.5)):
         cfg = RunConfig.of(**base, **({"host_mem_gb": host} if host else {}))
         plans[name] = plan_on(cfg, config, resolve_topology(cfg), time_limit_s=2)
     host_stages = [j for j in range(len(plans["all"].bounds)) if j not in plans["all"].resident]
@@ -184,6 +184,40 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     assert plans["all"].predicted_step_s > plans["fits"].predicted_step_s
     assert Lane.DISK not in plans["fits"].lane_floor_s
     assert "disk tier: AdamW's moments of stages" in half.render() and not (tmp_path / "nvme").exists()
+    assert half.disk_masters == [] and plans["all"].disk_masters == []  # the moments were enough
+    # Every stage's moments on disk free 8 of bf16's 20 host bytes a parameter: at 50%, the master
+    # weights (and their fp32 gradients: 8 bytes more) of the largest stages go too.
+    masters = plans["masters"]
+    assert masters.disk_stages == host_stages and 0 < len(masters.disk_masters) < len(host_stages)
+    params = {j: s.param_bytes // 2 for j, s in enumerate(masters.stages)}
+    assert masters.disk_bytes == sum(8 * params[j] for j in host_stages) + sum(4 * params[j] for j in masters.disk_masters)
+    assert masters.predicted_step_s > half.predicted_step_s
+    assert "disk, disk" in masters.render() and "host, disk" in masters.render()
+
+
+def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
+    """Llama-3.1-8B, full fine-tuning in bf16 on the 4x4090 preset with 64 GB of host memory and
+    one 7 GB/s drive (about 160 GB of state in memory; 96 GB with every moment on disk, and refused
+    so where the master must stay in memory): planned, the master weights of the largest host
+    stages on disk beside every host stage's moments."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from published_models import model_dir
+
+    from mobius.planning.pipeline import plan_on
+    from mobius.runtime.inputs import model_config_for
+
+    with model_dir("Llama-3.1-8B") as path:
+        base = dict(model=path, topology="4x4090", micro_batch_size=1, micro_batches=16, seq_len=2048,
+                    precision="bf16", progress=False, offload_dir=str(tmp_path / "nvme"), drive_gbps=("7",))
+        moments_only = RunConfig.of(**base, host_mem_gb=64, data_parallel=2)  # replicas keep the master in memory
+        with pytest.raises(InputError, match="needs [0-9.]* GB of host memory"):
+            plan_on(moments_only, model_config_for(moments_only), resolve_topology(moments_only))
+        cfg = RunConfig.of(**base, host_mem_gb=64)
+        plan = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), time_limit_s=2)
+    assert plan.disk_masters and set(plan.disk_masters) <= set(plan.disk_stages)
+    assert "tokens/s" in plan.render()
 
 
 @pytest.mark.parametrize("args,message", [

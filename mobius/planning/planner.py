@@ -35,7 +35,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
-from mobius.swap.disk import MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS
+from mobius.swap.disk import BLOCK_PARAMS, MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -120,13 +120,14 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     if optimizer_lag:  # a second compute copy (fp32: the first no longer aliases the master)
         per_trained += element_bytes(precision) * (2 if precision == "fp32" else 1)
     pool = 0
-    if moments_on_disk:  # the moments pass through a pool of a few stages' worth; counted at a layer a stage
+    if moments_on_disk:  # the moments pass through a pool of a few blocks' worth
         per_trained -= ADAM_STATE_BYTES / data_parallel
-        pool = POOL_BUFFERS * ADAM_STATE_BYTES * largest
+        block = min(BLOCK_PARAMS, largest)  # the pool's buffers hold a block of a stage each
+        pool = POOL_BUFFERS * ADAM_STATE_BYTES * block
         freed = master_bytes_freed(precision, optimizer_lag) if data_parallel == 1 else 0
         if freed:  # and the master weights where the host would not hold them all (the least it can need)
             per_trained -= freed
-            pool += POOL_BUFFERS * freed * largest
+            pool += POOL_BUFFERS * freed * block
     return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision) + pool))
 
 
@@ -245,7 +246,7 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
     def pool(chosen_masters: list[int]) -> float:
         grads = MASTER_BYTES if master_freed > MASTER_BYTES else 0  # 16-bit: the fp32 gradients too
         per_param = ADAM_STATE_BYTES // data_parallel + ((MASTER_BYTES + grads) if chosen_masters else 0)
-        return POOL_BUFFERS * per_param * params[order[0]] if order else 0
+        return POOL_BUFFERS * per_param * min(BLOCK_PARAMS, params[order[0]]) if order else 0
 
     moments: list[int] = []
     freed = 0

@@ -164,6 +164,14 @@ class Plan:
             raise ValueError(f"its resident stages {self.resident} are not stages of it")
         return self
 
+    def state_home(self, stage: int) -> str:
+        """Where stage ``stage``'s fp32 master weights and AdamW state live between updates."""
+        if stage in self.resident:
+            return "GPU (resident)"
+        if stage in self.disk_masters:
+            return "disk, disk"
+        return "host, disk" if stage in self.disk_stages else "host, host"
+
     def render(self) -> str:
         lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
                  f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",
@@ -172,13 +180,13 @@ class Plan:
         if self.solver:
             lines.append(f"solver: {self.solver.status} in {self.solver.solve_s:.2f} s, gap {self.solver.gap:.2e}")
         lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
-                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}")
+                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}  master, AdamW state")
         for s in self.stages:
             lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
                          f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
                          f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
                          f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}"
-                         + ("  resident" if s.index in self.resident else ""))
+                         + f"  {self.state_home(s.index)}")
         if self.resident:
             lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
                          "(no swap, no gradient offload, no host update)")
@@ -192,7 +200,9 @@ class Plan:
                          f"{self.micro_batches} of the step's {self.micro_batches * self.data_parallel} micro-batches; "
                          f"each host sums gradients and broadcasts weights over {self.network} and updates 1/"
                          f"{self.data_parallel} of the parameters (ZeRO-1)")
-        lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms")
+        tokens = self.micro_batches * self.micro_batch_size * self.seq_len * self.data_parallel
+        lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms "
+                     f"({tokens / self.predicted_step_s:,.0f} tokens/s)")
         if self.solver and self.solver.chosen != "mip":
             lines.append(f"chosen: the {self.solver.chosen} partition, within 1% of the fastest and moving the "
                          "fewest bytes between host and GPUs")
