@@ -190,7 +190,8 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     masters = plans["masters"]
     assert masters.disk_stages == host_stages and 0 < len(masters.disk_masters) < len(host_stages)
     params = {j: s.param_bytes // 2 for j, s in enumerate(masters.stages)}
-    assert masters.disk_bytes == sum(8 * params[j] for j in host_stages) + sum(4 * params[j] for j in masters.disk_masters)
+    assert masters.disk_bytes == (sum(8 * params[j] for j in host_stages)
+                                  + sum(4 * params[j] for j in masters.disk_masters))
     assert masters.predicted_step_s > half.predicted_step_s
     assert "disk, disk" in masters.render() and "host, disk" in masters.render()
 
@@ -260,7 +261,7 @@ def test_an_offload_dir_on_a_full_or_read_only_file_system_is_refused_before_tra
                   "--metrics", str(tmp_path / "m.jsonl")]
     monkeypatch.setattr(disk.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=10, f_frsize=4096))
     message = one_line_exit_2(train_main, run, capsys)
-    assert "AdamW's moments take up to 0.00 GB there, but its file system has 0.00 GB free" in message
+    assert "the optimizer's state takes up to 0.00 GB there, but its file system has 0.00 GB free" in message
     monkeypatch.undo()
 
     real_open = os.open

@@ -100,7 +100,7 @@ class Plan:
     # The disk tier (--offload-dir): the stages whose AdamW moments wait on disk, their bytes, and
     # the drives' bandwidth the prediction assumed (GB/s, read and write, all drives).
     disk_stages: list[int] = field(default_factory=list)
-    disk_masters: list[int] = field(default_factory=list)  # of those, the stages whose fp32 master weights wait there too
+    disk_masters: list[int] = field(default_factory=list)  # of those, the stages whose fp32 masters wait there too
     disk_bytes: int = 0
     disk_gbps: tuple[float, float] = (0.0, 0.0)
 
@@ -192,7 +192,8 @@ class Plan:
                          "(no swap, no gradient offload, no host update)")
         if self.disk_stages:
             masters = f", the master weights of stages {self.disk_masters}" if self.disk_masters else ""
-            lines.append(f"disk tier: AdamW's moments of stages {self.disk_stages}{masters} ({self.disk_bytes / 1e9:.1f} GB) "
+            lines.append(f"disk tier: AdamW's moments of stages {self.disk_stages}{masters} "
+                         f"({self.disk_bytes / 1e9:.1f} GB) "
                          f"wait on the drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write) "
                          "between updates, read ahead and written behind")
         if self.data_parallel > 1:

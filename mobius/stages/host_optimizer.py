@@ -55,7 +55,7 @@ class HostOptimizer:
                  scaler: DynamicLossScaler, tied: TiedEmbedding, transport: Transport,
                  replicas: ReplicaGroup | None = None, disk: DiskState | None = None):
         self.store, self.device, self.memory, self.traffic, self.trace = store, device, memory, traffic, trace
-        self.disk = disk  # where AdamW's moments wait between updates (--offload-dir), or None: in memory
+        self.disk = disk  # where optimizer state waits between updates (--offload-dir), or None: in memory
         self.scaler, self.tied, self.transport, self.replicas = scaler, tied, transport, replicas
         self.lag = store.lag
         self.compute = device.compute
@@ -238,10 +238,11 @@ class HostOptimizer:
         parameters its AdamW updates (its stages' trained ones; with replicas, those it owns,
         summed over the replicas), the tied table counted once (its head copy holds the same sum)."""
         duplicate = self.tied.head_copy()
-        on_disk = [g for s in stages if self.store.stages[s].master_on_disk for g in self.store.stages[s].gradients()]
+        hosts = [self.store.stages[s] for s in stages]
+        on_disk = [g for host in hosts if host.master_on_disk for g in host.gradients()]  # not bound: as staged
         return squares(on_disk) + squares(
-            p.grad for s in stages if self.store.stages[s].optimizer is not None and not self.store.stages[s].master_on_disk
-            for group in self.store.stages[s].optimizer.param_groups for p in group["params"]
+            p.grad for host in hosts if host.optimizer is not None and not host.master_on_disk
+            for group in host.optimizer.param_groups for p in group["params"]
             if p.grad is not None and p is not duplicate)
 
     def drain(self) -> None:

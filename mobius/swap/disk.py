@@ -1,25 +1,23 @@
-"""The disk tier of the host store: AdamW's two moments of a worker's stages on NVMe
-(``--offload-dir``), as ZeRO-Infinity keeps optimizer state, so that a host with less memory than
-full fine-tuning asks for (16 bytes a parameter) trains with 8 bytes a parameter fewer.
+"""The disk tier of the host store: optimizer state of a worker's stages on NVMe (``--offload-dir``),
+as ZeRO-Infinity keeps it, so that a host with less memory than full fine-tuning asks for (16-20
+bytes a parameter) trains: AdamW's two moments of every stage the plan names (8 bytes a parameter)
+and, of those it names too, the fp32 master weights (4 more; with 16-bit compute their fp32
+gradients then exist only in an update's buffer).
 
-Each stage's moments, ``[exp_avg | exp_avg_sq]`` in fp32, are striped over the directories of
-``--offload-dir`` (one per drive): one contiguous part of equal size in a file in each, written and
-read whole (one large sequential request each), the parts of one transfer on as many threads, so
-that every drive reads and writes at once.  Between updates the optimizer holds only AdamW's step count:
-:meth:`DiskState.page_in` binds the moments to a buffer of a small pool just before the stage's
-update, :meth:`DiskState.page_out` writes them back and returns the buffer.  The read of a
-stage's moments starts as soon as its gradients leave the device (:meth:`read_ahead`), on a reader
-thread, and the write after its update runs on a writer thread: the read of the next stage, this
-stage's update and the last stage's write are in flight together.  The pool bounds the host memory
-the tier takes (``POOL_BUFFERS`` buffers of the largest stage's moments); the reader waits for a
-free buffer, the writer frees them, and reads and updates come in the same order, so the pool
-cannot deadlock.
+A stage's state is cut into blocks of at most ``block`` parameters; each block's record
+``[master |] exp_avg | exp_avg_sq`` (fp32) is striped over the directories of ``--offload-dir``
+(one per drive) in equal contiguous parts, the parts of one transfer on as many threads, so that
+every drive reads and writes at once.  A stage's update (:meth:`DiskState.update`) streams its
+blocks through a pool of ``POOL_BUFFERS`` block buffers: a reader thread reads the next block, the
+optimizer thread updates this one (fused AdamW on its slices of each parameter), a writer thread
+writes the last.  The reader waits for a free buffer and the writer frees them; a stage's reads
+wait for its last writes.  Between updates the optimizer holds nothing and the tier the step
+count; the host holds a stage's master weights only while :meth:`present` binds them.
 
 The files are the run's own: created exclusively (never a file of the user's), removed when the
-worker closes.  AdamW is elementwise, and a moment's trip through a file is exact: a run with its
-moments on disk computes the same bits as one with them in memory.
+worker closes.  AdamW is elementwise, and a value's trip through a file is exact: a run with its
+state on disk computes the same bits as one with it in memory.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -461,26 +459,29 @@ def shares_a_file_system(directories) -> bool:
 
 
 def check_offload_dir(cfg, model_config, topo) -> None:
-    """``--offload-dir`` before training: one directory on each drive the moments are striped over
+    """``--offload-dir`` before training: one directory on each drive the state is striped over
     (no two on one file system), each one's file system holding its part of the moments of every
-    trained parameter (the most the tier writes there).  Where the plan is given a drive's rates
-    (the topology's drives, ``--drive-gbps``; :func:`mobius.planning.prepare.resolve_topology`
-    pairs them with the directories in order), the drive is timed (:func:`measure_drive`) and one
-    that reads or writes at less than half of them is refused: the plan would be wrong.  Under
-    ``--emulate`` the stated rates are what the run is charged: nothing to time."""
+    trained parameter, and with ``--host-mem-gb`` of their master weights (the most the tier
+    writes there).  Where the plan is given a drive's rates (the topology's drives,
+    ``--drive-gbps``; :func:`mobius.planning.prepare.resolve_topology` pairs them with the
+    directories in order), the drive is timed (:func:`measure_drive`) and one that reads or writes
+    at less than half of them is refused: the plan would be wrong.  Under ``--emulate`` the stated
+    rates are what the run is charged: nothing to time."""
     directories = cfg.pipeline.offload_dir
     if not directories:
         return
     if shares_a_file_system(directories):
         raise InputError(f"--offload-dir {','.join(map(shown, directories))}: two of these directories are on one "
                          "file system; name one directory on each drive (they are read and written at once)")
-    need = MOMENT_BYTES * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
-                              if p.requires_grad) / len(directories)
+    # The most the tier can write there (the plan, made later, may keep the master weights in memory).
+    per_param = MOMENT_BYTES + (MASTER_BYTES if cfg.host_mem_gb is not None else 0)
+    need = per_param * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
+                           if p.requires_grad) / len(directories)
     for directory in directories:
         fs = os.statvfs(directory)
         free = fs.f_bavail * fs.f_frsize
         if need > free:
-            raise InputError(f"--offload-dir {shown(directory)}: AdamW's moments take up to {need / 1e9:.2f} GB "
+            raise InputError(f"--offload-dir {shown(directory)}: the optimizer's state takes up to {need / 1e9:.2f} GB "
                              f"there, but its file system has {free / 1e9:.2f} GB free")
     if topo is None or cfg.emulation.enabled:
         return
