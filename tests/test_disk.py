@@ -118,9 +118,9 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     tier, and one saved without resumes onto it, each ending equal to the reference."""
     cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2,
                        micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
-                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1,
+                       device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1, host_mem_gb=0,
                        offload_dir=(str(tmp_path / "nvme0"), str(tmp_path / "nvme1")))  # striped over two
-    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=())
+    ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=(), host_mem_gb=None)
     for d in cfg.pipeline.offload_dir:
         Path(d).mkdir()
     history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
@@ -131,9 +131,10 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     for d in cfg.pipeline.offload_dir:
         assert list(Path(d).iterdir()) == []
         Path(d).rmdir()
-    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4"]
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4",
+                  "--optimizer-lag", "1"]
     straight, _ = reference(parse_train_args(run), precision="fp32")
-    disk = ["--offload-dir", str(tmp_path / "nvme")]
+    disk = ["--offload-dir", str(tmp_path / "nvme"), "--host-mem-gb", "0"]  # with the lag, the masters too
     for first, then, name in ((disk, [], "off-the-disk"), ([], disk, "onto-the-disk")):
         metrics = str(tmp_path / f"{name}.jsonl")
         train_main(run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics])
@@ -160,8 +161,8 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
 
 def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(tmp_path, capsys):
     """``--host-mem-gb`` below what the run holds in memory: the largest host stages' moments go
-    to disk until the rest fits (none where it fits, all without the cap); the prediction charges
-    their way through the drives, and the disk lane's floor is their bytes there and back."""
+    to disk until the rest fits (none where it fits; with 0 all the tier can take); the prediction
+    charges their way through the drives, and the disk lane's floor is their bytes there and back."""
     from mobius.planning.pipeline import plan_on
     from mobius.planning.planner import host_bytes_needed
     from mobius.runtime.spec import Lane
@@ -172,8 +173,8 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     config = get_config("small")
     need = host_bytes_needed(config, "bf16") / 1e9
     plans = {}
-    for name, host in (("all", None), ("half", need * 0.75), ("fits", need * 2), ("masters", need * 0.5)):
-        cfg = RunConfig.of(**base, **({"host_mem_gb": host} if host else {}))
+    for name, host in (("all", 0), ("half", need * 0.75), ("fits", need * 2), ("masters", need * 0.5)):
+        cfg = RunConfig.of(**base, host_mem_gb=host)
         plans[name] = plan_on(cfg, config, resolve_topology(cfg), time_limit_s=2)
     host_stages = [j for j in range(len(plans["all"].bounds)) if j not in plans["all"].resident]
     assert plans["all"].disk_stages == host_stages and plans["fits"].disk_stages == []
@@ -184,7 +185,9 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     assert plans["all"].predicted_step_s > plans["fits"].predicted_step_s
     assert Lane.DISK not in plans["fits"].lane_floor_s
     assert "disk tier: AdamW's moments of stages" in half.render() and not (tmp_path / "nvme").exists()
-    assert half.disk_masters == [] and plans["all"].disk_masters == []  # the moments were enough
+    assert half.disk_masters == []  # the moments were enough
+    tied = {0, len(plans["all"].bounds) - 1} if config.tie_embeddings else set()
+    assert plans["all"].disk_masters == [j for j in host_stages if j not in tied]  # 0: all the tier can take
     # Every stage's moments on disk free 8 of bf16's 20 host bytes a parameter: at 50%, the master
     # weights (and their fp32 gradients: 8 bytes more) of the largest stages go too.
     masters = plans["masters"]
@@ -194,6 +197,19 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
                                   + sum(4 * params[j] for j in masters.disk_masters))
     assert masters.predicted_step_s > half.predicted_step_s
     assert "disk, disk" in masters.render() and "host, disk" in masters.render()
+
+
+def test_the_host_memory_is_the_machines_available_less_a_margin_unless_stated(monkeypatch):
+    """Without --host-mem-gb, a run on this machine with the disk tier may use what it has
+    available less 10%; a stated figure, or a planned box's own, stands."""
+    from mobius.planning import prepare
+
+    monkeypatch.setattr(prepare, "available_host_memory", lambda: 10 * 10**9)
+    machine = dict(model="tiny", topology="cpu", offload_dir="nvme")
+    assert resolve_topology(RunConfig.of(**machine)).host_memory_gb == pytest.approx(9.0)
+    assert resolve_topology(RunConfig.of(**machine, host_mem_gb=4)).host_memory_gb == 4
+    assert resolve_topology(RunConfig.of(model="tiny", topology="cpu")).host_memory_gb > 9.0  # no tier: untouched
+    assert resolve_topology(RunConfig.of(model="tiny", topology="4x4090", offload_dir="nvme")).host_memory_gb == 1024
 
 
 def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
@@ -329,7 +345,7 @@ def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
         slow.rmdir()
 
     base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
-                precision="bf16", progress=False, device_optimizer="off")
+                precision="bf16", progress=False, device_optimizer="off", host_mem_gb=0)
     floors = [plan_on(RunConfig.of(**base, offload_dir=dirs), get_config("small"),
                       resolve_topology(RunConfig.of(**base, offload_dir=dirs)), time_limit_s=2).lane_floor_s[Lane.DISK]
               for dirs in (("a",), ("a", "b"))]

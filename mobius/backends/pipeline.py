@@ -74,7 +74,8 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             f"mapping {plan.order}, {cfg.batch.describe()}, "
             f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
             f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
-            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}")
+            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}" 
+            + (f"\n  on disk: {plan.on_disk_text()}" if plan.disk_stages else ""))
 
 
 def torchrun_decision(cfg: RunConfig) -> Decision:

@@ -382,8 +382,9 @@ class RunConfig:
         None, "the network between the nodes of --data-parallel replicas: 10gbe, 25gbe, 100gbe, ib-hdr, ib-ndr or a "
               "bandwidth in GB/s (default: the topology's, else 10gbe assumed)", metavar="NAME|GBPS", plans=True)
     host_mem_gb: float | None = setting(
-        None, "with --offload-dir: the host memory the run may use; the plan puts the AdamW moments of as many stages "
-              "on disk as it takes to fit (default: every stage's)", plans=True)
+        None, "with --offload-dir: the host memory the run may use; what does not fit waits on disk, the largest "
+              "stages' AdamW moments first, then their master weights (default: this machine's available memory "
+              "less 10%%, or the topology's host memory; 0: all the disk tier can take)", plans=True)
     drive_gbps: tuple[str, ...] = setting(
         (), "with --offload-dir: the drives the disk tier uses, each one's sequential GB/s, one per directory in "
             "order (default: the topology's drives, else a 3.5 GB/s drive assumed under each directory)",
@@ -399,7 +400,9 @@ class RunConfig:
     emulation: EmulationConfig = EmulationConfig()
 
     def __post_init__(self):
-        _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps", "host_mem_gb"))
+        _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps"))
+        if self.host_mem_gb is not None and not (self.host_mem_gb >= 0 and math.isfinite(self.host_mem_gb)):
+            raise InputError(f"--host-mem-gb must be a finite number, 0 or more, got {self.host_mem_gb}")
         for text in self.drive_gbps:
             try:
                 ok = 0 < float(text) < 1e4
@@ -408,7 +411,7 @@ class RunConfig:
             if not ok:
                 raise InputError(f"--drive-gbps {','.join(self.drive_gbps)!r}: give each drive's GB/s, a positive "
                                  "number below 10000")
-        if (self.host_mem_gb or self.drive_gbps) and not self.pipeline.offload_dir:
+        if (self.host_mem_gb is not None or self.drive_gbps) and not self.pipeline.offload_dir:
             raise InputError("--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR")
         if self.gpu_mem_gb is not None and self.gpu_mem_gb > MAX_DEVICE_MEMORY_GB:
             raise InputError(f"--gpu-mem-gb {self.gpu_mem_gb:g} is more than any device has (at most "

@@ -16,7 +16,9 @@ from mobius.boundary.errors import InputError, first_line
 
 # Settings of one invocation, never inherited from a checkpoint's run.
 NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print_config", "epochs",
-                 "offload_dir")  # where the state waits is the machine's: named again on the next, or not
+                 # where the state waits, and how much memory holds the rest, are the machine's: named
+                 # again on the next, or not
+                 "offload_dir", "host_mem_gb", "drive_gbps")
 # Settings that name files the run reads: a resume takes them from the user, never from the checkpoint.
 READ_PATHS = ("model", "data", "eval_data", "chat_template", "topology")
 # Settings that name files: stored resolved, so a resume from another directory finds them.

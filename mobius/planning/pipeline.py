@@ -53,8 +53,9 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
     replicas = data_parallel_of(cfg)
     batch, pipe = cfg.batch, cfg.pipeline
-    # The disk tier: every host stage's moments on disk, or (--host-mem-gb) those of as many as the host needs.
-    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb is None else "fit"
+    # The disk tier: as much state on disk as the host memory needs (--host-mem-gb, or the machine's), or
+    # with --host-mem-gb 0 all it can take.
+    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb == 0 else "fit"
     check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas,
                     moments_on_disk=disk != "off")
     if profile is None:

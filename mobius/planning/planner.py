@@ -235,9 +235,10 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
                 master_freed: int = 0, keep_master: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """(the host stages whose AdamW moments wait on disk, those whose master weights wait there
     too): the moments of the largest stages first, until they free ``excess`` bytes of host memory
-    (``inf``: every one) beside the pool they pass through; where every stage's moments are not
-    enough, the master weights of the largest (``master_freed`` bytes a parameter each; not those
-    of ``keep_master``, which the host must hold), the pool then a stage's whole state large."""
+    beside the pool they pass through; where every stage's moments are not enough, the master
+    weights of the largest (``master_freed`` bytes a parameter each; not those of ``keep_master``,
+    which the host must hold), the pool's blocks then holding a master too.  ``excess`` ``inf``:
+    every moment, and every master that frees memory."""
     if excess <= 0:
         return [], []
     params = {j: c.grad_bytes // element_bytes for j, c in enumerate(costs) if not c.resident and c.grad_bytes}
@@ -256,7 +257,7 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
         moments.append(j)
         freed += params[j] * ADAM_STATE_BYTES // data_parallel
     masters: list[int] = []
-    if excess != math.inf and freed - pool([]) < excess and master_freed and data_parallel == 1:
+    if (excess == math.inf or freed - pool([]) < excess) and master_freed and data_parallel == 1:
         for j in order:
             if masters and freed - pool(masters) >= excess:
                 break

@@ -43,6 +43,7 @@ from mobius.partition.profile import (
     host_adam_rate,
     measure_profile,
 )
+from mobius.planning.planner import available_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import (
     CUDA_RESERVE_BYTES,
@@ -254,6 +255,10 @@ def _runtime_costs_of(found: dict) -> dict[str, float]:
     return {k: float(v) for k, v in costs.items()}
 
 
+# What a run with the disk tier leaves of this machine's available memory to everything else on it.
+HOST_MEMORY_MARGIN = 0.1
+
+
 def resolve_topology(cfg: RunConfig) -> Topology:
     try:
         topo = load_topology(cfg.topology, cpu_workers=cfg.cpu_workers, memory_gb=cfg.gpu_mem_gb)
@@ -264,8 +269,12 @@ def resolve_topology(cfg: RunConfig) -> Topology:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
     if cfg.host_adam_gbps is not None:
         topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
-    if cfg.host_mem_gb is not None:
+    if cfg.host_mem_gb:  # stated (0: as little as the disk tier allows, whatever the host has)
         topo.host_memory_gb = cfg.host_mem_gb
+    elif cfg.host_mem_gb is None and cfg.pipeline.offload_dir and cfg.topology in ("auto", "cpu"):
+        available = available_host_memory()  # this machine's, now, less a margin for everything else on it
+        if available is not None:
+            topo.host_memory_gb = min(topo.host_memory_gb, available / 1e9 * (1 - HOST_MEMORY_MARGIN))
     if cfg.drive_gbps:
         topo.drives = [Drive(f"drive{k}", float(g), float(g)) for k, g in enumerate(cfg.drive_gbps)]
     directories = cfg.pipeline.offload_dir

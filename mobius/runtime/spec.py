@@ -164,6 +164,12 @@ class Plan:
             raise ValueError(f"its resident stages {self.resident} are not stages of it")
         return self
 
+    def on_disk_text(self) -> str:
+        """What waits on disk, and on what drives."""
+        masters = f", the master weights of stages {self.disk_masters}" if self.disk_masters else ""
+        return (f"AdamW's moments of stages {self.disk_stages}{masters} ({self.disk_bytes / 1e9:.2f} GB) on the "
+                f"drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write)")
+
     def state_home(self, stage: int) -> str:
         """Where stage ``stage``'s fp32 master weights and AdamW state live between updates."""
         if stage in self.resident:
@@ -191,11 +197,7 @@ class Plan:
             lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
                          "(no swap, no gradient offload, no host update)")
         if self.disk_stages:
-            masters = f", the master weights of stages {self.disk_masters}" if self.disk_masters else ""
-            lines.append(f"disk tier: AdamW's moments of stages {self.disk_stages}{masters} "
-                         f"({self.disk_bytes / 1e9:.1f} GB) "
-                         f"wait on the drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write) "
-                         "between updates, read ahead and written behind")
+            lines.append(f"disk tier: {self.on_disk_text()}, between updates, streamed in blocks")
         if self.data_parallel > 1:
             lines.append(f"replicas: {self.data_parallel}, one per node, each running this plan on "
                          f"{self.micro_batches} of the step's {self.micro_batches * self.data_parallel} micro-batches; "
