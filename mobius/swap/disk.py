@@ -195,9 +195,9 @@ class DiskState:
                apply: bool = True) -> None:
         """Stage ``s``'s AdamW step, block by block: the read of the next block, the update of this
         one (its gradients divided by ``unscale``, then multiplied by ``clip``, as in memory) and
-        the write of the last in flight together; a master on disk also refreshes ``compute`` (the compute-dtype
-        copy the next loads read) block by block.  ``apply`` off (an fp16 step skipped): nothing
-        changes, but a master on disk still refreshes ``compute``."""
+        the write of the last in flight together; a master on disk also refreshes ``compute`` (the
+        compute-dtype copy the next loads read) block by block.  ``apply`` off (an fp16 step
+        skipped): nothing changes, but a master on disk still refreshes ``compute``."""
         host, blocks = self.hosts[s], self.blocks[s]
         if not apply and s not in self.masters:
             return
