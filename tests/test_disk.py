@@ -364,15 +364,15 @@ def _on_disk(masters_of):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lag", [0, 1])
-def test_master_weights_and_moments_on_disk_equal_the_reference(tmp_path, lag):
+@pytest.mark.parametrize("workers,lag", [(2, 0), (2, 1), (4, 1)])
+def test_master_weights_and_moments_on_disk_equal_the_reference(tmp_path, workers, lag):
     """Every stage's moments and three of four stages' master weights on disk (the embedding's
-    kept: 90% of AdamW's state and the master), two workers, the global norm clipped, with and without the
-    optimizer lag: per-step losses and final weights equal the reference trainer's (fp32, 1e-6);
-    the files are gone at the end."""
+    kept: 90% of AdamW's state and the master), two and four workers, the global norm clipped,
+    with and without the optimizer lag: per-step losses and final weights equal the reference
+    trainer's (fp32, 1e-6); the files are gone at the end."""
     from conftest import run_in_threads
 
-    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, stages=4, steps=4, micro_batch_size=2,
+    cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=workers, stages=4, steps=4, micro_batch_size=2,
                        micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
                        device_optimizer="off", max_grad_norm=0.1, optimizer_lag=lag,
                        offload_dir=(str(tmp_path / "nvme0"),))

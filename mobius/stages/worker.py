@@ -106,11 +106,10 @@ class PipelineWorker:
         # Every replica holds the same weights: the first writes them.  Each writes the AdamW state
         # of the parameters it updates; a checkpoint is read by name, whatever file holds a tensor.
         part = f"-replica{layout.index}" if layout.count > 1 else ""
-        disk = self.parts.runner.optimizer.disk
         for s, host in store.stages.items():
             # State on disk is read into tensors of its own, which the checkpoint holds until it is
             # saved; the disk tier then drops its binding (the files keep the same).
-            with disk.present(s) if disk is not None else contextlib.nullcontext():
+            with self.parts.present(s):
                 named = _stage_state(store, s)
                 if layout.index == 0:
                     files[f"weights-stage{s:04d}.safetensors"] = {n: p.detach() for n, p in named.items()}
@@ -142,13 +141,9 @@ class PipelineWorker:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
         disk = self.parts.runner.optimizer.disk
-
-        def present(s: int):  # a master on disk read back while it is written out
-            return disk.present(s) if disk is not None else contextlib.nullcontext()
-
         for staging, merged in payload.exports if self.layout.index == 0 else ():
             for s, host in store.stages.items():
-                with present(s):
+                with self.parts.present(s):
                     write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
                                        layer_states(dict(host.named_params())), merged)
         out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
@@ -175,11 +170,16 @@ class WorkerParts:
     device: Device
     held_out: EvalBatches | None  # the run's held-out examples, if it evaluates
 
+    def present(self, s: int):
+        """Stage ``s``'s state in memory while the block runs (a master on disk read back)."""
+        disk = self.runner.optimizer.disk
+        return disk.present(s) if disk is not None else contextlib.nullcontext()
+
     def weights(self) -> dict[str, torch.Tensor]:
-        """Copies of this worker's weights by name, masters on disk read back for it."""
-        disk, out = self.runner.optimizer.disk, {}
+        """Copies of this worker's weights by name."""
+        out = {}
         for s in self.store.stages:
-            with disk.present(s) if disk is not None else contextlib.nullcontext():
+            with self.present(s):
                 out.update(self.store.stage_state_dict(s))
         return out
 

@@ -160,10 +160,10 @@ class DiskState:
         Its compute copy must already hold them: the loads read that."""
         params = host.master_params
         self._add(host, params, {id(p): 0.0 for p in params})  # decay: known at attach
-        for b in self.blocks[host.index]:
-            record = torch.zeros(self.fields(host.index) * b.count)
-            self._gather(b, host.master, record[:b.count])
-            self._move(os.pwritev, host.index, b, record)
+        for b in self.blocks[host.index]:  # the records' first parts: the moments are the files' zeros
+            values = torch.empty(b.count)
+            self._gather(b, host.master, values)
+            self._move(os.pwritev, host.index, b, values)
         self._unbind_master(host)
 
     def attach(self, stages: dict[int, HostStage]) -> None:
@@ -290,8 +290,9 @@ class DiskState:
             p.data = torch.empty(0)
 
     def _move(self, call, s: int, b: _Block, record: torch.Tensor) -> None:
-        """Block ``b``'s ``record`` read from or written to stage ``s``'s files, each drive's part on a
-        thread of its own (the calls may move less than asked), as a span on the trace."""
+        """Block ``b``'s ``record`` (or its first part) read from or written to stage ``s``'s files,
+        each drive's part on a thread of its own (the calls may move less than asked), as a span on
+        the trace."""
         view_ = memoryview(record.numpy()).cast("B")
 
         def part(k: int) -> None:
