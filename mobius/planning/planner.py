@@ -266,8 +266,8 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
                 freed += params[j] * master_freed
     if excess != math.inf and freed - pool(masters) < excess:
         raise InputError(f"with every host stage's AdamW moments{' and master weights' if masters else ''} on disk "
-                         f"the host still needs {(excess - freed + pool(masters)) / GB:.2f} GB more than "
-                         "--host-mem-gb gives (stage weights on disk are not built yet)")
+                         f"the host still needs {(excess - freed + pool(masters)) / GB:.2f} GB more than the run "
+                         "may use (--host-mem-gb; stage weights on disk are not built yet)")
     return sorted(moments), sorted(masters)
 
 
