@@ -1,15 +1,17 @@
-"""The disk tier's overlap: one optimizer step of S stages with AdamW's moments on disk
-(``mobius.swap.disk``, as ``--offload-dir`` runs it) against its three lanes measured alone on the
-same bytes: reading every stage's moments, writing them, and the host's AdamW with the moments in
-memory.  Overlapped, the step takes about the longest lane, not their sum.
+"""The disk tier's overlap: one optimizer step of S stages with AdamW's moments (``--masters``: and
+the master weights) on disk (``mobius.swap.disk``, as ``--offload-dir`` runs it, block by block)
+against its three lanes measured alone on the same blocks: reading every stage's state, writing it,
+and the host's AdamW with the state in memory.  Overlapped, the step takes about the longest lane,
+not their sum.
 
     python scripts/bench_offload.py [--dir DIR[,DIR...]] [--stages 8] [--params 8e6] [--repeats 3] [--json out.json]
-                                    [--smoke]
+                                    [--masters] [--smoke]
 
 ``DIR`` (default: a new directory under the system's temporary one) should be on the drive to
-measure; several, one on each drive, stripe the moments over them as ``--offload-dir`` does.  Before every read the files' pages are dropped from the page cache (``posix_fadvise``),
-so reads come from the drive; writes end with ``fsync``, so they reach it.  ``--smoke``: 2 stages
-of 1M parameters, one repeat.
+measure; several, one on each drive, stripe the state over them as ``--offload-dir`` does.  Before
+every read the files' pages are dropped from the page cache (``posix_fadvise``), so reads come from
+the drive; writes end with ``fsync``, so they reach it.  ``--smoke``: 2 stages of 1M parameters, one
+repeat.
 
 ``--compare-io``: instead, the same bytes written (then ``fsync``) and read back sequentially in
 16 MB requests through the page cache (as the tier does) and with ``O_DIRECT`` (past it), with 1, 4
@@ -45,13 +47,16 @@ def drop_cache(disk: DiskState) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def host_stage(s: int, params: int, g: torch.Generator) -> HostStage:
-    """A stage of one ``params``-element weight (its master flat), with AdamW and gradients."""
+def host_stage(s: int, params: int, g: torch.Generator, master_on_disk: bool) -> HostStage:
+    """A stage of one ``params``-element weight (its master flat), with AdamW and gradients (fp32:
+    the compute copy is the master, or with the master on disk a copy of its own)."""
     master, grads = torch.randn(params, generator=g), torch.randn(params, generator=g)
     holder = torch.nn.Module()
     holder.w = torch.nn.Parameter(master.view(params // 1024, 1024))
+    compute = master.clone() if master_on_disk else master
     host = HostStage(s, [s], torch.nn.ModuleList([holder]), make_adamw([("w", holder.w)], UpdateRule(lr=1e-3)),
-                     torch.empty(0), master, grads, [master], grads, [Slot(0, params, (params // 1024, 1024))], ["w"])
+                     torch.empty(0), master, grads, [compute], grads, [Slot(0, params, (params // 1024, 1024))],
+                     ["w"], master_on_disk=master_on_disk)
     host.attach_master_grads()
     return host
 
@@ -70,19 +75,26 @@ def transfers(disk: DiskState, call) -> float:
     return time.perf_counter() - t0
 
 
-def one_repeat(directories: list[Path], stages: int, params: int, seed: int) -> dict[str, float]:
+def one_repeat(directories: list[Path], stages: int, params: int, seed: int, masters: bool) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
-    hosts = {s: host_stage(s, params, g) for s in range(stages)}
-    disk = DiskState(directories, 0)
+    hosts = {s: host_stage(s, params, g, masters) for s in range(stages)}
+    disk = DiskState(directories, 0, masters=list(hosts) if masters else ())
+    for host in hosts.values() if masters else ():
+        disk.park(host)
     disk.attach(hosts)
+
+    def update(s: int) -> None:
+        disk.update(s, 1e-3, None, 1.0, hosts[s].compute_buffers[0] if masters else None)
+
     try:
         for s in range(stages):  # the first update makes the moments; they go to disk
-            disk.update(s, 1e-3, None, 1.0, None)
+            update(s)
         disk.finish_writes()
         drop_cache(disk)
         read_s = transfers(disk, os.preadv)  # the read lane alone: the same blocks, the same requests
         for s in range(stages):
             disk.loaded(s)
+            hosts[s].attach_master_grads()  # a master read back has none
         t0 = time.perf_counter()
         for s in range(stages):  # the AdamW lane alone, the state in memory
             hosts[s].optimizer.step()
@@ -94,7 +106,7 @@ def one_repeat(directories: list[Path], stages: int, params: int, seed: int) -> 
         drop_cache(disk)
         t0 = time.perf_counter()
         for s in reversed(range(stages)):  # the step: each stage's blocks read ahead, updated, written behind
-            disk.update(s, 1e-3, None, 1.0, None)
+            update(s)
         disk.finish_writes()
         drop_cache(disk)
         step_s = time.perf_counter() - t0
@@ -149,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--masters", action="store_true", help="the master weights on disk too (12 bytes a parameter)")
     p.add_argument("--compare-io", action="store_true", help="buffered against O_DIRECT, the bytes of --stages")
     args = p.parse_args(argv)
     if args.smoke:
@@ -174,11 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.ExitStack() as made:
             dirs = [Path(made.enter_context(tempfile.TemporaryDirectory(prefix="mobius-offload-", dir=d)))
                     for d in args.dir]
-            rows.append(one_repeat(dirs, args.stages, params, r))
+            rows.append(one_repeat(dirs, args.stages, params, r, args.masters))
     median = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     bound = max(median["read_s"], median["write_s"], median["adam_s"])
-    moments_gb = args.stages * params * 8 / 1e9
-    print(f"{args.stages} stages of {params / 1e6:.1f}M parameters, {moments_gb:.2f} GB of moments over "
+    state_gb = args.stages * params * (12 if args.masters else 8) / 1e9
+    print(f"{args.stages} stages of {params / 1e6:.1f}M parameters, {state_gb:.2f} GB of "
+          f"{'master weights and moments' if args.masters else 'moments'} over "
           f"{len(args.dir)} director{'y' if len(args.dir) == 1 else 'ies'}, median of {args.repeats}:")
     # One drive reads and writes through one queue: their sum is its lane where they cannot overlap.
     shared = median["read_s"] + median["write_s"]

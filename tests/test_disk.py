@@ -1,5 +1,6 @@
-"""The disk tier (--offload-dir): AdamW's moments through files give the bits they give in memory,
-in process and on pipeline workers, across a resume between tiers; the files are the run's own."""
+"""The disk tier (--offload-dir): AdamW's moments and master weights through files give the bits they
+give in memory, in process and on pipeline workers, across a resume between tiers; the plan places
+them by the host memory; the files are the run's own."""
 
 import json
 from pathlib import Path
@@ -14,12 +15,12 @@ from mobius.config import RunConfig, parse_train_args
 from mobius.metrics import Trace
 from mobius.models import get_config
 from mobius.planning.prepare import resolve_topology
-from mobius.runtime.optim import UpdateRule, make_adamw
+from mobius.runtime.optim import UpdateRule
 from mobius.swap.disk import DiskState
 from mobius.train import main as train_main
 
 
-def _stores(tmp_path, drives: int, masters: list[int], precision=torch.float32):
+def _stores(tmp_path, drives: int, masters: list[int]):
     """The same four stages of ``tiny`` twice: with their state in memory, and through a disk tier
     (every stage's moments, ``masters``' master weights, blocks of 1,000 parameters striped over
     ``drives`` directories)."""
@@ -32,9 +33,9 @@ def _stores(tmp_path, drives: int, masters: list[int], precision=torch.float32):
     for d in directories:
         d.mkdir(exist_ok=True)
     disk = DiskState(directories, 0, trace=Trace(enabled=True), masters=masters, block=1000)
-    ours = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, precision, CpuDevice(), disk=disk)
+    ours = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, torch.float32, CpuDevice(), disk=disk)
     disk.attach(dict(ours.stages))
-    theirs = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, precision, CpuDevice())
+    theirs = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, torch.float32, CpuDevice())
     return ours, theirs, disk, directories
 
 

@@ -134,6 +134,8 @@ def test_bench_offload():
     row = read("offload.json")
     assert all(row["median"][k] > 0 for k in ("read_s", "write_s", "adam_s", "step_s"))
     assert row["step_over_read_plus_write"] > 0
+    run_script("bench_offload", ["--smoke", "--masters", "--json", "masters.json"])
+    assert all(read("masters.json")["median"][k] > 0 for k in ("read_s", "write_s", "adam_s", "step_s"))
     run_script("bench_offload", ["--smoke", "--compare-io", "--json", "io.json"])
     rows = read("io.json")["median"]
     kinds = [(io, k) for io in ("buffered", "O_DIRECT") for k in (1, 4, 8)]
