@@ -406,15 +406,14 @@ class DiskState:
         self.forget(s)
 
     def close(self) -> None:
-        """Every write finished; the files removed (they are the run's, and only the run's)."""
-        try:
-            self.finish_writes()
-        finally:
-            self._close()
+        """The files removed (they are the run's, and only the run's): writes not begun are dropped
+        (nothing reads them again: a checkpoint reads the state before, through :meth:`loaded`),
+        those under way finish."""
+        self._close()
 
     def _close(self) -> None:
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True, cancel_futures=True)
         for pool in self._parts.values():
             pool.shutdown(wait=True)
         for s, fds in self.fds.items():
