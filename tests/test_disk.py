@@ -112,7 +112,7 @@ def test_a_file_that_is_there_is_never_opened(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_across_tiers(tmp_path):
+def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_across_tiers(tmp_path, capfd):
     """Two workers, every stage's moments on disk, clipped and with the optimizer lag: per-step
     losses and weights equal the reference trainer's; each worker read and wrote its moments; the
     directory is gone at the end.  A run saved with its moments on disk resumes without the disk
@@ -138,8 +138,13 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     disk = ["--offload-dir", str(tmp_path / "nvme"), "--host-mem-gb", "0"]  # with the lag, the masters too
     for first, then, name in ((disk, [], "off-the-disk"), ([], disk, "onto-the-disk")):
         metrics = str(tmp_path / f"{name}.jsonl")
-        train_main(run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics])
-        train_main(["--resume", str(tmp_path / name), "--metrics", metrics, *then])  # the tier is not inherited
+        for args, tier in ((run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics],
+                            first),
+                           (["--resume", str(tmp_path / name), "--metrics", metrics, *then], then)):  # not inherited
+            train_main(args)
+            said = capfd.readouterr().out  # the header (the first worker's) says where the state waits
+            assert ("on disk: AdamW's moments of stages" in said
+                    and "the master weights of stages" in said) == bool(tier), said
         assert [json.loads(line)["loss"] for line in open(metrics)] == pytest.approx(straight, rel=1e-5), name
         assert not (tmp_path / "nvme").exists()  # made by the run, removed by it
 

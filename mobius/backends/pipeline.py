@@ -19,7 +19,7 @@ from mobius.planning.prepare import resolve_topology
 from mobius.planning.replan import Replanner
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule
-from mobius.runtime.spec import RunSpec
+from mobius.runtime.spec import Plan, RunSpec
 from mobius.runtime.worker import Decision, WorkerPayload
 from mobius.stages import worker as pipeline_worker
 from mobius.swap.disk import check_offload_dir
@@ -75,7 +75,15 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
             f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}" 
-            + (f"\n  on disk: {plan.on_disk_text()}" if plan.disk_stages else ""))
+            + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.pipeline.offload_dir else ""))
+
+
+def disk_text(plan: Plan, topo: Topology) -> str:
+    """What the disk tier keeps, in the header's words; where nothing needs it, why."""
+    if plan.disk_stages:
+        return plan.on_disk_text()
+    return (f"nothing: the state fits in the {topo.host_memory_gb:.1f} GB of host memory the run may use "
+            "(--host-mem-gb; 0 puts it on disk anyway)")
 
 
 def torchrun_decision(cfg: RunConfig) -> Decision:
