@@ -102,6 +102,22 @@ def test_a_stage_is_striped_in_equal_contiguous_parts():
     assert stripes(10, 3) == [(0, 4), (4, 3), (7, 3)] and stripes(4, 1) == [(0, 4)] and stripes(2, 3)[2] == (2, 0)
 
 
+def test_state_files_a_dead_worker_left_are_removed_and_nothing_else(tmp_path):
+    """A worker killed before it closed its tier leaves its files: the run removes those its names
+    give, in the directory it found empty; a file of another name stays, and so does the directory."""
+    from mobius.boundary.ownership import working_dir
+    from mobius.swap.disk import is_state_file, state_file_name
+
+    where = tmp_path / "nvme"
+    with working_dir("--offload-dir", where, ours=is_state_file):
+        (where / state_file_name(1, 3)).write_bytes(b"left by a worker")
+        (where / "notes.txt").write_text("the user's, made while the run lasted")
+    assert [p.name for p in where.iterdir()] == ["notes.txt"]
+    with working_dir("--offload-dir", tmp_path / "fresh", ours=is_state_file):
+        (tmp_path / "fresh" / state_file_name(0, 0)).write_bytes(b"left")
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_a_file_that_is_there_is_never_opened(tmp_path):
     (tmp_path / "nvme0").mkdir()
     (tmp_path / "nvme0" / "rank000-stage0001.adam").write_text("the user's")

@@ -29,6 +29,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
+from typing import Callable
 
 from mobius.boundary.checks import read_json
 from mobius.boundary.errors import InputError, RunError, shown
@@ -421,10 +422,12 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
 
 
 @contextlib.contextmanager
-def working_dir(option: str, path: str | os.PathLike | None):
+def working_dir(option: str, path: str | os.PathLike | None, ours: Callable[[str], bool] = lambda name: False):
     """A directory the run fills with files of its own while it lasts (``--offload-dir``): it must
     be absent (made here, removed at the end) or empty (left empty at the end), never a directory
-    that holds a file of the user's.  The run removes the files it made; what remains is not ours."""
+    that holds a file of the user's.  The run removes the files it made; where a process of it died
+    first, the files it left are removed here: those whose names ``ours`` gives (the directory was
+    empty, and the run makes each such name exclusively).  What remains is not ours."""
     if path is None:
         yield
         return
@@ -447,6 +450,10 @@ def working_dir(option: str, path: str | os.PathLike | None):
     try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            for left in where.iterdir():
+                if ours(left.name) and left.is_file() and not left.is_symlink():
+                    left.unlink()
         if made:
             with contextlib.suppress(OSError):
                 where.rmdir()  # empty again; anything left in it is not ours to remove

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -47,6 +48,15 @@ MASTER_BYTES = 4  # and its master weight, where that waits there too (fp32)
 # A drive timed below this share of the rates the plan was given is refused: the plan would be wrong.
 DRIVE_SHARE_REQUIRED = 0.5
 DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fraction of a second on NVMe
+
+
+def state_file_name(rank: int, stage: int) -> str:
+    return f"rank{rank:03d}-stage{stage:04d}.adam"
+
+
+def is_state_file(name: str) -> bool:
+    """Whether ``name`` is one the tier gives its files (a run's, in a directory it found empty)."""
+    return re.fullmatch(r"rank\d{3}-stage\d{4}\.adam", name) is not None
 
 
 def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
@@ -144,7 +154,7 @@ class DiskState:
         pieces = [(p, slots[id(p)].offset, slots[id(p)].numel, decay[id(p)]) for p in params]
         self.blocks[s] = _blocks(pieces, self.fields(s), self.block, len(self.directories))
         self.hosts[s], self.steps[s] = host, 0
-        self.paths[s] = [d / f"rank{self.rank:03d}-stage{s:04d}.adam" for d in self.directories]
+        self.paths[s] = [d / state_file_name(self.rank, s) for d in self.directories]
         self.fds[s] = []
         for k, path in enumerate(self.paths[s]):
             try:
