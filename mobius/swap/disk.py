@@ -78,6 +78,13 @@ class _Block:
     pieces: list[tuple[torch.nn.Parameter, int, int, float]]
     parts: list[tuple[int, int, int]]
 
+    def placed(self):
+        """Each piece as (parameter, its first element in the block, in the master flat, count, decay)."""
+        at = 0
+        for p, first, count, decay in self.pieces:
+            yield p, at, first, count, decay
+            at += count
+
 
 def _blocks(pieces: list[tuple[torch.nn.Parameter, int, int, float]], fields: int, block: int,
             drives: int) -> list[_Block]:
@@ -237,14 +244,13 @@ class DiskState:
         """AdamW on block ``b``: the moments in its record, the master there or in the host's
         store, the gradients the host's (or made, 16-bit, in the buffer's last part)."""
         host, n = self.hosts[s], b.count
-        moments = buffer[self.fields(s) * n - 2 * n:self.fields(s) * n]
+        exp_avg, exp_avg_sq = self._moments(s, b, buffer)
         grads = host.master_grad if not self._grads_in_pool(s) else None
         if grads is None:
             made = buffer[self.fields(s) * n:(self.fields(s) + 1) * n]
             self._gather(b, host.grad_staging, made)
         decays: dict[float, list] = {}
-        at = 0
-        for p, first, count, decay in b.pieces:
+        for p, at, first, count, decay in b.placed():
             weight = master[at:at + count] if master is not None else host.master[first:first + count]
             grad = made[at:at + count] if grads is None else grads[first:first + count]
             if unscale is not None:
@@ -253,10 +259,9 @@ class DiskState:
                 grad.mul_(clip)
             param = torch.nn.Parameter(weight, requires_grad=True)  # a view: AdamW writes the block's values
             param.grad = grad
-            state = {"step": torch.tensor(float(self.steps[s])), "exp_avg": moments[at:at + count],
-                     "exp_avg_sq": moments[n + at:n + at + count]}
+            state = {"step": torch.tensor(float(self.steps[s])), "exp_avg": exp_avg[at:at + count],
+                     "exp_avg_sq": exp_avg_sq[at:at + count]}
             decays.setdefault(decay, []).append((param, state))
-            at += count
         optimizer = adamw([{"params": [p for p, _ in ps], "weight_decay": d} for d, ps in decays.items()],
                           UpdateRule(lr=lr, betas=group["betas"], eps=group["eps"]))
         for ps in decays.values():
@@ -275,20 +280,22 @@ class DiskState:
         finally:
             self.pool.put(buffer)
 
+    def _moments(self, s: int, b: _Block, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``b``'s ``exp_avg`` and ``exp_avg_sq`` in its ``record`` (after the master, if any)."""
+        first = (self.fields(s) - len(MOMENTS)) * b.count
+        return record[first:first + b.count], record[first + b.count:first + 2 * b.count]
+
     @staticmethod
     def _gather(b: _Block, flat: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (the block's length) from the block's pieces of a stage's master-layout ``flat``."""
-        at = 0
-        for _, first, count, _ in b.pieces:
+        for _, at, first, count, _ in b.placed():
             out[at:at + count].copy_(flat[first:first + count])
-            at += count
 
     @staticmethod
     def _scatter(b: _Block, values: torch.Tensor, flat: torch.Tensor) -> None:
-        at = 0
-        for _, first, count, _ in b.pieces:
+        """The block's ``values`` into their places in a stage's master-layout ``flat``."""
+        for _, at, first, count, _ in b.placed():
             flat[first:first + count].copy_(values[at:at + count])
-            at += count
 
     @staticmethod
     def _unbind_master(host: HostStage) -> None:
@@ -351,24 +358,21 @@ class DiskState:
         self.finish_writes()
         host, optimizer = self.hosts[s], self.hosts[s].optimizer
         if s in self.masters:
-            host.master = torch.empty(sum(sl.numel for sl in host.grad_slots() if sl is not None))
-            for p, slot in zip(host.master_params, [sl for sl in host.grad_slots() if sl is not None]):
-                p.data = view(host.master, slot)
+            host.master = torch.empty(sum(sl.numel for sl in self.slots[s].values()))
+            for p in host.master_params:
+                p.data = view(host.master, self.slots[s][id(p)])
         if self.steps[s] == 0:
             return  # no moments yet
         moments = {id(p): (torch.empty(p.shape), torch.empty(p.shape)) for p in host.master_params}
         for b in self.blocks[s]:
             record = torch.empty(self.fields(s) * b.count)
             self._move(os.preadv, s, b, record)
-            n, at = b.count, 0
             if s in self.masters:
-                self._scatter(b, record[:n], host.master)
-            for p, first, count, _ in b.pieces:
+                self._scatter(b, record[:b.count], host.master)
+            for p, at, first, count, _ in b.placed():
                 start = first - self.slots[s][id(p)].offset  # where the piece lies in p's own values
-                for k, moment in enumerate(moments[id(p)]):
-                    base = self.fields(s) * n - 2 * n + k * n
-                    moment.view(-1)[start:start + count].copy_(record[base + at:base + at + count])
-                at += count
+                for moment, stored in zip(moments[id(p)], self._moments(s, b, record)):
+                    moment.view(-1)[start:start + count].copy_(stored[at:at + count])
         for p in [q for g in optimizer.param_groups for q in g["params"]]:
             optimizer.state[p] = {"step": torch.tensor(float(self.steps[s])), "exp_avg": moments[id(p)][0],
                                   "exp_avg_sq": moments[id(p)][1]}
@@ -396,22 +400,18 @@ class DiskState:
         if not self.holds(s):
             return
         host, optimizer = self.hosts[s], self.hosts[s].optimizer
-        states = [optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]]
-        made = [st for st in states if all(k in st for k in MOMENTS)]
-        self.steps[s] = int(made[0]["step"]) if made else 0
         by_id = {id(p): optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]}
+        made = [st for st in by_id.values() if all(k in st for k in MOMENTS)]
+        self.steps[s] = int(made[0]["step"]) if made else 0
         for b in self.blocks[s]:
             record = torch.zeros(self.fields(s) * b.count)
-            n, at = b.count, 0
             if s in self.masters:
-                self._gather(b, host.master, record[:n])
-            for p, first, count, _ in b.pieces:
+                self._gather(b, host.master, record[:b.count])
+            for p, at, first, count, _ in b.placed():
                 start, st = first - self.slots[s][id(p)].offset, by_id[id(p)]
-                for k, key in enumerate(MOMENTS):
+                for key, stored in zip(MOMENTS, self._moments(s, b, record)):
                     if key in st:
-                        base = self.fields(s) * n - 2 * n + k * n
-                        record[base + at:base + at + count].copy_(st[key].reshape(-1)[start:start + count])
-                at += count
+                        stored[at:at + count].copy_(st[key].reshape(-1)[start:start + count])
             self._move(os.pwritev, s, b, record)
         self.forget(s)
 
