@@ -101,6 +101,7 @@ class Plan:
     # the drives' bandwidth the prediction assumed (GB/s, read and write, all drives).
     disk_stages: list[int] = field(default_factory=list)
     disk_masters: list[int] = field(default_factory=list)  # of those, the stages whose fp32 masters wait there too
+    disk_weights: list[int] = field(default_factory=list)  # and of those, the stages whose compute copy does
     disk_bytes: int = 0
     disk_gbps: tuple[float, float] = (0.0, 0.0)
 
@@ -167,13 +168,17 @@ class Plan:
     def on_disk_text(self) -> str:
         """What waits on disk, and on what drives."""
         masters = f", the master weights of stages {self.disk_masters}" if self.disk_masters else ""
-        return (f"AdamW's moments of stages {self.disk_stages}{masters} ({self.disk_bytes / 1e9:.2f} GB) on the "
+        weights = f", the compute weights of stages {self.disk_weights}" if self.disk_weights else ""
+        return (f"AdamW's moments of stages {self.disk_stages}{masters}{weights} ({self.disk_bytes / 1e9:.2f} GB) on the "
                 f"drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write)")
 
     def state_home(self, stage: int) -> str:
-        """Where stage ``stage``'s fp32 master weights and AdamW state live between updates."""
+        """Where stage ``stage``'s fp32 master weights and AdamW state (and, swapped, its compute
+        weights) live between updates."""
         if stage in self.resident:
             return "GPU (resident)"
+        if stage in self.disk_weights:
+            return "disk, disk; weights on disk"
         if stage in self.disk_masters:
             return "disk, disk"
         return "host, disk" if stage in self.disk_stages else "host, host"

@@ -74,7 +74,7 @@ class HostOptimizer:
         into views of it.  Returns (buffer, its memory phase)."""
         host = self.store.stages[s]
         phase = self.memory.allocate(host.grad_bytes, f"gradients of stage {s}")
-        grads = self.device.empty(host.compute.numel(), host.compute.dtype, name=f"gradients of stage {s}")
+        grads = self.device.empty(host.grad_staging.numel(), host.grad_staging.dtype, name=f"gradients of stage {s}")
         grads.zero_()
         for p, slot in zip(layers.parameters(), host.grad_slots()):
             if slot is not None:

@@ -208,9 +208,13 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
         if plan.disk_masters and (replicas is not None or set(plan.disk_masters) & tied):
             raise ValueError(f"stages {plan.disk_masters} cannot keep their master weights on disk: replicas or "
                              "the tied embedding sum gradients on the host")
+        if plan.disk_weights and cfg.optim.optimizer_lag:
+            raise ValueError(f"stages {plan.disk_weights} cannot keep their weights on disk with an optimizer lag "
+                             "(its two compute copies are the host's)")
         rank_here = dist.get_rank() if dist.is_initialized() else rank
         disk = DiskState(cfg.pipeline.offload_dir, rank_here, through=device.disk_transfer, trace=trace,
-                         masters=[s for s in plan.disk_masters if s in mine])
+                         masters=[s for s in plan.disk_masters if s in mine],
+                         weights=[s for s in plan.disk_weights if s in mine])
     store = HostStageStore(model_config, plan.bounds, mine, cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[spec.precision], device, cfg.optim.optimizer_lag, disk)
     if replicas is not None:  # each parameter's AdamW runs on one replica's host
@@ -219,7 +223,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     if disk is not None:
         disk.attach({s: host for s, host in store.stages.items()
                      if host.optimizer is not None and s in plan.disk_stages})
-    prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace)
+    prefetcher = Prefetcher(store, model_config, memory, device, traffic, trace, disk)
     scaler = DynamicLossScaler(enabled=spec.precision == "fp16")
     batches, held_out = data
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,

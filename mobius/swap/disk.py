@@ -50,13 +50,14 @@ DRIVE_SHARE_REQUIRED = 0.5
 DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fraction of a second on NVMe
 
 
-def state_file_name(rank: int, stage: int) -> str:
-    return f"rank{rank:03d}-stage{stage:04d}.adam"
+def state_file_name(rank: int, stage: int, kind: str = "adam") -> str:
+    """A stage's file on one drive: its AdamW records (``adam``) or its compute copy (``weights``)."""
+    return f"rank{rank:03d}-stage{stage:04d}.{kind}"
 
 
 def is_state_file(name: str) -> bool:
     """Whether ``name`` is one the tier gives its files (a run's, in a directory it found empty)."""
-    return re.fullmatch(r"rank\d{3}-stage\d{4}\.adam", name) is not None
+    return re.fullmatch(r"rank\d{3}-stage\d{4}\.(adam|weights)", name) is not None
 
 
 def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
@@ -114,10 +115,12 @@ def _blocks(pieces: list[tuple[torch.nn.Parameter, int, int, float]], fields: in
 class DiskState:
     def __init__(self, directories: Sequence[str | os.PathLike], rank: int,
                  through: Callable[[int, bool, Callable[[], None]], None] | None = None, trace: Trace | None = None,
-                 masters: Sequence[int] = (), block: int = BLOCK_PARAMS):
+                 masters: Sequence[int] = (), weights: Sequence[int] = (), block: int = BLOCK_PARAMS):
         """``directories``: one on each drive the state is striped over; ``masters``: the stages
         whose fp32 master weights wait there too (the store hands each to :meth:`park` as it is
-        built; :meth:`attach` gives the tier every stage whose moments wait there); ``block``: the
+        built; :meth:`attach` gives the tier every stage whose moments wait there); ``weights``:
+        of those, the stages whose compute copy waits there as well (its loads read it through
+        :meth:`read_weights`; each update writes it block by block); ``block``: the
         most parameters updated and moved at once; ``through``: how a read or write of ``n`` bytes
         is done (the device layer's ``disk_transfer``, which ``--emulate`` times at the emulated
         drives' rate), else at once; ``trace``: where each read and write is a span, on the lanes
@@ -127,12 +130,18 @@ class DiskState:
         self.rank, self.block = rank, block
         self.through = through or (lambda nbytes, write, io: io())
         self.masters = set(masters)
+        self.weights = set(weights)
+        if not self.weights <= self.masters:
+            raise ValueError(f"stages {sorted(self.weights - self.masters)} would keep their compute copy on disk "
+                             "but their master weights in memory")
         self.hosts: dict[int, HostStage] = {}  # every stage of the tier (parked or attached)
         self.blocks: dict[int, list[_Block]] = {}
         self.slots: dict[int, dict[int, Slot]] = {}  # each stage's trained parameters' places in its master flat
         self.steps: dict[int, int] = {}  # updates applied to each stage (AdamW's step count)
         self.paths: dict[int, list[Path]] = {}
         self.fds: dict[int, list[int]] = {}
+        self.weight_paths: dict[int, list[Path]] = {}  # the compute copies' files, of the ``weights`` stages
+        self.weight_fds: dict[int, list[int]] = {}
         self.pool: queue.Queue[torch.Tensor] = queue.Queue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mobius-disk-write")
@@ -161,26 +170,42 @@ class DiskState:
         pieces = [(p, slots[id(p)].offset, slots[id(p)].numel, decay[id(p)]) for p in params]
         self.blocks[s] = _blocks(pieces, self.fields(s), self.block, len(self.directories))
         self.hosts[s], self.steps[s] = host, 0
-        self.paths[s] = [d / state_file_name(self.rank, s) for d in self.directories]
-        self.fds[s] = []
-        for k, path in enumerate(self.paths[s]):
+        # zeros: no moments yet
+        self.paths[s], self.fds[s] = self._create(s, "adam", [4 * sum(b.parts[k][1] for b in self.blocks[s])
+                                                               for k in range(len(self.directories))])
+
+    def _create(self, s: int, kind: str, sizes: list[int]) -> tuple[list[Path], list[int]]:
+        """Stage ``s``'s files of ``kind`` on every drive, ``sizes`` bytes each, created exclusively."""
+        paths, fds = [d / state_file_name(self.rank, s, kind) for d in self.directories], []
+        for path, size in zip(paths, sizes):
             try:
-                self.fds[s].append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-                os.ftruncate(self.fds[s][-1], 4 * sum(b.parts[k][1] for b in self.blocks[s]))  # zeros: no moments yet
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+                os.ftruncate(fds[-1], size)
             except OSError as err:
+                for fd, made in zip(fds, paths):
+                    os.close(fd)
+                    made.unlink(missing_ok=True)
                 self._close()
                 raise RunError(f"--offload-dir {shown(path.parent)}: cannot create its files "
                                f"({err.strerror})") from None
+        return paths, fds
 
     def park(self, host: HostStage) -> None:
         """Stage ``host``'s master weights (just built) to its files; the host keeps none of them.
-        Its compute copy must already hold them: the loads read that."""
-        params = host.master_params
+        Its compute copy must already hold them: the loads read that, or, of a ``weights`` stage,
+        its files, which it is written to (the host then keeps none of it either)."""
+        params, s = host.master_params, host.index
         self._add(host, params, {id(p): 0.0 for p in params})  # decay: known at attach
-        for b in self.blocks[host.index]:  # the records' first parts: the moments are the files' zeros
+        for b in self.blocks[s]:  # the records' first parts: the moments are the files' zeros
             values = torch.empty(b.count)
             self._gather(b, host.master, values)
-            self._move(os.pwritev, host.index, b, values)
+            self._move(os.pwritev, s, b, values)
+        if s in self.weights:
+            copy = host.compute_buffers[0]
+            self.weight_paths[s], self.weight_fds[s] = self._create(
+                s, "weights", [copy.element_size() * n for _, n in stripes(copy.numel(), len(self.directories))])
+            self._weights_io(os.pwritev, s, 0, copy)
+            host.compute_buffers = [torch.empty(0, dtype=copy.dtype)]
         self._unbind_master(host)
 
     def attach(self, stages: dict[int, HostStage]) -> None:
@@ -230,10 +255,15 @@ class DiskState:
             master = record[:b.count] if s in self.masters else None
             if apply:
                 self._step(s, b, buffer, master, lr, unscale, clip, group)
-            if master is not None and compute is not None:
+            writes = self._writes.setdefault(s, [])
+            if s in self.weights:  # the compute copy the loads read: this block's part of its files
+                if apply:
+                    writes.append(self._writer.submit(self._write_block_weights, s, b,
+                                                      master.to(host.grad_staging.dtype, copy=True)))
+            elif master is not None and compute is not None:
                 self._scatter(b, master, compute)
             if apply:
-                self._writes.setdefault(s, []).append(self._writer.submit(self._write, s, b, record, buffer))
+                writes.append(self._writer.submit(self._write, s, b, record, buffer))
             else:
                 self.pool.put(buffer)
         if apply:
@@ -307,40 +337,71 @@ class DiskState:
             p.data = torch.empty(0)
 
     def _move(self, call, s: int, b: _Block, record: torch.Tensor) -> None:
-        """Block ``b``'s ``record`` (or its first part) read from or written to stage ``s``'s files,
-        each drive's part on a thread of its own (the calls may move less than asked), as a span on
-        the trace."""
-        view_ = memoryview(record.numpy()).cast("B")
+        """Block ``b``'s ``record`` (or its first part) read from or written to stage ``s``'s files."""
+        self._transfer(call, self.fds[s], self.paths[s], b.parts, record,
+                       f"state {s} {'to' if call is os.pwritev else 'from'} disk", "the optimizer's state")
+
+    def _transfer(self, call, fds: list[int], paths: list[Path], parts: list[tuple[int, int, int]],
+                  values: torch.Tensor, name: str, what: str) -> None:
+        """``values`` read from or written to ``fds``, each drive's part (element in ``values``,
+        count, element in that drive's file) on a thread of its own (the calls may move less than
+        asked), as a span on the trace."""
+        size = values.element_size()
+        view_ = memoryview(values.view(torch.uint8).numpy())
 
         def part(k: int) -> None:
-            start, count, offset = b.parts[k]
-            piece, done = view_[4 * start: 4 * (start + count)], 0
+            start, count, offset = parts[k]
+            piece, done = view_[size * start: size * (start + count)], 0
             try:
                 while done < len(piece):
-                    moved = call(self.fds[s][k], [piece[done:]], 4 * offset + done)
+                    moved = call(fds[k], [piece[done:]], size * offset + done)
                     if moved <= 0:
                         raise OSError(0, "the file ended early")
                     done += moved
             except OSError as err:
-                raise RunError(f"--offload-dir {shown(self.paths[s][k])}: "
-                               f"{'reading' if call is os.preadv else 'writing'} the optimizer's state failed "
-                               f"({err.strerror})") from None
+                raise RunError(f"--offload-dir {shown(paths[k])}: {'reading' if call is os.preadv else 'writing'} "
+                               f"{what} failed ({err.strerror})") from None
 
         def io() -> None:
             if self._parts:
-                list(self._parts[call].map(part, range(len(self.directories))))
+                list(self._parts[call].map(part, range(len(parts))))
             else:
                 part(0)
 
         write = call is os.pwritev
         t0 = time.perf_counter()
         self.through(len(view_), write, io)
-        self.trace.span(f"state {s} {'to' if write else 'from'} disk", "disk write" if write else "disk read", t0,
-                        time.perf_counter(), bytes=len(view_))
+        self.trace.span(name, "disk write" if write else "disk read", t0, time.perf_counter(), bytes=len(view_))
         if write:
             self.written_bytes += len(view_)
         else:
             self.read_bytes += len(view_)
+
+    # ---- the compute copy of a stage whose weights wait on disk -------------------------------
+    def _weights_parts(self, s: int, start: int, count: int) -> list[tuple[int, int, int]]:
+        """Each drive's part of the run ``[start, start + count)`` of stage ``s``'s compute copy
+        (striped like a record: one contiguous part of the whole copy a drive), as in :meth:`_transfer`."""
+        out = []
+        for first, n in stripes(self.numel(s), len(self.directories)):
+            a, b = max(start, first), min(start + count, first + n)
+            out.append((a - start, b - a, a - first) if b > a else (0, 0, 0))
+        return out
+
+    def _weights_io(self, call, s: int, start: int, values: torch.Tensor) -> None:
+        write = call is os.pwritev
+        self._transfer(call, self.weight_fds[s], self.weight_paths[s],
+                       self._weights_parts(s, start, values.numel()), values,
+                       f"weights {s} {'to' if write else 'from'} disk", "the stage's weights")
+
+    def read_weights(self, s: int, out: torch.Tensor) -> None:
+        """Stage ``s``'s compute copy into ``out`` (the loads' staging buffer), once the writes of
+        its last update are done."""
+        for w in list(self._writes.get(s, ())):
+            w.result()
+        self._weights_io(os.preadv, s, 0, out[:self.numel(s)])
+
+    def _write_block_weights(self, s: int, b: _Block, values: torch.Tensor) -> None:
+        self._weights_io(os.pwritev, s, b.pieces[0][1], values)
 
     # ---- checkpoints and the final weights ----------------------------------------------------
     def finish_writes(self) -> None:
@@ -413,6 +474,8 @@ class DiskState:
                     if key in st:
                         stored[at:at + count].copy_(st[key].reshape(-1)[start:start + count])
             self._move(os.pwritev, s, b, record)
+        if s in self.weights:  # the compute copy of the master as restored
+            self._weights_io(os.pwritev, s, 0, host.master.to(host.grad_staging.dtype))
         self.forget(s)
 
     def close(self) -> None:
@@ -426,11 +489,12 @@ class DiskState:
         self._writer.shutdown(wait=True, cancel_futures=True)
         for pool in self._parts.values():
             pool.shutdown(wait=True)
-        for s, fds in self.fds.items():
-            for fd, path in zip(fds, self.paths[s]):
-                os.close(fd)
-                path.unlink(missing_ok=True)
-        self.fds = {}
+        for fds, paths in ((self.fds, self.paths), (self.weight_fds, self.weight_paths)):
+            for s in fds:
+                for fd, path in zip(fds[s], paths[s]):
+                    os.close(fd)
+                    path.unlink(missing_ok=True)
+        self.fds, self.weight_fds = {}, {}
 
 
 def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2**20) -> tuple[float, float]:

@@ -7,7 +7,9 @@ flat host buffer; the load allocates one flat device buffer and copies into it i
 soon as :class:`DeviceMemory` has room for it beside the running stage's working memory, so a
 stage is prefetched as far as the budget allows while the current stage computes, and the rest
 follows the moment the current stage is released.  The stage's parameters are views of the
-device buffer.  The compute stream waits on the load's event before it reads the weights.
+device buffer.  The compute stream waits on the load's event before it reads the weights.  A stage
+whose weights wait on disk (:mod:`mobius.swap.disk`) is first read whole into a staging buffer of
+the host's (one, reused: the largest such stage), then copied as any other.
 
 Activation and gradient transfers use streams of their own (see :mod:`mobius.stages.executor`):
 they never queue behind a parameter prefetch.
@@ -32,10 +34,11 @@ from mobius.swap.store import HostStageStore, view
 class DeviceStage:
     """A stage's layers on the device; usable once :meth:`wait` returns."""
 
-    def __init__(self, index: int, sources: list[torch.Tensor], after: Event):
+    def __init__(self, index: int, sources: list[torch.Tensor | None], nbytes: int, after: Event):
         self.index = index
-        self.sources = sources  # the host buffers to load, in slab order: frozen, then this step's compute copy
-        self.nbytes = sum(t.numel() * t.element_size() for t in sources)
+        # The host buffers to load, in slab order: frozen, then this step's compute copy (None: on disk).
+        self.sources = sources
+        self.nbytes = nbytes
         self.after = after  # the load starts after this compute-stream event
         self.layers: nn.ModuleList | None = None
         self.weights: torch.Tensor | None = None  # the flat device buffer the parameters view
@@ -46,8 +49,12 @@ class DeviceStage:
 
 class Prefetcher:
     def __init__(self, store: HostStageStore, config: GPTConfig, memory: DeviceMemory, device: Device,
-                 traffic: Traffic, trace: Trace):
+                 traffic: Traffic, trace: Trace, disk=None):
+        """``disk``: the disk tier holding the compute copy of the stages whose weights wait there."""
         self.store, self.config, self.memory, self.device = store, config, memory, device
+        self.disk = disk
+        self._staging: torch.Tensor | None = None  # where a stage's weights on disk are read to
+        self._staged: Event | None = None  # the last copy out of it
         self.traffic, self.trace = traffic, trace
         self.stream = device.new_stream("h2d-params", "h2d")
         self._queue: list = []
@@ -61,7 +68,8 @@ class Prefetcher:
         """Load ``stage`` after the work the compute stream has been given so far (which covers
         the update that last wrote its host weights)."""
         host = self.store.stages[stage]
-        handle = DeviceStage(stage, [host.frozen, host.compute], self.device.compute.record())
+        handle = DeviceStage(stage, [host.frozen, None if host.weights_on_disk else host.compute], host.param_bytes,
+                             self.device.compute.record())
         with self._cond:
             heapq.heappush(self._queue, (priority, next(self._counter), handle))
             self._cond.notify()
@@ -121,10 +129,23 @@ class Prefetcher:
             host.device_layers = layers
         return host.device_layers
 
+    def _from_disk(self, host) -> torch.Tensor:
+        """Stage ``host``'s compute copy, read from the disk tier into the staging buffer once the
+        copies out of it of the last such load are done."""
+        numel = host.grad_staging.numel()
+        if self._staging is None or self._staging.numel() < numel:
+            largest = max(st.grad_staging.numel() for st in self.store.stages.values() if st.weights_on_disk)
+            self._staging = self.device.host_buffer(largest, self.store.compute_dtype)
+        if self._staged is not None:
+            self._staged.synchronize()
+        self.disk.read_weights(host.index, self._staging)
+        return self._staging[:numel]
+
     def _load(self, handle: DeviceStage) -> None:
         host = self.store.stages[handle.index]
         layers = self._device_layers(handle.index)
-        numel = sum(t.numel() for t in handle.sources)
+        sources = [self._from_disk(host) if t is None else t for t in handle.sources]
+        numel = sum(t.numel() for t in sources)
         weights = self.device.empty(numel, self.store.compute_dtype, self.stream, name=f"weights of stage {handle.index}")
         self.stream.wait(handle.after)
         # The copies' spans on the trace's "prefetch" lane, one per run of copies: a wait for device
@@ -138,7 +159,7 @@ class Prefetcher:
                 bursts[-1][1] = self.stream.record()
 
         at = 0
-        for source in handle.sources:
+        for source in sources:
             step = max(1, COPY_CHUNK_BYTES // source.element_size())
             for a in range(0, source.numel(), step):
                 b = min(a + step, source.numel())
@@ -155,6 +176,8 @@ class Prefetcher:
             p.data = view(weights, slot)
         handle.weights, handle.layers = weights, layers
         handle.event = self.stream.record()
+        if host.weights_on_disk:
+            self._staged = handle.event
         if bursts and bursts[-1][1] is None:
             bursts[-1][1] = handle.event
         for begin, end, nbytes in bursts:

@@ -59,16 +59,18 @@ class HostStage:
     # The master weights wait on disk between updates (mobius.swap.disk): ``master`` (and, 16-bit,
     # ``master_grad``) are empty but while the disk tier binds them.
     master_on_disk: bool = False
+    # And the compute copy too: ``compute_buffers`` are empty, the loads read it from the disk tier.
+    weights_on_disk: bool = False
 
     @property
     def param_bytes(self) -> int:
         """Bytes of the device slab: every weight of the stage in the compute dtype."""
-        return (self.frozen.numel() + self.compute.numel()) * self.compute.element_size()
+        return (self.frozen.numel() + self.grad_staging.numel()) * self.grad_staging.element_size()
 
     @property
     def grad_bytes(self) -> int:
         """Bytes of the stage's device gradients (the trained weights only)."""
-        return self.compute.numel() * self.compute.element_size()
+        return self.grad_staging.numel() * self.grad_staging.element_size()
 
     def grad_slots(self) -> list[Slot | None]:
         """Per parameter: its place in the gradient (and master) buffers, or None when frozen."""
@@ -136,8 +138,8 @@ class HostStageStore:
     def __init__(self, config: GPTConfig, bounds: list[tuple[int, int]], stages: list[int], seed: int, rule: UpdateRule,
                  compute_dtype: torch.dtype, device: Device, optimizer_lag: int = 0, disk=None):
         """``disk``: the disk tier (:class:`~mobius.swap.disk.DiskState`) whose ``masters`` are the
-        stages whose master weights wait on disk: each is handed to it as soon as it is built, so
-        the host never holds more than one of them."""
+        stages whose master weights (and of its ``weights``, compute copy) wait on disk: each is
+        handed to it as soon as it is built, so the host never holds more than one of them."""
         self.config = config
         self.compute_dtype = compute_dtype
         self.stages: dict[int, HostStage] = {}
@@ -185,6 +187,7 @@ class HostStageStore:
                 self.refresh_compute_copy(s, b)
             if s in parked:
                 stage.master_on_disk = True
+                stage.weights_on_disk = s in disk.weights
                 disk.park(stage)
         self.begin_step(0)
 
@@ -207,8 +210,11 @@ class HostStageStore:
         return (step + 1 + self.lag) % (self.lag + 1)
 
     def refresh_compute_copy(self, stage: int, buffer: int = 0) -> None:
-        """Master weights -> a compute-dtype copy (a no-op when they are the same)."""
+        """Master weights -> a compute-dtype copy (a no-op when they are the same, and where the
+        disk tier holds the copy: it writes it)."""
         st = self.stages[stage]
+        if st.weights_on_disk:
+            return
         dst = st.compute_buffers[buffer]
         if dst.data_ptr() != st.master.data_ptr():
             with torch.no_grad():
