@@ -106,6 +106,11 @@ class Machine:
     on_disk: tuple[int, ...] = ()
     masters_on_disk: tuple[int, ...] = ()
     disk_s_per_byte: float = 0.0
+    # And the stages whose compute weights wait there too: each load reads them whole into a staging
+    # buffer first (one worker's share of the drives' read rate), then copies them to its GPU, so the
+    # two times add; each update writes them back.
+    weights_on_disk: tuple[int, ...] = ()
+    disk_read_s_per_byte: float = 0.0
 
     def first_load_s(self, j: int, sizes: list[float]) -> float:
         """When slot ``j``'s first stage (``sizes[j]`` bytes; ``sizes`` of the first stage of every
@@ -241,10 +246,13 @@ def adam_s(c: StageCost, machine: Machine, element_bytes: int, disk_bytes: int =
     return max(params / machine.adam_params_per_s, params * disk_bytes * machine.disk_s_per_byte)
 
 
-def disk_bytes_per_param(machine: Machine, j: int) -> int:
-    """fp32 bytes of state each trained parameter of stage ``j`` keeps on disk: its two moments,
-    and its master weight where that waits there too."""
-    return (MOMENT_BYTES + MASTER_BYTES * (j in machine.masters_on_disk)) if j in machine.on_disk else 0
+def disk_bytes_per_param(machine: Machine, j: int, element_bytes: int) -> int:
+    """Bytes each trained parameter of stage ``j`` keeps on disk: its two moments (fp32), its
+    master weight where that waits there too, and its compute weight (``element_bytes``) where that
+    does (an update writes it and reads none of it; counted both ways, a bound)."""
+    if j not in machine.on_disk:
+        return 0
+    return MOMENT_BYTES + MASTER_BYTES * (j in machine.masters_on_disk) + element_bytes * (j in machine.weights_on_disk)
 
 
 def exchanged_bytes(params: float, replicas: int) -> float:
@@ -410,7 +418,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     s.backward()
     home = s.gradients_home()
     s.pass_copies(compute_only, home)
-    adam = [0.0 if c.resident else adam_s(c, machine, elt, disk_bytes_per_param(machine, j)) for j, c in enumerate(st)]
+    adam = [0.0 if c.resident else adam_s(c, machine, elt, disk_bytes_per_param(machine, j, elt)) for j, c in enumerate(st)]
     exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         # each worker's optimizer, and the node's network for all of them
@@ -450,6 +458,8 @@ class _Schedule:
         n, count = machine.n, len(st)
         self.n, self.count = n, count
         self.bw = [machine.bandwidth[j % n] for j in range(count)]
+        for j in machine.weights_on_disk:  # read whole from the drives, then copied: the times add
+            self.bw[j] = 1 / (1 / self.bw[j] + machine.disk_read_s_per_byte)
         self.device_adam = [c.grad_bytes / elt / machine.device_adam_params_per_s if c.resident else 0.0 for c in st]
         self.handoff = machine.handoff_s if n > 1 else 0.0
         self.tf = [[0.0] * micro_batches for _ in range(count)]
@@ -478,7 +488,8 @@ class _Schedule:
         first = [float(c.loaded_bytes) for c in st[:n]]
         for j, c in enumerate(st):
             if j < n:
-                ready = machine.first_load_s(j, first)
+                ready = machine.first_load_s(j, first) + (
+                    c.loaded_bytes * machine.disk_read_s_per_byte if j in machine.weights_on_disk else 0.0)
                 self.copies.append((j, "h2d", 0.0, ready, "load"))
                 ready = max(ready, machine.stage_switch_s)
             else:

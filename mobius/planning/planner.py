@@ -35,7 +35,7 @@ from mobius.partition.cost import (
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
-from mobius.swap.disk import BLOCK_PARAMS, MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS
+from mobius.swap.disk import MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS, block_params
 from topology import Topology, assumed_network
 
 PLANS = Cache("plans", "plan")
@@ -98,7 +98,8 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     host with ``replicas_here`` of a run's ``data_parallel`` replicas: each holds every weight and
     gradient, and 1/``data_parallel`` of the AdamW state (:mod:`mobius.stages.replicas`); with the
     ``moments_on_disk`` (:mod:`mobius.swap.disk`), only the pool their updates pass through, and
-    the least the host can need: every master weight on disk too, where that frees memory.
+    the least the host can need: every master weight on disk too, where that frees memory, and
+    then (one compute copy) every compute weight.
     Counted from the three distinct layers (every block has the same parameters), so a config of
     absurd depth is refused at once instead of being built."""
     last = layer_count(config) - 1
@@ -122,12 +123,15 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
     pool = 0
     if moments_on_disk:  # the moments pass through a pool of a few blocks' worth
         per_trained -= ADAM_STATE_BYTES / data_parallel
-        block = min(BLOCK_PARAMS, largest)  # the pool's buffers hold a block of a stage each
+        block = block_params(largest)  # the pool's buffers hold a block of a stage each (of a layer at least)
         pool = POOL_BUFFERS * ADAM_STATE_BYTES * block
         freed = master_bytes_freed(precision, optimizer_lag) if data_parallel == 1 else 0
         if freed:  # and the master weights where the host would not hold them all (the least it can need)
             per_trained -= freed
             pool += POOL_BUFFERS * freed * block
+            if optimizer_lag == 0:  # and their compute weights, a stage of a layer at least staged for its loads
+                per_trained -= element_bytes(precision)
+                pool += element_bytes(precision) * largest
     return int(replicas_here * (trained * per_trained + frozen * element_bytes(precision) + pool))
 
 
@@ -232,22 +236,29 @@ def other_stage_counts(profile: Profile, found: dict, workers: int) -> dict:
 
 
 def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, excess: float,
-                master_freed: int = 0, keep_master: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
+                master_freed: int = 0, keep_master: frozenset[int] = frozenset(), weights: bool = False,
+                workers: int = 1) -> tuple[list[int], list[int], list[int]]:
     """(the host stages whose AdamW moments wait on disk, those whose master weights wait there
-    too): the moments of the largest stages first, until they free ``excess`` bytes of host memory
-    beside the pool they pass through; where every stage's moments are not enough, the master
-    weights of the largest (``master_freed`` bytes a parameter each; not those of ``keep_master``,
-    which the host must hold), the pool's blocks then holding a master too.  ``excess`` ``inf``:
-    every moment, and every master that frees memory."""
+    too, those whose compute weights do as well): the moments of the largest stages first, until
+    they free ``excess`` bytes of host memory beside the pools they pass through (one a worker of
+    ``workers``); where every stage's moments are not enough, the master weights of the largest
+    (``master_freed`` bytes a parameter each; not those of ``keep_master``, which the host must
+    hold), the pools' blocks then holding a master too; where those are not enough and
+    ``weights`` allows (one compute copy, no replicas), the compute weights of the largest stages
+    whose master is there, each worker then staging its largest such stage for its loads.
+    ``excess`` ``inf``: every moment, every master that frees memory, and where ``weights``
+    allows, their stages' weights."""
     if excess <= 0:
-        return [], []
+        return [], [], []
     params = {j: c.grad_bytes // element_bytes for j, c in enumerate(costs) if not c.resident and c.grad_bytes}
     order = sorted(params, key=lambda j: -params[j])
 
-    def pool(chosen_masters: list[int]) -> float:
+    def pool(chosen_masters: list[int], chosen_weights: list[int] = ()) -> float:
         grads = MASTER_BYTES if master_freed > MASTER_BYTES else 0  # 16-bit: the fp32 gradients too
         per_param = ADAM_STATE_BYTES // data_parallel + ((MASTER_BYTES + grads) if chosen_masters else 0)
-        return POOL_BUFFERS * per_param * min(BLOCK_PARAMS, params[order[0]]) if order else 0
+        blocks = POOL_BUFFERS * per_param * block_params(params[order[0]]) if order else 0
+        staging = max((params[j] * element_bytes for j in chosen_weights), default=0)
+        return workers * (blocks + staging)
 
     moments: list[int] = []
     freed = 0
@@ -264,11 +275,19 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
             if j not in keep_master:
                 masters.append(j)
                 freed += params[j] * master_freed
-    if excess != math.inf and freed - pool(masters) < excess:
-        raise InputError(f"with every host stage's AdamW moments{' and master weights' if masters else ''} on disk "
-                         f"the host still needs {(excess - freed + pool(masters)) / GB:.2f} GB more than the run "
-                         "may use (--host-mem-gb; stage weights on disk are not built yet)")
-    return sorted(moments), sorted(masters)
+    on_disk: list[int] = []
+    if (excess == math.inf or freed - pool(masters) < excess) and weights:
+        for j in masters:  # largest first
+            if on_disk and freed - pool(masters, on_disk) >= excess:
+                break
+            on_disk.append(j)
+            freed += params[j] * element_bytes
+    if excess != math.inf and freed - pool(masters, on_disk) < excess:
+        held = " and master weights" if masters else ""
+        raise InputError(f"with every host stage's AdamW moments{held}{' and weights' if on_disk else ''} on disk "
+                         f"the host still needs {(excess - freed + pool(masters, on_disk)) / GB:.2f} GB more than "
+                         "the run may use (--host-mem-gb)")
+    return sorted(moments), sorted(masters), sorted(on_disk)
 
 
 @dataclass
@@ -395,24 +414,26 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
     placed, resident, machine, est = done[solver.chosen] if solver is not None else search.finished(bounds)
-    on_disk, masters, drives = [], [], (0.0, 0.0)
+    on_disk, masters, weights, drives = [], [], [], (0.0, 0.0)
     if disk != "off":
         costs = stage_costs(profile, bounds, recompute, resident)
         need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel)
         tied = {0, len(bounds) - 1} if config.tie_embeddings else set()  # the host sums their gradients
-        on_disk, masters = disk_stages(costs, element_bytes(profile.dtype), data_parallel,
-                                       need - topo.host_memory_gb * GB if disk == "fit" else math.inf,
-                                       master_bytes_freed(precision, optimizer_lag), frozenset(tied))
+        on_disk, masters, weights = disk_stages(
+            costs, element_bytes(profile.dtype), data_parallel,
+            need - topo.host_memory_gb * GB if disk == "fit" else math.inf, master_bytes_freed(precision, optimizer_lag),
+            frozenset(tied), weights=optimizer_lag == 0 and data_parallel == 1, workers=topo.n)
         drives = topo.drive_gbps()
         machine = replace(machine, on_disk=tuple(on_disk), masters_on_disk=tuple(masters),
-                          disk_s_per_byte=topo.n * max(1 / drives[0], 1 / drives[1]) / GB)
+                          disk_s_per_byte=topo.n * max(1 / drives[0], 1 / drives[1]) / GB,
+                          weights_on_disk=tuple(weights), disk_read_s_per_byte=topo.n / drives[0] / GB)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
                       micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
                       mapping=mapping, prefetch=prefetch, disk_stages=on_disk, disk_masters=masters,
-                      disk_gbps=drives)
+                      disk_weights=weights, disk_gbps=drives)
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan
@@ -434,11 +455,15 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
     if data_parallel > 1:  # every worker's sums and broadcasts share the node's one network link
         params = sum(c.offloaded_bytes for c in costs) / element_bytes(profile.dtype)
         floor[Lane.NETWORK] = 2 * exchanged_bytes(params, data_parallel) / (network.bandwidth_gbps * GB)
-    disk_bytes = sum(costs[j].grad_bytes // element_bytes(profile.dtype) * disk_bytes_per_param(machine, j)
+    elt = element_bytes(profile.dtype)
+    disk_bytes = sum(costs[j].grad_bytes // elt * disk_bytes_per_param(machine, j, elt)
                      // data_parallel for j in fields.get("disk_stages", ()))
-    if disk_bytes:  # every worker's moments read and written through the drives (reads beside writes)
+    if disk_bytes:  # every worker's state read and written through the drives (reads beside writes)
         read, write = fields["disk_gbps"]
-        floor[Lane.DISK] = max(disk_bytes / (read * GB), disk_bytes / (write * GB))
+        weights = fields.get("disk_weights", ())
+        state = disk_bytes - sum(costs[j].grad_bytes for j in weights)  # the weights' file is written, not read
+        loads = sum(costs[j].grad_bytes * (1 if j >= len(costs) - topo.n else 2) for j in weights)
+        floor[Lane.DISK] = max((state + loads) / (read * GB), disk_bytes / (write * GB))
     return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
                 disk_bytes=disk_bytes, predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),

@@ -35,7 +35,7 @@ from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, Worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
-from mobius.swap.disk import DiskState
+from mobius.swap.disk import DiskState, block_params
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import Prefetcher
 from mobius.swap.store import HostStageStore
@@ -212,7 +212,9 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
             raise ValueError(f"stages {plan.disk_weights} cannot keep their weights on disk with an optimizer lag "
                              "(its two compute copies are the host's)")
         rank_here = dist.get_rank() if dist.is_initialized() else rank
+        largest = max(plan.stages[s].grad_bytes // DTYPES[spec.precision].itemsize for s in mine)
         disk = DiskState(cfg.pipeline.offload_dir, rank_here, through=device.disk_transfer, trace=trace,
+                         block=block_params(largest),
                          masters=[s for s in plan.disk_masters if s in mine],
                          weights=[s for s in plan.disk_weights if s in mine])
     store = HostStageStore(model_config, plan.bounds, mine, cfg.optim.seed, UpdateRule.of(cfg.optim),

@@ -42,6 +42,9 @@ POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
 # The most parameters updated and moved at once: a pool buffer holds a block's state (up to 16 bytes
 # a parameter, 512 MB): few, large sequential requests, and a pool of a few GB whatever the stage.
 BLOCK_PARAMS = 2**25
+# A stage is cut into this many blocks at least, so that a worker's pool holds less than its largest
+# stage's state (on a small model, three whole stages' state would cost more than it saves).
+BLOCKS_PER_STAGE = 8
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 4 * len(MOMENTS)  # a trained parameter's moments in its file (fp32)
 MASTER_BYTES = 4  # and its master weight, where that waits there too (fp32)
@@ -58,6 +61,11 @@ def state_file_name(rank: int, stage: int, kind: str = "adam") -> str:
 def is_state_file(name: str) -> bool:
     """Whether ``name`` is one the tier gives its files (a run's, in a directory it found empty)."""
     return re.fullmatch(r"rank\d{3}-stage\d{4}\.(adam|weights)", name) is not None
+
+
+def block_params(largest: int) -> int:
+    """The parameters of a block of a worker whose largest stage on the tier updates ``largest``."""
+    return min(BLOCK_PARAMS, max(1, -(-largest // BLOCKS_PER_STAGE)))
 
 
 def stripes(elements: int, drives: int) -> list[tuple[int, int]]:
@@ -535,8 +543,8 @@ def shares_a_file_system(directories) -> bool:
 def check_offload_dir(cfg, model_config, topo) -> None:
     """``--offload-dir`` before training: one directory on each drive the state is striped over
     (no two on one file system), each one's file system holding its part of the moments of every
-    trained parameter, and with ``--host-mem-gb`` of their master weights (the most the tier
-    writes there).  Where the plan is given a drive's rates (the topology's drives,
+    trained parameter, and with ``--host-mem-gb`` of their master and compute weights (the most
+    the tier writes there).  Where the plan is given a drive's rates (the topology's drives,
     ``--drive-gbps``; :func:`mobius.planning.prepare.resolve_topology` pairs them with the
     directories in order), the drive is timed (:func:`measure_drive`) and one that reads or writes
     at less than half of them is refused: the plan would be wrong.  Under ``--emulate`` the stated
@@ -547,8 +555,9 @@ def check_offload_dir(cfg, model_config, topo) -> None:
     if shares_a_file_system(directories):
         raise InputError(f"--offload-dir {','.join(map(shown, directories))}: two of these directories are on one "
                          "file system; name one directory on each drive (they are read and written at once)")
-    # The most the tier can write there (the plan, made later, may keep the master weights in memory).
-    per_param = MOMENT_BYTES + (MASTER_BYTES if cfg.host_mem_gb is not None else 0)
+    # The most the tier can write there (the plan, made later, may keep the master and compute
+    # weights in memory; the precision may not be decided yet: the compute weights counted fp32).
+    per_param = MOMENT_BYTES + (MASTER_BYTES + 4 if cfg.host_mem_gb is not None else 0)
     need = per_param * sum(p.numel() for p in build_model(model_config, device="meta").parameters()
                            if p.requires_grad) / len(directories)
     for directory in directories:
