@@ -259,6 +259,28 @@ def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
     assert "tokens/s" in plan.render()
 
 
+def test_llama_70b_full_fine_tuning_plans_on_256_gb_and_two_drives_beside_zero_infinity():
+    """Llama-3.1-70B, full fine-tuning in bf16 on 8x3090-4+4 with 256 GB of host memory and two
+    7 GB/s drives (about 1.1 TB of state in memory): planned with every stage's moments and master
+    weights on disk and the compute weights of some, the disk lane in its floor; ZeRO-Infinity's
+    predicted step from the same figures beside it (scripts/plan_disk.py)."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from plan_disk import row
+
+    from mobius.runtime.spec import Lane
+
+    args = argparse.Namespace(micro_batches=16, seq_len=2048, time_limit=2.0)
+    r = row("Llama-3.1-70B", "8x3090-4+4", 256, ("7", "7"), args)
+    host = r["host_stages"]
+    assert r["moments_on_disk"] == r["masters_on_disk"] == host and 0 < r["weights_on_disk"] < host
+    assert 700 < r["disk_gb"] < 1200 and r["disk_floor_s"] > 0
+    assert "weights on disk" in r["plan"] and f"{Lane.DISK}" in r["plan"] and "tokens/s" in r["plan"]
+    assert 0 < r["mobius_step_s"] < r["zero_infinity_step_s"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--host-mem-gb", "8"], "--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR"),
     (["--offload-dir", "x", "--drive-gbps", "fast"], "--drive-gbps 'fast': give each drive's GB/s"),

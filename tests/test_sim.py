@@ -111,3 +111,23 @@ def test_baselines_gpipe_oom_and_zero3_traffic():
     # Every GPU fetches every layer twice and offloads every gradient: 3x the weights, per GPU.
     assert ds.traffic_bytes == pytest.approx(2 * 3 * 8e9)
     assert ds.step_s > 0
+
+
+def test_zero_infinity_by_hand_with_the_drives_shared_by_every_rank():
+    """One layer (forward 1 s, backward 2 s, 1 GB of fp32 weights), two GPUs on links of their own
+    (1 GB/s), drives of 0.5 GB/s read and 0.25 GB/s write shared by both ranks.  Weights on NVMe:
+    each pass reads a rank's half (0.5 GB at 0.25 GB/s: 2 s), gathers the layer (1 s), computes
+    (forward 1 s; backward with recomputation 3 s), the gradients go home (1 s): 11 s.  The optimizer
+    moves 12 bytes a parameter in and 16 out in 8 pieces: each piece's write (0.25 GB at 0.125 GB/s)
+    takes 2 s behind its read (0.75 s): 16.75 s.  With the host holding the weights, no reads, and
+    12 bytes out: 7 + 12.75 s."""
+    from mobius.sim.schedules import simulate_zero_infinity
+
+    prof, topo = unit_profile(1), two_gpu_topology()
+    on_nvme = simulate_zero_infinity(prof, topo, 2, (0.5, 0.25), host_memory_bytes=0, adam_params_per_s=1e30)
+    assert on_nvme.step_s == pytest.approx(11 + 16.75)
+    in_host = simulate_zero_infinity(prof, topo, 2, (0.5, 0.25), host_memory_bytes=1e12, adam_params_per_s=1e30)
+    assert in_host.step_s == pytest.approx(7 + 12.75)
+    # Four micro-batches: two a rank, each its own forward and backward.
+    assert simulate_zero_infinity(prof, topo, 4, (0.5, 0.25), 0, adam_params_per_s=1e30).step_s == \
+        pytest.approx(2 * 11 + 16.75)

@@ -417,7 +417,9 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     on_disk, masters, weights, drives = [], [], [], (0.0, 0.0)
     if disk != "off":
         costs = stage_costs(profile, bounds, recompute, resident)
-        need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel)
+        # The stages resident on their GPUs keep their AdamW state there: the host never makes theirs.
+        need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel) - sum(
+            c.grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES for c in costs if c.resident)
         tied = {0, len(bounds) - 1} if config.tie_embeddings else set()  # the host sums their gradients
         on_disk, masters, weights = disk_stages(
             costs, element_bytes(profile.dtype), data_parallel,

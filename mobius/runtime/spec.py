@@ -67,6 +67,17 @@ class StagePlan:
     grad_bytes: int = 0  # the trained parameters' gradients (under LoRA, the adapters')
 
 
+def runs(stages: list[int]) -> str:
+    """Stage numbers as runs: ``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out: list[list[int]] = []
+    for s in sorted(stages):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
 @dataclass
 class Plan:
     model: str
@@ -167,9 +178,9 @@ class Plan:
 
     def on_disk_text(self) -> str:
         """What waits on disk, and on what drives."""
-        masters = f", the master weights of stages {self.disk_masters}" if self.disk_masters else ""
-        weights = f", the compute weights of stages {self.disk_weights}" if self.disk_weights else ""
-        return (f"AdamW's moments of stages {self.disk_stages}{masters}{weights} ({self.disk_bytes / 1e9:.2f} GB) on the "
+        masters = f", the master weights of stages {runs(self.disk_masters)}" if self.disk_masters else ""
+        weights = f", the compute weights of stages {runs(self.disk_weights)}" if self.disk_weights else ""
+        return (f"AdamW's moments of stages {runs(self.disk_stages)}{masters}{weights} ({self.disk_bytes / 1e9:.2f} GB) on the "
                 f"drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write)")
 
     def state_home(self, stage: int) -> str:

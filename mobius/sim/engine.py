@@ -22,8 +22,11 @@ EPS = 1e-12
 
 COMPUTE, H2D, D2H, CPU = "compute", "h2d", "d2h", "cpu"
 NET = "net"  # an exchange between data-parallel replicas over the node's network (bytes)
+# A read from or a write to the box's drives (bytes): each direction shared by every GPU's in flight.
+DISK_READ, DISK_WRITE = "disk read", "disk write"
 DELAY = "delay"  # a latency: takes its time, holds no resource
-TRANSFERS = (H2D, D2H, NET)
+SHARED = {NET: "network_bw", DISK_READ: "disk_read_bw", DISK_WRITE: "disk_write_bw"}  # the box's, not a GPU's
+TRANSFERS = (H2D, D2H, *SHARED)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Link:
     rc_of: dict[int, int]
     rc_bw: dict[int, float]  # bytes/s per root complex (each direction)
     network_bw: float = 0.0  # bytes/s of the node's network, shared by its exchanges in flight (if any)
+    disk_read_bw: float = 0.0  # bytes/s of the box's drives, all together (if any)
+    disk_write_bw: float = 0.0
 
 
 @dataclass
@@ -128,11 +133,12 @@ class Simulator:
     def _assign_rates(self, active: list[Task]) -> None:
         per_gpu: dict[tuple[int, str], int] = defaultdict(int)
         groups: dict[tuple[int, str], list[Task]] = defaultdict(list)
-        exchanges = [t for t in active if t.kind == NET]
-        for t in exchanges:
-            t.rate = self.link.network_bw / len(exchanges)
+        for kind, field_ in SHARED.items():
+            sharing = [t for t in active if t.kind == kind]
+            for t in sharing:
+                t.rate = getattr(self.link, field_) / len(sharing)
         for t in active:
-            if t.kind == NET:
+            if t.kind in SHARED:
                 continue
             per_gpu[(t.gpu, t.kind)] += 1
             groups[(self.link.rc_of[t.gpu], t.kind)].append(t)

@@ -26,7 +26,7 @@ from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import exchanged_bytes, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
-from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
+from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, DISK_READ, DISK_WRITE, H2D, NET, SimResult, Simulator, link_for
 
 # GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.
 GPU_HBM_BPS = 0.9e12
@@ -270,3 +270,65 @@ def simulate_zero3_offload(profile: Profile, topo, micro_batches: int, recompute
     for g in range(n):
         sim.add("CPU Adam (1/N of the parameters)", CPU, g, params / n / adam_params_per_s, tuple(all_grads))
     return SimOutcome("deepspeed-zero3-offload", (r := sim.run()).step_s, result=r)
+
+
+# ZeRO-Infinity moves each rank's optimizer state through its drives in this many pieces: the read
+# of the next, the update of this one and the write of the last overlap.
+ZERO_INFINITY_PIECES = 8
+
+
+def simulate_zero_infinity(profile: Profile, topo, micro_batches: int, drive_gbps: tuple[float, float],
+                           host_memory_bytes: float, recompute: bool = True,
+                           adam_params_per_s: float = ANALYTIC_ADAM_PARAMS_PER_S) -> SimOutcome:
+    """DeepSpeed ZeRO-Infinity (ZeRO-3 with the optimizer state on NVMe, and the parameters too
+    where the host's memory does not hold them beside the fp32 gradients it accumulates: its best
+    configuration for ``host_memory_bytes``), data parallel over the N GPUs, on the box's drives
+    (``drive_gbps``: read and write, all drives together, shared by every rank).  As DeepSpeed runs
+    gradient accumulation, each of a rank's micro-batches is a forward and a backward of its own:
+    per layer and pass, each rank reads its 1/N partition of the 16-bit weights from the drives
+    (parameters on NVMe), the layer is gathered to every GPU through the host (no peer-to-peer),
+    one layer of lookahead; checkpoints go to the host and back; 16-bit gradients go to the host.  Every micro-batch is the same, so one is simulated and counted ``ceil(M/N)``
+    times (their overlap at the boundaries left out).  Then each rank's optimizer: its 1/N of the
+    fp32 master and both moments read from the drives (12 bytes a parameter), CPU Adam, those and
+    the 16-bit weights written back (12 bytes and the weights' where they live there), in pieces
+    that overlap."""
+    n, L = topo.n, profile.n
+    per_gpu = math.ceil(micro_batches / n)
+    layers = profile.layers
+    elt = element_bytes(profile.dtype)
+    link = replace(link_for(topo), disk_read_bw=drive_gbps[0] * 1e9, disk_write_bw=drive_gbps[1] * 1e9)
+    params = sum(l.param_bytes for l in layers) / elt
+    on_disk = 1.0 if params * (elt + 4) > host_memory_bytes else 0.0  # the share of a layer each read moves
+    sim = Simulator(link)
+    for g in range(n):
+        fetch, comp = [None] * L, [None] * L
+        for i in range(L):
+            read = sim.add(f"read L{i}", DISK_READ, g, on_disk * layers[i].param_bytes / n,
+                           (comp[i - 2] if i >= 2 else None,), i)
+            fetch[i] = sim.add(f"gather L{i}", H2D, g, layers[i].param_bytes, (read, fetch[i - 1]), i)
+            comp[i] = sim.add(f"F L{i}", COMPUTE, g, layers[i].fwd_s, (fetch[i], comp[i - 1] if i else None))
+            if i + 1 < L:
+                sim.add(f"ckpt L{i} to host", D2H, g, layers[i].out_bytes, (comp[i],), i)
+        bfetch, bcomp = [None] * L, [None] * L
+        last = comp[L - 1]
+        for k, i in enumerate(range(L - 1, -1, -1)):
+            prio = L + k
+            two_back = bcomp[i + 2] if i + 2 < L else last
+            read = sim.add(f"read L{i} (bwd)", DISK_READ, g, on_disk * layers[i].param_bytes / n, (two_back,), prio)
+            bfetch[i] = sim.add(f"gather L{i} (bwd)", H2D, g, layers[i].param_bytes,
+                                (read, bfetch[i + 1] if i + 1 < L else last), prio)
+            deps = [bfetch[i], bcomp[i + 1] if i + 1 < L else last]
+            if i > 0:
+                deps.append(sim.add(f"ckpt L{i - 1} back", H2D, g, layers[i - 1].out_bytes, (bfetch[i],), prio))
+            bcomp[i] = sim.add(f"B L{i}", COMPUTE, g, layers[i].bwd_s + (layers[i].fwd_s if recompute else 0.0), deps)
+            sim.add(f"grads L{i} to host", D2H, g, layers[i].param_bytes, (bcomp[i],), prio)
+    micro_batch_s = sim.run().step_s
+    share = params / n / ZERO_INFINITY_PIECES
+    opt = Simulator(link)
+    for g in range(n):
+        read = adam = None
+        for k in range(ZERO_INFINITY_PIECES):
+            read = opt.add(f"state {k} from disk", DISK_READ, g, 12 * share, (read,), k)
+            adam = opt.add(f"CPU Adam {k}", CPU, g, share / adam_params_per_s, (read, adam))
+            opt.add(f"state {k} to disk", DISK_WRITE, g, (12 + on_disk * elt) * share, (adam,), k)
+    return SimOutcome("deepspeed-zero-infinity", per_gpu * micro_batch_s + opt.run().step_s)
