@@ -50,13 +50,15 @@ def predicted_compute_s(plan: Plan) -> float:
 
 def predicted_host_adam_s(plan: Plan) -> float:
     """The busiest worker's host AdamW seconds in a step, as planned: the parameters of its stages
-    that swap (resident ones are updated on their GPU) at the rate the plan assumed."""
+    that swap (resident ones are updated on their GPU) at the rate the plan assumed, but those whose
+    state waits on disk (their updates run at the drives' pace: not the host's rate, which a run
+    measures from the others)."""
     rate = plan.host_costs.get("adam_params_per_s", 0.0)
     if not rate:
         return 0.0
     per_worker: dict[int, float] = {}
     for st in plan.stages:
-        if st.index not in plan.resident:
+        if st.index not in plan.resident and st.index not in plan.disk_stages:
             per_worker[st.gpu] = per_worker.get(st.gpu, 0.0) + st.grad_bytes / element_bytes(plan.precision) / rate
     return max(per_worker.values(), default=0.0)
 

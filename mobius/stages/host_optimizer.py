@@ -168,9 +168,10 @@ class HostOptimizer:
                         if clip < 1.0:
                             p.grad.mul_(clip)
                     host.optimizer.step()
-            with self._busy_lock:
-                self._busy[0] += time.perf_counter() - began
-                self._busy[1] += numel
+            if not on_disk:  # the host's AdamW rate (an update through the drives runs at theirs)
+                with self._busy_lock:
+                    self._busy[0] += time.perf_counter() - began
+                    self._busy[1] += numel
         elif on_disk:  # an fp16 step skipped: a master on disk still gives the compute copy its values
             self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer], apply=False)
         if host.optimizer is not None:
@@ -186,8 +187,8 @@ class HostOptimizer:
         return self.host.record()
 
     def take_busy(self) -> tuple[float, int]:
-        """Wall seconds of the AdamW steps this worker's optimizer thread ran since the last call,
-        and the parameters they updated: what the run compares with its plan's host AdamW lane."""
+        """Wall seconds of the AdamW steps this worker's optimizer thread ran in memory since the last
+        call, and the parameters they updated: what the run compares with its plan's host AdamW lane."""
         with self._busy_lock:
             busy, self._busy = tuple(self._busy), [0.0, 0]
         return busy
