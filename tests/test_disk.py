@@ -355,6 +355,27 @@ def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_p
     assert list(slow.iterdir()) == []
 
 
+def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monkeypatch):
+    """``--offload-dir`` without the drive's rates (no --drive-gbps, none in the topology): before
+    training the drive is timed, and the plan takes it at those rates, by the name sysfs gives it
+    (or its place), instead of an assumed 3.5 GB/s; nothing is left in the directory."""
+    from mobius.planning.pipeline import plan_on
+    from mobius.swap import disk
+
+    monkeypatch.setattr(disk, "DRIVE_TIMING_BYTES", 8 * 2**20)
+    cfg = RunConfig.of(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
+                       precision="bf16", progress=False, device_optimizer="off", host_mem_gb=0,
+                       offload_dir=(str(tmp_path),))
+    topo = resolve_topology(cfg)
+    assert topo.drives[0].assumed and topo.drive_gbps() == (3.5, 3.5)
+    disk.check_offload_dir(cfg, get_config("small"), topo)
+    (drive,) = topo.drives
+    assert not drive.assumed and drive.read_gbps > 0 and drive.write_gbps > 0 and list(tmp_path.iterdir()) == []
+    assert drive.name == (disk.drive_name(tmp_path.stat().st_dev) or "drive0")
+    plan = plan_on(cfg, get_config("small"), topo, time_limit_s=2)
+    assert plan.disk_gbps == (drive.read_gbps, drive.write_gbps)
+
+
 def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
     """Several directories stripe the moments over several drives: two on one file system are
     refused before training (one line, nothing left); each is timed against its own drive's stated

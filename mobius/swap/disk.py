@@ -37,6 +37,8 @@ from mobius.metrics import Trace
 from mobius.models import build_model
 from mobius.runtime.optim import UpdateRule, adamw
 from mobius.swap.store import HostStage, Slot, view
+from topology import Drive
+from topology.probe import drive_name
 
 POOL_BUFFERS = 3  # one being read ahead, one being updated, one being written
 # The most parameters updated and moved at once: a pool buffer holds a block's state (up to 16 bytes
@@ -544,11 +546,12 @@ def check_offload_dir(cfg, model_config, topo) -> None:
     """``--offload-dir`` before training: one directory on each drive the state is striped over
     (no two on one file system), each one's file system holding its part of the moments of every
     trained parameter, and with ``--host-mem-gb`` of their master and compute weights (the most
-    the tier writes there).  Where the plan is given a drive's rates (the topology's drives,
-    ``--drive-gbps``; :func:`mobius.planning.prepare.resolve_topology` pairs them with the
-    directories in order), the drive is timed (:func:`measure_drive`) and one that reads or writes
-    at less than half of them is refused: the plan would be wrong.  Under ``--emulate`` the stated
-    rates are what the run is charged: nothing to time."""
+    the tier writes there).  Each drive is timed (:func:`measure_drive`, a fraction of a second):
+    where the plan is given its rates (the topology's drives, ``--drive-gbps``;
+    :func:`mobius.planning.prepare.resolve_topology` pairs them with the directories in order), one
+    that reads or writes at less than half of them is refused (the plan would be wrong); where it
+    is not, ``topo`` takes the drive as timed, named as sysfs names it, for the plan to use.
+    Under ``--emulate`` the stated rates are what the run is charged: nothing to time."""
     directories = cfg.pipeline.offload_dir
     if not directories:
         return
@@ -568,10 +571,12 @@ def check_offload_dir(cfg, model_config, topo) -> None:
                              f"there, but its file system has {free / 1e9:.2f} GB free")
     if topo is None or cfg.emulation.enabled:
         return
-    for directory, drive in zip(directories, topo.drives):
-        if drive.assumed:
-            continue
+    for k, (directory, drive) in enumerate(zip(directories, topo.drives)):
         read, write = measure_drive(directory, DRIVE_TIMING_BYTES)
+        if drive.assumed:  # not stated: the plan takes what it does here, by the name sysfs gives it
+            topo.drives[k] = Drive(drive_name(os.stat(directory).st_dev) or f"drive{k}", max(round(read, 1), 0.1),
+                                   max(round(write, 1), 0.1))
+            continue
         if read < DRIVE_SHARE_REQUIRED * drive.read_gbps or write < DRIVE_SHARE_REQUIRED * drive.write_gbps:
             raise InputError(f"--offload-dir {shown(directory)}: its drive reads {read:.2f} GB/s and writes "
                              f"{write:.2f} GB/s here, but the plan was given {drive.read_gbps:g} and "
