@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mobius.runtime.optim import UpdateRule, make_adamw  # noqa: E402
-from mobius.swap.disk import DiskState  # noqa: E402
+from mobius.swap.disk import DiskState, block_params  # noqa: E402
 from mobius.swap.store import HostStage, Slot  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def transfers(disk: DiskState, call) -> float:
 def one_repeat(directories: list[Path], stages: int, params: int, seed: int, masters: bool) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
     hosts = {s: host_stage(s, params, g, masters) for s in range(stages)}
-    disk = DiskState(directories, 0, masters=list(hosts) if masters else ())
+    disk = DiskState(directories, 0, masters=list(hosts) if masters else (), block=block_params(params))
     for host in hosts.values() if masters else ():
         disk.park(host)
     disk.attach(hosts)

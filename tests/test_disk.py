@@ -20,10 +20,10 @@ from mobius.swap.disk import BLOCKS_PER_STAGE, DiskState
 from mobius.train import main as train_main
 
 
-def _stores(tmp_path, drives: int, masters: list[int]):
+def _stores(tmp_path, drives: int, masters: list[int], weights: list[int] = ()):
     """The same four stages of ``tiny`` twice: with their state in memory, and through a disk tier
-    (every stage's moments, ``masters``' master weights, blocks of 1,000 parameters striped over
-    ``drives`` directories)."""
+    (every stage's moments, ``masters``' master weights, ``weights``' compute weights, blocks of
+    1,000 parameters striped over ``drives`` directories)."""
     from mobius.runtime.device import CpuDevice
     from mobius.swap.store import HostStageStore
 
@@ -32,7 +32,7 @@ def _stores(tmp_path, drives: int, masters: list[int]):
     directories = [tmp_path / f"nvme{k}" for k in range(drives)]
     for d in directories:
         d.mkdir(exist_ok=True)
-    disk = DiskState(directories, 0, trace=Trace(enabled=True), masters=masters, block=1000)
+    disk = DiskState(directories, 0, trace=Trace(enabled=True), masters=masters, weights=weights, block=1000)
     ours = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, torch.float32, CpuDevice(), disk=disk)
     disk.attach(dict(ours.stages))
     theirs = HostStageStore(config, bounds, [0, 1, 2, 3], 0, rule, torch.float32, CpuDevice())
@@ -45,9 +45,17 @@ def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives)
     every stage's moments and two stages' master weights through the files, clipped, one stage's
     update skipped once (as fp16's overflow skips a step): the compute copies the loads read, the
     master weights and the moments equal the same updates in memory, bit for bit; a checkpoint's
-    view and a restore go through the files; every transfer is a span on the trace's disk lanes;
-    closing removes the files."""
-    ours, theirs, disk, directories = _stores(tmp_path, drives, masters=[1, 2])
+    view and a restore go through the files (a restored master rewrites the compute weights kept
+    there, of stage 2); every transfer is a span on the trace's disk lanes; closing removes the files."""
+    ours, theirs, disk, directories = _stores(tmp_path, drives, masters=[1, 2], weights=[2])
+
+    def compute_copy(s: int) -> torch.Tensor:
+        if not ours.stages[s].weights_on_disk:
+            return ours.stages[s].compute_buffers[0]
+        out = torch.empty(ours.stages[s].grad_staging.numel())
+        disk.read_weights(s, out)
+        return out
+
     try:
         assert [ours.stages[s].master.numel() == 0 for s in range(4)] == [False, True, True, False]
         g = torch.Generator().manual_seed(1)
@@ -68,8 +76,9 @@ def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives)
                 if not mine.master_on_disk:
                     ours.refresh_compute_copy(s)
                 assert all(st == {} for st in mine.optimizer.state.values())  # the state is on disk
+        assert [ours.stages[s].compute_buffers[0].numel() == 0 for s in range(4)] == [False, False, True, False]
         for s in range(4):
-            assert torch.equal(ours.stages[s].compute_buffers[0], theirs.stages[s].compute_buffers[0]), s
+            assert torch.equal(compute_copy(s), theirs.stages[s].compute_buffers[0]), s
             with disk.present(s):
                 mine, other = ours.stages[s], theirs.stages[s]
                 for p, q in zip(mine.master_params, other.master_params):
@@ -79,18 +88,22 @@ def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives)
             disk.loaded(s)
             for p in mine.master_params:
                 mine.optimizer.state[p]["exp_avg"] = mine.optimizer.state[p]["exp_avg"] * 0 + 7.0  # a restore
+            if s == 2:
+                mine.master.fill_(3.0)
             disk.unload(s)
             with disk.present(s):
                 assert all(torch.all(mine.optimizer.state[p]["exp_avg"] == 7.0) for p in mine.master_params)
+        assert torch.all(compute_copy(2) == 3.0)
         assert disk.read_bytes > 0 and disk.written_bytes > 0
         lanes = {lane: sum(e["args"]["bytes"] for e in disk.trace.events if e["tid"] == lane)
                  for lane in ("disk read", "disk write")}
         assert lanes == {"disk read": disk.read_bytes, "disk write": disk.written_bytes}
         for d in directories:  # each drive holds its part of every stage's state
-            assert sorted(p.name for p in d.iterdir()) == [f"rank000-stage000{s}.adam" for s in range(4)]
-        trained = {s: ours.stages[s].compute_buffers[0].numel() for s in range(4)}
+            assert sorted(p.name for p in d.iterdir()) == sorted(
+                [f"rank000-stage000{s}.adam" for s in range(4)] + ["rank000-stage0002.weights"])
+        trained = {s: ours.stages[s].grad_staging.numel() for s in range(4)}
         assert sum(p.stat().st_size for d in directories for p in d.iterdir()) == 4 * sum(
-            (3 if s in (1, 2) else 2) * n for s, n in trained.items())
+            (3 if s in (1, 2) else 2) * n for s, n in trained.items()) + 4 * trained[2]
     finally:
         disk.close()
     assert all(list(d.iterdir()) == [] for d in directories)
@@ -285,7 +298,8 @@ def test_llama_70b_full_fine_tuning_plans_on_256_gb_and_two_drives_beside_zero_i
     (["--host-mem-gb", "8"], "--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR"),
     (["--offload-dir", "x", "--drive-gbps", "fast"], "--drive-gbps 'fast': give each drive's GB/s"),
     (["--offload-dir", "x", "--host-mem-gb", "0.0001"],
-     "of host memory (weights, AdamW state and master weights on disk, gradients), but 4x4090 has 0.0 GB"),
+     "of host memory (gradients, the disk tier's buffers, what it cannot take of the AdamW state, master and "
+     "compute weights), but 4x4090 has 0.0 GB"),
     (["--offload-dir", "x", "--drive-gbps", "7,7"],
      "--offload-dir names 1 directory, but the plan is given 2 drives (the topology's drives or --drive-gbps)"),
     (["--offload-dir", "x,y,./x"], "--offload-dir 'x,y,./x': give each directory once"),

@@ -137,7 +137,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 16
+COST_MODEL_VERSION = 17
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -149,10 +149,11 @@ def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimi
     need = data_bytes + host_bytes_needed(config, precision, optimizer_lag, data_parallel, replicas_here,
                                           moments_on_disk)
     if need > available:
-        state = "AdamW state and master weights on disk" if moments_on_disk else "AdamW state"
+        held = ("gradients, the disk tier's buffers, what it cannot take of the AdamW state, master and compute "
+                "weights" if moments_on_disk else "weights, AdamW state, gradients")
         hint = "" if moments_on_disk else "; --offload-dir DIR keeps AdamW's moments on disk"
-        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory (weights, {state}, "
-                         f"gradients{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
+        raise InputError(f"model {model_name} needs {need / GB:.1f} GB of host memory ({held}"
+                         f"{f', {data_bytes / GB:.1f} GB of data' if data_bytes else ''}), but {where} has "
                          f"{available / GB:.1f} GB{hint}")
 
 

@@ -1,8 +1,9 @@
 """The disk tier of the host store: optimizer state of a worker's stages on NVMe (``--offload-dir``),
 as ZeRO-Infinity keeps it, so that a host with less memory than full fine-tuning asks for (16-20
-bytes a parameter) trains: AdamW's two moments of every stage the plan names (8 bytes a parameter)
-and, of those it names too, the fp32 master weights (4 more; with 16-bit compute their fp32
-gradients then exist only in an update's buffer).
+bytes a parameter) trains: AdamW's two moments of every stage the plan names (8 bytes a parameter),
+of those it names too, the fp32 master weights (4 more; with 16-bit compute their fp32 gradients
+then exist only in an update's buffer), and of those, the compute weights the loads read (2 more
+in bf16: each update writes them block by block, each load reads them whole, :meth:`DiskState.read_weights`).
 
 A stage's state is cut into blocks of at most ``block`` parameters; each block's record
 ``[master |] exp_avg | exp_avg_sq`` (fp32) is striped over the directories of ``--offload-dir``
@@ -411,6 +412,7 @@ class DiskState:
         self._weights_io(os.preadv, s, 0, out[:self.numel(s)])
 
     def _write_block_weights(self, s: int, b: _Block, values: torch.Tensor) -> None:
+        # A parked stage's blocks hold every parameter in order: a block is one run of the copy.
         self._weights_io(os.pwritev, s, b.pieces[0][1], values)
 
     # ---- checkpoints and the final weights ----------------------------------------------------
