@@ -10,12 +10,18 @@ of the weights, and the weights step k+1 computes with are the master weights *b
 gradient is applied (W_{k+1} = AdamW(W_k, g_{k-1}); steps 0 and 1 both use the initial weights).
 The master weights hold every update made so far: they are what a checkpoint stores by name and
 what an export writes.
+
+``--offload-dir`` (on the CPU): AdamW's moments wait on disk between updates (:mod:`mobius.swap.disk`,
+the pipeline's tier, with the whole model as one stage): the trained master weights and their
+gradients live in one flat buffer each, autograd accumulating into views of the second, and each
+update streams the moments through the drives block by block.  The same bits as in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -35,6 +41,8 @@ from mobius.runtime.optim import (
     set_lr,
     squares,
 )
+from mobius.swap.disk import DiskState, block_params
+from mobius.swap.store import view, whole_model_stage
 
 
 class ReferenceTrainer:
@@ -53,7 +61,31 @@ class ReferenceTrainer:
         self.dtype = DTYPES[precision]
         self.scaler = DynamicLossScaler(enabled=precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.outputs.trace))
+        self.disk: DiskState | None = None
+        if cfg.offload_dir:  # the trained master weights as one stage of the disk tier, its moments there
+            self.stage = whole_model_stage(list(self.trained().items()), self.optimizer)
+            self.disk = DiskState(cfg.offload_dir, 0, trace=self.trace, block=block_params(self.stage.master.numel()))
+            self.disk.attach({0: self.stage})
         reset_peak_memory(device)
+
+    def close(self) -> None:
+        """The disk tier's files removed (they are the run's)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def optimizer_state(self, restoring: bool = False) -> contextlib.AbstractContextManager:
+        """AdamW's state in its ``state`` while the block runs: a checkpoint reads it, a restore
+        (``restoring``) writes it.  With the moments on disk they are read from there, and
+        restored, written back."""
+        if self.disk is None:
+            return contextlib.nullcontext()
+        return self._restored_to_disk() if restoring else self.disk.present(0)
+
+    @contextlib.contextmanager
+    def _restored_to_disk(self) -> Iterator[None]:
+        self.disk.loaded(0)
+        yield
+        self.disk.unload(0)
 
     def trained(self) -> dict[str, torch.nn.Parameter]:
         """The master weights that train (under LoRA, the adapters): what a checkpoint holds."""
@@ -80,6 +112,11 @@ class ReferenceTrainer:
         lr = self.rule.lr_at(step)
         set_lr(self.optimizer, lr)
         self.model.zero_grad(set_to_none=True)
+        if self.disk is not None:  # autograd accumulates into views of the tier's one gradient buffer
+            self.stage.master_grad.zero_()
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # the master's order
+            for p, slot in zip(trained, self.stage.slots):
+                p.grad = view(self.stage.master_grad, slot)
         total = 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
@@ -114,7 +151,10 @@ class ReferenceTrainer:
                     for p in trained:
                         p.grad.mul_(coefficient)
             t_opt = time.perf_counter()
-            self.optimizer.step()
+            if self.disk is not None:  # the gradients above are the buffer's: unscaled and clipped there
+                self.disk.update(0, lr, None, 1.0, None)
+            else:
+                self.optimizer.step()
             self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
         self.scaler.update(overflow)
         for p in params:

@@ -34,7 +34,7 @@ from topology import Topology
 
 def offload_dirs(cfg: RunConfig) -> dict[str, str]:
     """The directories of ``--offload-dir``, each under the name its messages give it."""
-    dirs = cfg.pipeline.offload_dir
+    dirs = cfg.offload_dir
     return {"--offload-dir" if len(dirs) == 1 else f"--offload-dir ({k} of {len(dirs)})": d
             for k, d in enumerate(dirs, 1)}
 
@@ -131,7 +131,7 @@ def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: T
         replicas = backend.replicas(cfg)
         check_host_memory(cfg.model, model_config, cfg.optim.precision, cfg.optim.optimizer_lag, available,
                           "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas,
-                          moments_on_disk=bool(cfg.pipeline.offload_dir))
+                          moments_on_disk=bool(cfg.offload_dir))
     return backend.train(cfg, model_config, topo, data=(batches, held_out), inputs=inputs)
 
 

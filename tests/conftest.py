@@ -64,7 +64,7 @@ def reference(cfg, device: str = "cpu", **changes):
     from mobius.runtime.inputs import make_batches, model_config_for
 
     ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "backend": "single", "precision": cfg.optim.precision or "fp32",
-                                   **changes})
+                                   "offload_dir": (), "host_mem_gb": None, "drive_gbps": (), **changes})
     model_config = model_config_for(ref_cfg)
     trainer = ReferenceTrainer(ref_cfg, model_config, make_batches(ref_cfg, model_config), torch.device(device))
     losses = [trainer.step(k).loss for k in range(ref_cfg.optim.steps)]

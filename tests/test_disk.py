@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, one_line_exit_2, reference
+from conftest import SINGLE, TINY, one_line_exit_2, reference
 
 from mobius.backends.pipeline import launch_pipeline
 from mobius.boundary.errors import InputError, RunError
@@ -151,14 +151,14 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
                        device_optimizer="off", max_grad_norm=0.1, optimizer_lag=1, host_mem_gb=0,
                        offload_dir=(str(tmp_path / "nvme0"), str(tmp_path / "nvme1")))  # striped over two
     ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=(), host_mem_gb=None)
-    for d in cfg.pipeline.offload_dir:
+    for d in cfg.offload_dir:
         Path(d).mkdir()
     history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
     assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
     for name, w in weights.items():
         assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
     assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
-    for d in cfg.pipeline.offload_dir:
+    for d in cfg.offload_dir:
         assert list(Path(d).iterdir()) == []
         Path(d).rmdir()
     run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--steps", "4",
@@ -190,8 +190,53 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
     (tmp_path / "file").write_text("x")
     assert "is not a directory" in one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu",
                                                                        "--offload-dir", str(tmp_path / "file")], capsys)
-    assert "--offload-dir applies to --backend pipeline" in one_line_exit_2(
-        train_main, TINY + ["--backend", "single", "--offload-dir", str(tmp_path / "new")], capsys)
+    assert "--offload-dir is built for --backend pipeline and single, not chunked" in one_line_exit_2(
+        train_main, TINY + ["--backend", "chunked", "--topology", "cpu", "--offload-dir", str(tmp_path / "new")], capsys)
+    assert "--backend single keeps every AdamW moment on disk" in one_line_exit_2(
+        train_main, SINGLE + ["--offload-dir", str(tmp_path / "new"), "--host-mem-gb", "1"], capsys)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tiers(tmp_path, capsys, lag):
+    """--backend single with --offload-dir, clipped, with and without the optimizer lag: every
+    AdamW moment waits on disk (blocks of an eighth of the model, striped over two directories),
+    and the per-step losses and final weights equal the reference trainer's in memory (fp32, 1e-6);
+    a run saved on the tier resumes off it, and one saved off it resumes onto it, each equal to the
+    straight run; the files are gone at the end."""
+    from mobius.reference import ReferenceTrainer
+    from mobius.runtime.inputs import make_batches, model_config_for
+
+    drives = (str(tmp_path / "nvme0"), str(tmp_path / "nvme1"))
+    cfg = RunConfig.of(model="tiny", backend="single", steps=4, micro_batch_size=2, micro_batches=2, seq_len=32,
+                       lr=3e-3, progress=False, max_grad_norm=0.1, optimizer_lag=lag, precision="fp32",
+                       offload_dir=drives)
+    ref_losses, ref_weights = reference(cfg)
+    for d in drives:
+        Path(d).mkdir()
+    trainer = ReferenceTrainer(cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)),
+                               torch.device("cpu"))
+    try:
+        losses = [trainer.step(k).loss for k in range(4)]
+        assert all(st == {} for st in trainer.optimizer.state.values())  # the moments are on disk
+        assert trainer.disk.read_bytes > 0 and trainer.disk.written_bytes > 0
+        assert sum(len(list(Path(d).iterdir())) for d in drives) == 2
+    finally:
+        trainer.close()
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert all(torch.allclose(p, ref_weights[n], rtol=1e-6, atol=1e-8) for n, p in trainer.master.items())
+    assert all(list(Path(d).iterdir()) == [] for d in drives)
+
+    run = SINGLE + ["--steps", "4", "--optimizer-lag", str(lag), "--max-grad-norm", "0.1"]
+    straight, _ = reference(parse_train_args(run))
+    disk = ["--offload-dir", str(tmp_path / "nvme")]
+    for first, then, name in ((disk, [], "off-the-disk"), ([], disk, "onto-the-disk")):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        train_main(run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics])
+        train_main(["--resume", str(tmp_path / name), "--metrics", metrics, *then])
+        assert ("on disk: AdamW's moments" in capsys.readouterr().out) == bool(first or then)
+        assert [json.loads(line)["loss"] for line in open(metrics)] == pytest.approx(straight, rel=1e-6), name
+        assert not (tmp_path / "nvme").exists()
 
 
 def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(tmp_path, capsys):
@@ -456,7 +501,7 @@ def test_master_weights_and_moments_on_disk_equal_the_reference(tmp_path, worker
                        micro_batches=4, seq_len=32, lr=3e-3, progress=False, backend="pipeline",
                        device_optimizer="off", max_grad_norm=0.1, optimizer_lag=lag,
                        offload_dir=(str(tmp_path / "nvme0"),))
-    Path(cfg.pipeline.offload_dir[0]).mkdir()
+    Path(cfg.offload_dir[0]).mkdir()
     ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=())
     placed = {}
 
@@ -472,7 +517,7 @@ def test_master_weights_and_moments_on_disk_equal_the_reference(tmp_path, worker
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for name, w in weights.items():
         assert torch.allclose(w, ref_weights[name], rtol=1e-6, atol=1e-8), name
-    assert list(Path(cfg.pipeline.offload_dir[0]).iterdir()) == []
+    assert list(Path(cfg.offload_dir[0]).iterdir()) == []
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Callable
 
 from mobius.backends.chunked import check_chunked_options, launch_chunked
 from mobius.backends.pipeline import check_pipeline_options, launch_pipeline, torchrun_worker
-from mobius.backends.single import train_single
+from mobius.backends.single import check_single_options, train_single
 from mobius.boundary.errors import InputError
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
 from mobius.models import GPTConfig
@@ -50,7 +50,8 @@ BACKENDS = {
                         check=check_pipeline_options, under_torchrun=torchrun_worker, meanwhile=early_calibration),
     "chunked": Backend("chunked", launch_chunked, in_workers=True, replicated=False, options="chunked",
                        check=check_chunked_options),
-    "single": Backend("single", train_single, in_workers=False, replicated=False, emulates=False),
+    "single": Backend("single", train_single, in_workers=False, replicated=False, check=check_single_options,
+                      emulates=False),
 }
 
 

@@ -48,6 +48,8 @@ def check_chunked_options(cfg: RunConfig, model_config: GPTConfig, topo: Topolog
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
     if cfg.lora.rank:
         raise InputError("--lora-rank is built for --backend pipeline and single, not chunked")
+    if cfg.offload_dir:
+        raise InputError("--offload-dir is built for --backend pipeline and single, not chunked")
     if cfg.optim.optimizer_lag:
         raise InputError("--optimizer-lag is built for --backend pipeline and single, not chunked")
     if cfg.optim.precision == "fp16":

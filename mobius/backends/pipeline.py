@@ -75,7 +75,7 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
             f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}" 
-            + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.pipeline.offload_dir else ""))
+            + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.offload_dir else ""))
 
 
 def disk_text(plan: Plan, topo: Topology) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mobius.boundary.errors import shown
+from mobius.boundary.errors import InputError, shown
 from mobius.config import RunConfig
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
@@ -16,7 +16,22 @@ from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
 from mobius.runtime.loop import run_steps
 from mobius.signals import StopRequest
+from mobius.swap.disk import MOMENT_BYTES, check_offload_dir
 from topology import Topology
+
+
+def check_single_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None) -> None:
+    """What the reference trainer does not build, refused before the data is read: the disk tier
+    on a GPU (its updates run on the host), and the flags that plan the pipeline's tier."""
+    if not cfg.offload_dir:
+        return
+    if cuda_available():
+        raise InputError("--offload-dir with --backend single is built for training on the CPU; on GPUs "
+                         "--backend pipeline keeps the optimizer's state on disk")
+    if cfg.host_mem_gb is not None or cfg.drive_gbps:
+        raise InputError("--host-mem-gb and --drive-gbps plan the pipeline's disk tier; --backend single keeps "
+                         "every AdamW moment on disk")
+    check_offload_dir(cfg, model_config, None)
 
 
 def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None, data: tuple,
@@ -29,7 +44,8 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
 
     def restore(ckpt: ck.Checkpoint) -> None:
-        ck.restore(ckpt, trainer.trained(), trainer.optimizer)
+        with trainer.optimizer_state(restoring=True):
+            ck.restore(ckpt, trainer.trained(), trainer.optimizer)
         if trainer.lag:
             with torch.no_grad():
                 for name, p in trainer.model.named_parameters():
@@ -38,20 +54,34 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
 
     def save(done: int) -> None:
         trained = trainer.trained()
-        files = {"weights.safetensors": trained,
-                 "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
+        with trainer.optimizer_state():
+            files = {"weights.safetensors": trained,
+                     "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
         if trainer.lag:
             files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
                                                    if p.requires_grad}
         ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
 
+    try:
+        history = _train(cfg, model_config, trainer, device, held_out, restore, save)
+    finally:
+        trainer.close()
+    return history
+
+
+def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, device: torch.device, held_out,
+           restore, save) -> list[StepMetrics]:
+    """The run's steps on ``trainer`` (resumed by ``restore``, saved by ``save``), its trace and exports."""
     start = 0
     if cfg.checkpoint.resume:
         start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
     n = trainer.model.num_parameters()
+    on_disk = ("" if trainer.disk is None else
+               f"\n  on disk: AdamW's moments ({trainer.disk.numel(0) * MOMENT_BYTES / 1e9:.2f} GB) in "
+               f"{', '.join(map(shown, cfg.offload_dir))}, streamed in blocks")
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.batch.describe()}, {cfg.optim.precision}" + (", 4-bit NF4 base" if model_config.lora_4bit else "")
-              + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}")
+              + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}" + on_disk)
     evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
     with StopRequest() as stop:
         history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)

@@ -258,19 +258,9 @@ class PipelineConfig:
         "off", "auto: when the run's first steps show a lane of its plan off by more than 20%%, plan again with the "
                "measured rates and switch plans at a step boundary if the new plan is predicted to save more than "
                "the switch costs (pipeline backend; the training state carries over)", choices=("auto", "off"))
-    offload_dir: tuple[str, ...] = setting(
-        (), "keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, between "
-            "updates, read back ahead of each stage's update and written after it, overlapped (ZeRO-Infinity's disk "
-            "tier): for a host with less memory than the run needs; several directories, one on each drive, stripe "
-            "the files over the drives; each must be empty or absent, and the files go when the run ends (pipeline "
-            "backend)", metavar="DIR[,DIR...]", plans=True)
 
     def __post_init__(self):
         _positive(self, ("stages", "data_parallel"))
-        if isinstance(self.offload_dir, str):  # one directory, or several as the command line spells them
-            object.__setattr__(self, "offload_dir", comma_names(self.offload_dir))
-        if len({str(Path(d).absolute()) for d in self.offload_dir}) < len(self.offload_dir):
-            raise InputError(f"--offload-dir {','.join(self.offload_dir)!r}: give each directory once")
         if self.replan not in ("auto", "off"):
             raise InputError(f"--replan must be auto or off, got {self.replan!r}")
 
@@ -381,6 +371,12 @@ class RunConfig:
     network: str | None = setting(
         None, "the network between the nodes of --data-parallel replicas: 10gbe, 25gbe, 100gbe, ib-hdr, ib-ndr or a "
               "bandwidth in GB/s (default: the topology's, else 10gbe assumed)", metavar="NAME|GBPS", plans=True)
+    offload_dir: tuple[str, ...] = setting(
+        (), "keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, between "
+            "updates, read back ahead of each update and written after it, overlapped (ZeRO-Infinity's disk "
+            "tier): for a host with less memory than the run needs; several directories, one on each drive, stripe "
+            "the files over the drives; each must be empty or absent, and the files go when the run ends (pipeline "
+            "and single backends)", metavar="DIR[,DIR...]", plans=True)
     host_mem_gb: float | None = setting(
         None, "with --offload-dir: the host memory the run may use; what does not fit waits on disk, the largest "
               "stages' AdamW moments first, then their master weights (default: this machine's available memory "
@@ -401,6 +397,10 @@ class RunConfig:
 
     def __post_init__(self):
         _positive(self, ("cpu_workers", "gpu_mem_gb", "host_adam_gbps"))
+        if isinstance(self.offload_dir, str):  # one directory, or several as the command line spells them
+            object.__setattr__(self, "offload_dir", comma_names(self.offload_dir))
+        if len({str(Path(d).absolute()) for d in self.offload_dir}) < len(self.offload_dir):
+            raise InputError(f"--offload-dir {','.join(self.offload_dir)!r}: give each directory once")
         if self.host_mem_gb is not None and not (self.host_mem_gb >= 0 and math.isfinite(self.host_mem_gb)):
             raise InputError(f"--host-mem-gb must be a finite number, 0 or more, got {self.host_mem_gb}")
         for text in self.drive_gbps:
@@ -411,7 +411,7 @@ class RunConfig:
             if not ok:
                 raise InputError(f"--drive-gbps {','.join(self.drive_gbps)!r}: give each drive's GB/s, a positive "
                                  "number below 10000")
-        if (self.host_mem_gb is not None or self.drive_gbps) and not self.pipeline.offload_dir:
+        if (self.host_mem_gb is not None or self.drive_gbps) and not self.offload_dir:
             raise InputError("--host-mem-gb and --drive-gbps plan the disk tier: they need --offload-dir DIR")
         if self.gpu_mem_gb is not None and self.gpu_mem_gb > MAX_DEVICE_MEMORY_GB:
             raise InputError(f"--gpu-mem-gb {self.gpu_mem_gb:g} is more than any device has (at most "

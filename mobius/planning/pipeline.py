@@ -55,7 +55,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     batch, pipe = cfg.batch, cfg.pipeline
     # The disk tier: as much state on disk as the host memory needs (--host-mem-gb, or the machine's), or
     # with --host-mem-gb 0 all it can take.
-    disk = "off" if not pipe.offload_dir else "all" if cfg.host_mem_gb == 0 else "fit"
+    disk = "off" if not cfg.offload_dir else "all" if cfg.host_mem_gb == 0 else "fit"
     check_plannable(cfg.model, model_config, topo, precision, pipe.stages, cfg.optim.optimizer_lag, replicas,
                     moments_on_disk=disk != "off")
     if profile is None:

@@ -271,13 +271,13 @@ def resolve_topology(cfg: RunConfig) -> Topology:
         topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
     if cfg.host_mem_gb:  # stated (0: as little as the disk tier allows, whatever the host has)
         topo.host_memory_gb = cfg.host_mem_gb
-    elif cfg.host_mem_gb is None and cfg.pipeline.offload_dir and cfg.topology in ("auto", "cpu"):
+    elif cfg.host_mem_gb is None and cfg.offload_dir and cfg.topology in ("auto", "cpu"):
         available = available_host_memory()  # this machine's, now, less a margin for everything else on it
         if available is not None:
             topo.host_memory_gb = min(topo.host_memory_gb, available / 1e9 * (1 - HOST_MEMORY_MARGIN))
     if cfg.drive_gbps:
         topo.drives = [Drive(f"drive{k}", float(g), float(g)) for k, g in enumerate(cfg.drive_gbps)]
-    directories = cfg.pipeline.offload_dir
+    directories = cfg.offload_dir
     if directories and not topo.drives:  # each directory on a drive of the assumed rate
         topo.drives = [Drive(f"assumed{k}", ASSUMED_DRIVE_GBPS, ASSUMED_DRIVE_GBPS, assumed=True)
                        for k in range(len(directories))]
@@ -398,7 +398,7 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          counters="", how=how, floor=step_floor,  # the launcher makes the counters file
                          replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB,
                          host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n),
-                         disk_bps=tuple(g * GB for g in topo.drive_gbps()) if cfg.pipeline.offload_dir else
+                         disk_bps=tuple(g * GB for g in topo.drive_gbps()) if cfg.offload_dir else
                          (float("inf"), float("inf")))
 
 

@@ -203,7 +203,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     model_config = model_config_for(cfg)
     mine = plan.stages_of_gpu(rank)
     disk = None
-    if cfg.pipeline.offload_dir:  # the optimizer state of the stages the plan puts on disk waits there
+    if cfg.offload_dir:  # the optimizer state of the stages the plan puts on disk waits there
         tied = {0, len(plan.bounds) - 1} if model_config.tie_embeddings else set()
         if plan.disk_masters and (replicas is not None or set(plan.disk_masters) & tied):
             raise ValueError(f"stages {plan.disk_masters} cannot keep their master weights on disk: replicas or "
@@ -213,7 +213,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
                              "(its two compute copies are the host's)")
         rank_here = dist.get_rank() if dist.is_initialized() else rank
         largest = max(plan.stages[s].grad_bytes // DTYPES[spec.precision].itemsize for s in mine)
-        disk = DiskState(cfg.pipeline.offload_dir, rank_here, through=device.disk_transfer, trace=trace,
+        disk = DiskState(cfg.offload_dir, rank_here, through=device.disk_transfer, trace=trace,
                          block=block_params(largest),
                          masters=[s for s in plan.disk_masters if s in mine],
                          weights=[s for s in plan.disk_weights if s in mine])

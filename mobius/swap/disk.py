@@ -554,7 +554,7 @@ def check_offload_dir(cfg, model_config, topo) -> None:
     that reads or writes at less than half of them is refused (the plan would be wrong); where it
     is not, ``topo`` takes the drive as timed, named as sysfs names it, for the plan to use.
     Under ``--emulate`` the stated rates are what the run is charged: nothing to time."""
-    directories = cfg.pipeline.offload_dir
+    directories = cfg.offload_dir
     if not directories:
         return
     if shares_a_file_system(directories):
