@@ -79,6 +79,9 @@ def test_plan_scripts():
     assert (one["gpus"], two["gpus"]) == (1, 2)
     assert all(r["bound_simulated_s"] > 0 and r["dispatched_simulated_s"] > 0 for r in (one, two))
     assert two["dispatched_stages"][1] >= two["dispatched_stages"][0]  # backward stages are the smaller
+    run_script("plan_disk", ["--smoke", "--json", "disk.json"])
+    (row,) = read("disk.json")
+    assert row["moments_on_disk"] > 0 and row["mobius_step_s"] > 0 and row["zero_infinity_step_s"] > 0
 
 
 def test_bench_optimizer():

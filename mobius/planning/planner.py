@@ -284,8 +284,8 @@ def disk_stages(costs: list[StageCost], element_bytes: int, data_parallel: int, 
             on_disk.append(j)
             freed += params[j] * element_bytes
     if excess != math.inf and freed - pool(masters, on_disk) < excess:
-        held = " and master weights" if masters else ""
-        raise InputError(f"with every host stage's AdamW moments{held}{' and weights' if on_disk else ''} on disk "
+        held = ", ".join(["AdamW moments"] + ["master weights"] * bool(masters) + ["weights"] * bool(on_disk))
+        raise InputError(f"with every host stage's {held} on disk "
                          f"the host still needs {(excess - freed + pool(masters, on_disk)) / GB:.2f} GB more than "
                          "the run may use (--host-mem-gb)")
     return sorted(moments), sorted(masters), sorted(on_disk)
