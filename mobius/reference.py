@@ -14,7 +14,9 @@ what an export writes.
 ``--offload-dir`` (on the CPU): AdamW's moments wait on disk between updates (:mod:`mobius.swap.disk`,
 the pipeline's tier, with the whole model as one stage): the trained master weights and their
 gradients live in one flat buffer each, autograd accumulating into views of the second, and each
-update streams the moments through the drives block by block.  The same bits as in memory.
+update streams the moments through the drives block by block.  With the lag the master is a copy:
+it waits there too, and each update hands the weights it computes with next, the master's values
+before the update, block by block.  The same bits as in memory.
 """
 
 from __future__ import annotations
@@ -63,8 +65,13 @@ class ReferenceTrainer:
         self.trace = Trace(enabled=bool(cfg.outputs.trace))
         self.disk: DiskState | None = None
         if cfg.offload_dir:  # the trained master weights as one stage of the disk tier, its moments there
-            self.stage = whole_model_stage(list(self.trained().items()), self.optimizer)
-            self.disk = DiskState(cfg.offload_dir, 0, trace=self.trace, block=block_params(self.stage.master.numel()))
+            computed = [p for p in self.model.parameters() if p.requires_grad] if self.lag else None
+            self.stage = whole_model_stage(list(self.trained().items()), self.optimizer, computed)
+            self.disk = DiskState(cfg.offload_dir, 0, trace=self.trace, block=block_params(self.stage.master.numel()),
+                                  masters=[0] if self.lag else ())
+            if self.lag:  # the master is a copy: it waits on disk too
+                self.stage.master_on_disk = True
+                self.disk.park(self.stage)
             self.disk.attach({0: self.stage})
         reset_peak_memory(device)
 
@@ -74,9 +81,9 @@ class ReferenceTrainer:
             self.disk.close()
 
     def optimizer_state(self, restoring: bool = False) -> contextlib.AbstractContextManager:
-        """AdamW's state in its ``state`` while the block runs: a checkpoint reads it, a restore
-        (``restoring``) writes it.  With the moments on disk they are read from there, and
-        restored, written back."""
+        """AdamW's state in its ``state`` and the master weights bound while the block runs: a
+        checkpoint or an export reads them, a restore (``restoring``) writes them.  On disk they
+        are read from there, and restored, written back."""
         if self.disk is None:
             return contextlib.nullcontext()
         return self._restored_to_disk() if restoring else self.disk.present(0)
@@ -130,7 +137,8 @@ class ReferenceTrainer:
             self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
         params = list(self.model.parameters())
         overflow = self.scaler.enabled and grads_overflow(params)
-        if self.lag:  # the next step computes with the master weights as they are before this update
+        parked = self.disk is not None and self.stage.master_on_disk  # the update hands the next weights
+        if self.lag and not parked:  # the next step computes with the master weights as they are before this update
             with torch.no_grad():
                 for p, m in zip(params, self.master.values()):
                     if m.requires_grad:
@@ -152,10 +160,12 @@ class ReferenceTrainer:
                         p.grad.mul_(coefficient)
             t_opt = time.perf_counter()
             if self.disk is not None:  # the gradients above are the buffer's: unscaled and clipped there
-                self.disk.update(0, lr, None, 1.0, None)
+                self.disk.update(0, lr, None, 1.0, self.stage.compute_buffers[0], before=True)
             else:
                 self.optimizer.step()
             self.trace.span("AdamW", "optimizer", t_opt, time.perf_counter(), step=step)
+        elif parked:  # skipped: the master as it is is still the next step's weights
+            self.disk.update(0, lr, None, 1.0, self.stage.compute_buffers[0], apply=False, before=True)
         self.scaler.update(overflow)
         for p in params:
             p.grad = None

@@ -201,7 +201,9 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
 def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tiers(tmp_path, capsys, lag):
     """--backend single with --offload-dir, clipped, with and without the optimizer lag: every
     AdamW moment waits on disk (blocks of an eighth of the model, striped over two directories),
-    and the per-step losses and final weights equal the reference trainer's in memory (fp32, 1e-6);
+    and with the lag the master weights too (all of AdamW's state and the master: the model holds
+    the weights it computes with), and the per-step losses and final weights equal the reference
+    trainer's in memory (fp32, 1e-6);
     a run saved on the tier resumes off it, and one saved off it resumes onto it, each equal to the
     straight run; the files are gone at the end."""
     from mobius.reference import ReferenceTrainer
@@ -219,12 +221,15 @@ def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tie
     try:
         losses = [trainer.step(k).loss for k in range(4)]
         assert all(st == {} for st in trainer.optimizer.state.values())  # the moments are on disk
+        assert all(p.numel() == 0 for p in trainer.master.values()) == bool(lag)  # and with the lag the master
         assert trainer.disk.read_bytes > 0 and trainer.disk.written_bytes > 0
         assert sum(len(list(Path(d).iterdir())) for d in drives) == 2
+        with trainer.optimizer_state():
+            weights = {n: p.detach().clone() for n, p in trainer.master.items()}
     finally:
         trainer.close()
     assert losses == pytest.approx(ref_losses, rel=1e-6)
-    assert all(torch.allclose(p, ref_weights[n], rtol=1e-6, atol=1e-8) for n, p in trainer.master.items())
+    assert all(torch.allclose(p, ref_weights[n], rtol=1e-6, atol=1e-8) for n, p in weights.items())
     assert all(list(Path(d).iterdir()) == [] for d in drives)
 
     run = SINGLE + ["--steps", "4", "--optimizer-lag", str(lag), "--max-grad-norm", "0.1"]
@@ -234,7 +239,9 @@ def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tie
         metrics = str(tmp_path / f"{name}.jsonl")
         train_main(run + first + ["--stop-after", "2", "--save", str(tmp_path / name), "--metrics", metrics])
         train_main(["--resume", str(tmp_path / name), "--metrics", metrics, *then])
-        assert ("on disk: AdamW's moments" in capsys.readouterr().out) == bool(first or then)
+        said = capsys.readouterr().out
+        assert ("on disk: AdamW's moments" in said) == bool(first or then)
+        assert ("and the master weights" in said) == bool(lag and (first or then))
         assert [json.loads(line)["loss"] for line in open(metrics)] == pytest.approx(straight, rel=1e-6), name
         assert not (tmp_path / "nvme").exists()
 

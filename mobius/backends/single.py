@@ -16,7 +16,7 @@ from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import cuda_available
 from mobius.runtime.loop import run_steps
 from mobius.signals import StopRequest
-from mobius.swap.disk import MOMENT_BYTES, check_offload_dir
+from mobius.swap.disk import check_offload_dir
 from topology import Topology
 
 
@@ -30,7 +30,7 @@ def check_single_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology
                          "--backend pipeline keeps the optimizer's state on disk")
     if cfg.host_mem_gb is not None or cfg.drive_gbps:
         raise InputError("--host-mem-gb and --drive-gbps plan the pipeline's disk tier; --backend single keeps "
-                         "every AdamW moment on disk")
+                         "every AdamW moment on disk, and with --optimizer-lag the master weights")
     check_offload_dir(cfg, model_config, None)
 
 
@@ -53,14 +53,15 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
                         p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
 
     def save(done: int) -> None:
-        trained = trainer.trained()
-        with trainer.optimizer_state():
+        with trainer.optimizer_state():  # bound (from disk) until saved
+            trained = trainer.trained()
             files = {"weights.safetensors": trained,
                      "optimizer.safetensors": ck.optimizer_tensors(trained, trainer.optimizer)}
-        if trainer.lag:
-            files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
-                                                   if p.requires_grad}
-        ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler, inputs))
+            if trainer.lag:
+                files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
+                                                       if p.requires_grad}
+            ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler,
+                                                            inputs))
 
     try:
         history = _train(cfg, model_config, trainer, device, held_out, restore, save)
@@ -77,7 +78,8 @@ def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, d
         start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
     n = trainer.model.num_parameters()
     on_disk = ("" if trainer.disk is None else
-               f"\n  on disk: AdamW's moments ({trainer.disk.numel(0) * MOMENT_BYTES / 1e9:.2f} GB) in "
+               f"\n  on disk: AdamW's moments{' and the master weights' if trainer.lag else ''} "
+               f"({trainer.disk.numel(0) * trainer.disk.fields(0) * 4 / 1e9:.2f} GB) in "
                f"{', '.join(map(shown, cfg.offload_dir))}, streamed in blocks")
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.batch.describe()}, {cfg.optim.precision}" + (", 4-bit NF4 base" if model_config.lora_4bit else "")
@@ -89,7 +91,8 @@ def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, d
         write_trace(cfg.outputs.trace, trainer.trace.collect())
     for _, out, merged in cfg.outputs.exports():
         staging = start_export(out, cfg.data.chat_template)
-        write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
+        with trainer.optimizer_state():
+            write_export_shard(model_config, staging, "all", layer_states(trainer.master), merged)
         finish_export(model_config, staging, out, merged)
         print(f"exported to {shown(out)}", flush=True)
     return history

@@ -245,12 +245,14 @@ class DiskState:
 
     # ---- the update's path -------------------------------------------------------------------
     def update(self, s: int, lr: float, unscale: float | None, clip: float, compute: torch.Tensor | None,
-               apply: bool = True) -> None:
+               apply: bool = True, before: bool = False) -> None:
         """Stage ``s``'s AdamW step, block by block: the read of the next block, the update of this
         one (its gradients divided by ``unscale``, then multiplied by ``clip``, as in memory) and
         the write of the last in flight together; a master on disk also refreshes ``compute`` (the
-        compute-dtype copy the next loads read) block by block.  ``apply`` off (an fp16 step
-        skipped): nothing changes, but a master on disk still refreshes ``compute``."""
+        compute-dtype copy the next loads read) block by block, with its values after the update or,
+        ``before``, before it (the weights an optimizer lag of one computes with next, where
+        ``compute`` is the only copy).  ``apply`` off (an fp16 step skipped): nothing changes, but a
+        master on disk still refreshes ``compute``."""
         host, blocks = self.hosts[s], self.blocks[s]
         if not apply and s not in self.masters:
             return
@@ -264,6 +266,8 @@ class DiskState:
                 reads.append(self._reader.submit(self._read, s, blocks[i + 1]))
             record = buffer[:self.fields(s) * b.count]
             master = record[:b.count] if s in self.masters else None
+            if before and master is not None and compute is not None:  # the weights of one update ago
+                self._scatter(b, master, compute)
             if apply:
                 self._step(s, b, buffer, master, lr, unscale, clip, group)
             writes = self._writes.setdefault(s, [])
@@ -271,7 +275,7 @@ class DiskState:
                 if apply:
                     writes.append(self._writer.submit(self._write_block_weights, s, b,
                                                       master.to(host.grad_staging.dtype, copy=True)))
-            elif master is not None and compute is not None:
+            elif master is not None and compute is not None and not before:
                 self._scatter(b, master, compute)
             if apply:
                 writes.append(self._writer.submit(self._write, s, b, record, buffer))

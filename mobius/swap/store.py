@@ -120,21 +120,27 @@ def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
-def whole_model_stage(named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> HostStage:
-    """The trained fp32 parameters ``named`` of a model in this process (the single backend's, on
-    its CPU), updated by ``optimizer``, as one host stage for the disk tier: their values moved into
-    one flat master buffer, which they then view, and a flat gradient buffer beside it."""
+def whole_model_stage(named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                      computed: list[nn.Parameter] | None = None) -> HostStage:
+    """The trained fp32 master parameters ``named`` of a model in this process (the single
+    backend's, on its CPU), updated by ``optimizer``, as one host stage for the disk tier: their
+    values moved into one flat master buffer, which they then view, and a flat gradient buffer
+    beside it.  ``computed``: the parameters the model computes with where they are not the master
+    (an optimizer lag), moved into a flat compute buffer of the same layout likewise."""
     numel = sum(p.numel() for _, p in named)
     master, master_grad = torch.empty(numel), torch.zeros(numel)
+    compute = master if computed is None else torch.empty(numel)
     slots, at = [], 0
     with torch.no_grad():
-        for _, p in named:
+        for k, (_, p) in enumerate(named):
             slots.append(Slot(at, p.numel(), tuple(p.shape)))
-            view(master, slots[-1]).copy_(p)
-            p.data = view(master, slots[-1])
+            for flat, q in ((master, p), (compute, None if computed is None else computed[k])):
+                if q is not None:
+                    view(flat, slots[-1]).copy_(q)
+                    q.data = view(flat, slots[-1])
             at += p.numel()
     return HostStage(0, [], nn.ModuleList([nn.ParameterList([p for _, p in named])]), optimizer,
-                     torch.empty(0), master, master_grad, [master], master_grad, slots, [n for n, _ in named])
+                     torch.empty(0), master, master_grad, [compute], master_grad, slots, [n for n, _ in named])
 
 
 def _fill(meta: nn.Module, built: nn.Module, homes: list[torch.Tensor], at: int) -> int:
