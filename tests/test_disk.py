@@ -545,6 +545,23 @@ def test_16_bit_master_weights_on_disk_give_the_bits_they_give_in_memory(tmp_pat
     assert all(torch.equal(w, memory_weights[n]) for n, w in weights.items())
 
 
+@pytest.mark.slow
+def test_worker_processes_with_stage_weights_on_disk_resume_with_the_bits_of_a_straight_run(tmp_path, capfd):
+    """bf16 on two worker processes (four stages), every stage's moments, master and weights on disk
+    (``--host-mem-gb 0``): saved at step 2 and resumed onto the tier (a restore rewrites the
+    weights there from the master), the losses are those of a straight run in memory, bit for bit."""
+    run = TINY + ["--backend", "pipeline", "--topology", "cpu", "--device-optimizer", "off", "--precision", "bf16",
+                  "--stages", "4", "--steps", "4"]
+    tier = ["--offload-dir", str(tmp_path / "nvme"), "--host-mem-gb", "0"]
+    train_main(run + ["--metrics", str(tmp_path / "straight.jsonl")])
+    train_main(run + tier + ["--stop-after", "2", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    train_main(["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"), *tier])
+    assert capfd.readouterr().out.count("the compute weights of stages 0-3") == 2
+    losses = {name: [json.loads(line)["loss"] for line in open(tmp_path / name)] for name in ("straight.jsonl", "m.jsonl")}
+    assert len(losses["m.jsonl"]) == 4 and losses["m.jsonl"] == losses["straight.jsonl"]
+    assert not (tmp_path / "nvme").exists()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_stage_weights_on_disk_give_the_bits_they_give_in_memory(tmp_path, precision, monkeypatch):
     """Three of four stages with every state on disk and two of them with their compute weights
