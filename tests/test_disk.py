@@ -191,7 +191,8 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
     assert "is not a directory" in one_line_exit_2(train_main, TINY + ["--backend", "pipeline", "--topology", "cpu",
                                                                        "--offload-dir", str(tmp_path / "file")], capsys)
     assert "--offload-dir is built for --backend pipeline and single, not chunked" in one_line_exit_2(
-        train_main, TINY + ["--backend", "chunked", "--topology", "cpu", "--offload-dir", str(tmp_path / "new")], capsys)
+        train_main, TINY + ["--backend", "chunked", "--topology", "cpu", "--offload-dir", str(tmp_path / "new")],
+        capsys)
     assert "--backend single keeps every AdamW moment on disk" in one_line_exit_2(
         train_main, SINGLE + ["--offload-dir", str(tmp_path / "new"), "--host-mem-gb", "1"], capsys)
     assert not (tmp_path / "new").exists()
@@ -554,7 +555,8 @@ def test_worker_processes_with_stage_weights_on_disk_resume_with_the_bits_of_a_s
                   "--stages", "4", "--steps", "4"]
     tier = ["--offload-dir", str(tmp_path / "nvme"), "--host-mem-gb", "0"]
     train_main(run + ["--metrics", str(tmp_path / "straight.jsonl")])
-    train_main(run + tier + ["--stop-after", "2", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")])
+    train_main(run + tier + ["--stop-after", "2", "--save", str(tmp_path / "ck"),
+                             "--metrics", str(tmp_path / "m.jsonl")])
     train_main(["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"), *tier])
     assert capfd.readouterr().out.count("the compute weights of stages 0-3") == 2
     losses = {name: [json.loads(line)["loss"] for line in open(tmp_path / name)] for name in ("straight.jsonl", "m.jsonl")}

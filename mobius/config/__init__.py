@@ -372,18 +372,20 @@ class RunConfig:
         None, "the network between the nodes of --data-parallel replicas: 10gbe, 25gbe, 100gbe, ib-hdr, ib-ndr or a "
               "bandwidth in GB/s (default: the topology's, else 10gbe assumed)", metavar="NAME|GBPS", plans=True)
     offload_dir: tuple[str, ...] = setting(
-        (), "keep AdamW's two moments (8 bytes a trained parameter) in files in DIR, on an NVMe drive, between "
-            "updates, read back ahead of each update and written after it, overlapped (ZeRO-Infinity's disk "
-            "tier): for a host with less memory than the run needs; several directories, one on each drive, stripe "
-            "the files over the drives; each must be empty or absent, and the files go when the run ends (pipeline "
-            "and single backends)", metavar="DIR[,DIR...]", plans=True)
+        (), "keep AdamW's two moments (8 bytes a trained parameter), and where --host-mem-gb needs it the master "
+            "and then the stage weights, in files in DIR, on an NVMe drive, between updates, read back ahead of each "
+            "update and written after it, overlapped (ZeRO-Infinity's disk tier): for a host with less memory than "
+            "the run needs; several directories, one on each drive, stripe the files over the drives; each must be "
+            "empty or absent, and the files go when the run ends (pipeline and single backends)",
+        metavar="DIR[,DIR...]", plans=True)
     host_mem_gb: float | None = setting(
         None, "with --offload-dir: the host memory the run may use; what does not fit waits on disk, the largest "
-              "stages' AdamW moments first, then their master weights (default: this machine's available memory "
-              "less 10%%, or the topology's host memory; 0: all the disk tier can take)", plans=True)
+              "stages' AdamW moments first, then their master weights, then their weights (default: this machine's "
+              "available memory less 10%%, or the topology's host memory; 0: all the disk tier can take)", plans=True)
     drive_gbps: tuple[str, ...] = setting(
         (), "with --offload-dir: the drives the disk tier uses, each one's sequential GB/s, one per directory in "
-            "order (default: the topology's drives, else a 3.5 GB/s drive assumed under each directory)",
+            "order (default: the topology's drives, else each drive as timed before training; mobius.plan "
+            "assumes 3.5 GB/s)",
         metavar="GBPS[,GBPS...]", plans=True)
     data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()

@@ -418,7 +418,8 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
     s.backward()
     home = s.gradients_home()
     s.pass_copies(compute_only, home)
-    adam = [0.0 if c.resident else adam_s(c, machine, elt, disk_bytes_per_param(machine, j, elt)) for j, c in enumerate(st)]
+    adam = [0.0 if c.resident else adam_s(c, machine, elt, disk_bytes_per_param(machine, j, elt))
+            for j, c in enumerate(st)]
     exchange = [0.0 if c.resident else exchange_s(c, machine, elt) for c in st]
     if machine.optimizer_lag:  # the updates leave the critical path; the gradients must still come home
         # each worker's optimizer, and the node's network for all of them

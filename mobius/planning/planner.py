@@ -422,9 +422,9 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel) - sum(
             c.grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES for c in costs if c.resident)
         tied = {0, len(bounds) - 1} if config.tie_embeddings else set()  # the host sums their gradients
+        excess = need - topo.host_memory_gb * GB if disk == "fit" else math.inf
         on_disk, masters, weights = disk_stages(
-            costs, element_bytes(profile.dtype), data_parallel,
-            need - topo.host_memory_gb * GB if disk == "fit" else math.inf, master_bytes_freed(precision, optimizer_lag),
+            costs, element_bytes(profile.dtype), data_parallel, excess, master_bytes_freed(precision, optimizer_lag),
             frozenset(tied), weights=optimizer_lag == 0 and data_parallel == 1, workers=topo.n)
         drives = topo.drive_gbps()
         machine = replace(machine, on_disk=tuple(on_disk), masters_on_disk=tuple(masters),

@@ -180,8 +180,8 @@ class Plan:
         """What waits on disk, and on what drives."""
         masters = f", the master weights of stages {runs(self.disk_masters)}" if self.disk_masters else ""
         weights = f", the compute weights of stages {runs(self.disk_weights)}" if self.disk_weights else ""
-        return (f"AdamW's moments of stages {runs(self.disk_stages)}{masters}{weights} ({self.disk_bytes / 1e9:.2f} GB) on the "
-                f"drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write)")
+        return (f"AdamW's moments of stages {runs(self.disk_stages)}{masters}{weights} "
+                f"({self.disk_bytes / 1e9:.2f} GB) on the drives ({self.disk_gbps[0]:g} GB/s read, {self.disk_gbps[1]:g} GB/s write)")
 
     def state_home(self, stage: int) -> str:
         """Where stage ``stage``'s fp32 master weights and AdamW state (and, swapped, its compute

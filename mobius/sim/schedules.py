@@ -1,6 +1,6 @@
 """One training step of Mobius and of its baselines, as task graphs for :mod:`mobius.sim.engine`.
 
-All three use the same profile and topology:
+All use the same profile and topology:
 
 * :func:`simulate_mobius`: the pipeline of ``mobius.stages.executor``.  Stage loads are split
   into the part that fits beside the running stage (prefetched once that stage is loaded) and the
@@ -15,6 +15,8 @@ All three use the same profile and topology:
   and come back.  Full fp16 gradients go to host for the reduce, and CPU Adam updates each GPU's
   1/N share at the end.  This is the traffic of Mobius Eq. 2 (about 1.5·N times the fp32 model
   size) and ZeRO-Infinity §6.
+* :func:`simulate_zero_infinity`: the same with the optimizer state (and, where the host cannot
+  hold them, the parameters) on the box's drives, a forward and backward per micro-batch.
 """
 
 from __future__ import annotations
@@ -287,8 +289,9 @@ def simulate_zero_infinity(profile: Profile, topo, micro_batches: int, drive_gbp
     gradient accumulation, each of a rank's micro-batches is a forward and a backward of its own:
     per layer and pass, each rank reads its 1/N partition of the 16-bit weights from the drives
     (parameters on NVMe), the layer is gathered to every GPU through the host (no peer-to-peer),
-    one layer of lookahead; checkpoints go to the host and back; 16-bit gradients go to the host.  Every micro-batch is the same, so one is simulated and counted ``ceil(M/N)``
-    times (their overlap at the boundaries left out).  Then each rank's optimizer: its 1/N of the
+    one layer of lookahead; checkpoints go to the host and back; 16-bit gradients go to the host.
+    Every micro-batch is the same, so one is simulated and counted ``ceil(M/N)`` times (their
+    overlap at the boundaries left out).  Then each rank's optimizer: its 1/N of the
     fp32 master and both moments read from the drives (12 bytes a parameter), CPU Adam, those and
     the 16-bit weights written back (12 bytes and the weights' where they live there), in pieces
     that overlap."""
