@@ -25,7 +25,9 @@ STEPS = 5
 
 
 def reference(cfg: RunConfig):
-    """Losses and final weights of the single-device trainer on this GPU, in ``cfg``'s precision."""
+    """Losses and final weights of the single-device trainer on this GPU, in ``cfg``'s precision
+    (its state in memory: the disk tier is the pipeline's on a GPU)."""
+    cfg = cfg.changed(offload_dir=(), host_mem_gb=None)
     batches = BatchSource(load_corpus(None), cfg.batch.seq_len, cfg.batch.micro_batch_size, cfg.batch.micro_batches, cfg.optim.seed)
     trainer = ReferenceTrainer(cfg, get_config(cfg.model), batches, torch.device("cuda"))
     losses = [trainer.step(k).loss for k in range(cfg.optim.steps)]
@@ -114,3 +116,20 @@ def test_cuda_chunked_with_offload_equals_the_reference():
     cfg = config(backend="chunked", offload="on", gpu_mem_gb=2.0, chunk_size=20_000_000)
     history, weights, _ = launch_chunked(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
+
+
+def test_cuda_pipeline_with_every_state_and_the_stage_weights_on_disk(tmp_path):
+    """bf16 under a cap below the weights, with every stage's moments, master and weights on disk
+    (``--host-mem-gb 0``): each load reads a stage's weights into the page-locked staging buffer,
+    then copies them to the GPU while the previous stage computes; the run follows the bf16
+    reference and leaves no file behind."""
+    (tmp_path / "nvme").mkdir()
+    cfg = config(stages=26, gpu_mem_gb=1.3, precision="bf16", recompute="on", device_optimizer="off",
+                 offload_dir=str(tmp_path / "nvme"), host_mem_gb=0)
+    _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    assert plan.disk_weights and set(plan.disk_weights) <= set(plan.disk_masters)
+    history, weights, results = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg),
+                                                return_weights=True)
+    assert_equal_to_reference(cfg, history, weights, 2e-2)
+    assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
+    assert list((tmp_path / "nvme").iterdir()) == []
