@@ -203,10 +203,9 @@ def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tie
     """--backend single with --offload-dir, clipped, with and without the optimizer lag: every
     AdamW moment waits on disk (blocks of an eighth of the model, striped over two directories),
     and with the lag the master weights too (all of AdamW's state and the master: the model holds
-    the weights it computes with), and the per-step losses and final weights equal the reference
-    trainer's in memory (fp32, 1e-6);
-    a run saved on the tier resumes off it, and one saved off it resumes onto it, each equal to the
-    straight run; the files are gone at the end."""
+    the weights it computes with); the per-step losses and final weights equal the reference
+    trainer's in memory (fp32, 1e-6).  A run saved on the tier resumes off it, and one saved off it
+    resumes onto it, each equal to the straight run; the files are gone at the end."""
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches, model_config_for
 
