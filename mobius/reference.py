@@ -65,8 +65,11 @@ class ReferenceTrainer:
         self.trace = Trace(enabled=bool(cfg.outputs.trace))
         self.disk: DiskState | None = None
         if cfg.offload_dir:  # the trained master weights as one stage of the disk tier, its moments there
-            computed = [p for p in self.model.parameters() if p.requires_grad] if self.lag else None
-            self.stage = whole_model_stage(list(self.trained().items()), self.optimizer, computed)
+            # The parameters the model computes with that train, in the master's order: autograd's
+            # gradients land in views of the stage's buffer; with the lag they are a copy of their own.
+            self.computed = [p for p in self.model.parameters() if p.requires_grad]
+            self.stage = whole_model_stage(list(self.trained().items()), self.optimizer,
+                                           self.computed if self.lag else None)
             self.disk = DiskState(cfg.offload_dir, 0, trace=self.trace, block=block_params(self.stage.master.numel()),
                                   masters=[0] if self.lag else ())
             if self.lag:  # the master is a copy: it waits on disk too
@@ -121,8 +124,7 @@ class ReferenceTrainer:
         self.model.zero_grad(set_to_none=True)
         if self.disk is not None:  # autograd accumulates into views of the tier's one gradient buffer
             self.stage.master_grad.zero_()
-            trained = [p for p in self.model.parameters() if p.requires_grad]  # the master's order
-            for p, slot in zip(trained, self.stage.slots):
+            for p, slot in zip(self.computed, self.stage.slots):
                 p.grad = view(self.stage.master_grad, slot)
         total = 0.0
         for m, mb in enumerate(micro):
