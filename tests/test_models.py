@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,13 +19,20 @@ def test_layer_list_in_sequence_equals_model_forward_bitwise():
     assert torch.equal(by_layers, model(tokens, targets))
 
 
-def test_layers_built_alone_equal_layers_built_together():
-    cfg = get_config("tiny")
+def test_layers_built_alone_equal_layers_built_together_on_threads():
+    """The model's layers are drawn on several threads at once (two here), each from its own seed:
+    the same values as each layer built alone, the seed's own draws, and the global stream untouched."""
+    cfg = dataclasses.replace(get_config("tiny"), tie_embeddings=True)
+    rng = torch.random.get_rng_state()
     model = build_model(cfg, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), rng)
     for i in range(layer_count(cfg)):
         alone = build_layer(cfg, i, seed=5)
         for (n1, p1), (n2, p2) in zip(model.layers[i].named_parameters(), alone.named_parameters()):
             assert n1 == n2 and torch.equal(p1, p2)
+    table = model.layers[0].wte.weight
+    drawn = torch.empty_like(table).normal_(0, 0.02, generator=torch.Generator().manual_seed(5 * 100_003))
+    assert torch.equal(table, drawn) and torch.equal(model.layers[-1].lm_head.weight, drawn)
 
 
 @pytest.mark.parametrize("name", ["mobius-3b", "mobius-8b", "mobius-15b", "mobius-51b"])

@@ -9,6 +9,7 @@ from mobius.models.gpt import (
     LayerList,
     build_layer,
     build_model,
+    built_layers,
     run_layers,
     tied_parameter_names,
 )
@@ -17,5 +18,5 @@ from mobius.models.presets import PRESETS, get_config
 
 __all__ = [
     "Block", "Embedding", "GPTConfig", "GPTLayer", "Head", "IGNORE", "LayerList", "PRESETS", "TokenLayout",
-    "build_layer", "build_model", "get_config", "layer_count", "run_layers", "tied_parameter_names",
+    "build_layer", "build_model", "built_layers", "get_config", "layer_count", "run_layers", "tied_parameter_names",
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mobius.models import GPTConfig, build_layer
+from mobius.models import GPTConfig, build_layer, built_layers
 from mobius.runtime.device import Device
 from mobius.runtime.optim import UpdateRule, make_adamw
 
@@ -173,8 +173,8 @@ class HostStageStore:
         for s in stages:
             same = compute_dtype == torch.float32 and n_buffers == 1 and s not in parked
             lo, hi = bounds[s]
-            # The stage's shape from meta layers; the weights are then built one layer at a time
-            # and copied into the flat buffers, so building never holds more than one fp32 layer.
+            # The stage's shape from meta layers; the weights are then built a few layers at a
+            # time (one per core) and copied into the flat buffers, so building never holds more.
             layers = nn.ModuleList([build_layer(config, i, seed, device="meta") for i in range(lo, hi)])
             names = [f"layers.{lo + k}.{n}" for k, layer in enumerate(layers) for n, _ in layer.named_parameters()]
             params = list(layers.parameters())
@@ -197,8 +197,8 @@ class HostStageStore:
             homes = [view(master, Slot(sl.offset - n_frozen, sl.numel, sl.shape)) if sl.trained else view(frozen, sl)
                      for sl in slots]
             at = 0
-            for k, layer in enumerate(layers):
-                at = _fill(layer, build_layer(config, lo + k, seed), homes, at)
+            for layer, built in zip(layers, built_layers(config, range(lo, hi), seed)):
+                at = _fill(layer, built, homes, at)
             params = list(layers.parameters())
             computes = [master] if same else [device.host_buffer(n_trained, compute_dtype) for _ in range(n_buffers)]
             grad_staging = master_grad if fp32 else device.host_buffer(n_trained, compute_dtype)
