@@ -40,9 +40,11 @@ def test_the_tasks_run_in_order_on_the_gpus_in_turn_with_every_micro_batch_after
         assert ends[f"B3.{m}"][0] >= ends[f"F2.{m}"][1]
         for k in (2, 1, 0):
             assert ends[f"B{k}.{m}"][0] >= ends[f"B{k + 1}.{m}"][1]
-    # Every layer computed once forward and once backward per micro-batch, recomputing all but the head's.
+    # Every layer computed once forward and once backward per micro-batch, recomputing all but the
+    # head's stage (whose backward runs right after its forward).
     fwd, bwd = stage_costs(profile, forward, False), stage_costs(profile, backward, True)
-    work = M * (sum(c.fwd_s for c in fwd) + sum(c.bwd_s for c in bwd) - bwd[-1].fwd_s)
+    assert [c.recomputed for c in bwd] == [True, True, True, False]
+    work = M * (sum(c.fwd_s for c in fwd) + sum(c.bwd_s for c in bwd))
     uploads = M * (sum(c.in_bytes for c in fwd) + sum(c.in_bytes + c.out_bytes for c in bwd[:-1]))
     computed = sum(t.end - t.start for t in r.tasks if t.kind == COMPUTE)
     assert computed == pytest.approx(work + uploads / (topo.gpus[0].link_bandwidth_gbps * 1e9), rel=1e-9)
@@ -69,15 +71,104 @@ def test_where_the_head_outweighs_the_other_stages_dispatch_is_faster_than_bindi
     bound = min(simulate_mobius(profile, balanced_bounds(costs, s), topo, order, micro_batches, recompute=True).step_s
                 for s in (4, 8, 12))
     assert found is not None and found.step_s < 0.95 * bound
-    assert all(gpu == order[i % 4] for i, (_, gpu) in enumerate(found.gpu_of_tasks()))
+    # Tasks in turn, but a kept stage's backward, which runs where its forward ran.
+    tasks = found.gpu_of_tasks()
+    in_turn = [gpu for name, gpu in tasks if not _kept_backward(name, found)]
+    assert in_turn == [order[i % 4] for i in range(len(in_turn))]
+    ran = dict(tasks)
+    kept = len(found.backward) - 1 - found.kept
+    assert all(ran[f"B{k}"] == ran[f"F{len(found.forward) - len(found.backward) + k}"]
+               for k in range(kept, len(found.backward) - 1))
+
+
+def _kept_backward(name: str, plan) -> bool:
+    return name.startswith("B") and int(name[1:]) >= len(plan.backward) - 1 - plan.kept
+
+
+def _llama_like():
+    """Four wide blocks and a 32k vocabulary: a head that outweighs a block several times over."""
+    import dataclasses
+
+    config = dataclasses.replace(get_config("small"), vocab_size=32_000, n_layer=4, norm="rmsnorm", mlp="swiglu",
+                                 positions="rope")
+    return analytic_profile("llama-like", config, 1, 256, 10.0, "bf16")
+
+
+def test_a_kept_stage_runs_its_backward_where_its_forward_ran_without_recomputing_while_its_gpu_holds_it():
+    profile, topo = _llama_like(), load_topology("topo2+2")
+    forward = [(0, 3), (3, 4), (4, 5), (5, 6)]
+    backward = [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    order = [0, 2, 1, 3]
+    r = simulate_dispatched(profile, forward, backward, topo, order, M, kept=2)
+    ends = _ends(r)
+    # F0 F1 F2 H.0 on 0 2 1 3; B3 and B2 (kept) where F2 and F1 ran; then B1 B0 in turn: 0 2.
+    assert [ends[f"{name}.0"][2] for name in ("F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0")] == [0, 2, 1, 3, 1, 2, 0, 2]
+    kept, recomputed = stage_costs(profile, backward, False), stage_costs(profile, backward, True)
+    for k in (2, 3):  # no recomputation: the backward alone, and only the output's gradient uploaded
+        start, end, gpu = ends[f"B{k}.0"]
+        upload = kept[k].out_bytes / (topo.gpus[gpu].link_bandwidth_gbps * 1e9)
+        assert end - start == pytest.approx(kept[k].bwd_s + upload + profile.host.micro_batch_s, rel=1e-9)
+    start, end, gpu = ends["B1.0"]
+    upload = (recomputed[1].out_bytes + recomputed[1].in_bytes) / (topo.gpus[gpu].link_bandwidth_gbps * 1e9)
+    assert end - start == pytest.approx(recomputed[1].bwd_s + upload + profile.host.micro_batch_s, rel=1e-9)
+    assert r.step_s < simulate_dispatched(profile, forward, backward, topo, order, M).step_s
+    # A kept stage holds every micro-batch's activations on its GPU until its backward: where the
+    # GPU (1, which runs F2 and B3) cannot hold them beside either pass, the schedule does not fit.
+    fwd = stage_costs(profile, forward, False)
+    need = max(fwd[2].mem_fwd, kept[3].mem_bwd) + M * kept[3].kept_bytes
+    plenty = 10**12
+    assert simulate_dispatched(profile, forward, backward, topo, order, M, [plenty, need - 1, plenty, plenty],
+                               kept=2) is None
+    assert simulate_dispatched(profile, forward, backward, topo, order, M, [plenty, need, plenty, plenty],
+                               kept=2) is not None
+    with pytest.raises(ValueError):  # a kept stage must be a backward stage too
+        simulate_dispatched(profile, forward, backward, topo, order, M, kept=3)
+
+
+def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_update():
+    profile, topo = _llama_like(), load_topology("topo2+2")
+    forward, backward = [(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 5), (5, 6)]
+    order = [0, 2, 1, 3]
+    one = simulate_dispatched(profile, forward, backward, topo, order, M)
+    r = simulate_dispatched(profile, forward, backward, topo, order, M, head_gpus=2)
+    ends = _ends(r)
+    assert [ends[f"F2.{m}"][2] for m in range(M)] == [1, 3, 1, 3]  # the head's task: its parts in turn
+    assert [ends[f"B1.0"][2], ends["B0.0"][2]] == [0, 2]
+    heads = [t for t in r.tasks if t.name.startswith("grads") and t.gpu in (1, 3) and t.kind == "d2h"]
+    adam = [t for t in r.tasks if t.kind == "cpu"]
+    assert len(heads) == 2 and len(adam) == 3  # the head's two gradient copies, one update of its stage
+    head = stage_costs(profile, backward, False)[-1]
+    (update,) = [t for t in adam if set(t.deps) == {h.id for h in heads}]
+    assert update.work == pytest.approx(head.grad_bytes / 2 / profile.host.adam_params_per_s)  # bf16 gradients
+    assert r.step_s < one.step_s
 
 
 def test_with_optimizer_lag_the_step_ends_with_the_device_work_unless_a_host_thread_needs_longer():
     profile, topo = _profile("gpt2"), load_topology("topo2+2")
     forward, backward = [(0, 7), (7, 14)], [(0, 3), (3, 6), (6, 10), (10, 14)]
     plain = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M)
-    lagged = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=1)
+    lagged = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=1, steps=1)
     device_end = max(t.end for t in lagged.tasks if t.kind not in ("cpu", "delay"))
     adam = [sum(t.work for t in lagged.tasks if t.kind == "cpu" and t.gpu == g) for g in range(4)]
     assert lagged.step_s == pytest.approx(max(device_end, *adam), rel=1e-12)
     assert lagged.step_s < plain.step_s  # the last stages' AdamW no longer ends the step
+
+
+def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
+    """The next step's first tasks need no update of this one's: they start on the GPUs that are
+    done while this step's last tasks run elsewhere, and the turn goes on."""
+    profile, topo = _profile("gpt2"), load_topology("topo2+2")
+    forward, backward = [(0, 7), (7, 14)], [(0, 3), (3, 6), (6, 10), (10, 14)]
+    alone = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=1, steps=1)
+    r = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=1, steps=3)
+    ends = _ends(r)
+    # Step 0: F0 F1 B2 B1 B0 on 0 2 1 3 0; step 1 (micro-batches M..2M-1) goes on from GPU 2.
+    assert [ends[f"{name}.0"][2] for name in ("F0", "F1", "B2", "B1", "B0")] == [0, 2, 1, 3, 0]
+    assert ends[f"F0.{M}"][2] == 2
+    assert ends[f"F0.{M}"][0] < ends[f"B0.{M - 1}"][1]  # the next step began before this one ended
+    device = [max(t.end for t in r.tasks if t.kind not in ("cpu", "delay") and f".{m}" in t.name)
+              for m in (M - 1, 2 * M - 1, 3 * M - 1)]
+    assert r.step_s == pytest.approx(max((device[2] - device[0]) / 2,
+                                         max(sum(t.work for t in r.tasks if t.kind == "cpu" and t.gpu == g)
+                                             for g in range(4)) / 3), rel=1e-6)
+    assert r.step_s < alone.step_s

@@ -4,155 +4,280 @@ turn, instead of each stage bound to one GPU for the whole step (RoundPipe, Luo 
 A step is a chain of *tasks*: the forward of each forward stage, then the backward of each
 backward stage, last to first.  Forward and backward have partitions of their own: a backward
 with recomputation costs about three forwards, so its stages hold about a third of the layers, and
-every task takes about as long as the others.  Task ``i`` runs on GPU ``order[i % n]`` (the cross
-mapping's order, so consecutive tasks sit under different root complexes), all micro-batches of
-it while its weights are there; the next task's weights stream in meanwhile where memory allows.
-Nothing stays on a GPU from one task to the next: a backward stage recomputes its forward from its
-input, which the forward left on the host (at every backward boundary), so the schedule always
-recomputes.  The last forward task holds the head: as in the bound schedule, each micro-batch's
-backward of the last backward stage (which lies within it) runs right after its forward.
+every task takes about as long as the others.  Tasks run on the GPUs in turn (the cross mapping's
+order, so consecutive tasks sit under different root complexes), all micro-batches of a task while
+its weights are there; the next task's weights stream in meanwhile where memory allows.  Three
+things keep the pool busy:
 
-:func:`simulate_dispatched` is one step of it on :mod:`mobius.sim.engine`'s streams and links,
-with the bound schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's
-calibrated per-micro-batch and stage-switch work, the hand-off between workers);
-:func:`plan_dispatched` searches the two partitions' stage counts for the fastest step.  The
-runtime does not run this schedule yet: what these give are predictions.
+* **The head's task is split by micro-batches.**  The last forward stage holds the head, and each
+  micro-batch's backward of the last backward stage (which lies within it) runs right after its
+  forward.  With a large vocabulary that task outweighs the others several times over, so its
+  micro-batches go to ``head_gpus`` GPUs in turn; each loads its weights, and the host sums their
+  gradients before the stage's one AdamW update.
+* **A kept tail.**  Elsewhere a backward stage recomputes its forward from its input, which the
+  forward left on the host.  The ``kept`` forward stages before the last are their own backward
+  stages: each runs its backward on the GPU that ran its forward, from the activations of every
+  micro-batch that forward kept there, and recomputes nothing (where the GPU's memory holds them
+  beside the tasks that GPU runs meanwhile).
+* **Steps overlap.**  With ``--optimizer-lag 1`` a step's forward reads weights that do not wait
+  for the step before's update, so the next step's first tasks start on the GPUs that are done
+  while its last tasks run elsewhere (the turn goes on across steps).  The step is then the steady
+  state: the time between the ends of consecutive steps, over :data:`OVERLAPPED_STEPS` simulated.
+
+:func:`simulate_dispatched` runs it on :mod:`mobius.sim.engine`'s streams and links, with the bound
+schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's calibrated
+per-micro-batch and stage-switch work, the hand-off between workers); :func:`plan_dispatched`
+searches its shape for the fastest step.  The runtime does not run this schedule yet: what these
+give are predictions.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import count
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import stage_costs
+from mobius.partition.cost import StageCost, stage_costs
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
-from mobius.sim.schedules import lagged_step_s
+
+OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
 
 
 @dataclass(frozen=True)
 class DispatchedPlan:
     forward: list[tuple[int, int]]  # the forward stages' [start, end) layers
     backward: list[tuple[int, int]]  # the backward stages'; the last lies within the last forward stage
-    order: list[int]  # task i runs on GPU order[i % n]
+    order: list[int]  # the GPUs in turn
     micro_batches: int
     step_s: float  # predicted (simulated)
+    kept: int = 0  # forward stages before the last whose backward runs where they ran, from kept activations
+    head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
 
     def gpu_of_tasks(self) -> list[tuple[str, int]]:
-        """Which GPU runs each task, in the step's order ("F3", "B0", ...)."""
-        tasks = [f"F{j}" for j in range(len(self.forward))] + [f"B{k}" for k in range(len(self.backward) - 2, -1, -1)]
-        return [(name, self.order[i % len(self.order)]) for i, name in enumerate(tasks)]
+        """Which GPU runs each task of the first step, in order ("F3", "H.1", "B0", ...)."""
+        return [(t.name, t.gpu) for t in step_tasks(self.forward, self.backward, self.kept, self.head_gpus,
+                                                    self.order, self.micro_batches) if t.step == 0]
 
 
-def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]]) -> bool:
-    """Both cover the same layers, and the head's backward lies within the last forward stage."""
+@dataclass(frozen=True)
+class _Task:
+    name: str  # F<j>, H.<part> (the last forward stage with the head's backward), B<k>
+    kind: str  # F | H | B
+    stage: int  # its index in its partition
+    gpu: int
+    micro_batches: tuple[int, ...]  # numbered across steps
+    step: int
+    keeps: bool = False  # a forward that keeps its activations for its backward, on its GPU
+    recomputes: bool = True  # a backward that recomputes its forward
+
+
+def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]], kept: int = 0) -> bool:
+    """Both cover the same layers, the head's backward lies within the last forward stage, and the
+    ``kept`` forward stages before it are backward stages too."""
     return (forward[0][0] == backward[0][0] and forward[-1][1] == backward[-1][1]
-            and backward[-1][0] >= forward[-1][0])
+            and backward[-1][0] >= forward[-1][0] and kept < min(len(forward), len(backward))
+            and all(forward[-1 - k] == backward[-1 - k] for k in range(1, kept + 1)))
+
+
+def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], micro_batches: int,
+               steps: int = 1) -> list[_Task]:
+    """Every task of ``steps`` steps in the order they are issued.  The turn goes on from one step
+    to the next; a kept stage's backward goes to the GPU of its forward, out of turn."""
+    turn, n, tasks = count(), len(order), []
+    for step in range(steps):
+        first = step * micro_batches
+        every = tuple(range(first, first + micro_batches))
+        ran_on = {}
+        for j in range(len(forward) - 1):
+            keeps = j >= len(forward) - 1 - kept
+            tasks.append(_Task(f"F{j}", "F", j, order[next(turn) % n], every, step, keeps=keeps))
+            ran_on[forward[j]] = tasks[-1].gpu
+        for part in range(head_gpus):
+            tasks.append(_Task(f"H.{part}", "H", len(forward) - 1, order[next(turn) % n], every[part::head_gpus], step))
+        for k in range(len(backward) - 2, -1, -1):
+            if k >= len(backward) - 1 - kept:
+                tasks.append(_Task(f"B{k}", "B", k, ran_on[backward[k]], every, step, recomputes=False))
+            else:
+                tasks.append(_Task(f"B{k}", "B", k, order[next(turn) % n], every, step))
+    return tasks
 
 
 def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]], topo,
                         order: list[int], micro_batches: int, memory_bytes: list[int] | None = None,
-                        adam_params_per_s: float | None = None, optimizer_lag: int = 0) -> SimResult | None:
-    """One step of the dispatched schedule; None where a task does not fit its GPU's memory.  With
-    ``optimizer_lag`` the step's AdamW runs on while the next step computes (the result's
-    ``step_s`` as :func:`mobius.sim.schedules.lagged_step_s` says)."""
-    if not valid_partitions(forward, backward):
-        raise ValueError(f"backward partition {backward} does not end within forward partition {forward}")
-    n, M = len(order), micro_batches
+                        adam_params_per_s: float | None = None, optimizer_lag: int = 0, kept: int = 0,
+                        head_gpus: int = 1, steps: int | None = None) -> SimResult | None:
+    """One step of the dispatched schedule; None where a task does not fit its GPU's memory beside
+    what the kept stages hold there.  With ``optimizer_lag`` the steady state of ``steps`` steps
+    (default :data:`OVERLAPPED_STEPS`; 1: a step alone, ending with its device work), unless a host
+    thread's AdamW of a step takes longer."""
+    if not valid_partitions(forward, backward, kept):
+        raise ValueError(f"backward partition {backward} does not end within forward partition {forward}, "
+                         f"or its last {kept} stages before the head's are not forward stages")
+    head_gpus = max(1, min(head_gpus, micro_batches))
+    steps = (steps or OVERLAPPED_STEPS) if optimizer_lag else 1
+    tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, steps)
     fwd = stage_costs(profile, forward, recompute=False)
     bwd = stage_costs(profile, backward, recompute=True)
-    head = replace(bwd[-1], recomputed=False, bwd_s=bwd[-1].bwd_s - bwd[-1].fwd_s)  # right after its forward
+    no_recompute = stage_costs(profile, backward, recompute=False)
     mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
-    # The tasks in the step's order: (kind, stage index, what it computes, what it needs on the device).
-    tasks = [("F", j, c, c.mem_fwd + (head.mem_bwd if j == len(fwd) - 1 else 0)) for j, c in enumerate(fwd)]
-    tasks += [("B", k, bwd[k], bwd[k].mem_bwd) for k in range(len(bwd) - 2, -1, -1)]
-    gpu = [order[i % n] for i in range(len(tasks))]
-    if any(need > mem[gpu[i]] for i, (*_, need) in enumerate(tasks)):
+    if not _fits(tasks, fwd, no_recompute, mem, micro_batches):
         return None
     host = profile.host
     adam_rate = adam_params_per_s or host.adam_params_per_s
     link = link_for(topo)
     sim = Simulator(link)
-    starts_backward = {lo for lo, _ in backward[1:]}
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> its output on the host
-    last_on: dict[int, tuple[int, int]] = {}  # GPU -> (its previous task's index, that task's last compute)
-    loaded_on: dict[int, int] = {}  # GPU -> its previous task's weights, there
+    step_of: dict[int, int] = {}  # simulator task -> step
 
-    def load(i: int, size: float) -> list[int]:
-        """Task ``i``'s weights: once the GPU's current task has its own, what fits beside that task
-        streams in while it computes; the rest once it is done."""
-        g, prev = gpu[i], last_on.get(gpu[i])
-        early = max(0.0, min(size, mem[g] - tasks[prev[0]][3])) if prev else size
-        a = sim.add(f"load T{i} (prefetch)", H2D, g, early, (loaded_on.get(g),), i, "params")
-        b = sim.add(f"load T{i}", H2D, g, size - early, (a, prev[1] if prev else None), i, "params")
+    def add(step: int, *args) -> int:
+        tid = sim.add(*args)
+        step_of[tid] = step
+        return tid
+
+    starts_backward = {backward[k][0] for k in range(1, len(backward) - 1 - kept)}  # those that recompute
+    ready: dict[tuple[str, int, int], int] = {}  # (F|B, stage, micro-batch) -> its output on the host
+    last_on: dict[int, tuple[int, int]] = {}  # GPU -> (device bytes its last task needs, that task's last compute)
+    loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
+    head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
+
+    for i, t in enumerate(tasks):
+        g, s = t.gpu, t.step
+        c = fwd[t.stage] if t.kind in "FH" else (bwd if t.recomputes else no_recompute)[t.stage]
+        head = no_recompute[-1]
+        need = c.mem_fwd + head.mem_bwd if t.kind == "H" else c.mem_fwd if t.kind == "F" else c.mem_bwd
+        # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
+        prev = last_on.get(g)
+        early = max(0.0, min(c.param_bytes, mem[g] - prev[0])) if prev else c.param_bytes
+        a = add(s, f"load T{i} (prefetch)", H2D, g, early, (loaded_on.get(g),), i, "params")
+        b = add(s, f"load T{i}", H2D, g, c.param_bytes - early, (a, prev[1] if prev else None), i, "params")
         loaded_on[g] = b
-        return [a, b]
+        begin = add(s, f"T{i} switch", COMPUTE, g, host.stage_switch_s, (prev[1],) if prev else ())
 
-    def compute(name: str, i: int, upload: float, work: float, deps: list) -> int:
-        g = gpu[i]
-        return sim.add(name, COMPUTE, g, work + upload / link.gpu_bw[g] + host.micro_batch_s, deps)
+        def compute(name: str, upload: float, work: float, deps: list) -> int:
+            return add(s, name, COMPUTE, g, work + upload / link.gpu_bw[g] + host.micro_batch_s, deps)
 
-    def to_next(name: str, i: int, nbytes: float, after: int) -> int:
-        """An output leaves for the host, and reaches the next task's worker a hand-off later."""
-        out = sim.add(f"{name} to host", D2H, gpu[i], nbytes, (after,), i + 1, "activations")
-        return sim.add(f"{name} handed off", DELAY, gpu[i], host.handoff_s, (out,))
+        def handed_on(name: str, nbytes: float, after: int) -> int:
+            """An output leaves for the host, and reaches the next task's worker a hand-off later."""
+            out = add(s, f"{name} to host", D2H, g, nbytes, (after,), i + 1, "activations")
+            return add(s, f"{name} handed off", DELAY, g, host.handoff_s, (out,))
 
-    for i, (kind, s, c, _) in enumerate(tasks):
-        loaded = load(i, c.param_bytes)
-        begin = sim.add(f"T{i} switch", COMPUTE, gpu[i], host.stage_switch_s, (last_on[gpu[i]][1],)
-                        if gpu[i] in last_on else ())
-        # The inputs of the backward stages that start inside a forward stage go to the host too.
-        kept = sum(profile.layers[lo - 1].out_bytes for lo in starts_backward if c.start < lo < c.end)
+        kept_inputs = sum(profile.layers[lo - 1].out_bytes for lo in starts_backward if c.start < lo < c.end)
         last = None
-        for m in range(M):
-            if kind == "F":
-                deps = [*loaded, begin, done.get(("F", s - 1, m))]
-                last = compute(f"F{s}.{m}", i, c.in_bytes, c.fwd_s, deps)
-                if kept:
-                    sim.add(f"F{s}.{m} inputs kept", D2H, gpu[i], kept, (last,), i + 1, "activations")
-                if s == len(fwd) - 1:  # the head's backward, at once
-                    last = compute(f"B{len(bwd) - 1}.{m}", i, 0.0, head.bwd_s, [last])
-                    done[("B", len(bwd) - 1, m)] = to_next(f"grad B{len(bwd) - 1}.{m}", i, head.in_bytes, last)
+        for m in t.micro_batches:
+            if t.kind in "FH":
+                last = compute(f"F{t.stage}.{m}", c.in_bytes, c.fwd_s, [a, b, begin, ready.get(("F", t.stage - 1, m))])
+                if kept_inputs:
+                    add(s, f"F{t.stage}.{m} inputs kept", D2H, g, kept_inputs, (last,), i + 1, "activations")
+                if t.kind == "H":  # the head's backward, at once
+                    last = compute(f"B{len(bwd) - 1}.{m}", 0.0, head.bwd_s, [last])
+                    ready[("B", len(bwd) - 1, m)] = handed_on(f"grad B{len(bwd) - 1}.{m}", head.in_bytes, last)
                 else:
-                    done[("F", s, m)] = to_next(f"act F{s}.{m}", i, c.out_bytes, last)
+                    ready[("F", t.stage, m)] = handed_on(f"act F{t.stage}.{m}", c.out_bytes, last)
             else:
-                upload = c.out_bytes + c.in_bytes  # its output's gradient, and its input to recompute from
-                last = compute(f"B{s}.{m}", i, upload, c.bwd_s, [*loaded, begin, done[("B", s + 1, m)]])
-                if s > 0:
-                    done[("B", s, m)] = to_next(f"grad B{s}.{m}", i, c.in_bytes, last)
-        last_on[gpu[i]] = (i, last)
-        if kind == "B" or s == len(fwd) - 1:  # a backward's gradients leave after its last micro-batch
-            trained = c if kind == "B" else head
-            off = sim.add(f"grads T{i} to host", D2H, gpu[i], trained.grad_bytes, (last,), len(tasks) + i,
-                          "gradients")
-            sim.add(f"AdamW T{i}", CPU, gpu[i], trained.grad_bytes / element_bytes(profile.dtype) / adam_rate, (off,))
+                # Its output's gradient, and the input it recomputes from (a kept stage has it there).
+                upload = c.out_bytes + (c.in_bytes if t.recomputes else 0)
+                last = compute(f"B{t.stage}.{m}", upload, c.bwd_s, [a, b, begin, ready[("B", t.stage + 1, m)]])
+                if t.stage > 0:
+                    ready[("B", t.stage, m)] = handed_on(f"grad B{t.stage}.{m}", c.in_bytes, last)
+        last_on[g] = (need, last)
+        # A backward's gradients leave after its last micro-batch; the head's parts are summed on
+        # the host before its one update.
+        trained = head if t.kind == "H" else c
+        if t.kind == "F":
+            continue
+        off = add(s, f"grads T{i} to host", D2H, g, trained.grad_bytes, (last,), len(tasks) + i, "gradients")
+        if t.kind == "H":
+            head_grads.setdefault(s, []).append(off)
+            if len(head_grads[s]) < head_gpus:
+                continue
+        add(s, f"AdamW T{i}", CPU, g, trained.grad_bytes / element_bytes(profile.dtype) / adam_rate,
+            tuple(head_grads[s]) if t.kind == "H" else (off,))
     result = sim.run()
-    return replace(result, step_s=lagged_step_s(result, host)) if optimizer_lag else result
+    if not optimizer_lag:
+        return result
+    return replace(result, step_s=_steady_step_s(result, step_of, steps))
+
+
+def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
+          micro_batches: int) -> bool:
+    """Every task fits its GPU beside the activations kept there, from the forward that kept them
+    to the end of their backward (tasks in issue order)."""
+    held = dict.fromkeys(range(len(mem)), 0)
+    head = no_recompute[-1]
+    for t in tasks:
+        if t.kind == "F":
+            need = fwd[t.stage].mem_fwd
+            if t.keeps:  # every micro-batch's, beyond the one the pass itself counts
+                held[t.gpu] += micro_batches * no_recompute[len(no_recompute) - len(fwd) + t.stage].kept_bytes
+        elif t.kind == "H":
+            need = fwd[t.stage].mem_fwd + head.mem_bwd
+        else:  # one micro-batch at a time, recomputed or not
+            need = no_recompute[t.stage].mem_bwd
+        if need + held[t.gpu] > mem[t.gpu]:
+            return False
+        if t.kind == "B" and not t.recomputes:
+            held[t.gpu] -= micro_batches * no_recompute[t.stage].kept_bytes
+    return True
+
+
+def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int) -> float:
+    """The time between the ends of the first and last simulated steps' device work, per step (one
+    step: its device work's end); unless a host thread's AdamW of one step takes longer."""
+    ends = [0.0] * steps
+    for t in result.tasks:
+        if t.kind not in (CPU, DELAY):
+            ends[step_of[t.id]] = max(ends[step_of[t.id]], t.end)
+    adam: dict[int, float] = {}
+    for t in result.tasks:
+        if t.kind == CPU:
+            adam[t.gpu] = adam.get(t.gpu, 0.0) + t.work
+    device = ends[0] if steps == 1 else (ends[-1] - ends[0]) / (steps - 1)
+    return max(device, max(adam.values(), default=0.0) / steps)
 
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
                     optimizer_lag: int = 0) -> DispatchedPlan | None:
-    """The fastest dispatched step found over the two partitions' stage counts (each partition
-    time-balanced, exactly, for its count): forward stages from one to four a GPU, backward stages
-    from as many to three times as many, in steps of half the GPU count (each simulation of an 8-GPU
-    step takes about a second).  None where no pair fits."""
-    n = len(order)
+    """The fastest dispatched step found on single steps: first the kept tail (a multiple of the
+    GPU count of one-layer stages, as long as it fits) and the head's GPUs, with two stages a GPU
+    in each partition of the layers before the tail; then those partitions' stage counts (each
+    partition time-balanced, exactly, for its count).  With ``optimizer_lag`` its step is then
+    that shape's steady state.  Each simulation of an 8-GPU step takes about a second.  None where
+    nothing fits."""
+    n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
-    stride = max(1, n // 2)
+
+    def simulated(tail: int, heads: int, sf: int, sb: int, steps: int = 1) -> DispatchedPlan | None:
+        cut = layers - 1 - tail  # the tail's one-layer stages, then the head's
+        if min(sf, sb) > cut or min(sf, sb) < 1:
+            return None
+        rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - 1, layers)]
+        forward, backward = balanced_bounds(fwd_costs[:cut], sf) + rest, balanced_bounds(bwd_costs[:cut], sb) + rest
+        r = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
+                                adam_params_per_s, optimizer_lag, tail, heads, steps)
+        if r is None or not math.isfinite(r.step_s):
+            return None
+        return DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r)
+
     best = None
-    for sf in sorted({min(k, profile.n) for k in range(1, 4 * n + 1, stride)}):
-        forward = balanced_bounds(fwd_costs, sf)
-        for sb in sorted({min(k, profile.n) for k in range(max(2, sf), 3 * sf + 1, stride)}):
-            backward = balanced_bounds(bwd_costs, sb)
-            if not valid_partitions(forward, backward):
-                continue
-            result = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
-                                         adam_params_per_s, optimizer_lag)
-            if result is not None and math.isfinite(result.step_s) and (best is None or result.step_s < best.step_s):
-                best = DispatchedPlan(forward, backward, list(order), micro_batches, result.step_s, result)
+    for tail in range(0, layers - 1, n):
+        found = [p for heads in sorted({1, math.ceil(n / 2)}) if (p := simulated(tail, heads, 2 * n, 2 * n))]
+        if not found and tail:
+            break  # a longer tail fits no better
+        best = min([*found, *([best] if best else [])], key=lambda p: p.step_s, default=best)
+    if best is None:
+        return None
+    cut = layers - 1 - best.kept
+    for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n}):
+        for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
+            found = simulated(best.kept, best.head_gpus, min(sf, cut), min(sb, cut))
+            if found is not None and found.step_s < best.step_s:
+                best = found
+    if optimizer_lag:  # the steady state of the shape found on single steps
+        sf, sb = len(best.forward) - 1 - best.kept, len(best.backward) - 1 - best.kept
+        best = simulated(best.kept, best.head_gpus, sf, sb, OVERLAPPED_STEPS)
     return best
