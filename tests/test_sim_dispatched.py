@@ -172,3 +172,30 @@ def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
                                          max(sum(t.work for t in r.tasks if t.kind == "cpu" and t.gpu == g)
                                              for g in range(4)) / 3), rel=1e-6)
     assert r.step_s < alone.step_s
+
+
+def test_mobius_plan_prints_the_dispatched_prediction_beside_the_plan(capsys):
+    """``mobius.plan --dispatched``: the shape found and its step, from the profile the plan was made
+    from, on the same GPUs in the same order; in one line beside the plan, or in its JSON."""
+    import json
+
+    from mobius.plan import main
+    from mobius.planning.prepare import get_profile, reserve_cuda_memory
+
+    args = ["--model", "gpt2", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
+            "--time-limit", "1", "--dispatched"]
+    main([*args, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    found = out["dispatched"]
+    topo = reserve_cuda_memory(load_topology("topo2+2"))
+    profile = get_profile("gpt2", get_config("gpt2"), topo, out["micro_batch_size"], 128, out["precision"], "analytic")
+    again = simulate_dispatched(profile, [tuple(s) for s in found["forward"]], [tuple(s) for s in found["backward"]],
+                                topo, found["order"], 16, kept=found["kept"], head_gpus=found["head_gpus"])
+    assert found["order"] == out["order"] and again.step_s == pytest.approx(found["step_s"], rel=1e-9)
+    main(args)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dispatched schedule (simulated; the runtime runs the bound one): "
+                           f"{found['step_s']:.3f} s a step")
+    with pytest.raises(SystemExit) as exit_:  # not modelled with the disk tier
+        main([*args, "--offload-dir", "nvme"])
+    assert exit_.value.code == 2 and "--dispatched is not modelled" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from mobius.planning.prepare import (
 )
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.spec import Plan, RunSpec
+from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
 from topology import Topology, cpu_topology
 
 
@@ -98,6 +99,20 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
     if on_gpus:
         topo = reserve_cuda_memory(topo)
     return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
+
+
+def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
+                      profile_how: str = "auto") -> DispatchedPlan | None:
+    """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`: predicted
+    only, the runtime runs the bound one), from the same profile, on the same GPUs in the same
+    order; None where none fits.  (Not modelled with the disk tier or data-parallel replicas:
+    ``mobius.plan`` refuses those.)"""
+    if not topo.virtual and not cfg.emulation.enabled:
+        topo = reserve_cuda_memory(topo)
+    batch = cfg.batch
+    profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, plan.precision,
+                          "analytic" if cfg.emulation.enabled else profile_how)
+    return plan_dispatched(profile, topo, plan.order, batch.micro_batches, optimizer_lag=cfg.optim.optimizer_lag)
 
 
 def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
