@@ -126,79 +126,105 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
     if not _fits(tasks, fwd, no_recompute, mem, micro_batches):
         return None
-    host = profile.host
-    adam_rate = adam_params_per_s or host.adam_params_per_s
-    link = link_for(topo)
-    sim = Simulator(link)
-    step_of: dict[int, int] = {}  # simulator task -> step
-
-    def add(step: int, *args) -> int:
-        tid = sim.add(*args)
-        step_of[tid] = step
-        return tid
-
-    starts_backward = {backward[k][0] for k in range(1, len(backward) - 1 - kept)}  # those that recompute
-    ready: dict[tuple[str, int, int], int] = {}  # (F|B, stage, micro-batch) -> its output on the host
-    last_on: dict[int, tuple[int, int]] = {}  # GPU -> (device bytes its last task needs, that task's last compute)
-    loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
-    head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
-
+    step = _StepOnSimulator(profile, topo, tasks, fwd, bwd, no_recompute, mem, backward, kept, head_gpus,
+                            adam_params_per_s or profile.host.adam_params_per_s)
     for i, t in enumerate(tasks):
-        g, s = t.gpu, t.step
-        c = fwd[t.stage] if t.kind in "FH" else (bwd if t.recomputes else no_recompute)[t.stage]
-        head = no_recompute[-1]
-        need = c.mem_fwd + head.mem_bwd if t.kind == "H" else c.mem_fwd if t.kind == "F" else c.mem_bwd
-        # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
-        prev = last_on.get(g)
-        early = max(0.0, min(c.param_bytes, mem[g] - prev[0])) if prev else c.param_bytes
-        a = add(s, f"load T{i} (prefetch)", H2D, g, early, (loaded_on.get(g),), i, "params")
-        b = add(s, f"load T{i}", H2D, g, c.param_bytes - early, (a, prev[1] if prev else None), i, "params")
-        loaded_on[g] = b
-        begin = add(s, f"T{i} switch", COMPUTE, g, host.stage_switch_s, (prev[1],) if prev else ())
-
-        def compute(name: str, upload: float, work: float, deps: list) -> int:
-            return add(s, name, COMPUTE, g, work + upload / link.gpu_bw[g] + host.micro_batch_s, deps)
-
-        def handed_on(name: str, nbytes: float, after: int) -> int:
-            """An output leaves for the host, and reaches the next task's worker a hand-off later."""
-            out = add(s, f"{name} to host", D2H, g, nbytes, (after,), i + 1, "activations")
-            return add(s, f"{name} handed off", DELAY, g, host.handoff_s, (out,))
-
-        kept_inputs = sum(profile.layers[lo - 1].out_bytes for lo in starts_backward if c.start < lo < c.end)
-        last = None
-        for m in t.micro_batches:
-            if t.kind in "FH":
-                last = compute(f"F{t.stage}.{m}", c.in_bytes, c.fwd_s, [a, b, begin, ready.get(("F", t.stage - 1, m))])
-                if kept_inputs:
-                    add(s, f"F{t.stage}.{m} inputs kept", D2H, g, kept_inputs, (last,), i + 1, "activations")
-                if t.kind == "H":  # the head's backward, at once
-                    last = compute(f"B{len(bwd) - 1}.{m}", 0.0, head.bwd_s, [last])
-                    ready[("B", len(bwd) - 1, m)] = handed_on(f"grad B{len(bwd) - 1}.{m}", head.in_bytes, last)
-                else:
-                    ready[("F", t.stage, m)] = handed_on(f"act F{t.stage}.{m}", c.out_bytes, last)
-            else:
-                # Its output's gradient, and the input it recomputes from (a kept stage has it there).
-                upload = c.out_bytes + (c.in_bytes if t.recomputes else 0)
-                last = compute(f"B{t.stage}.{m}", upload, c.bwd_s, [a, b, begin, ready[("B", t.stage + 1, m)]])
-                if t.stage > 0:
-                    ready[("B", t.stage, m)] = handed_on(f"grad B{t.stage}.{m}", c.in_bytes, last)
-        last_on[g] = (need, last)
-        # A backward's gradients leave after its last micro-batch; the head's parts are summed on
-        # the host before its one update.
-        trained = head if t.kind == "H" else c
-        if t.kind == "F":
-            continue
-        off = add(s, f"grads T{i} to host", D2H, g, trained.grad_bytes, (last,), len(tasks) + i, "gradients")
-        if t.kind == "H":
-            head_grads.setdefault(s, []).append(off)
-            if len(head_grads[s]) < head_gpus:
-                continue
-        add(s, f"AdamW T{i}", CPU, g, trained.grad_bytes / element_bytes(profile.dtype) / adam_rate,
-            tuple(head_grads[s]) if t.kind == "H" else (off,))
-    result = sim.run()
+        step.run_task(i, t)
+    result = step.sim.run()
     if not optimizer_lag:
         return result
-    return replace(result, step_s=_steady_step_s(result, step_of, steps))
+    return replace(result, step_s=_steady_step_s(result, step.step_of, steps))
+
+
+class _StepOnSimulator:
+    """The tasks issued on :mod:`mobius.sim.engine`'s streams, one after the other."""
+
+    def __init__(self, profile: Profile, topo, tasks: list[_Task], fwd: list[StageCost], bwd: list[StageCost],
+                 no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
+                 adam_rate: float):
+        self.profile, self.host, self.link = profile, profile.host, link_for(topo)
+        self.sim = Simulator(self.link)
+        self.tasks, self.fwd, self.bwd, self.no_recompute, self.mem = tasks, fwd, bwd, no_recompute, mem
+        self.head_gpus, self.adam_rate = head_gpus, adam_rate
+        self.starts_backward = {backward[k][0] for k in range(1, len(backward) - 1 - kept)}  # those that recompute
+        self.step_of: dict[int, int] = {}  # simulator task -> step
+        self.ready: dict[tuple[str, int, int], int] = {}  # (F|B, stage, micro-batch) -> its output on the host
+        self.last_on: dict[int, tuple[int, int]] = {}  # GPU -> (device bytes its last task needs, its last compute)
+        self.loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
+        self.head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
+
+    def add(self, t: _Task, *args) -> int:
+        tid = self.sim.add(*args)
+        self.step_of[tid] = t.step
+        return tid
+
+    def costs(self, t: _Task) -> StageCost:
+        return self.fwd[t.stage] if t.kind in "FH" else (self.bwd if t.recomputes else self.no_recompute)[t.stage]
+
+    def run_task(self, i: int, t: _Task) -> None:
+        c, g, head = self.costs(t), t.gpu, self.no_recompute[-1]
+        # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
+        prev = self.last_on.get(g)
+        early = max(0.0, min(c.param_bytes, self.mem[g] - prev[0])) if prev else c.param_bytes
+        a = self.add(t, f"load T{i} (prefetch)", H2D, g, early, (self.loaded_on.get(g),), i, "params")
+        b = self.add(t, f"load T{i}", H2D, g, c.param_bytes - early, (a, prev[1] if prev else None), i, "params")
+        self.loaded_on[g] = b
+        begin = self.add(t, f"T{i} switch", COMPUTE, g, self.host.stage_switch_s, (prev[1],) if prev else ())
+        last = None
+        for m in t.micro_batches:
+            if t.kind == "B":
+                last = self.backward(i, t, c, m, [a, b, begin])
+            else:
+                last = self.forward(i, t, c, m, [a, b, begin])
+        need = c.mem_fwd + head.mem_bwd if t.kind == "H" else c.mem_fwd if t.kind == "F" else c.mem_bwd
+        self.last_on[g] = (need, last)
+        if t.kind != "F":
+            self.update(i, t, head if t.kind == "H" else c, last)
+
+    def compute(self, t: _Task, name: str, upload: float, work: float, deps: list) -> int:
+        g = t.gpu
+        return self.add(t, name, COMPUTE, g, work + upload / self.link.gpu_bw[g] + self.host.micro_batch_s, deps)
+
+    def handed_on(self, i: int, t: _Task, name: str, nbytes: float, after: int) -> int:
+        """An output leaves for the host, and reaches the next task's worker a hand-off later."""
+        out = self.add(t, f"{name} to host", D2H, t.gpu, nbytes, (after,), i + 1, "activations")
+        return self.add(t, f"{name} handed off", DELAY, t.gpu, self.host.handoff_s, (out,))
+
+    def forward(self, i: int, t: _Task, c: StageCost, m: int, loaded: list) -> int:
+        """Micro-batch ``m`` through a forward stage; the head's task runs its backward at once."""
+        last = self.compute(t, f"F{t.stage}.{m}", c.in_bytes, c.fwd_s, [*loaded, self.ready.get(("F", t.stage - 1, m))])
+        kept_inputs = sum(self.profile.layers[lo - 1].out_bytes for lo in self.starts_backward if c.start < lo < c.end)
+        if kept_inputs:  # the inputs of the backward stages that start within it, for their recomputation
+            self.add(t, f"F{t.stage}.{m} inputs kept", D2H, t.gpu, kept_inputs, (last,), i + 1, "activations")
+        if t.kind == "F":
+            self.ready[("F", t.stage, m)] = self.handed_on(i, t, f"act F{t.stage}.{m}", c.out_bytes, last)
+            return last
+        head, k = self.no_recompute[-1], len(self.bwd) - 1
+        last = self.compute(t, f"B{k}.{m}", 0.0, head.bwd_s, [last])
+        self.ready[("B", k, m)] = self.handed_on(i, t, f"grad B{k}.{m}", head.in_bytes, last)
+        return last
+
+    def backward(self, i: int, t: _Task, c: StageCost, m: int, loaded: list) -> int:
+        """Its output's gradient, and the input it recomputes from (a kept stage has it there)."""
+        upload = c.out_bytes + (c.in_bytes if t.recomputes else 0)
+        last = self.compute(t, f"B{t.stage}.{m}", upload, c.bwd_s, [*loaded, self.ready[("B", t.stage + 1, m)]])
+        if t.stage > 0:
+            self.ready[("B", t.stage, m)] = self.handed_on(i, t, f"grad B{t.stage}.{m}", c.in_bytes, last)
+        return last
+
+    def update(self, i: int, t: _Task, trained: StageCost, last: int) -> None:
+        """A backward's gradients leave after its last micro-batch for the host's AdamW; the head's
+        parts are summed on the host before its one update."""
+        off = self.add(t, f"grads T{i} to host", D2H, t.gpu, trained.grad_bytes, (last,), len(self.tasks) + i,
+                       "gradients")
+        after = (off,)
+        if t.kind == "H":
+            self.head_grads.setdefault(t.step, []).append(off)
+            if len(self.head_grads[t.step]) < self.head_gpus:
+                return
+            after = tuple(self.head_grads[t.step])
+        self.add(t, f"AdamW T{i}", CPU, t.gpu, trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate,
+                 after)
 
 
 def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
@@ -265,7 +291,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
 
     best = None
     for tail in range(0, layers - 1, n):
-        found = [p for heads in sorted({1, math.ceil(n / 2)}) if (p := simulated(tail, heads, 2 * n, 2 * n))]
+        found = [p for heads in sorted({1, min(math.ceil(n / 2), micro_batches)})
+                 if (p := simulated(tail, heads, 2 * n, 2 * n))]
         if not found and tail:
             break  # a longer tail fits no better
         best = min([*found, *([best] if best else [])], key=lambda p: p.step_s, default=best)
