@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if args.dispatched:
-            print(f"predicting the dispatched schedule on {topo.n} workers (a second or so a simulation)", flush=True)
+            print(f"predicting the dispatched schedule on {topo.n} workers", flush=True)
             dispatched = dispatched_beside(cfg, model_config, topo, plan, args.profile)
     if args.json:
         out = plan.to_dict()

@@ -271,7 +271,7 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     GPU count of one-layer stages, as long as it fits) and the head's GPUs, with two stages a GPU
     in each partition of the layers before the tail; then those partitions' stage counts (each
     partition time-balanced, exactly, for its count).  With ``optimizer_lag`` its step is then
-    that shape's steady state.  Each simulation of an 8-GPU step takes about a second.  None where
+    that shape's steady state.  A few dozen simulations: about a second for 8 GPUs.  None where
     nothing fits."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]

@@ -15,7 +15,8 @@ their root complex (every preset) this is the sharing ``--emulate`` gives the ru
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 EPS = 1e-12
@@ -157,36 +158,42 @@ class Simulator:
     def run(self) -> SimResult:
         tasks = self.tasks
         done = [False] * len(tasks)
-        started = [False] * len(tasks)
-        queues: dict[tuple[str, int, str], list[int]] = defaultdict(list)  # issue order per resource
+        # Each task's unfinished dependencies, and who waits on it: readiness is a count, not a scan.
+        waiting_on = [len(t.deps) for t in tasks]
+        dependents: list[list[int]] = [[] for _ in tasks]
         for t in tasks:
             t.remaining = t.work
-            queues[_resource(t)].append(t.id)
+            for d in t.deps:
+                dependents[d].append(t.id)
+        queues: dict[tuple[str, int, str], deque[int]] = defaultdict(deque)  # issue order per resource
+        ready: dict[tuple[str, int, str], list[tuple[int, int]]] = defaultdict(list)  # transfers: (priority, id) heaps
+        for t in tasks:
+            key = _resource(t)
+            queues[key].append(t.id)
+            if key[0] in TRANSFERS and not t.deps:
+                heapq.heappush(ready[key], (t.priority, t.id))
         busy: dict[tuple[str, int, str], int | None] = {k: None for k in queues}
+        changed = set(queues)  # the queues whose next start may have changed: nothing else is looked at
         now = 0.0
         finished = 0
         by_gpu: dict = defaultdict(float)
         by_rc: dict = defaultdict(float)
 
-        def ready(i: int) -> bool:
-            return all(done[d] for d in tasks[i].deps)
-
         while finished < len(tasks):
-            # Start what can start.
-            for key, q in queues.items():
-                if busy[key] is not None or not q:
+            # Start what can start: a transfer queue its best ready transfer (the runtime's transfer
+            # queue), a stream or thread its next task in issue order once that is ready.
+            for key in changed:
+                if busy[key] is not None:
                     continue
-                kind = key[0]
-                if kind in TRANSFERS:
-                    candidates = [i for i in q if ready(i)]
-                    pick = min(candidates, key=lambda i: (tasks[i].priority, i)) if candidates else None
+                if key[0] in TRANSFERS:
+                    pick = heapq.heappop(ready[key])[1] if ready[key] else None
                 else:
-                    pick = q[0] if ready(q[0]) else None  # streams execute in issue order
+                    q = queues[key]
+                    pick = q.popleft() if q and not waiting_on[q[0]] else None
                 if pick is not None:
-                    q.remove(pick)
                     busy[key] = pick
-                    started[pick] = True
                     tasks[pick].start = now
+            changed = set()
             active = [tasks[i] for i in busy.values() if i is not None]
             if not active:
                 stuck = [t.name for t in tasks if not done[t.id]][:5]
@@ -217,7 +224,16 @@ class Simulator:
                     t.end = now
                     done[t.id] = True
                     finished += 1
-                    busy[_resource(t)] = None
+                    key = _resource(t)
+                    busy[key] = None
+                    changed.add(key)
+                    for w in dependents[t.id]:
+                        waiting_on[w] -= 1
+                        if not waiting_on[w]:
+                            wkey = _resource(tasks[w])
+                            changed.add(wkey)
+                            if wkey[0] in TRANSFERS:
+                                heapq.heappush(ready[wkey], (tasks[w].priority, w))
                     if t.kind in (H2D, D2H):
                         by_gpu[(t.gpu, t.kind)] += t.work
                         by_rc[(self.link.rc_of[t.gpu], t.kind)] += t.work
