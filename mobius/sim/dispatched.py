@@ -44,6 +44,7 @@ from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
+STEADY_CANDIDATES = 5  # the shapes fastest as single steps whose steady state the search compares
 
 
 @dataclass(frozen=True)
@@ -267,12 +268,12 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int) -> fl
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
                     optimizer_lag: int = 0) -> DispatchedPlan | None:
-    """The fastest dispatched step found on single steps: first the kept tail (a multiple of the
-    GPU count of one-layer stages, as long as it fits) and the head's GPUs, with two stages a GPU
-    in each partition of the layers before the tail; then those partitions' stage counts (each
-    partition time-balanced, exactly, for its count).  With ``optimizer_lag`` its step is then
-    that shape's steady state.  A few dozen simulations: about a second for 8 GPUs.  None where
-    nothing fits."""
+    """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
+    at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
+    the layers before the tail; then, for the best of those, the two partitions' stage counts (each
+    partition time-balanced, exactly, for its count), all as single steps.  With ``optimizer_lag``
+    the steady state of the :data:`STEADY_CANDIDATES` fastest shapes decides.  A few dozen
+    simulations: a second or two for 8 GPUs.  None where nothing fits."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
@@ -289,22 +290,25 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
             return None
         return DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r)
 
-    best = None
-    for tail in range(0, layers - 1, n):
-        found = [p for heads in sorted({1, min(math.ceil(n / 2), micro_batches)})
+    seen: list[DispatchedPlan] = []
+    for tail in range(0, layers - 1, max(1, n // 2)):
+        found = [p for heads in sorted({1, min(2, n), min(math.ceil(n / 2), micro_batches)})
                  if (p := simulated(tail, heads, 2 * n, 2 * n))]
         if not found and tail:
             break  # a longer tail fits no better
-        best = min([*found, *([best] if best else [])], key=lambda p: p.step_s, default=best)
-    if best is None:
+        seen += found
+    if not seen:
         return None
+    best = min(seen, key=lambda p: p.step_s)
     cut = layers - 1 - best.kept
     for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n}):
         for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
-            found = simulated(best.kept, best.head_gpus, min(sf, cut), min(sb, cut))
-            if found is not None and found.step_s < best.step_s:
-                best = found
-    if optimizer_lag:  # the steady state of the shape found on single steps
-        sf, sb = len(best.forward) - 1 - best.kept, len(best.backward) - 1 - best.kept
-        best = simulated(best.kept, best.head_gpus, sf, sb, OVERLAPPED_STEPS)
+            if p := simulated(best.kept, best.head_gpus, min(sf, cut), min(sb, cut)):
+                seen.append(p)
+    best = min(seen, key=lambda p: p.step_s)
+    if optimizer_lag:  # the steady state of the shapes fastest alone
+        shapes = {(p.kept, p.head_gpus, len(p.forward) - 1 - p.kept, len(p.backward) - 1 - p.kept)
+                  for p in sorted(seen, key=lambda p: p.step_s)[:STEADY_CANDIDATES]}
+        best = min((p for shape in sorted(shapes) if (p := simulated(*shape, OVERLAPPED_STEPS))),
+                   key=lambda p: p.step_s)
     return best
