@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> None:
         raise InputError("--dispatched is not modelled with --offload-dir or --data-parallel")
     model_config = model_config_for(cfg)
     check_seq_len(cfg, model_config)
-    topo = resolve_topology(cfg)
-    # With --json, stdout is the JSON alone: what planning says on the way goes to stderr.
+    # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        topo = resolve_topology(cfg)
         plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if args.dispatched:
@@ -78,9 +78,9 @@ def dispatched_summary(dispatched, plan, tokens: int) -> str:
     if dispatched is None:
         return head + "no shape fits these GPUs' memory"
     ratio = dispatched.step_s / plan.predicted_step_s
-    verdict = (f"{1 - ratio:.0%} shorter than the plan's {plan.predicted_step_s:.3f} s" if ratio < 1 else
-               f"the plan's {plan.predicted_step_s:.3f} s is faster ({ratio:.2f}x)")
-    return (head + f"{dispatched.step_s:.3f} s a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
+    verdict = (f"{1 - ratio:.0%} shorter than the plan's {plan.predicted_step_s * 1e3:.1f} ms" if ratio < 1 else
+               f"the plan's {plan.predicted_step_s * 1e3:.1f} ms is faster ({ratio:.2f}x)")
+    return (head + f"{dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
             f"{len(dispatched.forward)} forward and {len(dispatched.backward)} backward stages, the last "
             f"{dispatched.kept} kept where they ran, the head's micro-batches on {dispatched.head_gpus} "
             f"GPU{'s' if dispatched.head_gpus > 1 else ''}: {verdict}")

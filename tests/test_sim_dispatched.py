@@ -195,7 +195,7 @@ def test_mobius_plan_prints_the_dispatched_prediction_beside_the_plan(capsys):
     main(args)
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("dispatched schedule (simulated; the runtime runs the bound one): "
-                           f"{found['step_s']:.3f} s a step")
+                           f"{found['step_s'] * 1e3:.1f} ms a step")
     with pytest.raises(SystemExit) as exit_:  # not modelled with the disk tier
         main([*args, "--offload-dir", "nvme"])
     assert exit_.value.code == 2 and "--dispatched is not modelled" in capsys.readouterr().err

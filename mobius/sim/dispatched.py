@@ -44,6 +44,7 @@ from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
+REFINED = 3  # the tails and head splits fastest at two stages a GPU whose stage counts the search varies
 STEADY_CANDIDATES = 5  # the shapes fastest as single steps whose steady state the search compares
 
 
@@ -270,8 +271,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                     optimizer_lag: int = 0) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
-    the layers before the tail; then, for the best of those, the two partitions' stage counts (each
-    partition time-balanced, exactly, for its count), all as single steps.  With ``optimizer_lag``
+    the layers before the tail; then, for the :data:`REFINED` best of those, the two partitions'
+    stage counts (each partition time-balanced, exactly, for its count), all as single steps.  With ``optimizer_lag``
     the steady state of the :data:`STEADY_CANDIDATES` fastest shapes decides.  A few dozen
     simulations: a second or two for 8 GPUs.  None where nothing fits."""
     n, layers = len(order), profile.n
@@ -280,8 +281,9 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
 
     def simulated(tail: int, heads: int, sf: int, sb: int, steps: int = 1) -> DispatchedPlan | None:
         cut = layers - 1 - tail  # the tail's one-layer stages, then the head's
-        if min(sf, sb) > cut or min(sf, sb) < 1:
+        if cut < 1:
             return None
+        sf, sb = min(sf, cut), min(sb, cut)
         rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - 1, layers)]
         forward, backward = balanced_bounds(fwd_costs[:cut], sf) + rest, balanced_bounds(bwd_costs[:cut], sb) + rest
         r = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
@@ -299,12 +301,11 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
         seen += found
     if not seen:
         return None
-    best = min(seen, key=lambda p: p.step_s)
-    cut = layers - 1 - best.kept
-    for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n}):
-        for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
-            if p := simulated(best.kept, best.head_gpus, min(sf, cut), min(sb, cut)):
-                seen.append(p)
+    for tail, heads in {(p.kept, p.head_gpus) for p in sorted(seen, key=lambda p: p.step_s)[:REFINED]}:
+        for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n}):
+            for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
+                if p := simulated(tail, heads, sf, sb):
+                    seen.append(p)
     best = min(seen, key=lambda p: p.step_s)
     if optimizer_lag:  # the steady state of the shapes fastest alone
         shapes = {(p.kept, p.head_gpus, len(p.forward) - 1 - p.kept, len(p.backward) - 1 - p.kept)
