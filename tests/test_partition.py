@@ -381,6 +381,9 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
                                                                 trained.predicted_step_s, trained.recompute)
     plan_main(options[:-4] + ["--json"])  # without the lag and the adapters: another plan
     assert json.loads(capsys.readouterr().out)["predicted_step_s"] != printed["predicted_step_s"]
+    # With --json, standard output is the JSON alone, whatever probing the machine says on the way.
+    plan_main(["--model", "tiny", "--topology", "auto", "--seq-len", "32", "--json"])
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny"
 
 
 def test_a_cached_profile_is_checked_for_range_not_for_positivity():
