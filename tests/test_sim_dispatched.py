@@ -4,6 +4,8 @@ of tasks it describes, in order, on the GPUs it names; and it does what it is fo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mobius.models import get_config
@@ -166,12 +168,25 @@ def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
     assert [ends[f"{name}.0"][2] for name in ("F0", "F1", "B2", "B1", "B0")] == [0, 2, 1, 3, 0]
     assert ends[f"F0.{M}"][2] == 2
     assert ends[f"F0.{M}"][0] < ends[f"B0.{M - 1}"][1]  # the next step began before this one ended
-    device = [max(t.end for t in r.tasks if t.kind not in ("cpu", "delay") and f".{m}" in t.name)
-              for m in (M - 1, 2 * M - 1, 3 * M - 1)]
-    assert r.step_s == pytest.approx(max((device[2] - device[0]) / 2,
-                                         max(sum(t.work for t in r.tasks if t.kind == "cpu" and t.gpu == g)
-                                             for g in range(4)) / 3), rel=1e-6)
+    # Each step's device work ends with its last compute or copy: a task's step by its micro-batch
+    # (numbered across steps) or by its index among the five tasks a step issues.
+    def step_of(name: str) -> int:
+        for word in name.split():
+            if re.fullmatch(r"[FB]\d+\.\d+", word):  # F1.5: micro-batch 5
+                return int(word.split(".")[1]) // M
+            if re.fullmatch(r"T\d+", word):  # load T7: task 7
+                return int(word[1:]) // 5
+        raise ValueError(name)
+
+    device = [max(t.end for t in r.tasks if t.kind not in ("cpu", "delay") and step_of(t.name) == k) for k in range(3)]
+    adam = max(sum(t.work for t in r.tasks if t.kind == "cpu" and t.gpu == g) for g in range(4))
+    assert r.step_s == pytest.approx(max((device[2] - device[0]) / 2, adam / 3), rel=1e-12)
     assert r.step_s < alone.step_s
+    # Step 2's weights are those of step 0's updates (the lag): each of its loads waits for them.
+    updates = {t.id: t for t in r.tasks if t.kind == "cpu"}
+    loads = [t for t in r.tasks if t.name.startswith("load") and step_of(t.name) == 2 and "prefetch" in t.name]
+    assert loads and all(any(d in updates for d in t.deps) for t in loads)
+    assert all(t.start >= max(updates[d].end for d in t.deps if d in updates) for t in loads)
 
 
 def test_mobius_plan_prints_the_dispatched_prediction_beside_the_plan(capsys):

@@ -20,9 +20,10 @@ things keep the pool busy:
   micro-batch that forward kept there, and recomputes nothing (where the GPU's memory holds them
   beside the tasks that GPU runs meanwhile).
 * **Steps overlap.**  With ``--optimizer-lag 1`` a step's forward reads weights that do not wait
-  for the step before's update, so the next step's first tasks start on the GPUs that are done
-  while its last tasks run elsewhere (the turn goes on across steps).  The step is then the steady
-  state: the time between the ends of consecutive steps, over :data:`OVERLAPPED_STEPS` simulated.
+  for the step before's update (only for the one before that), so the next step's first tasks
+  start on the GPUs that are done while its last tasks run elsewhere (the turn goes on across
+  steps).  The step is then the steady state: the time between the ends of consecutive steps, over
+  :data:`OVERLAPPED_STEPS` simulated.
 
 :func:`simulate_dispatched` runs it on :mod:`mobius.sim.engine`'s streams and links, with the bound
 schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's calibrated
@@ -129,7 +130,7 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     if not _fits(tasks, fwd, no_recompute, mem, micro_batches):
         return None
     step = _StepOnSimulator(profile, topo, tasks, fwd, bwd, no_recompute, mem, backward, kept, head_gpus,
-                            adam_params_per_s or profile.host.adam_params_per_s)
+                            adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag)
     for i, t in enumerate(tasks):
         step.run_task(i, t)
     result = step.sim.run()
@@ -143,7 +144,7 @@ class _StepOnSimulator:
 
     def __init__(self, profile: Profile, topo, tasks: list[_Task], fwd: list[StageCost], bwd: list[StageCost],
                  no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
-                 adam_rate: float):
+                 adam_rate: float, optimizer_lag: int):
         self.profile, self.host, self.link = profile, profile.host, link_for(topo)
         self.sim = Simulator(self.link)
         self.tasks, self.fwd, self.bwd, self.no_recompute, self.mem = tasks, fwd, bwd, no_recompute, mem
@@ -154,6 +155,8 @@ class _StepOnSimulator:
         self.last_on: dict[int, tuple[int, int]] = {}  # GPU -> (device bytes its last task needs, its last compute)
         self.loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
         self.head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
+        self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW
+        self.lag = optimizer_lag
 
     def add(self, t: _Task, *args) -> int:
         tid = self.sim.add(*args)
@@ -168,7 +171,8 @@ class _StepOnSimulator:
         # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
         prev = self.last_on.get(g)
         early = max(0.0, min(c.param_bytes, self.mem[g] - prev[0])) if prev else c.param_bytes
-        a = self.add(t, f"load T{i} (prefetch)", H2D, g, early, (self.loaded_on.get(g),), i, "params")
+        a = self.add(t, f"load T{i} (prefetch)", H2D, g, early, (self.loaded_on.get(g), *self.updated(t, c)), i,
+                     "params")
         b = self.add(t, f"load T{i}", H2D, g, c.param_bytes - early, (a, prev[1] if prev else None), i, "params")
         self.loaded_on[g] = b
         begin = self.add(t, f"T{i} switch", COMPUTE, g, self.host.stage_switch_s, (prev[1],) if prev else ())
@@ -214,6 +218,13 @@ class _StepOnSimulator:
             self.ready[("B", t.stage, m)] = self.handed_on(i, t, f"grad B{t.stage}.{m}", c.in_bytes, last)
         return last
 
+    def updated(self, t: _Task, c: StageCost) -> list[int]:
+        """The updates a task's weights wait for: those of the backward stages with its layers, from
+        the step ``1 + lag`` before (a step simulated: the steps before it were done)."""
+        before = t.step - 1 - self.lag
+        return [u for (step, k), u in self.updates.items()
+                if step == before and self.bwd[k].start < c.end and c.start < self.bwd[k].end]
+
     def update(self, i: int, t: _Task, trained: StageCost, last: int) -> None:
         """A backward's gradients leave after its last micro-batch for the host's AdamW; the head's
         parts are summed on the host before its one update."""
@@ -225,8 +236,8 @@ class _StepOnSimulator:
             if len(self.head_grads[t.step]) < self.head_gpus:
                 return
             after = tuple(self.head_grads[t.step])
-        self.add(t, f"AdamW T{i}", CPU, t.gpu, trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate,
-                 after)
+        self.updates[(t.step, t.stage)] = self.add(
+            t, f"AdamW T{i}", CPU, t.gpu, trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate, after)
 
 
 def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
