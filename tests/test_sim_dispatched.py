@@ -104,7 +104,8 @@ def test_a_kept_stage_runs_its_backward_where_its_forward_ran_without_recomputin
     r = simulate_dispatched(profile, forward, backward, topo, order, M, kept=2)
     ends = _ends(r)
     # F0 F1 F2 H.0 on 0 2 1 3; B3 and B2 (kept) where F2 and F1 ran; then B1 B0 in turn: 0 2.
-    assert [ends[f"{name}.0"][2] for name in ("F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0")] == [0, 2, 1, 3, 1, 2, 0, 2]
+    names = ("F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0")
+    assert [ends[f"{name}.0"][2] for name in names] == [0, 2, 1, 3, 1, 2, 0, 2]
     kept, recomputed = stage_costs(profile, backward, False), stage_costs(profile, backward, True)
     for k in (2, 3):  # no recomputation: the backward alone, and only the output's gradient uploaded
         start, end, gpu = ends[f"B{k}.0"]

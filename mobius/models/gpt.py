@@ -487,7 +487,7 @@ def build_layer(config: GPTConfig, index: int, seed: int, device: str | torch.de
         load_layer_weights(config, index, layer)
     elif seeded:
         # The layer's own generator, not the global one: the global stream stays untouched, and
-        # layers can be built at once on several threads (``build_model``).
+        # layers can be built at once on several threads (:func:`built_layers`).
         generator = torch.Generator(device).manual_seed(seed * 100_003 + index)
         with torch.no_grad():
             layer.reset_parameters(generator)

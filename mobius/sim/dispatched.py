@@ -236,8 +236,8 @@ class _StepOnSimulator:
             if len(self.head_grads[t.step]) < self.head_gpus:
                 return
             after = tuple(self.head_grads[t.step])
-        self.updates[(t.step, t.stage)] = self.add(
-            t, f"AdamW T{i}", CPU, t.gpu, trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate, after)
+        seconds = trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate
+        self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, seconds, after)
 
 
 def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
@@ -283,9 +283,9 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail; then, for the :data:`REFINED` best of those, the two partitions'
-    stage counts (each partition time-balanced, exactly, for its count), all as single steps.  With ``optimizer_lag``
-    the steady state of the :data:`STEADY_CANDIDATES` fastest shapes decides.  A few dozen
-    simulations: a second or two for 8 GPUs.  None where nothing fits."""
+    stage counts (each partition time-balanced, exactly, for its count), all as single steps.
+    With ``optimizer_lag`` the steady state of the :data:`STEADY_CANDIDATES` fastest shapes
+    decides.  A few dozen simulations: a second or two for 8 GPUs.  None where nothing fits."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
