@@ -20,7 +20,7 @@
 # second right after the first (while the machine is still held, the installs and the cache stay):
 #
 #   OUT="$OUT" bash scripts/gpu_run.sh                              # tests rates bench_32k bench_131k
-#   OUT="$OUT" bash scripts/gpu_run.sh plans bench_4k [chunked]     # about 4.5 minutes
+#   OUT="$OUT" bash scripts/gpu_run.sh plans bench_4k [chunked]     # at most 5 minutes (6 with chunked)
 #
 # What comes back is two files in $OUT, rewritten after every part so that a call cut short keeps
 # what it measured: gpu_run.log (every part's output, with its exit status and time) and
@@ -90,7 +90,7 @@ for name in "${PARTS[@]}"; do
                 python -c 'import deepspeed' 2>/dev/null; do sleep 2; done"
             bench deepspeed_32k 150 32768 deepspeed ;;
         bench_131k) bench bench_131k 150 131072 plain,mobius ;;
-        plans) part plans 200 python scripts/bench_gpu.py --plans --micro-batch-size 8 --seq-len 512 \
+        plans) part plans 240 python scripts/bench_gpu.py --plans --micro-batch-size 8 --seq-len 512 \
             --micro-batches 8 --steps 3 --traces "$WORK/traces" --json "$WORK/plans.json" ;;
         bench_4k) bench bench_4k 50 4096 mobius ;;
         chunked) bench chunked 70 32768 chunked ;;
