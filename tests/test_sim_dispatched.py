@@ -215,3 +215,26 @@ def test_mobius_plan_prints_the_dispatched_prediction_beside_the_plan(capsys):
     with pytest.raises(SystemExit) as exit_:  # not modelled with the disk tier
         main([*args, "--offload-dir", "nvme"])
     assert exit_.value.code == 2 and "--dispatched is not modelled" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_bound(tmp_path):
+    """The dispatched schedule's targets, predicted from config.json (scripts/plan_dispatched.py):
+    Llama-3.1-8B on 8 of 8x4090-4+4's GPUs, 16 micro-batches of 1x2048, bf16, with the optimizer
+    lag: at least 7x the fastest one-GPU step of either schedule, and at least a quarter shorter
+    than the bound plan; every part of it in use."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from plan_dispatched import row
+    from published_models import model_dir
+
+    args = argparse.Namespace(micro_batches=16, seq_len=2048, time_limit=2.0, optimizer_lag=1)
+    with model_dir("Llama-3.1-8B") as model:
+        one, eight = [row(model, gpus, str(tmp_path), args) for gpus in (1, 8)]
+    fastest_one = min(one["bound_predicted_s"], one["bound_simulated_s"], one["dispatched_simulated_s"])
+    assert fastest_one / eight["dispatched_simulated_s"] >= 7.0
+    assert eight["dispatched_simulated_s"] <= 0.75 * eight["bound_predicted_s"]
+    assert eight["dispatched_kept"] > 0 and eight["dispatched_head_gpus"] > 1
