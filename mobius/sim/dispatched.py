@@ -167,7 +167,7 @@ class _StepOnSimulator:
         return self.fwd[t.stage] if t.kind in "FH" else (self.bwd if t.recomputes else self.no_recompute)[t.stage]
 
     def run_task(self, i: int, t: _Task) -> None:
-        c, g, head = self.costs(t), t.gpu, self.no_recompute[-1]
+        c, g = self.costs(t), t.gpu
         # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
         prev = self.last_on.get(g)
         early = max(0.0, min(c.param_bytes, self.mem[g] - prev[0])) if prev else c.param_bytes
@@ -182,10 +182,9 @@ class _StepOnSimulator:
                 last = self.backward(i, t, c, m, [a, b, begin])
             else:
                 last = self.forward(i, t, c, m, [a, b, begin])
-        need = c.mem_fwd + head.mem_bwd if t.kind == "H" else c.mem_fwd if t.kind == "F" else c.mem_bwd
-        self.last_on[g] = (need, last)
+        self.last_on[g] = (_device_bytes(t, self.fwd, self.no_recompute), last)
         if t.kind != "F":
-            self.update(i, t, head if t.kind == "H" else c, last)
+            self.update(i, t, self.no_recompute[-1] if t.kind == "H" else c, last)
 
     def compute(self, t: _Task, name: str, upload: float, work: float, deps: list) -> int:
         g = t.gpu
@@ -245,21 +244,24 @@ def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost
     """Every task fits its GPU beside the activations kept there, from the forward that kept them
     to the end of their backward (tasks in issue order)."""
     held = dict.fromkeys(range(len(mem)), 0)
-    head = no_recompute[-1]
     for t in tasks:
-        if t.kind == "F":
-            need = fwd[t.stage].mem_fwd
-            if t.keeps:  # every micro-batch's, beyond the one the pass itself counts
-                held[t.gpu] += micro_batches * no_recompute[len(no_recompute) - len(fwd) + t.stage].kept_bytes
-        elif t.kind == "H":
-            need = fwd[t.stage].mem_fwd + head.mem_bwd
-        else:  # one micro-batch at a time, recomputed or not
-            need = no_recompute[t.stage].mem_bwd
-        if need + held[t.gpu] > mem[t.gpu]:
+        if t.kind == "F" and t.keeps:  # every micro-batch's, beyond the one the pass itself counts
+            held[t.gpu] += micro_batches * no_recompute[len(no_recompute) - len(fwd) + t.stage].kept_bytes
+        if _device_bytes(t, fwd, no_recompute) + held[t.gpu] > mem[t.gpu]:
             return False
         if t.kind == "B" and not t.recomputes:
             held[t.gpu] -= micro_batches * no_recompute[t.stage].kept_bytes
     return True
+
+
+def _device_bytes(t: _Task, fwd: list[StageCost], no_recompute: list[StageCost]) -> int:
+    """What a task's pass holds on its GPU: a forward's; the head's forward and backward; a
+    backward's, one micro-batch at a time, recomputed or not."""
+    if t.kind == "F":
+        return fwd[t.stage].mem_fwd
+    if t.kind == "H":
+        return fwd[t.stage].mem_fwd + no_recompute[-1].mem_bwd
+    return no_recompute[t.stage].mem_bwd
 
 
 def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int) -> float:

@@ -165,15 +165,17 @@ class Simulator:
             t.remaining = t.work
             for d in t.deps:
                 dependents[d].append(t.id)
-        queues: dict[tuple[str, int, str], deque[int]] = defaultdict(deque)  # issue order per resource
+        queues: dict[tuple[str, int, str], deque[int]] = defaultdict(deque)  # streams and threads: issue order
         ready: dict[tuple[str, int, str], list[tuple[int, int]]] = defaultdict(list)  # transfers: (priority, id) heaps
+        busy: dict[tuple[str, int, str], int | None] = {}  # each resource's running task
         for t in tasks:
             key = _resource(t)
-            queues[key].append(t.id)
-            if key[0] in TRANSFERS and not t.deps:
+            busy[key] = None
+            if key[0] not in TRANSFERS:
+                queues[key].append(t.id)
+            elif not t.deps:
                 heapq.heappush(ready[key], (t.priority, t.id))
-        busy: dict[tuple[str, int, str], int | None] = {k: None for k in queues}
-        changed = set(queues)  # the queues whose next start may have changed: nothing else is looked at
+        changed = set(busy)  # the resources whose next start may have changed: nothing else is looked at
         now = 0.0
         finished = 0
         by_gpu: dict = defaultdict(float)
