@@ -201,7 +201,10 @@ def test_activations_reach_the_next_stage_on_either_worker():
     receivers get exactly what was computed, under the checker with jittered streams, and the
     traffic counts what crossed to the host, to the devices and to the peer."""
     M, shape = 3, (2, 4, 8)
-    plan = SimpleNamespace(micro_batches=M, gpu_of_stage=lambda s: 0 if s < 2 else 1)
+    def tag_of(key):
+        stage, m, backward = key
+        return (stage * M + m) * 2 + int(backward)
+
     group = LocalGroup(2)
     got: dict = {}
     traffic = {r: Traffic() for r in (0, 1)}
@@ -209,20 +212,20 @@ def test_activations_reach_the_next_stage_on_either_worker():
 
     def worker(rank: int) -> None:
         device = CpuDevice(check=True, jitter_ms=1.0)
-        links = ActivationLinks(plan, group.endpoint(rank), device, device.host_stream("host"),
-                                DeviceMemory(2**30), traffic[rank], Trace(enabled=False))
+        links = ActivationLinks(group.endpoint(rank), device, device.host_stream("host"),
+                                DeviceMemory(2**30), traffic[rank], Trace(enabled=False), tag_of)
         try:
             for m in range(M):
                 if rank == 0:
                     out = device.empty(want[m].numel(), torch.float32).view(shape)
                     out.copy_(want[m])
-                    links.send(out, 1, (0, m, False))  # stage 0 -> stage 1, this worker's own
+                    links.send(out, 0, (0, m, False))  # stage 0 -> stage 1, this worker's own
                     links.flush()
                     x = links.to_device(links.recv(0, (0, m, False), shape, torch.float32), "stage input")
                     got[(1, m)] = x.clone()
-                    links.send(x * 2, 2, (1, m, False))  # stage 1 -> stage 2, on worker 1
+                    links.send(x * 2, 1, (1, m, False))  # stage 1 -> stage 2, on worker 1
                 else:
-                    x = links.to_device(links.recv(1, (1, m, False), shape, torch.float32), "stage input")
+                    x = links.to_device(links.recv(0, (1, m, False), shape, torch.float32), "stage input")
                     got[(2, m)] = x.clone()
             links.finish_sends()
         finally:

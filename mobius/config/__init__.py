@@ -254,6 +254,10 @@ class PipelineConfig:
         None, "D replicas of the pipeline, each on M/D of the step's micro-batches, gradients summed across them and "
               "the host AdamW sharded across them (ZeRO-1); default: the number of nodes under torchrun, else 1",
         metavar="D", plans=True)
+    schedule: str = setting(
+        "bound", "bound: each stage on one GPU for the whole step (Mobius); dispatched: each stage's forward and "
+                 "backward handed to the GPUs in turn, with partitions of their own (RoundPipe); auto: the one "
+                 "whose predicted step is shorter", choices=("bound", "dispatched", "auto"), plans=True)
     replan: str = setting(
         "off", "auto: when the run's first steps show a lane of its plan off by more than 20%%, plan again with the "
                "measured rates and switch plans at a step boundary if the new plan is predicted to save more than "

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from itertools import count
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import StageCost, stage_costs
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
+from mobius.stages.tasks import Task, step_tasks, valid_partitions
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
 REFINED = 3  # the tails and head splits fastest at two stages a GPU whose stage counts the search varies
@@ -64,49 +64,6 @@ class DispatchedPlan:
         """Which GPU runs each task of the first step, in order ("F3", "H.1", "B0", ...)."""
         return [(t.name, t.gpu) for t in step_tasks(self.forward, self.backward, self.kept, self.head_gpus,
                                                     self.order, self.micro_batches) if t.step == 0]
-
-
-@dataclass(frozen=True)
-class _Task:
-    name: str  # F<j>, H.<part> (the last forward stage with the head's backward), B<k>
-    kind: str  # F | H | B
-    stage: int  # its index in its partition
-    gpu: int
-    micro_batches: tuple[int, ...]  # numbered across steps
-    step: int
-    keeps: bool = False  # a forward that keeps its activations for its backward, on its GPU
-    recomputes: bool = True  # a backward that recomputes its forward
-
-
-def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]], kept: int = 0) -> bool:
-    """Both cover the same layers, the head's backward lies within the last forward stage, and the
-    ``kept`` forward stages before it are backward stages too."""
-    return (forward[0][0] == backward[0][0] and forward[-1][1] == backward[-1][1]
-            and backward[-1][0] >= forward[-1][0] and kept < min(len(forward), len(backward))
-            and all(forward[-1 - k] == backward[-1 - k] for k in range(1, kept + 1)))
-
-
-def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], micro_batches: int,
-               steps: int = 1) -> list[_Task]:
-    """Every task of ``steps`` steps in the order they are issued.  The turn goes on from one step
-    to the next; a kept stage's backward goes to the GPU of its forward, out of turn."""
-    turn, n, tasks = count(), len(order), []
-    for step in range(steps):
-        first = step * micro_batches
-        every = tuple(range(first, first + micro_batches))
-        ran_on = {}
-        for j in range(len(forward) - 1):
-            keeps = j >= len(forward) - 1 - kept
-            tasks.append(_Task(f"F{j}", "F", j, order[next(turn) % n], every, step, keeps=keeps))
-            ran_on[forward[j]] = tasks[-1].gpu
-        for part in range(head_gpus):
-            tasks.append(_Task(f"H.{part}", "H", len(forward) - 1, order[next(turn) % n], every[part::head_gpus], step))
-        for k in range(len(backward) - 2, -1, -1):
-            if k >= len(backward) - 1 - kept:
-                tasks.append(_Task(f"B{k}", "B", k, ran_on[backward[k]], every, step, recomputes=False))
-            else:
-                tasks.append(_Task(f"B{k}", "B", k, order[next(turn) % n], every, step))
-    return tasks
 
 
 def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]], topo,
@@ -142,7 +99,7 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
 class _StepOnSimulator:
     """The tasks issued on :mod:`mobius.sim.engine`'s streams, one after the other."""
 
-    def __init__(self, profile: Profile, topo, tasks: list[_Task], fwd: list[StageCost], bwd: list[StageCost],
+    def __init__(self, profile: Profile, topo, tasks: list[Task], fwd: list[StageCost], bwd: list[StageCost],
                  no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
                  adam_rate: float, optimizer_lag: int):
         self.profile, self.host, self.link = profile, profile.host, link_for(topo)
@@ -158,15 +115,15 @@ class _StepOnSimulator:
         self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW
         self.lag = optimizer_lag
 
-    def add(self, t: _Task, *args) -> int:
+    def add(self, t: Task, *args) -> int:
         tid = self.sim.add(*args)
         self.step_of[tid] = t.step
         return tid
 
-    def costs(self, t: _Task) -> StageCost:
+    def costs(self, t: Task) -> StageCost:
         return self.fwd[t.stage] if t.kind in "FH" else (self.bwd if t.recomputes else self.no_recompute)[t.stage]
 
-    def run_task(self, i: int, t: _Task) -> None:
+    def run_task(self, i: int, t: Task) -> None:
         c, g = self.costs(t), t.gpu
         # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
         prev = self.last_on.get(g)
@@ -186,16 +143,16 @@ class _StepOnSimulator:
         if t.kind != "F":
             self.update(i, t, self.no_recompute[-1] if t.kind == "H" else c, last)
 
-    def compute(self, t: _Task, name: str, upload: float, work: float, deps: list) -> int:
+    def compute(self, t: Task, name: str, upload: float, work: float, deps: list) -> int:
         g = t.gpu
         return self.add(t, name, COMPUTE, g, work + upload / self.link.gpu_bw[g] + self.host.micro_batch_s, deps)
 
-    def handed_on(self, i: int, t: _Task, name: str, nbytes: float, after: int) -> int:
+    def handed_on(self, i: int, t: Task, name: str, nbytes: float, after: int) -> int:
         """An output leaves for the host, and reaches the next task's worker a hand-off later."""
         out = self.add(t, f"{name} to host", D2H, t.gpu, nbytes, (after,), i + 1, "activations")
         return self.add(t, f"{name} handed off", DELAY, t.gpu, self.host.handoff_s, (out,))
 
-    def forward(self, i: int, t: _Task, c: StageCost, m: int, loaded: list) -> int:
+    def forward(self, i: int, t: Task, c: StageCost, m: int, loaded: list) -> int:
         """Micro-batch ``m`` through a forward stage; the head's task runs its backward at once."""
         last = self.compute(t, f"F{t.stage}.{m}", c.in_bytes, c.fwd_s, [*loaded, self.ready.get(("F", t.stage - 1, m))])
         kept_inputs = sum(self.profile.layers[lo - 1].out_bytes for lo in self.starts_backward if c.start < lo < c.end)
@@ -209,7 +166,7 @@ class _StepOnSimulator:
         self.ready[("B", k, m)] = self.handed_on(i, t, f"grad B{k}.{m}", head.in_bytes, last)
         return last
 
-    def backward(self, i: int, t: _Task, c: StageCost, m: int, loaded: list) -> int:
+    def backward(self, i: int, t: Task, c: StageCost, m: int, loaded: list) -> int:
         """Its output's gradient, and the input it recomputes from (a kept stage has it there)."""
         upload = c.out_bytes + (c.in_bytes if t.recomputes else 0)
         last = self.compute(t, f"B{t.stage}.{m}", upload, c.bwd_s, [*loaded, self.ready[("B", t.stage + 1, m)]])
@@ -217,14 +174,14 @@ class _StepOnSimulator:
             self.ready[("B", t.stage, m)] = self.handed_on(i, t, f"grad B{t.stage}.{m}", c.in_bytes, last)
         return last
 
-    def updated(self, t: _Task, c: StageCost) -> list[int]:
+    def updated(self, t: Task, c: StageCost) -> list[int]:
         """The updates a task's weights wait for: those of the backward stages with its layers, from
         the step ``1 + lag`` before (a step simulated: the steps before it were done)."""
         before = t.step - 1 - self.lag
         return [u for (step, k), u in self.updates.items()
                 if step == before and self.bwd[k].start < c.end and c.start < self.bwd[k].end]
 
-    def update(self, i: int, t: _Task, trained: StageCost, last: int) -> None:
+    def update(self, i: int, t: Task, trained: StageCost, last: int) -> None:
         """A backward's gradients leave after its last micro-batch for the host's AdamW; the head's
         parts are summed on the host before its one update."""
         off = self.add(t, f"grads T{i} to host", D2H, t.gpu, trained.grad_bytes, (last,), len(self.tasks) + i,
@@ -239,7 +196,7 @@ class _StepOnSimulator:
         self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, seconds, after)
 
 
-def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
+def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
           micro_batches: int) -> bool:
     """Every task fits its GPU beside the activations kept there, from the forward that kept them
     to the end of their backward (tasks in issue order)."""
@@ -254,7 +211,7 @@ def _fits(tasks: list[_Task], fwd: list[StageCost], no_recompute: list[StageCost
     return True
 
 
-def _device_bytes(t: _Task, fwd: list[StageCost], no_recompute: list[StageCost]) -> int:
+def _device_bytes(t: Task, fwd: list[StageCost], no_recompute: list[StageCost]) -> int:
     """What a task's pass holds on its GPU: a forward's; the head's forward and backward; a
     backward's, one micro-batch at a time, recomputed or not."""
     if t.kind == "F":

@@ -115,7 +115,7 @@ class StageRunner:
         # the links and the optimizer bring their own copy streams.
         self.compute = device.compute
         self.host = device.host_stream("host")
-        self.links = ActivationLinks(plan, transport, device, self.host, memory, traffic, trace)
+        self.links = ActivationLinks(transport, device, self.host, memory, traffic, trace, self._tag)
         self.working = WorkingMemory(memory, plan)
         self.optimizer = HostOptimizer(store, device, memory, traffic, trace, scaler,
                                        TiedEmbedding(store, plan, transport, traffic), transport,
@@ -199,9 +199,16 @@ class StageRunner:
     def _op_recv(self, op: Op, st: _StepState) -> None:
         s, m = op.stage, op.mb
         if op.backward:  # the output gradient, from the next stage's worker
-            st.inbox[(s, m)] = self.links.recv(s + 1, (s, m, True), self.hidden_shape, self.dtype)
+            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s + 1), (s, m, True), self.hidden_shape,
+                                               self.dtype)
         else:
-            st.inbox[(s, m)] = self.links.recv(s - 1, (s - 1, m, False), self.hidden_shape, self.dtype)
+            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s - 1), (s - 1, m, False), self.hidden_shape,
+                                               self.dtype)
+
+    def _tag(self, key: tuple[int, int, bool]) -> int:
+        """A message's number for the transport: (sending stage, micro-batch, backward)."""
+        stage, m, backward = key
+        return (stage * self.M + m) * 2 + int(backward)
 
     def _layout(self, s: int, m: int, st: _StepState) -> TokenLayout | None:
         """What stage ``s`` needs of micro-batch ``m`` besides its input: the positions and mask of
@@ -305,12 +312,12 @@ class StageRunner:
         s, m = op.stage, op.mb
         if op.backward:  # the input gradient, to the previous stage's worker
             x, _ = st.finished[(s, m)]
-            self.links.send(x.grad, s - 1, (s - 1, m, True))
+            self.links.send(x.grad, self.plan.gpu_of_stage(s - 1), (s - 1, m, True))
             self._retire_input(s, m, st)
         else:
             out = st.outbox.pop((s, m))
             self.working.allocate(out, "stage output")
-            self.links.send(out, s + 1, (s, m, False))
+            self.links.send(out, self.plan.gpu_of_stage(s + 1), (s, m, False))
             self.working.free(out)
 
     def _op_end(self, op: Op, st: _StepState) -> None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Callable
 
 import torch
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.spec import Plan
 from mobius.stages.transport import Transport
 from mobius.swap.memory import DeviceMemory, Traffic
 
@@ -60,19 +60,20 @@ class HostBuffers:
 
 
 class ActivationLinks:
-    """One worker's ends of the links between stages.  A message is keyed by (stage, micro-batch,
-    backward): the sending stage's output, or the input gradient of the stage it is sent to."""
+    """One worker's ends of the links between workers.  A message is keyed by what the schedule
+    names it (the bound pipeline: the sending stage, micro-batch and pass); ``tag_of`` numbers a
+    key for the transport, the same on both ends."""
 
-    def __init__(self, plan: Plan, transport: Transport, device: Device, host: Stream, memory: DeviceMemory,
-                 traffic: Traffic, trace: Trace):
-        self.plan, self.transport, self.device = plan, transport, device
+    def __init__(self, transport: Transport, device: Device, host: Stream, memory: DeviceMemory,
+                 traffic: Traffic, trace: Trace, tag_of: Callable[[tuple], int]):
+        self.transport, self.device, self.tag_of = transport, device, tag_of
         self.memory, self.traffic, self.trace = memory, traffic, trace
         self.rank = transport.rank
         self.compute, self.host = device.compute, host
         self.d2h = device.new_stream("d2h-activations", "d2h")
         self.buffers = HostBuffers(device, host)
-        self._outbox: list[tuple] = []  # for this worker's own stages: (event, buffer, key)
-        self._mailbox: dict[tuple, torch.Tensor] = {}  # messages between stages of this worker
+        self._outbox: list[tuple] = []  # for this worker itself: (event, buffer, key)
+        self._mailbox: dict[tuple, torch.Tensor] = {}  # messages from this worker to itself
         self._sending: queue.SimpleQueue = queue.SimpleQueue()  # (event, buffer, dst, tag), or None: stop
         self._sender_view = device.host_stream("sender")  # what the sender thread does to host buffers
         self._pending: list[tuple] = []  # (send work, buffer, event after the sender's hand-over)
@@ -81,9 +82,6 @@ class ActivationLinks:
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_loop, name="mobius-sender", daemon=True)
         self._sender.start()
-
-    def tag(self, stage: int, m: int, backward: bool) -> int:
-        return (stage * self.plan.micro_batches + m) * 2 + int(backward)
 
     def to_device(self, host: torch.Tensor, what: str, recycle: bool = True) -> torch.Tensor:
         """A host tensor (ours, or a token batch) -> a new device tensor, on the compute stream:
@@ -104,22 +102,21 @@ class ActivationLinks:
         """``host`` is free again once the compute stream's work so far is done."""
         self.buffers.put(host, self.compute.record())
 
-    def send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, bool]) -> None:
+    def send(self, t: torch.Tensor, dst: int, key: tuple) -> None:
         """Device tensor -> host on the D2H stream, without blocking the compute stream; the host
-        leg to the worker of ``to_stage`` follows in :meth:`flush`."""
+        leg to worker ``dst`` follows (to this worker itself: in :meth:`flush`)."""
         self.d2h.wait(self.compute.record())  # after ``t`` was computed
         buf = self.buffers.get(tuple(t.shape), t.dtype)
         self.d2h.wait(self.host.record())  # after the buffer's previous use
         self.d2h.copy(buf, t, name="activation staging buffer")
         self.traffic.d2h += nbytes(t)
-        dst = self.plan.gpu_of_stage(to_stage)
         if dst == self.rank:
             self._outbox.append((self.d2h.record(), buf, key))
         else:
             self.traffic.peer += nbytes(t)
             with self._handed:
                 self._queued += 1
-            self._sending.put((self.d2h.record(), buf, dst, self.tag(*key)))
+            self._sending.put((self.d2h.record(), buf, dst, self.tag_of(key)))
 
     def _send_loop(self) -> None:
         while (item := self._sending.get()) is not None:
@@ -137,24 +134,23 @@ class ActivationLinks:
                 self._handed.notify_all()
 
     def flush(self, keep: int = 0) -> None:
-        """Move every message for this worker's own stages that reached the host, but the last
-        ``keep``, into the mailbox (messages to other workers leave by the sender thread)."""
+        """Move every message to this worker itself that reached the host, but the last ``keep``,
+        into the mailbox (messages to other workers leave by the sender thread)."""
         while len(self._outbox) > keep:
             done, buf, key = self._outbox.pop(0)
             self.host.wait(done)
             self.host.reads(buf)
             self._mailbox[key] = buf
 
-    def recv(self, from_stage: int, key: tuple[int, int, bool], shape, dtype) -> torch.Tensor:
-        src = self.plan.gpu_of_stage(from_stage)
+    def recv(self, src: int, key: tuple, shape, dtype) -> torch.Tensor:
+        """The message ``key`` from worker ``src`` (this one: from the mailbox), in a host buffer."""
         if src == self.rank:
             return self._mailbox.pop(key)
         buf = self.buffers.get(tuple(shape), dtype)
         self.host.writes(buf, name="activation receive buffer")
         t0 = time.perf_counter()
-        self.transport.recv(buf, src, self.tag(*key))
-        stage, m, _ = key
-        self.trace.span("recv", "comm", t0, time.perf_counter(), stage=stage, mb=m)
+        self.transport.recv(buf, src, self.tag_of(key))
+        self.trace.span("recv", "comm", t0, time.perf_counter(), key=str(key))
         return buf
 
     def finish_sends(self) -> None:

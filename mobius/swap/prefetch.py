@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,8 +35,10 @@ from mobius.swap.store import HostStageStore, view
 class DeviceStage:
     """A stage's layers on the device; usable once :meth:`wait` returns."""
 
-    def __init__(self, index: int, sources: list[torch.Tensor | None], nbytes: int, after: Event):
+    def __init__(self, index: int, sources: list[torch.Tensor | None], nbytes: int, after: Event,
+                 ready: Callable[[], None] | None = None):
         self.index = index
+        self.ready = ready  # blocks the prefetcher's thread until the host weights are written
         # The host buffers to load, in slab order: frozen, then this step's compute copy (None: on disk).
         self.sources = sources
         self.nbytes = nbytes
@@ -56,6 +59,7 @@ class Prefetcher:
         self._staging: torch.Tensor | None = None  # where a stage's weights on disk are read to
         self._staged: Event | None = None  # the last copy out of it
         self.traffic, self.trace = traffic, trace
+        self._layers: dict[int, nn.ModuleList] = {}  # each stage's device modules, built once
         self.stream = device.new_stream("h2d-params", "h2d")
         self._queue: list = []
         self._counter = itertools.count()
@@ -64,12 +68,16 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._run, name="mobius-prefetch", daemon=True)
         self._thread.start()
 
-    def request(self, stage: int, priority: int) -> DeviceStage:
+    def request(self, stage: int, priority: int, step: int | None = None,
+                ready: Callable[[], None] | None = None) -> DeviceStage:
         """Load ``stage`` after the work the compute stream has been given so far (which covers
-        the update that last wrote its host weights)."""
+        the update that last wrote its host weights): the compute copy that step ``step`` reads
+        (None: the one the store's current step reads), once ``ready()`` returns (an update of
+        another thread's that writes it)."""
         host = self.store.stages[stage]
-        handle = DeviceStage(stage, [host.frozen, None if host.weights_on_disk else host.compute], host.param_bytes,
-                             self.device.compute.record())
+        compute = host.compute if step is None else self.store.compute_of(stage, step)
+        handle = DeviceStage(stage, [host.frozen, None if host.weights_on_disk else compute], host.param_bytes,
+                             self.device.compute.record(), ready)
         with self._cond:
             heapq.heappush(self._queue, (priority, next(self._counter), handle))
             self._cond.notify()
@@ -118,16 +126,16 @@ class Prefetcher:
         """The stage's modules on the device, built once; a swap only re-points each Parameter's
         data.  Keeping the Parameter objects lets an autograd graph recorded in forward (recompute
         off) find the reloaded weights in backward and accumulate gradients into them."""
-        host = self.store.stages[s]
-        if host.device_layers is None:
-            layers = nn.ModuleList([build_layer(self.config, i, seed=0, device="meta") for i in host.layer_ids])
+        if s not in self._layers:
+            layers = nn.ModuleList([build_layer(self.config, i, seed=0, device="meta")
+                                    for i in self.store.stages[s].layer_ids])
             for module in layers.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None:
                         module._parameters[name] = nn.Parameter(self.device.nothing(self.store.compute_dtype),
                                                                 requires_grad=p.requires_grad)
-            host.device_layers = layers
-        return host.device_layers
+            self._layers[s] = layers
+        return self._layers[s]
 
     def _from_disk(self, host) -> torch.Tensor:
         """Stage ``host``'s compute copy, read from the disk tier into the staging buffer once the
@@ -142,6 +150,8 @@ class Prefetcher:
         return self._staging[:numel]
 
     def _load(self, handle: DeviceStage) -> None:
+        if handle.ready is not None:
+            handle.ready()
         host = self.store.stages[handle.index]
         layers = self._device_layers(handle.index)
         sources = [self._from_disk(host) if t is None else t for t in handle.sources]

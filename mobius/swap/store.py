@@ -54,7 +54,6 @@ class HostStage:
     grad_staging: torch.Tensor
     slots: list[Slot]  # per parameter, in named_parameters order, in the device slab [frozen | trained]
     names: list[str] = field(default_factory=list)  # "layers.<i>.<param>"
-    device_layers: nn.ModuleList | None = None  # the stage's device modules, weights swapped in and out
     compute: torch.Tensor | None = None  # the buffer this step's loads read (HostStageStore.begin_step)
     # The master weights wait on disk between updates (mobius.swap.disk): ``master`` (and, 16-bit,
     # ``master_grad``) are empty but while the disk tier binds them.
@@ -226,6 +225,11 @@ class HostStageStore:
         """Loads of step ``step`` read its compute buffer."""
         for st in self.stages.values():
             st.compute = st.compute_buffers[step % len(st.compute_buffers)]
+
+    def compute_of(self, stage: int, step: int) -> torch.Tensor:
+        """The compute copy of ``stage`` that step ``step`` reads."""
+        buffers = self.stages[stage].compute_buffers
+        return buffers[step % len(buffers)]
 
     def buffer_updated_by(self, step: int) -> int:
         """The compute buffer the update of step ``step``'s gradients writes: the one step

@@ -1,0 +1,679 @@
+"""The dispatched schedule, run: the tasks of :func:`mobius.stages.tasks.step_tasks` on a pool of
+devices, one host thread per device in one process (as torchgpipe drives its devices), the host's
+weights shared by all of them.
+
+* **The host keeps the weights piece by piece** (:func:`~mobius.stages.tasks.pieces`: the layers cut
+  wherever the forward or the backward partition cuts them), in one
+  :class:`~mobius.swap.store.HostStageStore` whose stages are the pieces.  A task loads its pieces
+  on its device with that device's :class:`~mobius.swap.prefetch.Prefetcher`, the next task's while
+  this one computes; a load waits on the prefetcher's thread until the update its step reads is in
+  (:meth:`PieceUpdates.wait_weights`), never on the device's.
+* **Activations go to the device whose task needs them**, over the links of
+  :mod:`~mobius.stages.links` (an in-process transport between the device threads): the hidden
+  state at a layer boundary goes to the forward task that starts there and, with one copy off the
+  device, to the recomputing backward task that starts there; a gradient to the backward task that
+  ends there.  Each is keyed by (what, step, boundary, micro-batch).
+* **One update per piece and step** (:class:`PieceUpdates`, one optimizer thread): a backward's
+  gradients of each piece go home into the piece's staging buffer (the head's parts into one each)
+  and the piece's AdamW runs once all have arrived, summed in part order, then writes the compute
+  copy the step ``1 + lag`` later reads.  Where the update needs the whole step (the global norm
+  clipping scales it by), the pieces wait for the step's last gradients.
+* **Steps overlap** where the lag allows: :meth:`DispatchedRunner.step` hands the step's tasks to
+  the devices and returns once its loss is in; the backward's last tasks run on while the next
+  step's first ones start.  Every dependency is a message or a version the task waits for, so no
+  order of the threads changes a number: the reference trainer's losses and weights, as the bound
+  pipeline's.
+
+A kept stage's forward keeps its autograd graph, and its weights, on its device until its backward
+runs there.  Evaluation runs the forward partition's tasks in turn, the head's loss on the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mobius.boundary.errors import InputError
+from mobius.config import RunConfig
+from mobius.data import BatchSource
+from mobius.metrics import Trace
+from mobius.models import GPTConfig, TokenLayout, run_layers
+from mobius.models.precision import DTYPES
+from mobius.models.lora import dropout_micro_batch
+from mobius.runtime.device import Device, Event
+from mobius.runtime.optim import UpdateRule, clip_coefficient, set_lr, squares
+from mobius.stages.links import ActivationLinks
+from mobius.stages.tasks import Task, pieces, step_tasks, valid_partitions
+from mobius.stages.transport import LocalGroup
+from mobius.stages.working_memory import WorkingMemory
+from mobius.swap.memory import DeviceMemory, Traffic
+from mobius.swap.prefetch import DeviceStage, Prefetcher
+from mobius.swap.store import HostStageStore, view
+
+WAIT_S = 60.0  # as a transport's receive: a dependency that never comes fails the run, never hangs it
+# The kinds of message: the hidden state into a forward task, the input a backward task recomputes
+# from, a gradient into a backward task.
+ACT, SAVED, GRAD = 0, 1, 2
+MAX_MICRO_BATCHES = 4096  # per step, in a message's tag
+
+
+@dataclass(frozen=True)
+class DispatchedShape:
+    """What the plan chose for the dispatched schedule (:class:`mobius.sim.dispatched.DispatchedPlan`)."""
+
+    forward: list[tuple[int, int]]
+    backward: list[tuple[int, int]]
+    order: list[int]  # the GPUs in turn
+    kept: int = 0
+    head_gpus: int = 1
+
+    def __post_init__(self):
+        if not valid_partitions(self.forward, self.backward, self.kept):
+            raise ValueError(f"backward partition {self.backward} does not fit forward partition {self.forward} "
+                             f"with {self.kept} kept stages")
+
+    def describe(self) -> str:
+        return (f"{len(self.forward)} forward and {len(self.backward)} backward stages, head split over "
+                f"{self.head_gpus} GPU{'s' if self.head_gpus > 1 else ''}, {self.kept} kept, turn {self.order}")
+
+
+class _Board:
+    """What the threads wait on: each piece's updates done, the steps' losses; and the first error,
+    which ends every wait."""
+
+    def __init__(self, n_pieces: int):
+        self.cond = threading.Condition()
+        self.versions = [0] * n_pieces  # updates of each piece done (steps 0 .. v-1)
+        self.losses: dict[int, list[float]] = {}  # step -> the head parts' loss sums
+        self.error: BaseException | None = None
+
+    def wait_until(self, ready, what: str) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.error is not None or ready(), timeout=WAIT_S):
+                raise RuntimeError(f"waited {WAIT_S:.0f} s for {what}")
+            if self.error is not None:
+                raise RuntimeError(f"another device failed: {self.error}") from self.error
+
+    def fail(self, err: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = err
+            self.cond.notify_all()
+
+
+class PieceUpdates:
+    """AdamW of each piece on the host, once per step, on one thread: in step order per piece (the
+    producer of a piece's gradients waits for the update before, :meth:`wait_staging`), the
+    head's parts summed in part order."""
+
+    def __init__(self, store: HostStageStore, board: _Board, parts: dict[int, int], device: Device, trace: Trace):
+        """``parts``: piece -> how many tasks' gradients its update sums (the head's parts)."""
+        self.store, self.board, self.trace = store, board, trace
+        self.lag, self.rule = store.lag, store.rule
+        self.parts = parts
+        self.trained = [p for p, host in store.stages.items() if host.trains]
+        # Part 0 lands in the store's staging (fp32: the master gradient itself), the others beside it.
+        self.staging = {p: [store.stages[p].grad_staging] + [device.host_buffer(store.stages[p].grad_staging.numel(),
+                                                                                   store.compute_dtype)
+                                                             for _ in range(parts.get(p, 1) - 1)]
+                        for p in self.trained}
+        self._arrived: dict[tuple[int, int], list] = {}  # (piece, step) -> [(part, event)]
+        self._summed: dict[int, list[int]] = {}  # step -> pieces whose gradients are in their masters
+        self._lr: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-optimizer")
+        self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
+
+    def wait_weights(self, piece: int, step: int) -> None:
+        """Block until the weights step ``step`` reads of ``piece`` are in its compute copy."""
+        need = step - self.lag
+        self.board.wait_until(lambda: self.board.versions[piece] >= need, f"the update of piece {piece} step {step}")
+
+    def wait_staging(self, piece: int, step: int) -> None:
+        """Block until step ``step``'s gradients of ``piece`` may land in its staging: the update of
+        the step before has read it (and stepped the master that update follows)."""
+        self.board.wait_until(lambda: self.board.versions[piece] >= step, f"the update of piece {piece} step {step - 1}")
+
+    def home(self, piece: int, part: int, step: int, lr: float, arrived: Event, copied) -> None:
+        """Part ``part`` of step ``step``'s gradients of ``piece`` leave the device (``arrived``:
+        the event after their copy, whereupon ``copied()`` frees the device's buffer); the update
+        follows once every part is home."""
+        with self._lock:
+            got = self._arrived.setdefault((piece, step), [])
+            got.append((part, arrived, copied))
+            self._lr[step] = lr
+            complete = len(got) == self.parts.get(piece, 1)
+        if complete:
+            self._submit(self._sum, piece, step)
+
+    def _submit(self, fn, *args) -> None:
+        def run():
+            try:
+                fn(*args)
+            except BaseException as err:  # every waiting thread hears of it
+                self.board.fail(err)
+        self._pool.submit(run)
+
+    def _sum(self, piece: int, step: int) -> None:
+        """On the optimizer thread: the parts' gradients into the fp32 master gradient."""
+        host = self.store.stages[piece]
+        with self._lock:
+            parts = sorted(self._arrived.pop((piece, step)), key=lambda pe: pe[0])
+        for _, event, copied in parts:
+            event.synchronize()
+            copied()
+        for k, (part, _, _) in enumerate(parts):
+            src = self.staging[piece][part]
+            if k == 0:
+                if src.data_ptr() != host.master_grad.data_ptr():
+                    host.master_grad.copy_(src)
+            else:
+                host.master_grad.add_(src)
+        host.attach_master_grads()
+        if not self.rule.max_grad_norm:
+            self._update(piece, step, 1.0)
+            return
+        done = self._summed.setdefault(step, [])
+        done.append(piece)
+        if len(done) == len(self.trained):  # the step's global norm, then every piece's update
+            del self._summed[step]
+            total = squares(p.grad for q in sorted(done) for p in self.store.stages[q].master_params)
+            self.grad_norm[step] = total ** 0.5
+            clip = clip_coefficient(total, self.rule.max_grad_norm)
+            for q in sorted(done):
+                self._update(q, step, clip)
+
+    def _update(self, piece: int, step: int, clip: float) -> None:
+        host = self.store.stages[piece]
+        t0 = time.perf_counter()
+        if host.optimizer is not None:
+            set_lr(host.optimizer, self._lr[step])
+            if clip < 1.0:
+                for p in host.master_params:
+                    p.grad.mul_(clip)
+            host.optimizer.step()
+            host.optimizer.zero_grad(set_to_none=True)
+        self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
+        self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
+        with self.board.cond:
+            self.board.versions[piece] = step + 1
+            self.board.cond.notify_all()
+
+    def skip_untrained(self, step: int) -> None:
+        """Pieces that train nothing are current for every step."""
+        with self.board.cond:
+            for p, host in self.store.stages.items():
+                if not host.trains:
+                    self.board.versions[p] = step + 1
+            self.board.cond.notify_all()
+
+    def drain(self) -> None:
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class _Step:
+    """One step (or evaluation pass) as every device sees it."""
+
+    step: int
+    micro: list
+    lr: float
+    tasks: list[Task]
+    training: bool = True
+    first: int = 0  # its first micro-batch's number (tasks number them across steps)
+
+
+class _Routes:
+    """Which device runs each task of a step, by the layer boundaries its messages cross."""
+
+    def __init__(self, shape: DispatchedShape, st: _Step):
+        self.shape = shape
+        self.forward_gpu: dict[int, int] = {}  # forward stage -> GPU (the head's: per micro-batch, below)
+        self.head_gpu: dict[int, int] = {}  # micro-batch -> the GPU of its head part
+        self.backward_gpu: dict[int, int] = {}
+        for t in st.tasks:
+            if t.kind == "F":
+                self.forward_gpu[t.stage] = t.gpu
+            elif t.kind == "H":
+                self.head_gpu.update({m - st.first: t.gpu for m in t.micro_batches})
+            else:
+                self.backward_gpu[t.stage] = t.gpu
+        fwd, bwd = shape.forward, shape.backward
+        self.last_fwd = len(fwd) - 1
+        self.fwd_start = {lo: j for j, (lo, _) in enumerate(fwd)}
+        recomputing = range(len(bwd) - 1 - shape.kept) if st.training else range(0)
+        self.recompute_start = {bwd[k][0]: k for k in recomputing if bwd[k][0] > 0}
+        self.bwd_start = {lo: k for k, (lo, _) in enumerate(bwd)}
+        self.bwd_end = {hi: k for k, (_, hi) in enumerate(bwd)}
+
+    def forward_stage_gpu(self, j: int, m: int) -> int:
+        return self.head_gpu[m] if j == self.last_fwd and self.head_gpu else self.forward_gpu[j]
+
+    def producer(self, b: int, m: int) -> int:
+        """The GPU that computes the hidden state at boundary ``b`` (the forward holding layer b-1)."""
+        j = max(j for j, (lo, _) in enumerate(self.shape.forward) if lo < b)
+        return self.forward_stage_gpu(j, m)
+
+    def consumers(self, b: int, m: int) -> list[tuple[int, tuple]]:
+        """Where the hidden state at boundary ``b`` goes: (GPU, message kind)."""
+        out = []
+        if b in self.fwd_start:
+            out.append((self.forward_stage_gpu(self.fwd_start[b], m), ACT))
+        if b in self.recompute_start:
+            out.append((self.backward_gpu[self.recompute_start[b]], SAVED))
+        return out
+
+    def grad_source(self, b: int, m: int) -> int:
+        """The GPU that computes the gradient at boundary ``b`` (the backward stage starting there)."""
+        k = self.bwd_start[b]
+        return self.head_gpu[m] if k == len(self.shape.backward) - 1 else self.backward_gpu[k]
+
+    def grad_target(self, b: int) -> int:
+        return self.backward_gpu[self.bwd_end[b]]
+
+
+class _DeviceWorker:
+    """One device's thread: it runs its tasks in the order they were issued, each one's pieces
+    loaded (the next task's requested as it starts), its micro-batches computed, its gradients
+    sent home."""
+
+    def __init__(self, runner: "DispatchedRunner", gpu: int, device: Device, budget_bytes: int):
+        self.runner, self.gpu, self.device = runner, gpu, device
+        r = runner
+        self.memory = DeviceMemory(budget_bytes, f"GPU {gpu}")
+        self.traffic = Traffic()
+        self.prefetcher = Prefetcher(r.store, r.config, self.memory, device, self.traffic, r.trace)
+        self.host = device.host_stream("host")
+        self.compute = device.compute
+        self.grads_out = device.new_stream("d2h-gradients", "d2h")
+        self.links = ActivationLinks(r.group.endpoint(gpu), device, self.host, self.memory, self.traffic, r.trace,
+                                     r.tag_of)
+        self.working = WorkingMemory(self.memory, None)
+        self._seen: dict[str, int] = {}  # task name -> the most working memory it used: held from prefetches
+        self.kept: dict[tuple, tuple] = {}  # (step, forward stage, micro-batch) -> (input, output, ledger, phase)
+        self.kept_handles: dict[tuple[int, int], list[DeviceStage]] = {}  # (step, forward stage) -> its pieces
+        self._queue: list = []
+        self._cond = threading.Condition()
+        self._next: tuple | None = None  # (the next task, its pieces requested while this one runs)
+        self._thread = threading.Thread(target=self._run, name=f"mobius-gpu{gpu}", daemon=True)
+        self._thread.start()
+
+    # ---- the queue -------------------------------------------------------------------------
+    def give(self, st: _Step, task: Task) -> None:
+        with self._cond:
+            self._queue.append((st, task))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify()
+        self._thread.join(timeout=WAIT_S)
+        try:
+            self.links.finish_sends()
+        finally:
+            self.links.close()
+            self.prefetcher.close()
+            self.device.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue))
+                item = self._queue.pop(0)
+                upcoming = self._queue[0] if self._queue else None
+            if item is None:
+                return
+            try:
+                self._task(*item, upcoming)
+            except BaseException as err:  # every waiting thread hears of it
+                self.runner.board.fail(err)
+                return
+            self.runner.task_done(item[0])
+
+    # ---- a task ------------------------------------------------------------------------------
+    def _layers_of(self, t: Task) -> tuple[int, int]:
+        shape = self.runner.shape
+        return (shape.forward if t.kind in "FH" else shape.backward)[t.stage]
+
+    def _request(self, st: _Step, t: Task, held: tuple[_Step, list[DeviceStage]] | None = None) -> list:
+        """Load the task's pieces, each once the update its step reads is in (on the prefetcher's
+        thread).  Of the pieces ``held`` (by the running task), those of the same step stay
+        loaded, and the others are left for later (None): a piece has one set of modules on the
+        device.  A kept stage's backward finds its pieces where its forward left them."""
+        r = self.runner
+        if t.kind == "B" and not t.recomputes:
+            return self.kept_handles.pop((st.step, r.fwd_of_kept(t.stage)))
+        here = {h.index: h for h in held[1]} if held is not None else {}
+        same = held is not None and held[0] is st
+        return [(here[p] if same else None) if p in here else self._load_piece(st, p)
+                for p in r.pieces_in(*self._layers_of(t))]
+
+    def _load_piece(self, st: _Step, p: int) -> DeviceStage:
+        return self.prefetcher.request(p, priority=0, step=st.step,
+                                       ready=lambda: self.runner.updates.wait_weights(p, st.step))
+
+    def _task(self, st: _Step, t: Task, upcoming) -> None:
+        handles = self._next[1] if self._next is not None and self._next[0] == (st, t) else self._request(st, t)
+        pieces_of_t = self.runner.pieces_in(*self._layers_of(t))
+        handles = [self._load_piece(st, p) if h is None else h for p, h in zip(pieces_of_t, handles)]
+        self._next = None
+        if upcoming is not None and not (upcoming[1].kind == "B" and not upcoming[1].recomputes):
+            self._next = (upcoming, self._request(*upcoming, held=(st, handles)))
+        self.working.idle()  # nothing computes while the pieces arrive
+        layers = nn.ModuleList([layer for h in handles for layer in self.prefetcher.wait(h)])
+        self.memory.set_compute_reserve(self._seen.get(t.name, 0))
+        begin = self.compute.record() if self.runner.trace.enabled else None
+        if t.kind == "B":
+            self._backward(st, t, handles, layers)
+        else:
+            self._forward(st, t, handles, layers)
+        self.links.flush()
+        self._seen[t.name] = max(self._seen.get(t.name, 0), self.memory.compute_peak_since_reserve)
+        end = self.compute.record() if self.runner.trace.enabled else None
+        self.runner.trace.device_span(t.name, f"GPU {self.gpu} compute", begin, end, self.device.time_of,
+                                      step=st.step)
+        if t.kind == "F" and t.keeps and st.training:
+            self.kept_handles[(st.step, t.stage)] = handles
+            return
+        staying = {id(h) for h in self._next[1] if h is not None} if self._next is not None else set()
+        for h in handles:
+            if id(h) not in staying:
+                self.prefetcher.release(h)
+
+    def _layout(self, st: _Step, m: int, hi: int) -> TokenLayout | None:
+        """What layers up to ``hi`` need of micro-batch ``m`` besides its input: the positions and
+        mask of packed examples, and the targets where they reach the head."""
+        layout = st.micro[m].layout
+        if hi < self.runner.n_layers:
+            layout = TokenLayout(positions=layout.positions, segments=layout.segments) if layout.packed else None
+        return layout.to(self.device.torch_device) if layout is not None else None
+
+    def _dropout(self, st: _Step, m: int):
+        """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation."""
+        if not st.training:
+            return contextlib.nullcontext()
+        return dropout_micro_batch(self.runner.batches.seed, st.step, m)
+
+    def _input(self, st: _Step, kind: int, b: int, m: int, src: int, what: str) -> torch.Tensor:
+        """The tensor at boundary ``b`` of micro-batch ``m``, on this device (at 0: the tokens)."""
+        r = self.runner
+        host = st.micro[m].tokens if b == 0 else \
+            self.links.recv(src, (kind, st.step, st.training, b, m), r.hidden_shape, r.dtype)
+        return self.links.to_device(host, what)
+
+    def _send_hidden(self, st: _Step, routes: _Routes, h: torch.Tensor, b: int, m: int) -> None:
+        for gpu, kind in routes.consumers(b, m):
+            self.links.send(h, gpu, (kind, st.step, st.training, b, m))
+
+    def _forward(self, st: _Step, t: Task, handles, layers: nn.ModuleList) -> None:
+        """Each micro-batch through the task's layers: its hidden state goes on at the stage's end,
+        and at every boundary within where a recomputing backward stage starts; the head's task
+        runs each micro-batch's backward of the last backward stage at once."""
+        r = self.runner
+        routes = r.routes(st)
+        lo, hi = self._layers_of(t)
+        keeps = t.kind == "F" and t.keeps and st.training
+        grads = self._attach_grads(t, handles) if t.kind == "H" else None
+        b_lo = r.shape.backward[-1][0] if t.kind == "H" else hi  # the head's backward starts there
+        for m in (mb - st.first for mb in t.micro_batches):
+            x = self._input(st, ACT, lo, m, routes.producer(lo, m) if lo else -1, "stage input")
+            x_phase = self.memory.phase
+            layout = self._layout(st, m, hi)
+            with self._dropout(st, m):
+                if keeps:  # its backward runs here, from this graph
+                    if x.is_floating_point():
+                        x.requires_grad_(True)
+                    with self.working.saved_activations(layers) as ledger:
+                        out = run_layers(layers, x, layout)
+                    self.kept[(st.step, t.stage, m)] = (x, out, ledger, x_phase)
+                    self._send_hidden(st, routes, out, hi, m)
+                    continue
+                h = x
+                with torch.no_grad():
+                    for k in range(lo, b_lo):
+                        h = layers[k - lo](h, layout)
+                        if k + 1 < hi and k + 1 in routes.recompute_start:
+                            self._send_hidden(st, routes, h, k + 1, m)
+                if t.kind == "H":
+                    h = h.detach().requires_grad_(h.is_floating_point())
+                    with self.working.saved_activations(layers) as ledger:
+                        loss = run_layers(layers[b_lo - lo:], h, layout)
+                    r.add_loss(st, m, loss.item())
+                    if loss.requires_grad:
+                        loss.backward()  # the loss is already its share of the step's mean
+                    self.working.release(ledger)
+                    if b_lo > 0:
+                        self.links.send(h.grad, routes.grad_target(b_lo), (GRAD, st.step, True, b_lo, m))
+                elif hi == r.n_layers:  # evaluation's last stage: its loss
+                    r.add_loss(st, m, h.item())
+                else:
+                    self._send_hidden(st, routes, h, hi, m)
+            self.working.free(x, x_phase)
+            del x, h
+        if grads is not None:
+            self._gradients_home(st, t, grads)
+
+    def _backward(self, st: _Step, t: Task, handles, layers: nn.ModuleList) -> None:
+        """Each micro-batch's backward, from its recomputed forward or the graph its forward kept
+        here; the input gradient goes to the backward task before."""
+        r = self.runner
+        routes = r.routes(st)
+        lo, hi = self._layers_of(t)
+        grads = self._attach_grads(t, handles)
+        for m in (mb - st.first for mb in t.micro_batches):
+            if t.recomputes:
+                x = self._input(st, SAVED, lo, m, routes.producer(lo, m) if lo else -1, "recompute input")
+                x_phase = self.memory.phase
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                with self.working.saved_activations(layers) as ledger, self._dropout(st, m):
+                    out = run_layers(layers, x, self._layout(st, m, hi))
+            else:
+                x, out, ledger, x_phase = self.kept.pop((st.step, r.fwd_of_kept(t.stage), m))
+            g = self._input(st, GRAD, hi, m, routes.grad_source(hi, m), "output gradient")
+            if out.requires_grad:  # else nothing before it trains (a frozen embedding under LoRA)
+                out.backward(g)
+            self.working.free(g)
+            self.working.release(ledger)
+            if lo > 0:
+                self.links.send(x.grad, routes.grad_target(lo), (GRAD, st.step, True, lo, m))
+            self.working.free(x, x_phase)
+            del x, out, g
+        self._gradients_home(st, t, grads)
+
+    def _attach_grads(self, t: Task, handles) -> dict[int, tuple]:
+        """A zeroed device gradient buffer for each trained piece the task's backward covers,
+        which autograd accumulates into: piece -> (buffer, handle, memory phase)."""
+        lo, hi = self.runner.shape.backward[-1] if t.kind == "H" else self._layers_of(t)
+        covered = set(self.runner.pieces_in(lo, hi))
+        grads = {}
+        for h in handles:
+            host = self.runner.store.stages[h.index]
+            if not host.trains or h.index not in covered:
+                continue
+            phase = self.memory.allocate(host.grad_bytes, f"gradients of piece {h.index}")
+            buf = self.device.empty(host.grad_staging.numel(), host.grad_staging.dtype,
+                                    name=f"gradients of piece {h.index}")
+            buf.zero_()
+            for p, slot in zip(h.layers.parameters(), host.grad_slots()):
+                if slot is not None:
+                    p.grad = view(buf, slot)
+            grads[h.index] = (buf, h, phase)
+        return grads
+
+    def _gradients_home(self, st: _Step, t: Task, grads: dict[int, tuple]) -> None:
+        """Each trained piece's gradients leave for its staging buffer on the host (the head's part
+        ``p``: the piece's ``p``-th), on their own stream; the piece's update follows there."""
+        r = self.runner
+        part = int(t.name.split(".")[1]) if t.kind == "H" else 0
+        for p, (buf, h, phase) in grads.items():
+            host = r.store.stages[p]
+            for q, slot in zip(h.layers.parameters(), host.grad_slots()):
+                if slot is not None:  # autograd may have replaced a gradient that was a view
+                    mine = view(buf, slot)
+                    if q.grad is not None and q.grad.data_ptr() != mine.data_ptr():
+                        mine.copy_(q.grad)
+                q.grad = None
+            r.updates.wait_staging(p, st.step)
+            self.grads_out.wait(self.compute.record())
+            self.grads_out.copy(r.updates.staging[p][part], buf, name=f"gradient staging of piece {p}")
+            self.traffic.d2h += host.grad_bytes
+            self.memory.will_free(host.grad_bytes)
+            r.updates.home(p, part, st.step, st.lr, self.grads_out.record(),
+                           lambda n=host.grad_bytes, phase=phase: self.memory.free(n, phase, announced=True))
+
+
+class DispatchedRunner:
+    """The dispatched schedule over ``devices`` (GPU ``g`` of the shape's turn is ``devices[g]``,
+    with ``budget_bytes[g]`` of memory), the host's pieces in ``store``."""
+
+    def __init__(self, shape: DispatchedShape, store: HostStageStore, devices: list[Device],
+                 budget_bytes: list[int], batches: BatchSource, trace: Trace):
+        self.shape, self.store, self.batches, self.trace = shape, store, batches, trace
+        self.config = store.config
+        self.pieces = pieces(shape.forward, shape.backward)
+        self.n_layers = self.pieces[-1][1]
+        if [(st.layer_ids[0], st.layer_ids[-1] + 1) for _, st in sorted(store.stages.items())] != self.pieces:
+            raise ValueError(f"the host store's stages are not the pieces {self.pieces}")
+        self.M = batches.micro_batches
+        self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
+        self.dtype = store.compute_dtype
+        self.board = _Board(len(self.pieces))
+        head = self.pieces_in(*shape.backward[-1])
+        self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace)
+        self.group = LocalGroup(len(devices))
+        self._routes: dict[tuple[int, bool], _Routes] = {}
+        self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
+        self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
+
+    # ---- the shape's facts -------------------------------------------------------------------
+    def pieces_in(self, lo: int, hi: int) -> list[int]:
+        return [p for p, (a, b) in enumerate(self.pieces) if lo <= a and b <= hi]
+
+    def fwd_of_kept(self, k: int) -> int:
+        """The forward stage that is kept backward stage ``k``."""
+        return self.shape.forward.index(self.shape.backward[k])
+
+    def tag_of(self, key: tuple) -> int:
+        """A message's number for the transport: unique among the steps that may be in flight."""
+        kind, step, training, b, m = key
+        return ((((step % 4) * 2 + int(training)) * 3 + kind) * (self.n_layers + 1) + b) * MAX_MICRO_BATCHES + m
+
+    def routes(self, st: _Step) -> _Routes:
+        with self.board.cond:
+            key = (st.step, st.training)
+            if key not in self._routes:
+                self._routes[key] = _Routes(self.shape, st)
+            return self._routes[key]
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def step(self, step: int) -> float:
+        """Hand step ``step``'s tasks to the devices; return its loss once the head has it (the
+        backward's last tasks may run on while the next step starts)."""
+        tasks = step_tasks(self.shape.forward, self.shape.backward, self.shape.kept, self.shape.head_gpus,
+                           self.shape.order, self.M, steps=1, first_step=step)
+        return self._run(_Step(step, self.batches.step(step), self.store.rule.lr_at(step), tasks,
+                               first=step * self.M))
+
+    def evaluate(self, micro: list, next_step: int) -> float:
+        """The forward partition's tasks in turn on ``micro``, with the weights step ``next_step``
+        reads, no autograd and no dropout; returns the loss sum."""
+        order, n = self.shape.order, len(self.shape.order)
+        every = tuple(range(len(micro)))
+        tasks = [Task(f"F{j}", "F", j, order[j % n], every, next_step) for j in range(len(self.shape.forward))]
+        with torch.no_grad():
+            loss = self._run(_Step(next_step, micro, 0.0, tasks, training=False))
+        self.drain()
+        return loss
+
+    def _run(self, st: _Step) -> float:
+        key = (st.step, st.training)
+        self.updates.skip_untrained(st.step)
+        with self.board.cond:
+            self.board.losses[key] = {}
+            self._pending[key] = len(st.tasks)
+        self.routes(st)
+        for t in st.tasks:
+            self.workers[t.gpu].give(st, t)
+        self.board.wait_until(lambda: len(self.board.losses[key]) == len(st.micro), f"the loss of step {st.step}")
+        with self.board.cond:
+            losses = self.board.losses.pop(key)
+        return sum(losses[m] for m in sorted(losses))
+
+    def add_loss(self, st: _Step, m: int, loss: float) -> None:
+        with self.board.cond:
+            self.board.losses[(st.step, st.training)][m] = loss
+            self.board.cond.notify_all()
+
+    def task_done(self, st: _Step) -> None:
+        with self.board.cond:
+            key = (st.step, st.training)
+            self._pending[key] -= 1
+            if not self._pending[key]:
+                del self._pending[key]
+                self._routes.pop(key, None)
+            self.board.cond.notify_all()
+
+    def drain(self) -> None:
+        """Every task handed out so far is done and every update is in the host store."""
+        self.board.wait_until(lambda: not self._pending, "the devices' tasks")
+        self.updates.drain()
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step whose updates are done, where it clips."""
+        norms = self.updates.grad_norm
+        return norms[max(norms)] if norms else None
+
+    def traffic(self) -> Traffic:
+        total = Traffic()
+        for w in self.workers:
+            total.h2d += w.traffic.h2d
+            total.d2h += w.traffic.d2h
+            total.peer += w.traffic.peer
+        return total
+
+    def close(self) -> None:
+        errors = []
+        for w in self.workers:
+            try:
+                w.stop()
+            except BaseException as err:  # the others still stop
+                errors.append(err)
+        self.updates.close()
+        if errors and self.board.error is None:
+            raise errors[0]
+
+
+def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) -> None:
+    """What the dispatched schedule does not run yet, refused before anything is built."""
+    refused = [(model_config.tie_embeddings, "a model whose token table is tied to its head (the two copies' "
+                                             "gradients are summed by the bound schedule's workers)"),
+               (precision == "fp16", "fp16 (its loss scale's overflow vote); use bf16"),
+               ((cfg.pipeline.data_parallel or 1) > 1, "--data-parallel"),
+               (bool(cfg.offload_dir), "--offload-dir")]
+    for refuse, what in refused:
+        if refuse:
+            raise InputError(f"--schedule dispatched does not run {what} yet: use --schedule bound")
+
+
+def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedShape, precision: str,
+                     devices: list[Device], budget_bytes: list[int], batches: BatchSource,
+                     trace: Trace) -> DispatchedRunner:
+    """The host's pieces (built once, on the first device's pinned memory) and the runner over
+    ``devices``."""
+    check_dispatched(cfg, model_config, precision)
+    cuts = pieces(shape.forward, shape.backward)
+    store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
+                           DTYPES[precision], devices[0], cfg.optim.optimizer_lag)
+    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace)

@@ -1,0 +1,110 @@
+"""The dispatched schedule run on CPU devices in this process (a thread per device, every stream
+under the order checker, jittered): the reference trainer's losses and weights, whatever the
+forward and backward partitions, the head's split, the kept tail, the optimizer lag, LoRA with
+dropout, clipping."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import reference
+
+from mobius.boundary.errors import InputError
+from mobius.config import RunConfig
+from mobius.metrics import Trace
+from mobius.runtime.device import CpuDevice
+from mobius.runtime.inputs import make_data, model_config_for
+from mobius.stages.dispatch import DispatchedShape, build_dispatched, check_dispatched
+from mobius.stages.tasks import pieces, step_tasks
+
+# tiny8: the embedding (layer 0), eight blocks, the head (layer 9).
+SYMMETRIC = DispatchedShape([(0, 4), (4, 7), (7, 10)], [(0, 4), (4, 7), (7, 10)], [0, 1])
+SPLIT_HEAD = DispatchedShape([(0, 4), (4, 7), (7, 10)], [(0, 2), (2, 5), (5, 7), (7, 8), (8, 10)], [1, 0],
+                             head_gpus=2)
+KEPT_TAIL = DispatchedShape([(0, 3), (3, 6), (6, 7), (7, 8), (8, 10)],
+                            [(0, 2), (2, 4), (4, 6), (6, 7), (7, 8), (8, 10)], [0, 2, 1, 3], kept=2, head_gpus=2)
+
+
+def config(workers: int, **kw) -> RunConfig:
+    kw = {"steps": 3, **kw}
+    return RunConfig.of(model="tiny8", topology="cpu", cpu_workers=workers, seq_len=32, micro_batch_size=2,
+                        micro_batches=4, progress=False, precision="fp32", **kw)
+
+
+def run(cfg: RunConfig, shape: DispatchedShape, budget: int = 2**32, trace: Trace | None = None):
+    """Per-step losses and final weights; the devices' memory ledgers, which must end empty."""
+    model_config = model_config_for(cfg)
+    batches, _ = make_data(cfg, model_config)
+    devices = [CpuDevice(check=True, jitter_ms=0.5) for _ in shape.order]
+    runner = build_dispatched(cfg, model_config, shape, "fp32", devices, [budget] * len(devices), batches,
+                              trace or Trace(enabled=False))
+    try:
+        losses = [runner.step(k) for k in range(cfg.optim.steps)]
+        runner.drain()
+    finally:
+        runner.close()
+    weights = {}
+    for p in runner.store.stages:
+        weights.update(runner.store.stage_state_dict(p))
+    return losses, weights, [w.memory.used for w in runner.workers]
+
+
+def assert_same(got, want) -> None:
+    (losses, weights, left), (ref_losses, ref_weights) = got, want
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    assert left == [0] * len(left)  # every device byte the tasks took came back
+
+
+@pytest.mark.parametrize("shape,lag", [(SYMMETRIC, 0), (SPLIT_HEAD, 1), (KEPT_TAIL, 0), (KEPT_TAIL, 1)],
+                         ids=["2-symmetric-lag0", "2-split-head-lag1", "4-kept-tail-lag0", "4-kept-tail-lag1"])
+def test_dispatched_equals_the_reference(shape, lag):
+    """Two and four devices; forward and backward cut apart; the head's micro-batches on two
+    devices (their gradients summed on the host); two stages kept for their backward where their
+    forward ran; with the lag, the next step's forward overlapping this step's backward."""
+    cfg = config(len(shape.order), optimizer_lag=lag)
+    assert_same(run(cfg, shape), reference(cfg))
+
+
+def test_lora_with_dropout_and_clipping_equal_the_reference():
+    """LoRA adapters on frozen pieces (the embedding and head train nothing), each micro-batch's
+    dropout masks drawn alike in forward and in recomputations that start mid-stage, and the
+    global norm clipping every piece's update, summed over the step's pieces."""
+    cfg = config(2, lora_rank=4, lora_dropout=0.3, max_grad_norm=0.05)
+    want = reference(cfg)
+    assert want[0] != pytest.approx(reference(config(2, lora_rank=4, lora_dropout=0.3))[0], rel=1e-6)  # it clips
+    assert_same(run(cfg, SPLIT_HEAD), want)
+
+
+def test_the_trace_shows_which_gpu_ran_each_task():
+    cfg = config(4, steps=1)
+    trace = Trace(enabled=True)
+    run(cfg, KEPT_TAIL, trace=trace)
+    ran = sorted((e["name"], int(e["tid"].split()[1])) for e in trace.collect() if e["tid"].endswith("compute"))
+    want = sorted((t.name, t.gpu) for t in step_tasks(KEPT_TAIL.forward, KEPT_TAIL.backward, 2, 2,
+                                                      KEPT_TAIL.order, 4))
+    assert ran == want
+    assert ("B4", dict(want)["F3"]) in want  # a kept stage's backward ran where its forward did
+
+
+def test_pieces_cut_wherever_either_partition_does():
+    assert pieces(KEPT_TAIL.forward, KEPT_TAIL.backward) == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8),
+                                                             (8, 10)]
+
+
+def test_a_device_out_of_memory_fails_the_step_with_its_reason():
+    """A task that does not fit its device's budget ends the run with the budget's message on the
+    caller's thread: no device waits for it forever."""
+    with pytest.raises(RuntimeError, match="budget"):
+        run(config(2, steps=1), SYMMETRIC, budget=2**16)
+
+
+@pytest.mark.parametrize("tied,precision,refused", [(True, "fp32", "tied"), (False, "fp16", "fp16")])
+def test_what_it_does_not_run_is_refused_before_anything_is_built(tied, precision, refused):
+    cfg = config(2)
+    model_config = dataclasses.replace(model_config_for(cfg), tie_embeddings=tied)
+    with pytest.raises(InputError, match=refused):
+        check_dispatched(cfg, model_config, precision)
