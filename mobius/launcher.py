@@ -101,14 +101,15 @@ _server_dir: str | None = None
 _server_output: tuple | None = None  # output_files() when the server started: its workers write there
 
 
-def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None) -> dict:
-    """:func:`run_workers`; under ``--emulate`` with the emulated links' shared counters, in a
-    directory of the launcher's own."""
+def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None, emulated_gpus: int | None = None
+                   ) -> dict:
+    """:func:`run_workers`; under ``--emulate`` with the emulated links' shared counters (of
+    ``emulated_gpus``: default, one per worker), in a directory of the launcher's own."""
     spec = payload.spec
     with scratch_dir("mobius-links-") as links:
         if spec.emulation:
             counters = str(Path(links) / "counters")
-            create_counters(counters, n)
+            create_counters(counters, emulated_gpus or n)
             payload = replace(payload, spec=replace(spec, emulation=replace(spec.emulation, counters=counters)))
         return run_workers(n, entry, payload, data)
 

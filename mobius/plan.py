@@ -17,7 +17,7 @@ import sys
 
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
-from mobius.planning.pipeline import dispatched_beside, plan_on
+from mobius.planning.pipeline import choose_schedule, plan_on
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
 
@@ -32,9 +32,6 @@ def build_parser() -> OneLineParser:
     p.add_argument("--baselines", action="store_true", help="also print the baselines' predicted step times")
     p.add_argument("--no-cache", action="store_true",
                    help="measure the layers and solve the partition again, replacing what is cached")
-    p.add_argument("--dispatched", action="store_true",
-                   help="also predict the dispatched schedule (GPUs as a pool every stage computation is handed "
-                        "to in turn; simulated only: the runtime runs the bound one) beside the plan")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -46,8 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.from_dict(vars(args))
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
-    if args.dispatched and (cfg.offload_dir or (cfg.pipeline.data_parallel or 1) > 1):
-        raise InputError("--dispatched is not modelled with --offload-dir or --data-parallel")
+    dispatching = cfg.pipeline.schedule != "bound"
     model_config = model_config_for(cfg)
     check_seq_len(cfg, model_config)
     # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.
@@ -55,32 +51,34 @@ def main(argv: list[str] | None = None) -> None:
         topo = resolve_topology(cfg)
         plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
-        if args.dispatched:
+        if dispatching:
             print(f"predicting the dispatched schedule on {topo.n} workers", flush=True)
-            dispatched = dispatched_beside(cfg, model_config, topo, plan, args.profile)
+            dispatched, shape, why = choose_schedule(cfg, model_config, topo, plan, args.profile)
     if args.json:
         out = plan.to_dict()
-        if args.dispatched:
+        if dispatching:
             out["dispatched"] = None if dispatched is None else {
                 "step_s": dispatched.step_s, "forward": dispatched.forward, "backward": dispatched.backward,
                 "kept": dispatched.kept, "head_gpus": dispatched.head_gpus, "order": dispatched.order}
+            out["schedule"] = {"runs": "dispatched" if shape is not None else "bound", "why": why}
         print(json.dumps(out, indent=1))
         return
     print(plan.render())
-    if args.dispatched:
+    if dispatching:
         batch = cfg.batch
         print(dispatched_summary(dispatched, plan, batch.micro_batches * batch.micro_batch_size * batch.seq_len))
+        print(f"schedule: {why}")
 
 
 def dispatched_summary(dispatched, plan, tokens: int) -> str:
     """One line: the dispatched schedule's prediction beside the plan's, and which is faster."""
-    head = "dispatched schedule (simulated; the runtime runs the bound one): "
+    head = "dispatched schedule: "
     if dispatched is None:
-        return head + "no shape fits these GPUs' memory"
+        return head + "not predicted"
     ratio = dispatched.step_s / plan.predicted_step_s
-    verdict = (f"{1 - ratio:.0%} shorter than the plan's {plan.predicted_step_s * 1e3:.1f} ms" if ratio < 1 else
-               f"the plan's {plan.predicted_step_s * 1e3:.1f} ms is faster ({ratio:.2f}x)")
-    return (head + f"{dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
+    verdict = (f"{1 - ratio:.0%} shorter than the bound plan's {plan.predicted_step_s * 1e3:.1f} ms" if ratio < 1
+               else f"the bound plan's {plan.predicted_step_s * 1e3:.1f} ms is faster ({ratio:.2f}x)")
+    return (head + f"predicted {dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
             f"{len(dispatched.forward)} forward and {len(dispatched.backward)} backward stages, the last "
             f"{dispatched.kept} kept where they ran, the head's micro-batches on {dispatched.head_gpus} "
             f"GPU{'s' if dispatched.head_gpus > 1 else ''}: {verdict}")

@@ -16,8 +16,8 @@ from mobius.config import RunConfig
 from mobius.metrics import Trace
 from mobius.runtime.device import CpuDevice
 from mobius.runtime.inputs import make_data, model_config_for
-from mobius.stages.dispatch import DispatchedShape, build_dispatched, check_dispatched
-from mobius.stages.tasks import pieces, step_tasks
+from mobius.stages.dispatch import build_dispatched, check_dispatched
+from mobius.stages.tasks import DispatchedShape, pieces, step_tasks
 
 # tiny8: the embedding (layer 0), eight blocks, the head (layer 9).
 SYMMETRIC = DispatchedShape([(0, 4), (4, 7), (7, 10)], [(0, 4), (4, 7), (7, 10)], [0, 1])

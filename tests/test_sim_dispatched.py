@@ -190,31 +190,37 @@ def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
     assert all(t.start >= max(updates[d].end for d in t.deps if d in updates) for t in loads)
 
 
-def test_mobius_plan_prints_the_dispatched_prediction_beside_the_plan(capsys):
-    """``mobius.plan --dispatched``: the shape found and its step, from the profile the plan was made
-    from, on the same GPUs in the same order; in one line beside the plan, or in its JSON."""
+def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys):
+    """``mobius.plan --schedule auto``: the dispatched shape found and its step, from the profile the
+    plan was made from, on the same GPUs in the same order, beside the plan, and which schedule a
+    run takes and why; in lines, or in its JSON.  A tied model runs bound, saying why."""
     import json
 
     from mobius.plan import main
     from mobius.planning.prepare import get_profile, reserve_cuda_memory
 
-    args = ["--model", "gpt2", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
-            "--time-limit", "1", "--dispatched"]
+    args = ["--model", "mobius-3b", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
+            "--time-limit", "1", "--schedule", "auto", "--optimizer-lag", "1"]
     main([*args, "--json"])
     out = json.loads(capsys.readouterr().out)
     found = out["dispatched"]
     topo = reserve_cuda_memory(load_topology("topo2+2"))
-    profile = get_profile("gpt2", get_config("gpt2"), topo, out["micro_batch_size"], 128, out["precision"], "analytic")
+    profile = get_profile("mobius-3b", get_config("mobius-3b"), topo, out["micro_batch_size"], 128,
+                          out["precision"], "analytic")
     again = simulate_dispatched(profile, [tuple(s) for s in found["forward"]], [tuple(s) for s in found["backward"]],
-                                topo, found["order"], 16, kept=found["kept"], head_gpus=found["head_gpus"])
+                                topo, found["order"], 16, kept=found["kept"], head_gpus=found["head_gpus"],
+                                adam_params_per_s=out["host_costs"]["adam_params_per_s"], optimizer_lag=1)
     assert found["order"] == out["order"] and again.step_s == pytest.approx(found["step_s"], rel=1e-9)
+    runs = "dispatched" if found["step_s"] < out["predicted_step_s"] else "bound"
+    assert out["schedule"]["runs"] == runs
     main(args)
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("dispatched schedule (simulated; the runtime runs the bound one): "
-                           f"{found['step_s'] * 1e3:.1f} ms a step")
-    with pytest.raises(SystemExit) as exit_:  # not modelled with the disk tier
-        main([*args, "--offload-dir", "nvme"])
-    assert exit_.value.code == 2 and "--dispatched is not modelled" in capsys.readouterr().err
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith(f"dispatched schedule: predicted {found['step_s'] * 1e3:.1f} ms a step")
+    assert lines[-1].startswith(f"schedule: {runs} (auto)")
+    main(["--model", "gpt2", *args[2:]])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == \
+        "schedule: bound: dispatched does not run a model whose token table is tied to its head (the two copies' " \
+        "gradients are summed by the bound schedule's workers) yet"
 
 
 @pytest.mark.slow

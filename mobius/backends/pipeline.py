@@ -21,6 +21,7 @@ from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.runtime.worker import Decision, WorkerPayload
+from mobius.stages import dispatch_worker
 from mobius.stages import worker as pipeline_worker
 from mobius.swap.disk import check_offload_dir
 from topology import Topology
@@ -39,8 +40,12 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
                             replan=replan)
-    print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
-    results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
+    if spec.dispatched is not None:  # one process drives every GPU
+        print(f"starting 1 worker process for {topo.n} {devices_text(spec)}", flush=True)
+        results = launch_workers(1, dispatch_worker.worker_main, payload, data, emulated_gpus=topo.n)
+    else:
+        print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
+        results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {shown(out)}", flush=True)
@@ -66,15 +71,20 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
     """The run's first line: where it runs, the model, the plan and its prediction."""
     plan = spec.plan
     n_params = build_model(model_config, device="meta").num_parameters()
-    emulating = f", {spec.emulation.header(plan.predicted_step_s, cfg.optim.steps)}" if spec.emulation else ""
+    emulating = f", {spec.emulation.header(spec.predicted_step_s(), cfg.optim.steps)}" if spec.emulation else ""
     replicas = f" x {spec.data_parallel} replicas (ZeRO-1 host AdamW)" if spec.data_parallel > 1 else ""
+    if spec.dispatched is not None:
+        shape = f"schedule dispatched: {spec.dispatched.describe()}, "
+    else:
+        shape = (f"{len(plan.bounds)} stages ({plan.partitioner}"
+                 + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
+                 f"mapping {plan.order}, ")
     return (f"mobius: backend pipeline on {topo.n} {devices_text(spec)}{replicas}{emulating} ({topo.name}), "
-            f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {len(plan.bounds)} stages ({plan.partitioner}"
-            + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
-            f"mapping {plan.order}, {cfg.batch.describe()}, "
-            f"{spec.precision}, recompute {'on' if plan.recompute else 'off'}, "
-            f"predicted {seconds_text(plan.predicted_step_s)}/step" + (" (emulated)" if spec.emulation else "")
-            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}" 
+            f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {shape}{cfg.batch.describe()}, "
+            f"{spec.precision}, recompute {'on' if spec.dispatched is not None or plan.recompute else 'off'}, "
+            f"predicted {seconds_text(spec.predicted_step_s())}/step" + (" (emulated)" if spec.emulation else "")
+            + (f"\n  schedule: {spec.schedule}" if cfg.pipeline.schedule != "bound" else "")
+            + f"\n  update: {UpdateRule.of(cfg.optim).describe()}"
             + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.offload_dir else ""))
 
 

@@ -31,8 +31,10 @@ from mobius.planning.prepare import (
     resolve_precision,
 )
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.spec import Plan, RunSpec
+from mobius.metrics import seconds_text
+from mobius.runtime.spec import DispatchedShape, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
+from mobius.stages.dispatch import check_dispatched
 from topology import Topology, cpu_topology
 
 
@@ -102,17 +104,43 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
 
 
 def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
-                      profile_how: str = "auto") -> DispatchedPlan | None:
-    """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`: predicted
-    only, the runtime runs the bound one), from the same profile, on the same GPUs in the same
-    order; None where none fits.  (Not modelled with the disk tier or data-parallel replicas:
+                      profile_how: str = "auto") -> tuple[DispatchedPlan | None, DispatchedShape | None]:
+    """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`), from the
+    same profile and host rate, on the same GPUs in the same order, and the shape a run executes
+    of it; None where none fits.  (Not modelled with the disk tier or data-parallel replicas:
     ``mobius.plan`` refuses those.)"""
     if not topo.virtual and not cfg.emulation.enabled:
         topo = reserve_cuda_memory(topo)
     batch = cfg.batch
     profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, plan.precision,
                           "analytic" if cfg.emulation.enabled else profile_how)
-    return plan_dispatched(profile, topo, plan.order, batch.micro_batches, optimizer_lag=cfg.optim.optimizer_lag)
+    found = plan_dispatched(profile, topo, plan.order, batch.micro_batches,
+                            adam_params_per_s=plan.host_costs.get("adam_params_per_s"),
+                            optimizer_lag=cfg.optim.optimizer_lag)
+    return found, found.shape(profile) if found is not None else None
+
+
+def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
+                    profile_how: str = "auto") -> tuple[DispatchedPlan | None, DispatchedShape | None, str]:
+    """``--schedule``: the dispatched plan (predicted, where asked), the shape to run instead of
+    ``plan`` (None: the bound plan runs) and why, in the words of a run's header."""
+    if cfg.pipeline.schedule == "bound":
+        return None, None, "bound (--schedule bound)"
+    try:
+        check_dispatched(cfg, model_config, plan.precision)
+    except InputError as err:
+        if cfg.pipeline.schedule == "dispatched":
+            raise
+        return None, None, f"bound: {str(err).split(': use')[0].replace('--schedule dispatched ', 'dispatched ')}"
+    found, shape = dispatched_beside(cfg, model_config, topo, plan, profile_how)
+    if found is None:
+        if cfg.pipeline.schedule == "dispatched":
+            raise InputError("--schedule dispatched: no dispatched shape fits the GPUs' memory; use --schedule bound")
+        return None, None, "bound: no dispatched shape fits the GPUs' memory"
+    versus = f"predicted {seconds_text(found.step_s)}/step against the bound plan's {seconds_text(plan.predicted_step_s)}"
+    if cfg.pipeline.schedule == "auto" and found.step_s >= plan.predicted_step_s:
+        return found, None, f"bound (auto): the dispatched schedule was {versus}"
+    return found, shape, f"dispatched ({cfg.pipeline.schedule}): {versus}"
 
 
 def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
@@ -133,9 +161,11 @@ def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
     measured = not plan.profile_source.startswith("analytic")
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
         if measured else ""
+    found, shape, why = choose_schedule(cfg, model_config, topo, plan, "analytic" if cfg.emulation.enabled else "auto")
     return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
                    data_parallel=plan.data_parallel, host_rate_key=host_key(topo, measured),
-                   profile_key=layers_key), plan
+                   profile_key=layers_key, dispatched=shape,
+                   dispatched_step_s=found.step_s if shape is not None else 0.0, schedule=why), plan
 
 
 # What one CPU worker process takes before it holds any of the model: the interpreter, torch, gloo.

@@ -71,8 +71,13 @@ class PlanCheck:
     that the layer profile the plan came from is to be measured again (forgotten when the run ends,
     not during it: a re-plan mid-run must not profile)."""
 
-    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0):
+    def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0,
+                 predicted_step_s: float | None = None):
+        """``predicted_step_s``: the step the run was predicted to take, where it is not the plan's
+        (the dispatched schedule's: its lanes are not the plan's either, and its metrics leave them
+        out)."""
         self.plan, self.keep_rate, self.first = plan, keep_rate, first
+        self.predicted_step_s = predicted_step_s or plan.predicted_step_s
         self.done = False
         self.stale_profile = False
         self.measured_step_s: float | None = None
@@ -88,10 +93,10 @@ class PlanCheck:
         step = statistics.median(m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s
                                  for m in measured)
         self.measured_step_s = step
-        if _off(step, self.plan.predicted_step_s):
+        if _off(step, self.predicted_step_s):
             self.off.append("step")
-            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.plan.predicted_step_s)} "
-                         f"predicted ({step / self.plan.predicted_step_s:.2f}x)")
+            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.predicted_step_s)} "
+                         f"predicted ({step / self.predicted_step_s:.2f}x)")
         computed = [m.compute_s for m in measured if m.compute_s is not None]
         compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
         compute_line = ""

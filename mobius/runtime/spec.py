@@ -270,6 +270,47 @@ class ChunkedSetup:
 
 
 @dataclass(frozen=True)
+class DispatchedShape:
+    """The dispatched schedule a run executes, as the plan chose it, and the time of each task's
+    micro-batch on the GPUs it was planned for (what an emulated GPU takes; empty: not emulated)."""
+
+    forward: list[tuple[int, int]]  # the forward stages' [start, end) layers
+    backward: list[tuple[int, int]]  # the backward stages'; the last lies within the last forward stage
+    order: list[int]  # the GPUs in turn
+    kept: int = 0
+    head_gpus: int = 1
+    forward_s: list[float] = field(default_factory=list)  # a micro-batch's forward, per forward stage
+    backward_s: list[float] = field(default_factory=list)  # its backward (recomputation in it), per backward stage
+
+    def __post_init__(self):
+        if not valid_partitions(self.forward, self.backward, self.kept):
+            raise ValueError(f"backward partition {self.backward} does not fit forward partition {self.forward} "
+                             f"with {self.kept} kept stages")
+
+    def describe(self) -> str:
+        """In a run's header."""
+        return (f"{len(self.forward)} forward / {len(self.backward)} backward stages, the head's task on "
+                f"{self.head_gpus} GPU{'s' if self.head_gpus > 1 else ''}, {self.kept} kept, GPUs in turn "
+                f"{self.order}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DispatchedShape":
+        return cls(**{**d, "forward": [tuple(b) for b in d["forward"]], "backward": [tuple(b) for b in d["backward"]]})
+
+
+def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]], kept: int = 0) -> bool:
+    """Both cover the same layers, the head's backward lies within the last forward stage, and the
+    ``kept`` forward stages before it are backward stages too."""
+    return (forward[0][0] == backward[0][0] and forward[-1][1] == backward[-1][1]
+            and backward[-1][0] >= forward[-1][0] and kept < min(len(forward), len(backward))
+            and all(forward[-1 - k] == backward[-1 - k] for k in range(1, kept + 1)))
+
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """What every worker of a run executes; sent to them as :meth:`to_dict`."""
 
@@ -287,6 +328,11 @@ class RunSpec:
     # The cache entry of the layer profile the plan was made from, where it was measured on this
     # machine: forgotten when the run's compute is faster than it says (measured on a busy machine).
     profile_key: str = ""
+    # --schedule dispatched (or auto, where it is predicted faster): the shape that runs instead of
+    # ``plan`` (the bound plan, kept for its prediction beside), and its predicted step.
+    dispatched: DispatchedShape | None = None
+    dispatched_step_s: float = 0.0
+    schedule: str = ""  # which schedule runs and why (mobius.planning.pipeline.choose_schedule), for the header
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -298,7 +344,8 @@ class RunSpec:
 
         return cls(**{**d, "budget_bytes": tuple(d["budget_bytes"]), "plan": typed(Plan, d.get("plan")),
                       "chunked": typed(ChunkedSetup, d.get("chunked")),
-                      "emulation": typed(EmulationSpec, d.get("emulation"))})
+                      "emulation": typed(EmulationSpec, d.get("emulation")),
+                      "dispatched": typed(DispatchedShape, d.get("dispatched"))})
 
     def collectives(self) -> str:
         """The process group's backends.  On GPUs the chunked engine's collectives of device chunks
@@ -313,4 +360,6 @@ class RunSpec:
 
     def predicted_step_s(self) -> float:
         """The step the run was planned to take (on the devices it emulates, if it does)."""
+        if self.dispatched is not None:
+            return self.dispatched_step_s
         return self.plan.predicted_step_s if self.plan is not None else self.chunked.predicted["step"]

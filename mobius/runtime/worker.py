@@ -456,7 +456,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             if spec.host_rate_key:
                 HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
 
-        check = PlanCheck(spec.plan, keep_rate) if rank == 0 and spec.plan is not None else None
+        check = PlanCheck(spec.plan, keep_rate, predicted_step_s=spec.predicted_step_s()) \
+            if rank == 0 and spec.plan is not None else None
         checks = [check]
         switch = None
         if payload.replan is not None and spec.plan is not None:

@@ -42,7 +42,7 @@ from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import StageCost, stage_costs
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
-from mobius.stages.tasks import Task, step_tasks, valid_partitions
+from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
 REFINED = 3  # the tails and head splits fastest at two stages a GPU whose stage counts the search varies
@@ -59,6 +59,17 @@ class DispatchedPlan:
     kept: int = 0  # forward stages before the last whose backward runs where they ran, from kept activations
     head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
+
+    def shape(self, profile: Profile) -> DispatchedShape:
+        """What a run executes of this plan, with each task's micro-batch time on ``profile``'s GPUs
+        (as the simulation charged it: what an emulated GPU takes)."""
+        recomputing = len(self.backward) - 1 - self.kept
+        fwd = stage_costs(profile, self.forward, recompute=False)
+        bwd = stage_costs(profile, self.backward, recompute=True)
+        no_recompute = stage_costs(profile, self.backward, recompute=False)
+        return DispatchedShape(self.forward, self.backward, self.order, self.kept, self.head_gpus,
+                               [c.fwd_s for c in fwd],
+                               [(bwd if k < recomputing else no_recompute)[k].bwd_s for k in range(len(self.backward))])
 
     def gpu_of_tasks(self) -> list[tuple[str, int]]:
         """Which GPU runs each task of the first step, in order ("F3", "H.1", "B0", ...)."""

@@ -49,7 +49,7 @@ from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import UpdateRule, clip_coefficient, set_lr, squares
 from mobius.stages.links import ActivationLinks
-from mobius.stages.tasks import Task, pieces, step_tasks, valid_partitions
+from mobius.stages.tasks import DispatchedShape, Task, pieces, step_tasks
 from mobius.stages.transport import LocalGroup
 from mobius.stages.working_memory import WorkingMemory
 from mobius.swap.memory import DeviceMemory, Traffic
@@ -61,26 +61,6 @@ WAIT_S = 60.0  # as a transport's receive: a dependency that never comes fails t
 # from, a gradient into a backward task.
 ACT, SAVED, GRAD = 0, 1, 2
 MAX_MICRO_BATCHES = 4096  # per step, in a message's tag
-
-
-@dataclass(frozen=True)
-class DispatchedShape:
-    """What the plan chose for the dispatched schedule (:class:`mobius.sim.dispatched.DispatchedPlan`)."""
-
-    forward: list[tuple[int, int]]
-    backward: list[tuple[int, int]]
-    order: list[int]  # the GPUs in turn
-    kept: int = 0
-    head_gpus: int = 1
-
-    def __post_init__(self):
-        if not valid_partitions(self.forward, self.backward, self.kept):
-            raise ValueError(f"backward partition {self.backward} does not fit forward partition {self.forward} "
-                             f"with {self.kept} kept stages")
-
-    def describe(self) -> str:
-        return (f"{len(self.forward)} forward and {len(self.backward)} backward stages, head split over "
-                f"{self.head_gpus} GPU{'s' if self.head_gpus > 1 else ''}, {self.kept} kept, turn {self.order}")
 
 
 class _Board:
@@ -112,7 +92,8 @@ class PieceUpdates:
     producer of a piece's gradients waits for the update before, :meth:`wait_staging`), the
     head's parts summed in part order."""
 
-    def __init__(self, store: HostStageStore, board: _Board, parts: dict[int, int], device: Device, trace: Trace):
+    def __init__(self, store: HostStageStore, board: _Board, parts: dict[int, int], device: Device, trace: Trace,
+                 threads: int = 1):
         """``parts``: piece -> how many tasks' gradients its update sums (the head's parts)."""
         self.store, self.board, self.trace = store, board, trace
         self.lag, self.rule = store.lag, store.rule
@@ -127,7 +108,10 @@ class PieceUpdates:
         self._summed: dict[int, list[int]] = {}  # step -> pieces whose gradients are in their masters
         self._lr: dict[int, float] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mobius-optimizer")
+        # A thread per device, as the plan's host lanes: a piece's updates stay in step order because
+        # its next gradients wait for the update before (wait_staging).
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
+        self._jobs: list = []
         self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
 
     def wait_weights(self, piece: int, step: int) -> None:
@@ -140,8 +124,8 @@ class PieceUpdates:
         the step before has read it (and stepped the master that update follows)."""
         self.board.wait_until(lambda: self.board.versions[piece] >= step, f"the update of piece {piece} step {step - 1}")
 
-    def home(self, piece: int, part: int, step: int, lr: float, arrived: Event, copied) -> None:
-        """Part ``part`` of step ``step``'s gradients of ``piece`` leave the device (``arrived``:
+    def home(self, piece: int, part: int, step: int, lr: float, arrived: Event, copied, device: Device) -> None:
+        """Part ``part`` of step ``step``'s gradients of ``piece`` leave ``device`` (``arrived``:
         the event after their copy, whereupon ``copied()`` frees the device's buffer); the update
         follows once every part is home."""
         with self._lock:
@@ -150,7 +134,7 @@ class PieceUpdates:
             self._lr[step] = lr
             complete = len(got) == self.parts.get(piece, 1)
         if complete:
-            self._submit(self._sum, piece, step)
+            self._submit(self._sum, piece, step, device)
 
     def _submit(self, fn, *args) -> None:
         def run():
@@ -158,9 +142,11 @@ class PieceUpdates:
                 fn(*args)
             except BaseException as err:  # every waiting thread hears of it
                 self.board.fail(err)
-        self._pool.submit(run)
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done()]
+            self._jobs.append(self._pool.submit(run))
 
-    def _sum(self, piece: int, step: int) -> None:
+    def _sum(self, piece: int, step: int, device: Device) -> None:
         """On the optimizer thread: the parts' gradients into the fp32 master gradient."""
         host = self.store.stages[piece]
         with self._lock:
@@ -177,19 +163,22 @@ class PieceUpdates:
                 host.master_grad.add_(src)
         host.attach_master_grads()
         if not self.rule.max_grad_norm:
-            self._update(piece, step, 1.0)
+            self._update(piece, step, 1.0, device)
             return
-        done = self._summed.setdefault(step, [])
-        done.append(piece)
-        if len(done) == len(self.trained):  # the step's global norm, then every piece's update
-            del self._summed[step]
+        with self._lock:
+            done = self._summed.setdefault(step, [])
+            done.append(piece)
+            last = len(done) == len(self.trained)
+            if last:
+                del self._summed[step]
+        if last:  # the step's global norm, then every piece's update
             total = squares(p.grad for q in sorted(done) for p in self.store.stages[q].master_params)
             self.grad_norm[step] = total ** 0.5
             clip = clip_coefficient(total, self.rule.max_grad_norm)
             for q in sorted(done):
-                self._update(q, step, clip)
+                self._update(q, step, clip, device)
 
-    def _update(self, piece: int, step: int, clip: float) -> None:
+    def _update(self, piece: int, step: int, clip: float, device: Device) -> None:
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         if host.optimizer is not None:
@@ -197,7 +186,8 @@ class PieceUpdates:
             if clip < 1.0:
                 for p in host.master_params:
                     p.grad.mul_(clip)
-            host.optimizer.step()
+            with device.host_update_span(sum(p.numel() for p in host.master_params)):
+                host.optimizer.step()
             host.optimizer.zero_grad(set_to_none=True)
         self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
@@ -214,7 +204,11 @@ class PieceUpdates:
             self.board.cond.notify_all()
 
     def drain(self) -> None:
-        self._pool.submit(lambda: None).result()
+        """Every update submitted so far is done."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -390,6 +384,15 @@ class _DeviceWorker:
             if id(h) not in staying:
                 self.prefetcher.release(h)
 
+    def _planned_s(self, t: Task) -> float:
+        """A micro-batch of the task on the GPU it was planned for (what an emulated one takes)."""
+        shape = self.runner.shape
+        if not shape.forward_s:
+            return 0.0
+        if t.kind == "B":
+            return shape.backward_s[t.stage]
+        return shape.forward_s[t.stage] + (shape.backward_s[-1] if t.kind == "H" else 0.0)
+
     def _layout(self, st: _Step, m: int, hi: int) -> TokenLayout | None:
         """What layers up to ``hi`` need of micro-batch ``m`` besides its input: the positions and
         mask of packed examples, and the targets where they reach the head."""
@@ -429,7 +432,7 @@ class _DeviceWorker:
             x = self._input(st, ACT, lo, m, routes.producer(lo, m) if lo else -1, "stage input")
             x_phase = self.memory.phase
             layout = self._layout(st, m, hi)
-            with self._dropout(st, m):
+            with self._dropout(st, m), self.device.compute_span(self._planned_s(t)):
                 if keeps:  # its backward runs here, from this graph
                     if x.is_floating_point():
                         x.requires_grad_(True)
@@ -476,13 +479,15 @@ class _DeviceWorker:
                 x_phase = self.memory.phase
                 if x.is_floating_point():
                     x.requires_grad_(True)
-                with self.working.saved_activations(layers) as ledger, self._dropout(st, m):
-                    out = run_layers(layers, x, self._layout(st, m, hi))
             else:
                 x, out, ledger, x_phase = self.kept.pop((st.step, r.fwd_of_kept(t.stage), m))
             g = self._input(st, GRAD, hi, m, routes.grad_source(hi, m), "output gradient")
-            if out.requires_grad:  # else nothing before it trains (a frozen embedding under LoRA)
-                out.backward(g)
+            with self.device.compute_span(self._planned_s(t)):
+                if t.recomputes:
+                    with self.working.saved_activations(layers) as ledger, self._dropout(st, m):
+                        out = run_layers(layers, x, self._layout(st, m, hi))
+                if out.requires_grad:  # else nothing before it trains (a frozen embedding under LoRA)
+                    out.backward(g)
             self.working.free(g)
             self.working.release(ledger)
             if lo > 0:
@@ -530,7 +535,8 @@ class _DeviceWorker:
             self.traffic.d2h += host.grad_bytes
             self.memory.will_free(host.grad_bytes)
             r.updates.home(p, part, st.step, st.lr, self.grads_out.record(),
-                           lambda n=host.grad_bytes, phase=phase: self.memory.free(n, phase, announced=True))
+                           lambda n=host.grad_bytes, phase=phase: self.memory.free(n, phase, announced=True),
+                           self.device)
 
 
 class DispatchedRunner:
@@ -550,7 +556,8 @@ class DispatchedRunner:
         self.dtype = store.compute_dtype
         self.board = _Board(len(self.pieces))
         head = self.pieces_in(*shape.backward[-1])
-        self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace)
+        self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
+                                    threads=len(devices))
         self.group = LocalGroup(len(devices))
         self._routes: dict[tuple[int, bool], _Routes] = {}
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
@@ -661,7 +668,8 @@ def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) ->
                                              "gradients are summed by the bound schedule's workers)"),
                (precision == "fp16", "fp16 (its loss scale's overflow vote); use bf16"),
                ((cfg.pipeline.data_parallel or 1) > 1, "--data-parallel"),
-               (bool(cfg.offload_dir), "--offload-dir")]
+               (bool(cfg.offload_dir), "--offload-dir"),
+               (cfg.pipeline.replan == "auto", "--replan auto")]
     for refuse, what in refused:
         if refuse:
             raise InputError(f"--schedule dispatched does not run {what} yet: use --schedule bound")

@@ -24,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import count
 
+from mobius.runtime.spec import DispatchedShape, valid_partitions
+
+__all__ = ["DispatchedShape", "Task", "pieces", "step_tasks", "tasks_in_turn", "valid_partitions"]
+
 
 @dataclass(frozen=True)
 class Task:
@@ -35,14 +39,6 @@ class Task:
     step: int
     keeps: bool = False  # a forward that keeps its activations for its backward, on its GPU
     recomputes: bool = True  # a backward that recomputes its forward
-
-
-def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]], kept: int = 0) -> bool:
-    """Both cover the same layers, the head's backward lies within the last forward stage, and the
-    ``kept`` forward stages before it are backward stages too."""
-    return (forward[0][0] == backward[0][0] and forward[-1][1] == backward[-1][1]
-            and backward[-1][0] >= forward[-1][0] and kept < min(len(forward), len(backward))
-            and all(forward[-1 - k] == backward[-1 - k] for k in range(1, kept + 1)))
 
 
 def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], micro_batches: int,

@@ -99,53 +99,17 @@ class PipelineWorker:
         self.parts.runner.drain()
 
     def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
-        """One shard per stage of this worker: weights, AdamW state and (lagging) the weights the
-        next step computes with, by parameter name."""
-        store, files, layout = self.store, {}, self.layout
-        lagged = store.lagged_state(done) if store.lag else {}
-        # Every replica holds the same weights: the first writes them.  Each writes the AdamW state
-        # of the parameters it updates; a checkpoint is read by name, whatever file holds a tensor.
-        part = f"-replica{layout.index}" if layout.count > 1 else ""
-        for s, host in store.stages.items():
-            # State on disk is read into tensors of its own, which the checkpoint holds until it is
-            # saved; the disk tier then drops its binding (the files keep the same).
-            with self.parts.present(s):
-                named = _stage_state(store, s)
-                if layout.index == 0:
-                    files[f"weights-stage{s:04d}.safetensors"] = {n: p.detach() for n, p in named.items()}
-                    if store.lag:
-                        files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
-                if host.optimizer is not None:
-                    files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
-        return files
+        return checkpoint_files(self.store, done, self.parts.present, self.layout)
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
-        """Weights and AdamW state of this worker's stages, by name, from any backend's checkpoint."""
-        store = self.store
-        aliases = tied_parameter_names(store.config)
-        disk = self.parts.runner.optimizer.disk
-        for s, host in store.stages.items():
-            if disk is not None:
-                disk.loaded(s)  # a master on disk bound, to be restored into
-            ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
-            for b in range(len(host.compute_buffers)):
-                store.refresh_compute_copy(s, b)
-            if disk is not None:
-                disk.unload(s)
-        if store.lag:  # the weights the first step computes with: one update behind the master
-            with torch.no_grad():
-                for name, buf in store.lagged_state(ckpt.step).items():
-                    buf.copy_(ck.lagged_weights(ckpt, aliases.get(name, name), store.lag))
+        restore(self.store, ckpt, self.parts.runner.optimizer.disk)
 
     def finish(self) -> dict:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
         disk = self.parts.runner.optimizer.disk
-        for staging, merged in payload.exports if self.layout.index == 0 else ():
-            for s, host in store.stages.items():
-                with self.parts.present(s):
-                    write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
-                                       layer_states(dict(host.named_params())), merged)
+        if self.layout.index == 0:
+            export(store, payload.exports, self.parts.present)
         out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
                "host_bytes": store.host_bytes(),
                "disk_bytes": (disk.read_bytes, disk.written_bytes) if disk is not None else None}
@@ -231,6 +195,56 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     runner = StageRunner(plan, store, prefetcher, memory, traffic, trace, batches, device,
                          scaler, transport, replicas, disk)
     return WorkerParts(store, memory, traffic, scaler, prefetcher, runner, device, held_out)
+
+
+def checkpoint_files(store: HostStageStore, done: int, present=lambda s: contextlib.nullcontext(),
+                     layout: ReplicaLayout = ReplicaLayout()) -> dict[str, dict[str, torch.Tensor]]:
+    """One shard per stage of ``store``: weights, AdamW state and (lagging) the weights the next
+    step computes with, by parameter name; ``present(s)``: stage ``s``'s state in memory meanwhile
+    (a master on disk read back)."""
+    files = {}
+    lagged = store.lagged_state(done) if store.lag else {}
+    # Every replica holds the same weights: the first writes them.  Each writes the AdamW state
+    # of the parameters it updates; a checkpoint is read by name, whatever file holds a tensor.
+    part = f"-replica{layout.index}" if layout.count > 1 else ""
+    for s, host in store.stages.items():
+        # State on disk is read into tensors of its own, which the checkpoint holds until it is
+        # saved; the disk tier then drops its binding (the files keep the same).
+        with present(s):
+            named = _stage_state(store, s)
+            if layout.index == 0:
+                files[f"weights-stage{s:04d}.safetensors"] = {n: p.detach() for n, p in named.items()}
+                if store.lag:
+                    files[f"lagged-stage{s:04d}.safetensors"] = {ck.LAGGED + n: lagged[n] for n in named}
+            if host.optimizer is not None:
+                files[f"optimizer-stage{s:04d}{part}.safetensors"] = ck.optimizer_tensors(named, host.optimizer)
+    return files
+
+
+def restore(store: HostStageStore, ckpt: ck.Checkpoint, disk: DiskState | None = None) -> None:
+    """Weights and AdamW state of ``store``'s stages, by name, from any backend's checkpoint."""
+    aliases = tied_parameter_names(store.config)
+    for s, host in store.stages.items():
+        if disk is not None:
+            disk.loaded(s)  # a master on disk bound, to be restored into
+        ck.restore(ckpt, dict(host.trained()), host.optimizer, aliases)
+        for b in range(len(host.compute_buffers)):
+            store.refresh_compute_copy(s, b)
+        if disk is not None:
+            disk.unload(s)
+    if store.lag:  # the weights the first step computes with: one update behind the master
+        with torch.no_grad():
+            for name, buf in store.lagged_state(ckpt.step).items():
+                buf.copy_(ck.lagged_weights(ckpt, aliases.get(name, name), store.lag))
+
+
+def export(store: HostStageStore, exports: list[tuple[str, bool]], present=lambda s: contextlib.nullcontext()) -> None:
+    """Each stage's tensors into the staging directory of every export (``(directory, merged)``)."""
+    for staging, merged in exports:
+        for s, host in store.stages.items():
+            with present(s):
+                write_export_shard(store.config, Path(staging), f"stage-{s:05d}", layer_states(dict(host.named_params())),
+                                   merged)
 
 
 def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:
