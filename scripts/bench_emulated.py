@@ -17,7 +17,8 @@ needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
-``--optimizer-lag`` 0/1; one box of ``8x3090-4+4`` against two as data-parallel replicas over 25
+``--optimizer-lag`` 0/1; the bound schedule against the dispatched one (``--schedule``; its rows'
+stages are forward/backward, and its prediction is its simulation); one box of ``8x3090-4+4`` against two as data-parallel replicas over 25
 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
 large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
@@ -70,6 +71,12 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     # machine's cores, so the dilation is high and an emulated millisecond lasts 20 wall seconds.
     "replicas": [("1 x 8x3090-4+4", REPLICA_BOX),
                  ("2 x 8x3090-4+4 over 25gbe", f"{REPLICA_BOX} --data-parallel 2 --network 25gbe")],
+    # Each stage bound to one GPU for the step, against each stage's forward and backward handed to
+    # the GPUs in turn (forward and backward partitions of their own); with the lag, steps overlap.
+    "schedule": [("8x3090-4+4 bound lag 1", f"{BOX} --optimizer-lag 1"),
+                 ("8x3090-4+4 dispatched lag 1", f"{BOX} --optimizer-lag 1 --schedule dispatched"),
+                 ("topo2+2 bound lag 1", f"{PAIR} --optimizer-lag 1"),
+                 ("topo2+2 dispatched lag 1", f"{PAIR} --optimizer-lag 1 --schedule dispatched")],
     "partition": [(f"small blocks {p}", f"{SMALL_BLOCKS} --partitioner {p}") for p in PARTITIONERS]
     + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
 }
@@ -78,7 +85,9 @@ GAINS = [("prefetch", "topo2+2 prefetch on", "topo2+2 prefetch off"),
          ("prefetch", "8x3090-4+4 prefetch on", "8x3090-4+4 prefetch off"),
          ("mapping", "8x3090-4+4 cross", "8x3090-4+4 sequential"),
          ("mapping", "topo2+2 cross", "topo2+2 sequential"),
-         ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0")]
+         ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0"),
+         ("schedule", "8x3090-4+4 dispatched lag 1", "8x3090-4+4 bound lag 1"),
+         ("schedule", "topo2+2 dispatched lag 1", "topo2+2 bound lag 1")]
 
 
 def rehearsal(options: str) -> bool:
@@ -100,6 +109,11 @@ def predict(options: str, steps: int) -> dict:
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
+    factor = spec.emulation.factor if spec.emulation else 1
+    if spec.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
+        shape = spec.dispatched
+        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.dispatched_step_s,
+                "simulated_s": spec.dispatched_step_s, "factor": factor}
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
@@ -110,8 +124,7 @@ def predict(options: str, steps: int) -> dict:
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
                     plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag)
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
-            "predicted_without_runtime_costs_s": est.step_s,
-            "factor": spec.emulation.factor if spec.emulation else 1}
+            "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
 
 
 def measure(options: str, steps: int, metrics: Path) -> list[float]:

@@ -167,9 +167,9 @@ def test_micro_batch_split_does_not_change_the_step(chat_setup):
 
 @pytest.mark.slow
 def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(chat_setup):
-    """The workers as processes (data, masks and positions derived in each worker): pipeline and
-    chunked on 2 CPU workers equal transformers; their held-out losses (--eval-split, after steps
-    2 and 3) equal the single backend's."""
+    """The workers as processes (data, masks and positions derived in each worker): pipeline (bound
+    and dispatched) and chunked on 2 CPU workers equal transformers; their held-out losses
+    (--eval-split, after steps 2 and 3) equal the single backend's."""
     cfg = config(chat_setup, micro_batches=4, eval_split=0.2, eval_every=2)
     want = transformers_losses(cfg)
     trainer = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "backend": "single"}), model_config_for(cfg),
@@ -181,7 +181,9 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
         if k + 1 >= 2:
             want_eval.append(trainer.evaluate(held_out))
     model_config = get_config(cfg.model)
-    for launch, backend in ((launch_pipeline, {"backend": "pipeline", "stages": 3}), (launch_chunked, {"backend": "chunked"})):
+    for launch, backend in ((launch_pipeline, {"backend": "pipeline", "stages": 3}),
+                            (launch_pipeline, {"backend": "pipeline", "schedule": "dispatched"}),
+                            (launch_chunked, {"backend": "chunked"})):
         run_cfg = RunConfig.from_dict({**cfg.to_dict(), "cpu_workers": 2, **backend})
         # As mobius.train launches them: the workers map the data this process made.
         history = launch(run_cfg, model_config, cpu_topology(2), data=make_data(run_cfg, model_config_for(run_cfg)))

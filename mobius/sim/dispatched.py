@@ -252,8 +252,9 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                     optimizer_lag: int = 0) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
-    the layers before the tail; then, for the :data:`REFINED` best of those, the two partitions'
-    stage counts (each partition time-balanced, exactly, for its count), all as single steps.
+    the layers before the tail (one layer a stage where those do not fit); then, for the
+    :data:`REFINED` best of those, the two partitions' stage counts (each partition time-balanced,
+    exactly, for its count), all as single steps.
     With ``optimizer_lag`` the steady state of the :data:`STEADY_CANDIDATES` fastest shapes
     decides.  A few dozen simulations: a second or two for 8 GPUs.  None where nothing fits."""
     n, layers = len(order), profile.n
@@ -275,15 +276,16 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
 
     seen: list[DispatchedPlan] = []
     for tail in range(0, layers - 1, max(1, n // 2)):
+        # Where two stages a GPU do not fit, one layer a stage may.
         found = [p for heads in sorted({1, min(2, n), min(math.ceil(n / 2), micro_batches)})
-                 if (p := simulated(tail, heads, 2 * n, 2 * n))]
+                 if (p := simulated(tail, heads, 2 * n, 2 * n) or simulated(tail, heads, layers, layers))]
         if not found and tail:
             break  # a longer tail fits no better
         seen += found
     if not seen:
         return None
     for tail, heads in {(p.kept, p.head_gpus) for p in sorted(seen, key=lambda p: p.step_s)[:REFINED]}:
-        for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n}):
+        for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n, layers}):
             for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
                 if p := simulated(tail, heads, sf, sb):
                     seen.append(p)

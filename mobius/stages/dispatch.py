@@ -56,7 +56,9 @@ from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
 from mobius.swap.store import HostStageStore, view
 
-WAIT_S = 60.0  # as a transport's receive: a dependency that never comes fails the run, never hangs it
+# As a transport's receive: a dependency that never comes fails the run, never hangs it (an emulated
+# run allows for its dilated steps: mobius.runtime.worker.collective_timeout_s).
+WAIT_S = 60.0
 # The kinds of message: the hidden state into a forward task, the input a backward task recomputes
 # from, a gradient into a backward task.
 ACT, SAVED, GRAD = 0, 1, 2
@@ -67,16 +69,16 @@ class _Board:
     """What the threads wait on: each piece's updates done, the steps' losses; and the first error,
     which ends every wait."""
 
-    def __init__(self, n_pieces: int):
-        self.cond = threading.Condition()
+    def __init__(self, n_pieces: int, wait_s: float):
+        self.cond, self.wait_s = threading.Condition(), wait_s
         self.versions = [0] * n_pieces  # updates of each piece done (steps 0 .. v-1)
         self.losses: dict[int, list[float]] = {}  # step -> the head parts' loss sums
         self.error: BaseException | None = None
 
     def wait_until(self, ready, what: str) -> None:
         with self.cond:
-            if not self.cond.wait_for(lambda: self.error is not None or ready(), timeout=WAIT_S):
-                raise RuntimeError(f"waited {WAIT_S:.0f} s for {what}")
+            if not self.cond.wait_for(lambda: self.error is not None or ready(), timeout=self.wait_s):
+                raise RuntimeError(f"waited {self.wait_s:.0f} s for {what}")
             if self.error is not None:
                 raise RuntimeError(f"another device failed: {self.error}") from self.error
 
@@ -311,7 +313,7 @@ class _DeviceWorker:
         with self._cond:
             self._queue.append(None)
             self._cond.notify()
-        self._thread.join(timeout=WAIT_S)
+        self._thread.join(timeout=self.runner.board.wait_s)
         try:
             self.links.finish_sends()
         finally:
@@ -544,7 +546,7 @@ class DispatchedRunner:
     with ``budget_bytes[g]`` of memory), the host's pieces in ``store``."""
 
     def __init__(self, shape: DispatchedShape, store: HostStageStore, devices: list[Device],
-                 budget_bytes: list[int], batches: BatchSource, trace: Trace):
+                 budget_bytes: list[int], batches: BatchSource, trace: Trace, wait_s: float = WAIT_S):
         self.shape, self.store, self.batches, self.trace = shape, store, batches, trace
         self.config = store.config
         self.pieces = pieces(shape.forward, shape.backward)
@@ -554,11 +556,11 @@ class DispatchedRunner:
         self.M = batches.micro_batches
         self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
-        self.board = _Board(len(self.pieces))
+        self.board = _Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
                                     threads=len(devices))
-        self.group = LocalGroup(len(devices))
+        self.group = LocalGroup(len(devices), wait_s)
         self._routes: dict[tuple[int, bool], _Routes] = {}
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
@@ -677,11 +679,11 @@ def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) ->
 
 def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedShape, precision: str,
                      devices: list[Device], budget_bytes: list[int], batches: BatchSource,
-                     trace: Trace) -> DispatchedRunner:
+                     trace: Trace, wait_s: float = WAIT_S) -> DispatchedRunner:
     """The host's pieces (built once, on the first device's pinned memory) and the runner over
-    ``devices``."""
+    ``devices``; ``wait_s``: how long a task waits for what it needs before the run fails."""
     check_dispatched(cfg, model_config, precision)
     cuts = pieces(shape.forward, shape.backward)
     store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[precision], devices[0], cfg.optim.optimizer_lag)
-    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace)
+    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s)

@@ -17,7 +17,14 @@ from mobius.runtime.device import open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import DynamicLossScaler, UpdateRule
-from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, WorkerResult, run_worker
+from mobius.runtime.worker import (
+    Decision,
+    WorkerContext,
+    WorkerPayload,
+    WorkerResult,
+    collective_timeout_s,
+    run_worker,
+)
 from mobius.stages.dispatch import build_dispatched
 from mobius.stages.worker import checkpoint_files, export, restore
 
@@ -43,7 +50,7 @@ class DispatchedWorker:
                                   for g in range(1, n)]
         batches, self.held_out = ctx.data
         self.runner = build_dispatched(ctx.cfg, model_config_for(ctx.cfg), spec.dispatched, spec.precision, devices,
-                                       list(spec.budget_bytes), batches, ctx.trace)
+                                       list(spec.budget_bytes), batches, ctx.trace, collective_timeout_s(spec))
         for d in devices[1:]:
             d.start_steps()
         self.store = self.runner.store

@@ -4,9 +4,9 @@ collective the pipeline needs (fp16's overflow vote).
 * :class:`GlooTransport`: between worker processes, over ``torch.distributed`` (gloo).  Our target
   GPUs have no peer-to-peer path, so device -> host -> host -> device is the real route and gloo
   moves the host leg.
-* :class:`LocalGroup`: between threads of one process (each thread runs one worker's
-  :class:`~mobius.stages.executor.StageRunner`): the whole pipeline executor in a unit test, in
-  milliseconds, without starting processes.
+* :class:`LocalGroup`: between threads of one process: the dispatched schedule's devices
+  (:mod:`mobius.stages.dispatch`), and in unit tests each bound worker's
+  :class:`~mobius.stages.executor.StageRunner`, in milliseconds, without starting processes.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class _Sent:
 class LocalGroup:
     """``n`` ranks in one process; :meth:`endpoint` gives rank ``r`` its transport."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, timeout_s: float = RECV_TIMEOUT_S):
+        self.n, self.timeout_s = n, timeout_s  # a message not there by then fails its receiver
         self._lock = threading.Lock()
         self._queues: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
         self._barrier = threading.Barrier(n, timeout=RECV_TIMEOUT_S)
@@ -100,10 +100,10 @@ class LocalTransport:
 
     def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
         try:
-            buf.copy_(self.group._queue(src, self.rank, tag).get(timeout=RECV_TIMEOUT_S))
+            buf.copy_(self.group._queue(src, self.rank, tag).get(timeout=self.group.timeout_s))
         except queue.Empty:
             raise RuntimeError(f"rank {self.rank}: no message from rank {src} (tag {tag}) "
-                               f"within {RECV_TIMEOUT_S} s") from None
+                               f"within {self.group.timeout_s:.0f} s") from None
 
     def any_rank(self, flag: bool) -> bool:
         return any(self._all(flag))
