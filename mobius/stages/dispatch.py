@@ -13,7 +13,7 @@ weights shared by all of them.
   state at a layer boundary goes to the forward task that starts there and, with one copy off the
   device, to the recomputing backward task that starts there; a gradient to the backward task that
   ends there.  Each is keyed by (what, step, boundary, micro-batch).
-* **One update per piece and step** (:class:`PieceUpdates`, one optimizer thread): a backward's
+* **One update per piece and step** (:class:`PieceUpdates`, on host threads): a backward's
   gradients of each piece go home into the piece's staging buffer (the head's parts into one each)
   and the piece's AdamW runs once all have arrived, summed in part order, then writes the compute
   copy the step ``1 + lag`` later reads.  Where the update needs the whole step (the global norm
@@ -72,7 +72,7 @@ class _Board:
     def __init__(self, n_pieces: int, wait_s: float):
         self.cond, self.wait_s = threading.Condition(), wait_s
         self.versions = [0] * n_pieces  # updates of each piece done (steps 0 .. v-1)
-        self.losses: dict[int, list[float]] = {}  # step -> the head parts' loss sums
+        self.losses: dict[tuple[int, bool], dict[int, float]] = {}  # (step, training) -> micro-batch -> loss
         self.error: BaseException | None = None
 
     def wait_until(self, ready, what: str) -> None:
@@ -90,9 +90,9 @@ class _Board:
 
 
 class PieceUpdates:
-    """AdamW of each piece on the host, once per step, on one thread: in step order per piece (the
-    producer of a piece's gradients waits for the update before, :meth:`wait_staging`), the
-    head's parts summed in part order."""
+    """AdamW of each piece on the host, once per step, on a thread per device: in step order per
+    piece (the producer of a piece's gradients waits for the update before,
+    :meth:`wait_staging`), the head's parts summed in part order."""
 
     def __init__(self, store: HostStageStore, board: _Board, parts: dict[int, int], device: Device, trace: Trace,
                  threads: int = 1):
@@ -216,7 +216,7 @@ class PieceUpdates:
         self._pool.shutdown(wait=True)
 
 
-@dataclass
+@dataclass(eq=False)  # one object per step: compared by identity
 class _Step:
     """One step (or evaluation pass) as every device sees it."""
 
@@ -359,7 +359,8 @@ class _DeviceWorker:
                                        ready=lambda: self.runner.updates.wait_weights(p, st.step))
 
     def _task(self, st: _Step, t: Task, upcoming) -> None:
-        handles = self._next[1] if self._next is not None and self._next[0] == (st, t) else self._request(st, t)
+        ahead = self._next is not None and self._next[0][0] is st and self._next[0][1] == t
+        handles = self._next[1] if ahead else self._request(st, t)
         pieces_of_t = self.runner.pieces_in(*self._layers_of(t))
         handles = [self._load_piece(st, p) if h is None else h for p, h in zip(pieces_of_t, handles)]
         self._next = None
@@ -632,6 +633,11 @@ class DispatchedRunner:
                 del self._pending[key]
                 self._routes.pop(key, None)
             self.board.cond.notify_all()
+
+    def resume_at(self, step: int) -> None:
+        """The store holds the state after ``step`` steps (a checkpoint's): every update before is in."""
+        with self.board.cond:
+            self.board.versions = [step] * len(self.pieces)
 
     def drain(self) -> None:
         """Every task handed out so far is done and every update is in the host store."""

@@ -87,6 +87,7 @@ class DispatchedWorker:
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         restore(self.store, ckpt)
+        self.runner.resume_at(ckpt.step)
 
     def finish(self) -> dict:
         export(self.store, self.ctx.payload.exports)
