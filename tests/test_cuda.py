@@ -106,6 +106,19 @@ def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
+def test_cuda_dispatched_schedule_equals_the_reference():
+    """``--schedule dispatched`` on the GPU(s) from one process, a thread each: every task's pieces
+    loaded on a copy stream (the next task's while this one computes) and evicted, gradients home
+    on their own stream, the host's AdamW a piece at a time; with the lag, steps overlapping."""
+    cfg = config(model="small", schedule="dispatched", optimizer_lag=1, lr=3e-5)
+    topo = resolve_topology(cfg)
+    spec, _ = prepare_pipeline(cfg, topo, check_model_input(cfg))
+    assert spec.dispatched is not None
+    history, weights, results = launch_pipeline(cfg, get_config(cfg.model), topo, return_weights=True)
+    assert len(results) == 1
+    assert_equal_to_reference(cfg, history, weights, 1e-5)
+
+
 def test_cuda_pipeline_bf16_follows_the_bf16_reference():
     cfg = config(stages=4, precision="bf16", recompute="on")
     history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)

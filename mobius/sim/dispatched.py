@@ -1,35 +1,27 @@
 """The dispatched schedule, predicted: GPUs as a pool that every stage computation is handed to in
-turn, instead of each stage bound to one GPU for the whole step (RoundPipe, Luo et al. 2026).
+turn, instead of each stage bound to one GPU for the whole step (RoundPipe, Luo et al. 2026).  The
+schedule itself, as data, is :mod:`mobius.stages.tasks`'s (the runtime, :mod:`mobius.stages.dispatch`,
+runs the same task list).
 
-A step is a chain of *tasks*: the forward of each forward stage, then the backward of each
-backward stage, last to first.  Forward and backward have partitions of their own: a backward
-with recomputation costs about three forwards, so its stages hold about a third of the layers, and
-every task takes about as long as the others.  Tasks run on the GPUs in turn (the cross mapping's
-order, so consecutive tasks sit under different root complexes), all micro-batches of a task while
-its weights are there; the next task's weights stream in meanwhile where memory allows.  Three
-things keep the pool busy:
+Forward and backward have partitions of their own: a backward with recomputation costs about three
+forwards, so its stages hold about a third of the layers, and every task takes about as long as
+the others.  Three things keep the pool busy, and the simulation models each:
 
-* **The head's task is split by micro-batches.**  The last forward stage holds the head, and each
-  micro-batch's backward of the last backward stage (which lies within it) runs right after its
-  forward.  With a large vocabulary that task outweighs the others several times over, so its
-  micro-batches go to ``head_gpus`` GPUs in turn; each loads its weights, and the host sums their
-  gradients before the stage's one AdamW update.
-* **A kept tail.**  Elsewhere a backward stage recomputes its forward from its input, which the
-  forward left on the host.  The ``kept`` forward stages before the last are their own backward
-  stages: each runs its backward on the GPU that ran its forward, from the activations of every
-  micro-batch that forward kept there, and recomputes nothing (where the GPU's memory holds them
-  beside the tasks that GPU runs meanwhile).
-* **Steps overlap.**  With ``--optimizer-lag 1`` a step's forward reads weights that do not wait
-  for the step before's update (only for the one before that), so the next step's first tasks
-  start on the GPUs that are done while its last tasks run elsewhere (the turn goes on across
-  steps).  The step is then the steady state: the time between the ends of consecutive steps, over
-  :data:`OVERLAPPED_STEPS` simulated.
+* **The head's task is split by micro-batches** over ``head_gpus`` GPUs, each loading its weights;
+  the host sums their gradients before the stage's one AdamW update.
+* **A kept tail**: the ``kept`` forward stages before the last are their own backward stages, whose
+  backward runs on the GPU that ran their forward, from every micro-batch's activations kept there
+  (checked against that GPU's memory beside the tasks it runs meanwhile), without recomputation.
+* **Steps overlap** with ``--optimizer-lag 1``: a step's loads wait only for the updates of the step
+  two before, so the next step's first tasks start on the GPUs that are done while its last tasks
+  run elsewhere.  The step is then the steady state: the time between the ends of consecutive
+  steps, over :data:`OVERLAPPED_STEPS` simulated.
 
 :func:`simulate_dispatched` runs it on :mod:`mobius.sim.engine`'s streams and links, with the bound
 schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's calibrated
 per-micro-batch and stage-switch work, the hand-off between workers); :func:`plan_dispatched`
-searches its shape for the fastest step.  The runtime does not run this schedule yet: what these
-give are predictions.
+searches its shape for the fastest step (a search of simulations over time-balanced partitions:
+the MIP plans the bound schedule only).
 """
 
 from __future__ import annotations

@@ -175,6 +175,9 @@ class Device:
     def start_steps(self) -> None:
         """The long-lived host state is built; what follows is the steps' allocate-and-free cycle."""
 
+    def bind_thread(self) -> None:
+        """The calling thread works on this device from now on (one process driving several)."""
+
 
 def chunked(dst: torch.Tensor, src: torch.Tensor):
     """Pairs of pieces of two flat tensors, ``COPY_CHUNK_BYTES`` at a time.  Copies move data,

@@ -56,6 +56,7 @@ class _CudaHostStream(_InlineStream):
 # (300-500 MB on recent drivers).
 CUDA_ALLOCATOR_SLACK_BYTES = 128 * 2**20
 CUDA_RESERVE_BYTES = CUDA_ALLOCATOR_SLACK_BYTES + 384 * 2**20
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class CudaDevice(Device):
@@ -92,6 +93,9 @@ class CudaDevice(Device):
     def host_stream(self, name: str) -> Stream:
         return _CudaHostStream(self, name)
 
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.torch_device)
+
     def time_of(self, event: Event) -> float:
         if event._cuda is None:  # a host thread's event
             return super().time_of(event)
@@ -102,7 +106,9 @@ class CudaDevice(Device):
         t = torch.empty(numel, dtype=dtype)
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+            # Portable: page-locked for every device of the process (the dispatched schedule's
+            # devices all load from one host store), not only for the current one.
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
             self._registered.append(t)
