@@ -20,6 +20,7 @@ from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, r
 from mobius.planning.pipeline import choose_schedule, plan_on
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
+from mobius.stages.dispatch import check_dispatched
 
 
 def build_parser() -> OneLineParser:
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
     dispatching = cfg.pipeline.schedule != "bound"
+    if cfg.pipeline.schedule == "dispatched":  # what it does not run, refused before anything is planned
+        check_dispatched(cfg, model_config_for(cfg), cfg.optim.precision or "")
     model_config = model_config_for(cfg)
     check_seq_len(cfg, model_config)
     # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.

@@ -99,6 +99,10 @@ TRAIN_OPTIONS = [
     (["--lora-rank", "2", "--load-in-4bit", "--backend", "pipeline", "--topology", "cpu"],
      "--load-in-4bit is built for --backend single"),
     (["--lr-scheduler", "exponential"], "invalid choice: 'exponential'"),
+    (["--backend", "pipeline", "--topology", "cpu", "--model", "gpt2", "--schedule", "dispatched"],
+     "--schedule dispatched does not run a model whose token table is tied"),
+    (["--backend", "pipeline", "--topology", "cpu", "--schedule", "dispatched", "--replan", "auto"],
+     "--schedule dispatched does not run --replan auto yet"),
 ]
 
 
@@ -115,6 +119,7 @@ PLAN_OPTIONS = [
     (["--time-limit", "nan"], "--time-limit must be a positive finite number"),
     (["--model", "tiny", "--seq-len", "9999"], "exceeds tiny's context of 128"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--schedule", "dispatched", "--precision", "fp16"], "--schedule dispatched does not run fp16"),
 ]
 
 

@@ -22,6 +22,7 @@ from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import Plan, RunSpec
 from mobius.runtime.worker import Decision, WorkerPayload
 from mobius.stages import dispatch_worker
+from mobius.stages.dispatch import check_dispatched
 from mobius.stages import worker as pipeline_worker
 from mobius.swap.disk import check_offload_dir
 from topology import Topology
@@ -64,6 +65,8 @@ def check_pipeline_options(cfg: RunConfig, model_config: GPTConfig, topo: Topolo
     if cfg.lora.load_in_4bit:
         raise InputError("--load-in-4bit is built for --backend single: the pipeline's stage stores hold 16- and "
                          "32-bit weights")
+    if cfg.pipeline.schedule == "dispatched":
+        check_dispatched(cfg, model_config, cfg.optim.precision or "")
     check_offload_dir(cfg, model_config, topo)
 
 
@@ -117,8 +120,9 @@ def torchrun_decision(cfg: RunConfig) -> Decision:
 def torchrun_worker(cfg: RunConfig) -> None:
     """Under torchrun (several nodes, or a hand launch) this process is one pipeline worker; rank 0
     decides the run for every node."""
-    if cfg.outputs.exports() or cfg.optim.epochs is not None or cfg.emulation.enabled or cfg.pipeline.replan == "auto":
-        raise InputError("under torchrun the pipeline runs without --export, --epochs, --replan auto or --emulate "
-                         "(several boxes emulate on one machine: --emulate --data-parallel D); start "
-                         "python -m mobius.train directly for the others")
+    if cfg.outputs.exports() or cfg.optim.epochs is not None or cfg.emulation.enabled or cfg.pipeline.replan == "auto" \
+            or cfg.pipeline.schedule != "bound":
+        raise InputError("under torchrun the pipeline runs without --export, --epochs, --replan auto, --emulate or "
+                         "--schedule dispatched|auto (several boxes emulate on one machine: --emulate --data-parallel "
+                         "D); start python -m mobius.train directly for the others")
     pipeline_worker.worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))
