@@ -83,7 +83,7 @@ def test_the_trace_shows_which_gpu_ran_each_task():
     cfg = config(4, steps=1)
     trace = Trace(enabled=True)
     run(cfg, KEPT_TAIL, trace=trace)
-    ran = sorted((e["name"], int(e["tid"].split()[1])) for e in trace.collect() if e["tid"].endswith("compute"))
+    ran = sorted((e["name"], e["pid"]) for e in trace.collect() if e["tid"] == "compute")
     want = sorted((t.name, t.gpu) for t in step_tasks(KEPT_TAIL.forward, KEPT_TAIL.backward, 2, 2,
                                                       KEPT_TAIL.order, 4))
     assert ran == want

@@ -4,6 +4,7 @@ Chrome trace writer (``--trace``); the reporters that also get the step's scalar
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -88,9 +89,11 @@ class Trace:
         self._t0 = time.perf_counter()
 
     def span(self, name: str, lane: str, start: float, end: float, **args) -> None:
-        if not self.enabled:
-            return
-        event = {"name": name, "ph": "X", "pid": self.pid, "tid": lane,
+        if self.enabled:
+            self._add(self.pid, name, lane, start, end, args)
+
+    def _add(self, pid: int, name: str, lane: str, start: float, end: float, args: dict) -> None:
+        event = {"name": name, "ph": "X", "pid": pid, "tid": lane,
                  "ts": (start - self._t0) * 1e6, "dur": max(0.0, end - start) * 1e6}
         if args:
             event["args"] = args
@@ -103,14 +106,22 @@ class Trace:
         CUDA the host issues a copy in microseconds and the copy lasts milliseconds."""
         if self.enabled:
             with self._lock:
-                self._pending.append((name, lane, begin, end, time_of, args))
+                self._pending.append((self.pid, name, lane, begin, end, time_of, args))
+
+    def of_pid(self, pid: int) -> "Trace":
+        """This trace's events, written under ``pid`` (one process driving several devices: a
+        row of lanes per device)."""
+        other = copy.copy(self)  # the same event lists and lock
+        other.pid = pid
+        return other
 
     def collect(self) -> list[dict]:
         """Every event, the device spans resolved (this waits for their work to finish)."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        for name, lane, begin, end, time_of, args in pending:
-            self.span(name, lane, time_of(begin), time_of(end), **args)
+            pending = list(self._pending)
+            self._pending.clear()
+        for pid, name, lane, begin, end, time_of, args in pending:
+            self._add(pid, name, lane, time_of(begin), time_of(end), args)
         return self.events
 
     def set_origin(self, t0: float) -> None:

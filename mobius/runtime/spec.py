@@ -272,7 +272,8 @@ class ChunkedSetup:
 @dataclass(frozen=True)
 class DispatchedShape:
     """The dispatched schedule a run executes, as the plan chose it, and the time of each task's
-    micro-batch on the GPUs it was planned for (what an emulated GPU takes; empty: not emulated)."""
+    micro-batch on the GPUs it was planned for (what an emulated GPU takes) and the memory it works
+    in (empty: not planned, as in tests)."""
 
     forward: list[tuple[int, int]]  # the forward stages' [start, end) layers
     backward: list[tuple[int, int]]  # the backward stages'; the last lies within the last forward stage
@@ -281,6 +282,9 @@ class DispatchedShape:
     head_gpus: int = 1
     forward_s: list[float] = field(default_factory=list)  # a micro-batch's forward, per forward stage
     backward_s: list[float] = field(default_factory=list)  # its backward (recomputation in it), per backward stage
+    # The device memory each pass works in beyond its weights (a kept stage's: one micro-batch's).
+    forward_bytes: list[int] = field(default_factory=list)
+    backward_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not valid_partitions(self.forward, self.backward, self.kept):

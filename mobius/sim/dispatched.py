@@ -59,9 +59,16 @@ class DispatchedPlan:
         fwd = stage_costs(profile, self.forward, recompute=False)
         bwd = stage_costs(profile, self.backward, recompute=True)
         no_recompute = stage_costs(profile, self.backward, recompute=False)
+        backward = [(bwd if k < recomputing else no_recompute)[k] for k in range(len(self.backward))]
+        # A kept stage's forward leaves every micro-batch's activations on its GPU.
+        first_kept = len(self.forward) - 1 - self.kept
+        shift = len(self.backward) - len(self.forward)
+        forward_bytes = [c.mem_fwd - c.param_bytes
+                         + (self.micro_batches * no_recompute[j + shift].kept_bytes if j >= first_kept else 0)
+                         for j, c in enumerate(fwd[:-1])] + [fwd[-1].mem_fwd - fwd[-1].param_bytes]
         return DispatchedShape(self.forward, self.backward, self.order, self.kept, self.head_gpus,
-                               [c.fwd_s for c in fwd],
-                               [(bwd if k < recomputing else no_recompute)[k].bwd_s for k in range(len(self.backward))])
+                               [c.fwd_s for c in fwd], [c.bwd_s for c in backward],
+                               forward_bytes, [c.mem_bwd - c.param_bytes for c in backward])
 
     def gpu_of_tasks(self) -> list[tuple[str, int]]:
         """Which GPU runs each task of the first step, in order ("F3", "H.1", "B0", ...)."""
@@ -113,6 +120,7 @@ class _StepOnSimulator:
         self.step_of: dict[int, int] = {}  # simulator task -> step
         self.ready: dict[tuple[str, int, int], int] = {}  # (F|B, stage, micro-batch) -> its output on the host
         self.last_on: dict[int, tuple[int, int]] = {}  # GPU -> (device bytes its last task needs, its last compute)
+        self.computed: dict[int, int] = {}  # GPU -> its last micro-batch's compute
         self.loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
         self.head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
         self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW
@@ -147,8 +155,14 @@ class _StepOnSimulator:
             self.update(i, t, self.no_recompute[-1] if t.kind == "H" else c, last)
 
     def compute(self, t: Task, name: str, upload: float, work: float, deps: list) -> int:
+        """A micro-batch's pass on the task's GPU, after its inputs' upload: a transfer on the GPU's
+        link between the GPU's compute before and this one (the runtime uploads them on the compute
+        stream), sharing the link and its root complex with the weights streaming in meanwhile."""
         g = t.gpu
-        return self.add(t, name, COMPUTE, g, work + upload / self.link.gpu_bw[g] + self.host.micro_batch_s, deps)
+        if upload:
+            deps = [self.add(t, f"{name} inputs in", H2D, g, upload, (*deps, self.computed.get(g)), 0, "activations")]
+        self.computed[g] = self.add(t, name, COMPUTE, g, work + self.host.micro_batch_s, deps)
+        return self.computed[g]
 
     def handed_on(self, i: int, t: Task, name: str, nbytes: float, after: int) -> int:
         """An output leaves for the host, and reaches the next task's worker a hand-off later."""

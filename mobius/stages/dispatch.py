@@ -63,6 +63,7 @@ WAIT_S = 60.0
 # from, a gradient into a backward task.
 ACT, SAVED, GRAD = 0, 1, 2
 MAX_MICRO_BATCHES = 4096  # per step, in a message's tag
+LOOKAHEAD = 2  # tasks beyond the running one whose pieces a device loads ahead
 
 
 @dataclass(eq=False)  # one object per step: compared by identity
@@ -75,6 +76,15 @@ class _Step:
     tasks: list[Task]
     training: bool = True
     first: int = 0  # its first micro-batch's number (tasks number them across steps)
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A task given to a device, and its pieces once requested."""
+
+    st: _Step
+    task: Task
+    handles: list[DeviceStage] | None = None
 
 
 class _Routes:
@@ -128,34 +138,37 @@ class _Routes:
 
 class _DeviceWorker:
     """One device's thread: it runs its tasks in the order they were issued, each one's pieces
-    loaded (the next task's requested as it starts), its micro-batches computed, its gradients
-    sent home."""
+    loaded ahead (:meth:`_load_ahead`), its micro-batches computed, its gradients sent home."""
 
     def __init__(self, runner: "DispatchedRunner", gpu: int, device: Device, budget_bytes: int):
         self.runner, self.gpu, self.device = runner, gpu, device
         r = runner
         self.memory = DeviceMemory(budget_bytes, f"GPU {gpu}")
         self.traffic = Traffic()
-        self.prefetcher = Prefetcher(r.store, r.config, self.memory, device, self.traffic, r.trace)
+        self.trace = r.trace.of_pid(gpu)  # a row of lanes for each device
+        self.prefetcher = Prefetcher(r.store, r.config, self.memory, device, self.traffic, self.trace)
         self.host = device.host_stream("host")
         self.compute = device.compute
         self.grads_out = device.new_stream("d2h-gradients", "d2h")
-        self.links = ActivationLinks(r.group.endpoint(gpu), device, self.host, self.memory, self.traffic, r.trace,
+        self.links = ActivationLinks(r.group.endpoint(gpu), device, self.host, self.memory, self.traffic, self.trace,
                                      r.tag_of)
         self.working = WorkingMemory(self.memory, None)
         self._seen: dict[str, int] = {}  # task name -> the most working memory it used: held from prefetches
         self.kept: dict[tuple, tuple] = {}  # (step, forward stage, micro-batch) -> (input, output, ledger, phase)
         self.kept_handles: dict[tuple[int, int], list[DeviceStage]] = {}  # (step, forward stage) -> its pieces
-        self._queue: list = []
+        # Pieces on (or on their way to) this device: piece -> [handle, its step, tasks using it].
+        # A piece has one set of modules here, so a task of another step waits until it is released.
+        self._live: dict[int, list] = {}
+        self._queue: list[_Queued] = []  # this device's tasks not done, in order
         self._cond = threading.Condition()
-        self._next: tuple | None = None  # (the next task, its pieces requested while this one runs)
         self._thread = threading.Thread(target=self._run, name=f"mobius-gpu{gpu}", daemon=True)
         self._thread.start()
 
-    # ---- the queue -------------------------------------------------------------------------
+    # ---- the queue and the pieces' loads ----------------------------------------------------
     def give(self, st: _Step, task: Task) -> None:
         with self._cond:
-            self._queue.append((st, task))
+            self._queue.append(_Queued(st, task))
+            self._load_ahead()
             self._cond.notify()
 
     def stop(self) -> None:
@@ -170,72 +183,97 @@ class _DeviceWorker:
             self.prefetcher.close()
             self.device.close()
 
+    def _load_ahead(self) -> None:
+        """Request the pieces of the queued tasks, in order, up to :data:`LOOKAHEAD` tasks ahead of
+        the running one: the prefetcher loads them one after the other as memory allows, each
+        once the update its step reads is in.  A task whose piece another step's task still holds
+        here stops the lookahead until that one is released (loads never overtake each other, so
+        a load waits only for memory that earlier tasks free).  Under ``self._cond``."""
+        r = self.runner
+        for q in self._queue[:LOOKAHEAD + 1]:
+            if q is None or q.handles is not None:
+                continue
+            if q.task.kind == "B" and not q.task.recomputes:  # its forward leaves them here
+                key = (q.st.step, r.fwd_of_kept(q.task.stage))
+                if key not in self.kept_handles:
+                    return
+                q.handles = self.kept_handles.pop(key)
+                continue
+            wanted = r.pieces_in(*self._layers_of(q.task))
+            if any(p in self._live and self._live[p][1] is not q.st for p in wanted):
+                return
+            for p in wanted:
+                if p not in self._live:
+                    self._live[p] = [self._load(q.st, p), q.st, 0]
+                self._live[p][2] += 1
+            q.handles = [self._live[p][0] for p in wanted]
+
+    def _load(self, st: _Step, p: int) -> DeviceStage:
+        return self.prefetcher.request(p, priority=0, step=st.step,
+                                       ready=lambda: self.runner.updates.wait_weights(p, st.step))
+
+    def _done_with(self, handles: list[DeviceStage]) -> None:
+        """The task that used ``handles`` is done: a piece no later task shares is evicted."""
+        with self._cond:
+            for h in handles:
+                entry = self._live[h.index]
+                entry[2] -= 1
+                if not entry[2]:
+                    del self._live[h.index]
+                    self.prefetcher.release(h)
+            self._load_ahead()
+
     def _run(self) -> None:
         self.device.bind_thread()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
-                item = self._queue.pop(0)
-                upcoming = self._queue[0] if self._queue else None
+                self._cond.wait_for(lambda: bool(self._queue) and (self._queue[0] is None
+                                                                   or self._queue[0].handles is not None))
+                item = self._queue[0]
             if item is None:
                 return
             try:
-                self._task(*item, upcoming)
+                self._task(item.st, item.task, item.handles)
             except BaseException as err:  # every waiting thread hears of it
                 self.runner.board.fail(err)
                 return
-            self.runner.task_done(item[0])
+            with self._cond:
+                self._queue.pop(0)
+                self._load_ahead()
+            self.runner.task_done(item.st)
 
     # ---- a task ------------------------------------------------------------------------------
     def _layers_of(self, t: Task) -> tuple[int, int]:
         shape = self.runner.shape
         return (shape.forward if t.kind in "FH" else shape.backward)[t.stage]
 
-    def _request(self, st: _Step, t: Task, held: tuple[_Step, list[DeviceStage]] | None = None) -> list:
-        """Load the task's pieces, each once the update its step reads is in (on the prefetcher's
-        thread).  Of the pieces ``held`` (by the running task), those of the same step stay
-        loaded, and the others are left for later (None): a piece has one set of modules on the
-        device.  A kept stage's backward finds its pieces where its forward left them."""
-        r = self.runner
-        if t.kind == "B" and not t.recomputes:
-            return self.kept_handles.pop((st.step, r.fwd_of_kept(t.stage)))
-        here = {h.index: h for h in held[1]} if held is not None else {}
-        same = held is not None and held[0] is st
-        return [(here[p] if same else None) if p in here else self._load_piece(st, p)
-                for p in r.pieces_in(*self._layers_of(t))]
-
-    def _load_piece(self, st: _Step, p: int) -> DeviceStage:
-        return self.prefetcher.request(p, priority=0, step=st.step,
-                                       ready=lambda: self.runner.updates.wait_weights(p, st.step))
-
-    def _task(self, st: _Step, t: Task, upcoming) -> None:
-        ahead = self._next is not None and self._next[0][0] is st and self._next[0][1] == t
-        handles = self._next[1] if ahead else self._request(st, t)
-        pieces_of_t = self.runner.pieces_in(*self._layers_of(t))
-        handles = [self._load_piece(st, p) if h is None else h for p, h in zip(pieces_of_t, handles)]
-        self._next = None
-        if upcoming is not None and not (upcoming[1].kind == "B" and not upcoming[1].recomputes):
-            self._next = (upcoming, self._request(*upcoming, held=(st, handles)))
+    def _task(self, st: _Step, t: Task, handles: list[DeviceStage]) -> None:
         self.working.idle()  # nothing computes while the pieces arrive
         layers = nn.ModuleList([layer for h in handles for layer in self.prefetcher.wait(h)])
-        self.memory.set_compute_reserve(self._seen.get(t.name, 0))
-        begin = self.compute.record() if self.runner.trace.enabled else None
+        self.memory.set_compute_reserve(max(self._planned_bytes(t), self._seen.get(t.name, 0)))
+        begin = self.compute.record() if self.trace.enabled else None
         if t.kind == "B":
             self._backward(st, t, handles, layers)
         else:
             self._forward(st, t, handles, layers)
         self.links.flush()
         self._seen[t.name] = max(self._seen.get(t.name, 0), self.memory.compute_peak_since_reserve)
-        end = self.compute.record() if self.runner.trace.enabled else None
-        self.runner.trace.device_span(t.name, f"GPU {self.gpu} compute", begin, end, self.device.time_of,
-                                      step=st.step)
-        if t.kind == "F" and t.keeps and st.training:
+        end = self.compute.record() if self.trace.enabled else None
+        self.trace.device_span(t.name, "compute", begin, end, self.device.time_of, step=st.step)
+        if t.kind == "F" and t.keeps and st.training:  # they stay for its backward, here
             self.kept_handles[(st.step, t.stage)] = handles
-            return
-        staying = {id(h) for h in self._next[1] if h is not None} if self._next is not None else set()
-        for h in handles:
-            if id(h) not in staying:
-                self.prefetcher.release(h)
+        else:
+            self._done_with(handles)
+
+    def _planned_bytes(self, t: Task) -> int:
+        """The device memory a task works in beyond its weights, as planned: held back from the
+        loads ahead until the task has run once and its own peak is known."""
+        shape = self.runner.shape
+        if not shape.forward_bytes:
+            return 0
+        if t.kind == "B":
+            return shape.backward_bytes[t.stage]
+        return shape.forward_bytes[t.stage] + (shape.backward_bytes[-1] if t.kind == "H" else 0)
 
     def _planned_s(self, t: Task) -> float:
         """A micro-batch of the task on the GPU it was planned for (what an emulated one takes)."""
