@@ -137,7 +137,8 @@ def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, pla
         if cfg.pipeline.schedule == "dispatched":
             raise InputError("--schedule dispatched: no dispatched shape fits the GPUs' memory; use --schedule bound")
         return None, None, "bound: no dispatched shape fits the GPUs' memory"
-    versus = f"predicted {seconds_text(found.step_s)}/step against the bound plan's {seconds_text(plan.predicted_step_s)}"
+    versus = (f"predicted {seconds_text(found.step_s)}/step against the bound plan's "
+              f"{seconds_text(plan.predicted_step_s)}")
     if cfg.pipeline.schedule == "auto" and found.step_s >= plan.predicted_step_s:
         return found, None, f"bound (auto): the dispatched schedule was {versus}"
     return found, shape, f"dispatched ({cfg.pipeline.schedule}): {versus}"

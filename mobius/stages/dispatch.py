@@ -5,20 +5,22 @@ weights shared by all of them.
 * **The host keeps the weights piece by piece** (:func:`~mobius.stages.tasks.pieces`: the layers cut
   wherever the forward or the backward partition cuts them), in one
   :class:`~mobius.swap.store.HostStageStore` whose stages are the pieces.  A task loads its pieces
-  on its device with that device's :class:`~mobius.swap.prefetch.Prefetcher`, the next task's while
-  this one computes; a load waits on the prefetcher's thread until the update its step reads is in
+  on its device with that device's :class:`~mobius.swap.prefetch.Prefetcher`, the next tasks' while
+  this one computes (:data:`LOOKAHEAD`, in task order); a load waits on the prefetcher's thread
+  until the update its step reads is in
   (:meth:`~mobius.stages.piece_updates.PieceUpdates.wait_weights`), never on the device's.
 * **Activations go to the device whose task needs them**, over the links of
   :mod:`~mobius.stages.links` (an in-process transport between the device threads): the hidden
-  state at a layer boundary goes to the forward task that starts there and, with one copy off the
-  device, to the recomputing backward task that starts there; a gradient to the backward task that
-  ends there.  Each is keyed by (what, step, boundary, micro-batch).
+  state at a layer boundary goes to the forward task that starts there and (a copy of its own off
+  the device) to the recomputing backward task that starts there; a gradient to the backward task
+  that ends there.  Each is keyed by (what, step, boundary, micro-batch).  Activations share each
+  link with the weights streaming in (no priority between them).
 * **One update per piece and step** (:class:`~mobius.stages.piece_updates.PieceUpdates`, on host
-  threads): a backward's
-  gradients of each piece go home into the piece's staging buffer (the head's parts into one each)
-  and the piece's AdamW runs once all have arrived, summed in part order, then writes the compute
-  copy the step ``1 + lag`` later reads.  Where the update needs the whole step (the global norm
-  clipping scales it by), the pieces wait for the step's last gradients.
+  threads): a backward's gradients of each piece go home into the piece's staging buffer (the
+  head's parts into one each) and the piece's AdamW runs once all have arrived, summed in part
+  order, then writes the compute copy the step ``1 + lag`` later reads.  Where the update needs the
+  whole step (the global norm clipping scales it by), the pieces wait for the step's last
+  gradients.
 * **Steps overlap** where the lag allows: :meth:`DispatchedRunner.step` hands the step's tasks to
   the devices and returns once its loss is in; the backward's last tasks run on while the next
   step's first ones start.  Every dependency is a message or a version the task waits for, so no
@@ -537,14 +539,6 @@ class DispatchedRunner:
         """The global gradient norm of the last step whose updates are done, where it clips."""
         norms = self.updates.grad_norm
         return norms[max(norms)] if norms else None
-
-    def traffic(self) -> Traffic:
-        total = Traffic()
-        for w in self.workers:
-            total.h2d += w.traffic.h2d
-            total.d2h += w.traffic.d2h
-            total.peer += w.traffic.peer
-        return total
 
     def close(self) -> None:
         errors = []

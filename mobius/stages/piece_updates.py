@@ -16,6 +16,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import clip_coefficient, set_lr, squares
@@ -59,11 +61,12 @@ class PieceUpdates:
         self.parts = parts
         self.trained = [p for p, host in store.stages.items() if host.trains]
         # Part 0 lands in the store's staging (fp32: the master gradient itself), the others beside it.
-        self.staging = {p: [store.stages[p].grad_staging] + [device.host_buffer(store.stages[p].grad_staging.numel(),
-                                                                                   store.compute_dtype)
-                                                             for _ in range(parts.get(p, 1) - 1)]
-                        for p in self.trained}
-        self._arrived: dict[tuple[int, int], list] = {}  # (piece, step) -> [(part, event)]
+        self.staging: dict[int, list[torch.Tensor]] = {}
+        for p in self.trained:
+            first = store.stages[p].grad_staging
+            self.staging[p] = [first, *(device.host_buffer(first.numel(), first.dtype)
+                                        for _ in range(parts.get(p, 1) - 1))]
+        self._arrived: dict[tuple[int, int], list] = {}  # (piece, step) -> [(part, event, copied)]
         self._summed: dict[int, list[int]] = {}  # step -> pieces whose gradients are in their masters
         self._lr: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -76,12 +79,14 @@ class PieceUpdates:
     def wait_weights(self, piece: int, step: int) -> None:
         """Block until the weights step ``step`` reads of ``piece`` are in its compute copy."""
         need = step - self.lag
-        self.board.wait_until(lambda: self.board.versions[piece] >= need, f"the update of piece {piece} step {step}")
+        self.board.wait_until(lambda: self.board.versions[piece] >= need,
+                              f"the weights of piece {piece} that step {step} reads")
 
     def wait_staging(self, piece: int, step: int) -> None:
         """Block until step ``step``'s gradients of ``piece`` may land in its staging: the update of
         the step before has read it (and stepped the master that update follows)."""
-        self.board.wait_until(lambda: self.board.versions[piece] >= step, f"the update of piece {piece} step {step - 1}")
+        self.board.wait_until(lambda: self.board.versions[piece] >= step,
+                              f"the update of piece {piece} step {step - 1}")
 
     def home(self, piece: int, part: int, step: int, lr: float, arrived: Event, copied, device: Device) -> None:
         """Part ``part`` of step ``step``'s gradients of ``piece`` leave ``device`` (``arrived``:

@@ -243,8 +243,8 @@ def export(store: HostStageStore, exports: list[tuple[str, bool]], present=lambd
     for staging, merged in exports:
         for s, host in store.stages.items():
             with present(s):
-                write_export_shard(store.config, Path(staging), f"stage-{s:05d}", layer_states(dict(host.named_params())),
-                                   merged)
+                write_export_shard(store.config, Path(staging), f"stage-{s:05d}",
+                                   layer_states(dict(host.named_params())), merged)
 
 
 def _stage_state(store: HostStageStore, s: int) -> dict[str, torch.nn.Parameter]:
