@@ -38,8 +38,8 @@ def run(cfg: RunConfig, shape: DispatchedShape, budget: int = 2**32, trace: Trac
     model_config = model_config_for(cfg)
     batches, _ = make_data(cfg, model_config)
     devices = [CpuDevice(check=True, jitter_ms=0.5) for _ in shape.order]
-    runner = build_dispatched(cfg, model_config, shape, "fp32", devices, [budget] * len(devices), batches,
-                              trace or Trace(enabled=False))
+    runner = build_dispatched(cfg, model_config, shape, cfg.optim.precision, devices, [budget] * len(devices),
+                              batches, trace or Trace(enabled=False))
     try:
         losses = [runner.step(k) for k in range(cfg.optim.steps)]
         runner.drain()
@@ -77,6 +77,14 @@ def test_lora_with_dropout_and_clipping_equal_the_reference():
     want = reference(cfg)
     assert want[0] != pytest.approx(reference(config(2, lora_rank=4, lora_dropout=0.3))[0], rel=1e-6)  # it clips
     assert_same(run(cfg, SPLIT_HEAD), want)
+
+
+def test_bf16_follows_the_bf16_reference():
+    """16-bit compute copies and gradient staging (the GPUs' default), fp32 masters and AdamW: the
+    reference's bf16 losses to bf16's precision."""
+    cfg = config(4, optimizer_lag=1, steps=4).changed(precision="bf16")
+    losses = run(cfg, KEPT_TAIL)[0]
+    assert losses == pytest.approx(reference(cfg, precision="bf16")[0], rel=2e-3)
 
 
 def test_the_trace_shows_which_gpu_ran_each_task():
