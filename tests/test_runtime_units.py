@@ -240,6 +240,42 @@ def test_activations_reach_the_next_stage_on_either_worker():
     assert (traffic[1].d2h, traffic[1].h2d, traffic[1].peer) == (0, M * size, 0)
 
 
+def test_one_copy_off_the_device_serves_several_messages_and_delivered_buffers_are_reused():
+    """``send_to``: a tensor for two other workers and this one leaves the device once; each gets
+    it; once delivered, :meth:`reap` frees the buffer without waiting for anything, so sending step
+    after step reuses the same buffers instead of allocating more."""
+    shape = (2, 4, 8)
+    group = LocalGroup(3)
+    traffic = Traffic()
+    device = CpuDevice(check=True, jitter_ms=1.0)
+    links = ActivationLinks(group.endpoint(0), device, device.host_stream("host"), DeviceMemory(2**30), traffic,
+                            Trace(enabled=False), lambda key: key[0])
+    peers = [group.endpoint(r) for r in (1, 2)]
+    try:
+        for step in range(5):
+            out = device.empty(64, torch.float32).view(shape)
+            out.fill_(float(step))
+            links.send_to(out, [(1, (step,)), (0, (step,)), (2, (step,))])
+            links.flush()
+            mine = links.recv(0, (step,), shape, torch.float32)
+            for peer in peers:
+                got = torch.empty(shape)
+                peer.recv(got, 0, step)
+                assert torch.equal(got, torch.full(shape, float(step)))
+            assert torch.equal(mine, torch.full(shape, float(step)))
+            device.compute.synchronize()
+            for _ in range(500):  # the sender thread records the delivery just after it
+                links.reap()
+                if not links._pending:
+                    break
+                time.sleep(0.01)
+        assert traffic.d2h == 5 * 64 * 4 and traffic.peer == 2 * 5 * 64 * 4
+        assert len(links.buffers._ours) <= 2  # reused, step after step
+    finally:
+        links.close()
+        device.close()
+
+
 def test_an_unreachable_rendezvous_store_is_one_line_naming_it():
     """``MASTER_ADDR:MASTER_PORT`` with nothing listening: refused within the rendezvous limit, in
     one line that names the address; a store that is there is reached."""

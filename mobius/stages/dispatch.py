@@ -11,8 +11,8 @@ weights shared by all of them.
   (:meth:`~mobius.stages.piece_updates.PieceUpdates.wait_weights`), never on the device's.
 * **Activations go to the device whose task needs them**, over the links of
   :mod:`~mobius.stages.links` (an in-process transport between the device threads): the hidden
-  state at a layer boundary goes to the forward task that starts there and (a copy of its own off
-  the device) to the recomputing backward task that starts there; a gradient to the backward task
+  state at a layer boundary goes to the forward task that starts there and, from the same copy off
+  the device, to the recomputing backward task that starts there; a gradient to the backward task
   that ends there.  Each is keyed by (what, step, boundary, micro-batch).  Activations share each
   link with the weights streaming in (no priority between them).
 * **One update per piece and step** (:class:`~mobius.stages.piece_updates.PieceUpdates`, on host
@@ -259,6 +259,7 @@ class _DeviceWorker:
         else:
             self._forward(st, t, handles, layers)
         self.links.flush()
+        self.links.reap()
         self._seen[t.name] = max(self._seen.get(t.name, 0), self.memory.compute_peak_since_reserve)
         end = self.compute.record() if self.trace.enabled else None
         self.trace.device_span(t.name, "compute", begin, end, self.device.time_of, step=st.step)
@@ -308,8 +309,7 @@ class _DeviceWorker:
         return self.links.to_device(host, what)
 
     def _send_hidden(self, st: _Step, routes: _Routes, h: torch.Tensor, b: int, m: int) -> None:
-        for gpu, kind in routes.consumers(b, m):
-            self.links.send(h, gpu, (kind, st.step, st.training, b, m))
+        self.links.send_to(h, [(gpu, (kind, st.step, st.training, b, m)) for gpu, kind in routes.consumers(b, m)])
 
     def _forward(self, st: _Step, t: Task, handles, layers: nn.ModuleList) -> None:
         """Each micro-batch through the task's layers: its hidden state goes on at the stage's end,

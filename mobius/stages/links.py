@@ -105,28 +105,36 @@ class ActivationLinks:
     def send(self, t: torch.Tensor, dst: int, key: tuple) -> None:
         """Device tensor -> host on the D2H stream, without blocking the compute stream; the host
         leg to worker ``dst`` follows (to this worker itself: in :meth:`flush`)."""
+        self.send_to(t, [(dst, key)])
+
+    def send_to(self, t: torch.Tensor, messages: list[tuple[int, tuple]]) -> None:
+        """:meth:`send` of one tensor as several messages, ``(worker, key)`` each, from one copy
+        off the device (a message to this worker itself beside others gets a host copy)."""
         self.d2h.wait(self.compute.record())  # after ``t`` was computed
         buf = self.buffers.get(tuple(t.shape), t.dtype)
         self.d2h.wait(self.host.record())  # after the buffer's previous use
         self.d2h.copy(buf, t, name="activation staging buffer")
         self.traffic.d2h += nbytes(t)
-        if dst == self.rank:
-            self._outbox.append((self.d2h.record(), buf, key))
-        else:
-            self.traffic.peer += nbytes(t)
+        home = self.d2h.record()
+        remote = [(dst, self.tag_of(key)) for dst, key in messages if dst != self.rank]
+        for k, (_, key) in enumerate((dst, key) for dst, key in messages if dst == self.rank):
+            self._outbox.append((home, buf, key, bool(remote) or k > 0))
+        if remote:
+            self.traffic.peer += nbytes(t) * len(remote)
             with self._handed:
                 self._queued += 1
-            self._sending.put((self.d2h.record(), buf, dst, self.tag_of(key)))
+            self._sending.put((home, buf, remote))
 
     def _send_loop(self) -> None:
         while (item := self._sending.get()) is not None:
-            done, buf, dst, tag = item
+            done, buf, remote = item
             try:
                 if self._error is None:
                     self._sender_view.wait(done)  # the copy is home
                     self._sender_view.reads(buf)
-                    work = self.transport.isend(buf, dst, tag)
-                    self._pending.append((work, buf, self._sender_view.record()))
+                    works = [self.transport.isend(buf, dst, tag) for dst, tag in remote]
+                    with self._handed:
+                        self._pending.append((works, buf, self._sender_view.record()))
             except BaseException as err:  # surfaced by finish_sends
                 self._error = err
             with self._handed:
@@ -137,10 +145,10 @@ class ActivationLinks:
         """Move every message to this worker itself that reached the host, but the last ``keep``,
         into the mailbox (messages to other workers leave by the sender thread)."""
         while len(self._outbox) > keep:
-            done, buf, key = self._outbox.pop(0)
+            done, buf, key, shared = self._outbox.pop(0)
             self.host.wait(done)
             self.host.reads(buf)
-            self._mailbox[key] = buf
+            self._mailbox[key] = buf.clone() if shared else buf  # a shared one is another message's too
 
     def recv(self, src: int, key: tuple, shape, dtype) -> torch.Tensor:
         """The message ``key`` from worker ``src`` (this one: from the mailbox), in a host buffer."""
@@ -157,13 +165,27 @@ class ActivationLinks:
         """Wait for the messages of this step to be delivered; their buffers are free again."""
         with self._handed:
             self._handed.wait_for(lambda: self._done == self._queued)
+            pending, self._pending = self._pending, []
         if self._error is not None:
             raise RuntimeError(f"sending an activation failed: {self._error}") from self._error
-        for work, buf, handed in self._pending:
-            work.wait()
+        for works, buf, handed in pending:
+            for work in works:
+                work.wait()
             self.host.wait(handed)
             self.buffers.put(buf, self.host.record())
-        self._pending.clear()
+
+    def reap(self) -> None:
+        """The buffers of the messages already delivered are free again (without waiting for the
+        others: a schedule whose steps overlap never waits for all of them)."""
+        with self._handed:
+            delivered, waiting = [], []
+            for sent in self._pending:
+                works, _, handed = sent
+                (delivered if handed.query() and all(w.is_completed() for w in works) else waiting).append(sent)
+            self._pending = waiting
+        for _, buf, handed in delivered:
+            self.host.wait(handed)
+            self.buffers.put(buf, self.host.record())
 
     def close(self) -> None:
         self._sending.put(None)

@@ -25,6 +25,8 @@ RECV_TIMEOUT_S = 60  # as the process group's collective timeout: a lost message
 class Work(Protocol):
     def wait(self) -> object: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class Transport(Protocol):
     rank: int
@@ -70,6 +72,9 @@ class GlooTransport:
 class _Sent:
     def wait(self) -> None:  # the message was copied when sent
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class LocalGroup:
