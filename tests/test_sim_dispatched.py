@@ -202,14 +202,14 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys):
     from mobius.plan import main
     from mobius.planning.prepare import get_profile, reserve_cuda_memory
 
-    args = ["--model", "mobius-3b", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
+    args = ["--model", "small", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
             "--time-limit", "1", "--schedule", "auto", "--optimizer-lag", "1"]
     main([*args, "--json"])
     out = json.loads(capsys.readouterr().out)
     found = out["dispatched"]
     topo = reserve_cuda_memory(load_topology("topo2+2"))
-    profile = get_profile("mobius-3b", get_config("mobius-3b"), topo, out["micro_batch_size"], 128,
-                          out["precision"], "analytic")
+    profile = get_profile("small", get_config("small"), topo, out["micro_batch_size"], 128, out["precision"],
+                          "analytic")
     again = simulate_dispatched(profile, [tuple(s) for s in found["forward"]], [tuple(s) for s in found["backward"]],
                                 topo, found["order"], 16, kept=found["kept"], head_gpus=found["head_gpus"],
                                 adam_params_per_s=out["host_costs"]["adam_params_per_s"], optimizer_lag=1)
