@@ -252,7 +252,11 @@ class _DeviceWorker:
     def _task(self, st: _Step, t: Task, handles: list[DeviceStage]) -> None:
         self.working.idle()  # nothing computes while the pieces arrive
         layers = nn.ModuleList([layer for h in handles for layer in self.prefetcher.wait(h)])
-        self.memory.set_compute_reserve(max(self._planned_bytes(t), self._seen.get(t.name, 0)))
+        # The memory it works in beyond its weights, as planned, until its own peak is known: held
+        # back from the loads ahead.
+        shape = self.runner.shape
+        planned = self._planned(t, shape.forward_bytes, shape.backward_bytes)
+        self.memory.set_compute_reserve(max(planned, self._seen.get(t.name, 0)))
         begin = self.compute.record() if self.trace.enabled else None
         if t.kind == "B":
             self._backward(st, t, handles, layers)
@@ -268,24 +272,14 @@ class _DeviceWorker:
         else:
             self._done_with(handles)
 
-    def _planned_bytes(self, t: Task) -> int:
-        """The device memory a task works in beyond its weights, as planned: held back from the
-        loads ahead until the task has run once and its own peak is known."""
-        shape = self.runner.shape
-        if not shape.forward_bytes:
+    def _planned(self, t: Task, forward: list, backward: list):
+        """A task's figure from the plan's per-stage ones (the head's task: its forward stage's and
+        the last backward stage's together); 0 where the shape carries none (tests)."""
+        if not forward:
             return 0
         if t.kind == "B":
-            return shape.backward_bytes[t.stage]
-        return shape.forward_bytes[t.stage] + (shape.backward_bytes[-1] if t.kind == "H" else 0)
-
-    def _planned_s(self, t: Task) -> float:
-        """A micro-batch of the task on the GPU it was planned for (what an emulated one takes)."""
-        shape = self.runner.shape
-        if not shape.forward_s:
-            return 0.0
-        if t.kind == "B":
-            return shape.backward_s[t.stage]
-        return shape.forward_s[t.stage] + (shape.backward_s[-1] if t.kind == "H" else 0.0)
+            return backward[t.stage]
+        return forward[t.stage] + (backward[-1] if t.kind == "H" else 0)
 
     def _layout(self, st: _Step, m: int, hi: int) -> TokenLayout | None:
         """What layers up to ``hi`` need of micro-batch ``m`` besides its input: the positions and
@@ -318,6 +312,7 @@ class _DeviceWorker:
         r = self.runner
         routes = r.routes(st)
         lo, hi = self._layers_of(t)
+        planned_s = self._planned(t, r.shape.forward_s, r.shape.backward_s)  # a micro-batch, emulated
         keeps = t.kind == "F" and t.keeps and st.training
         grads = self._attach_grads(t, handles) if t.kind == "H" else None
         b_lo = r.shape.backward[-1][0] if t.kind == "H" else hi  # the head's backward starts there
@@ -325,7 +320,7 @@ class _DeviceWorker:
             x = self._input(st, ACT, lo, m, routes.producer(lo, m) if lo else -1, "stage input")
             x_phase = self.memory.phase
             layout = self._layout(st, m, hi)
-            with self._dropout(st, m), self.device.compute_span(self._planned_s(t)):
+            with self._dropout(st, m), self.device.compute_span(planned_s):
                 if keeps:  # its backward runs here, from this graph
                     if x.is_floating_point():
                         x.requires_grad_(True)
@@ -365,6 +360,7 @@ class _DeviceWorker:
         r = self.runner
         routes = r.routes(st)
         lo, hi = self._layers_of(t)
+        planned_s = self._planned(t, r.shape.forward_s, r.shape.backward_s)  # a micro-batch, emulated
         grads = self._attach_grads(t, handles)
         for m in (mb - st.first for mb in t.micro_batches):
             if t.recomputes:
@@ -375,7 +371,7 @@ class _DeviceWorker:
             else:
                 x, out, ledger, x_phase = self.kept.pop((st.step, r.fwd_of_kept(t.stage), m))
             g = self._input(st, GRAD, hi, m, routes.grad_source(hi, m), "output gradient")
-            with self.device.compute_span(self._planned_s(t)):
+            with self.device.compute_span(planned_s):
                 if t.recomputes:
                     with self.working.saved_activations(layers) as ledger, self._dropout(st, m):
                         out = run_layers(layers, x, self._layout(st, m, hi))
