@@ -34,7 +34,7 @@ from mobius.runtime.emulation import EmulationSpec
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
-from mobius.stages.dispatch import check_dispatched
+from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
 
 
@@ -126,12 +126,10 @@ def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, pla
     ``plan`` (None: the bound plan runs) and why, in the words of a run's header."""
     if cfg.pipeline.schedule == "bound":
         return None, None, "bound (--schedule bound)"
-    try:
+    if cfg.pipeline.schedule == "dispatched":
         check_dispatched(cfg, model_config, plan.precision)
-    except InputError as err:
-        if cfg.pipeline.schedule == "dispatched":
-            raise
-        return None, None, f"bound: {str(err).split(': use')[0].replace('--schedule dispatched ', 'dispatched ')}"
+    elif (refusal := dispatched_refusal(cfg, model_config, plan.precision)) is not None:
+        return None, None, f"bound: dispatched does not run {refusal} yet"
     found, shape = dispatched_beside(cfg, model_config, topo, plan, profile_how)
     if found is None:
         if cfg.pipeline.schedule == "dispatched":

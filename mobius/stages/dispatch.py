@@ -548,17 +548,22 @@ class DispatchedRunner:
             raise errors[0]
 
 
-def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) -> None:
-    """What the dispatched schedule does not run yet, refused before anything is built."""
+def dispatched_refusal(cfg: RunConfig, model_config: GPTConfig, precision: str) -> str | None:
+    """What of the run the dispatched schedule does not run yet, in a few words (None: nothing)."""
     refused = [(model_config.tie_embeddings, "a model whose token table is tied to its head (the two copies' "
                                              "gradients are summed by the bound schedule's workers)"),
                (precision == "fp16", "fp16 (its loss scale's overflow vote); use bf16"),
                ((cfg.pipeline.data_parallel or 1) > 1, "--data-parallel"),
                (bool(cfg.offload_dir), "--offload-dir"),
                (cfg.pipeline.replan == "auto", "--replan auto")]
-    for refuse, what in refused:
-        if refuse:
-            raise InputError(f"--schedule dispatched does not run {what} yet: use --schedule bound")
+    return next((what for refuse, what in refused if refuse), None)
+
+
+def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) -> None:
+    """What the dispatched schedule does not run, refused before anything is built."""
+    refusal = dispatched_refusal(cfg, model_config, precision)
+    if refusal is not None:
+        raise InputError(f"--schedule dispatched does not run {refusal} yet: use --schedule bound")
 
 
 def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedShape, precision: str,
