@@ -78,6 +78,7 @@ class _Step:
     tasks: list[Task]
     training: bool = True
     first: int = 0  # its first micro-batch's number (tasks number them across steps)
+    routes: "_Routes | None" = None  # where its messages go, made when it is handed out
 
 
 @dataclass(eq=False)
@@ -310,7 +311,7 @@ class _DeviceWorker:
         and at every boundary within where a recomputing backward stage starts; the head's task
         runs each micro-batch's backward of the last backward stage at once."""
         r = self.runner
-        routes = r.routes(st)
+        routes = st.routes
         lo, hi = self._layers_of(t)
         planned_s = self._planned(t, r.shape.forward_s, r.shape.backward_s)  # a micro-batch, emulated
         keeps = t.kind == "F" and t.keeps and st.training
@@ -358,7 +359,7 @@ class _DeviceWorker:
         """Each micro-batch's backward, from its recomputed forward or the graph its forward kept
         here; the input gradient goes to the backward task before."""
         r = self.runner
-        routes = r.routes(st)
+        routes = st.routes
         lo, hi = self._layers_of(t)
         planned_s = self._planned(t, r.shape.forward_s, r.shape.backward_s)  # a micro-batch, emulated
         grads = self._attach_grads(t, handles)
@@ -448,7 +449,6 @@ class DispatchedRunner:
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
                                     threads=len(devices))
         self.group = LocalGroup(len(devices), wait_s)
-        self._routes: dict[tuple[int, bool], _Routes] = {}
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
 
@@ -464,13 +464,6 @@ class DispatchedRunner:
         """A message's number for the transport: unique among the steps that may be in flight."""
         kind, step, training, b, m = key
         return ((((step % 4) * 2 + int(training)) * 3 + kind) * (self.n_layers + 1) + b) * MAX_MICRO_BATCHES + m
-
-    def routes(self, st: _Step) -> _Routes:
-        with self.board.cond:
-            key = (st.step, st.training)
-            if key not in self._routes:
-                self._routes[key] = _Routes(self.shape, st)
-            return self._routes[key]
 
     # ---- steps ----------------------------------------------------------------------------------
     def step(self, step: int) -> float:
@@ -498,7 +491,7 @@ class DispatchedRunner:
         with self.board.cond:
             self.board.losses[key] = {}
             self._pending[key] = len(st.tasks)
-        self.routes(st)
+        st.routes = _Routes(self.shape, st)
         for t in st.tasks:
             self.workers[t.gpu].give(st, t)
         self.board.wait_until(lambda: len(self.board.losses[key]) == len(st.micro), f"the loss of step {st.step}")
@@ -517,7 +510,6 @@ class DispatchedRunner:
             self._pending[key] -= 1
             if not self._pending[key]:
                 del self._pending[key]
-                self._routes.pop(key, None)
             self.board.cond.notify_all()
 
     def resume_at(self, step: int) -> None:

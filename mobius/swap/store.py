@@ -223,8 +223,8 @@ class HostStageStore:
 
     def begin_step(self, step: int) -> None:
         """Loads of step ``step`` read its compute buffer."""
-        for st in self.stages.values():
-            st.compute = st.compute_buffers[step % len(st.compute_buffers)]
+        for s, st in self.stages.items():
+            st.compute = self.compute_of(s, step)
 
     def compute_of(self, stage: int, step: int) -> torch.Tensor:
         """The compute copy of ``stage`` that step ``step`` reads."""
