@@ -28,7 +28,10 @@ def tiny(**kw) -> RunConfig:
                            "backend": "pipeline", "max_grad_norm": CLIP, "device_optimizer": "off", **kw})
 
 
-def close(losses, weights, ref_losses, ref_weights, rel=1e-6):
+def close(losses, weights, ref_losses, ref_weights, rel=1e-5):
+    """The standard's fp32 tolerance: a clipping rule off by its epsilon is below it (the rule
+    itself is checked exactly below), a norm off by a stage's share is far above it; four steps at
+    lr 1e-2 leave the summation orders of this machine's kernels about 1e-6 apart."""
     assert losses == pytest.approx(ref_losses, rel=rel, abs=0)
     assert set(ref_weights) <= set(weights)  # (a tied table has a copy on the head's worker)
     for name, w in ref_weights.items():

@@ -41,9 +41,11 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
     payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
                             replan=replan)
-    if spec.dispatched is not None:  # one process drives every GPU
-        print(f"starting 1 worker process for {topo.n} {devices_text(spec)}", flush=True)
-        results = launch_workers(1, dispatch_worker.worker_main, payload, data, emulated_gpus=topo.n)
+    if spec.dispatched is not None:  # one process drives every GPU of a box
+        boxes = spec.data_parallel
+        print(f"starting {boxes} worker process{'es' if boxes > 1 else ''} for {topo.n} {devices_text(spec)}"
+              + (" each" if boxes > 1 else ""), flush=True)
+        results = launch_workers(boxes, dispatch_worker.worker_main, payload, data, emulated_gpus=topo.n * boxes)
     else:
         print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
         results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)

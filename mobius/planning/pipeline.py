@@ -15,7 +15,14 @@ from mobius.models import GPTConfig
 from mobius.models.precision import element_bytes
 from mobius.partition.cost import stage_costs
 from mobius.partition.profile import Profile
-from mobius.planning.planner import DoesNotFit, available_host_memory, check_plannable, host_bytes_needed, make_plan
+from mobius.planning.planner import (
+    DoesNotFit,
+    available_host_memory,
+    check_plannable,
+    host_bytes_needed,
+    make_plan,
+    replica_profile,
+)
 from mobius.planning.prepare import (
     GB,
     budgets_of,
@@ -106,15 +113,16 @@ def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_opti
 def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
                       profile_how: str = "auto") -> tuple[DispatchedPlan | None, DispatchedShape | None]:
     """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`), from the
-    same profile and host rate, on the same GPUs in the same order, and the shape a run executes
-    of it; None where none fits.  (Not modelled with the disk tier or data-parallel replicas:
-    ``mobius.plan`` refuses those.)"""
+    same profile and host rate, on the same GPUs in the same order (each of ``plan``'s replicas on
+    its share of the micro-batches), and the shape a run executes of it; None where none fits.
+    (Not modelled with the disk tier: ``mobius.plan`` refuses that.)"""
     if not topo.virtual and not cfg.emulation.enabled:
         topo = reserve_cuda_memory(topo)
     batch = cfg.batch
-    profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, plan.precision,
-                          "analytic" if cfg.emulation.enabled else profile_how)
-    found = plan_dispatched(profile, topo, plan.order, batch.micro_batches,
+    profile = replica_profile(get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len,
+                                          plan.precision, "analytic" if cfg.emulation.enabled else profile_how),
+                              topo, plan.data_parallel)
+    found = plan_dispatched(profile, topo, plan.order, plan.micro_batches,
                             adam_params_per_s=plan.host_costs.get("adam_params_per_s"),
                             optimizer_lag=cfg.optim.optimizer_lag)
     return found, found.shape(profile) if found is not None else None

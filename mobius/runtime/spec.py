@@ -357,10 +357,16 @@ class RunSpec:
         tensors.  The pipeline's activations cross host memory (no peer-to-peer): gloo moves them."""
         return "cuda:nccl,cpu:gloo" if self.cuda and self.chunked is not None else "gloo"
 
-    def enforced_budget(self, rank: int) -> int | None:
-        """The device memory worker ``rank``'s device layer holds it to: the plan's budget for a
-        pipeline; the chunked engine keeps within its budget by the sizes its search chose."""
-        return self.budget_bytes[rank % len(self.budget_bytes)] if self.plan is not None else None
+    def enforced_budget(self, gpu: int) -> int | None:
+        """The device memory GPU ``gpu`` (counted over every replica's box) is held to: the plan's
+        budget for a pipeline; the chunked engine keeps within its budget by the sizes its search
+        chose."""
+        return self.budget_bytes[gpu % len(self.budget_bytes)] if self.plan is not None else None
+
+    def first_gpu(self, rank: int) -> int:
+        """The first GPU (counted over every replica's box) process ``rank`` drives: a bound
+        worker drives one, the dispatched schedule's process every GPU of its box."""
+        return rank * len(self.budget_bytes) if self.dispatched is not None else rank
 
     def predicted_step_s(self) -> float:
         """The step the run was planned to take (on the devices it emulates, if it does)."""

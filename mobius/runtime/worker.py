@@ -431,8 +431,9 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         spec, header = decided(decision, rank, world)
         cfg = cfg.changed(precision=spec.precision)
         payload = replace(payload, cfg=cfg, spec=spec, header=header)
-    emulation = EmulatedLinks(spec.emulation, rank) if spec.emulation else None
-    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.enforced_budget(rank), emulation)
+    gpu = spec.first_gpu(rank)
+    emulation = EmulatedLinks(spec.emulation, gpu) if spec.emulation else None
+    device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.enforced_budget(gpu), emulation)
     trace = Trace(enabled=bool(cfg.outputs.trace), pid=rank)
     trace.set_origin(payload.t_origin if payload.t_origin is not None else time.perf_counter())
     # Workers share the host's cores: CPU workers for everything, GPU workers for their optimizer.

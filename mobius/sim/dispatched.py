@@ -17,6 +17,10 @@ the others.  Three things keep the pool busy, and the simulation models each:
   run elsewhere.  The step is then the steady state: the time between the ends of consecutive
   steps, over :data:`OVERLAPPED_STEPS` simulated.
 
+With data-parallel replicas (``profile.host.replicas``) each box runs this on its share of the
+micro-batches, and a stage's update is the sum over the replicas, the owners' AdamW of 1/D of it
+and the broadcast back, the sums and the broadcasts each in one order over the box's network.
+
 :func:`simulate_dispatched` runs it on :mod:`mobius.sim.engine`'s streams and links, with the bound
 schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's calibrated
 per-micro-batch and stage-switch work, the hand-off between workers); :func:`plan_dispatched`
@@ -31,9 +35,9 @@ from dataclasses import dataclass, replace
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import StageCost, stage_costs
+from mobius.partition.cost import StageCost, exchanged_bytes, stage_costs
 from mobius.partition.profile import Profile
-from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, SimResult, Simulator, link_for
+from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
@@ -103,7 +107,7 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     result = step.sim.run()
     if not optimizer_lag:
         return result
-    return replace(result, step_s=_steady_step_s(result, step.step_of, steps))
+    return replace(result, step_s=_steady_step_s(result, step.step_of, steps, profile.host.network_bps))
 
 
 class _StepOnSimulator:
@@ -112,7 +116,8 @@ class _StepOnSimulator:
     def __init__(self, profile: Profile, topo, tasks: list[Task], fwd: list[StageCost], bwd: list[StageCost],
                  no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
                  adam_rate: float, optimizer_lag: int):
-        self.profile, self.host, self.link = profile, profile.host, link_for(topo)
+        self.profile, self.host = profile, profile.host
+        self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
         self.sim = Simulator(self.link)
         self.tasks, self.fwd, self.bwd, self.no_recompute, self.mem = tasks, fwd, bwd, no_recompute, mem
         self.head_gpus, self.adam_rate = head_gpus, adam_rate
@@ -123,7 +128,8 @@ class _StepOnSimulator:
         self.computed: dict[int, int] = {}  # GPU -> its last micro-batch's compute
         self.loaded_on: dict[int, int] = {}  # GPU -> its last task's weights, there
         self.head_grads: dict[int, list[int]] = {}  # step -> the head task's gradient copies
-        self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW
+        self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW (and broadcast)
+        self.exchanges: dict[str, int] = {}  # with replicas: "sum", "broadcast" -> the last, in every replica's order
         self.lag = optimizer_lag
 
     def add(self, t: Task, *args) -> int:
@@ -209,8 +215,18 @@ class _StepOnSimulator:
             if len(self.head_grads[t.step]) < self.head_gpus:
                 return
             after = tuple(self.head_grads[t.step])
-        seconds = trained.grad_bytes / element_bytes(self.profile.dtype) / self.adam_rate
-        self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, seconds, after)
+        params = trained.grad_bytes / element_bytes(self.profile.dtype)
+        replicas = self.host.replicas
+        if replicas == 1:
+            self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / self.adam_rate, after)
+            return
+        # Summed over the replicas into the owners, 1/D of it stepped here, broadcast back: the box's
+        # network carries the sums and the broadcasts, each in one order (a thread each).
+        exchanged, x = exchanged_bytes(params, replicas), self.exchanges
+        x["sum"] = self.add(t, f"sum T{i}", NET, 0, exchanged, (*after, x.get("sum")), i, "sums")
+        adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / replicas / self.adam_rate, (x["sum"],))
+        x["broadcast"] = self.add(t, f"broadcast T{i}", NET, 0, exchanged, (adam, x.get("broadcast")), i, "broadcasts")
+        self.updates[(t.step, t.stage)] = x["broadcast"]
 
 
 def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
@@ -238,9 +254,10 @@ def _device_bytes(t: Task, fwd: list[StageCost], no_recompute: list[StageCost]) 
     return no_recompute[t.stage].mem_bwd
 
 
-def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int) -> float:
-    """The time between the ends of the first and last simulated steps' device work, per step (one
-    step: its device work's end); unless a host thread's AdamW of one step takes longer."""
+def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, network_bps: float) -> float:
+    """The time between the ends of the first and last simulated steps' device work (and their
+    exchanges between replicas), per step (one step: its device work's end); unless a host
+    thread's AdamW, or the network's exchanges, of one step take longer."""
     ends = [0.0] * steps
     for t in result.tasks:
         if t.kind not in (CPU, DELAY):
@@ -249,8 +266,9 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int) -> fl
     for t in result.tasks:
         if t.kind == CPU:
             adam[t.gpu] = adam.get(t.gpu, 0.0) + t.work
+    network = sum(t.work for t in result.tasks if t.kind == NET) / network_bps if network_bps else 0.0
     device = ends[0] if steps == 1 else (ends[-1] - ends[0]) / (steps - 1)
-    return max(device, max(adam.values(), default=0.0) / steps)
+    return max(device, max(adam.values(), default=0.0) / steps, network / steps)
 
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,

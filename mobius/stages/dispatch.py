@@ -51,6 +51,7 @@ from mobius.runtime.device import Device
 from mobius.runtime.optim import UpdateRule
 from mobius.stages.links import ActivationLinks
 from mobius.stages.piece_updates import Board, PieceUpdates
+from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.tasks import DispatchedShape, Task, pieces, step_tasks
 from mobius.stages.transport import LocalGroup
 from mobius.stages.working_memory import WorkingMemory
@@ -294,7 +295,8 @@ class _DeviceWorker:
         """LoRA dropout draws micro-batch ``m``'s masks: the same in forward and its recomputation."""
         if not st.training:
             return contextlib.nullcontext()
-        return dropout_micro_batch(self.runner.batches.seed, st.step, m)
+        r = self.runner
+        return dropout_micro_batch(r.batches.seed, st.step, r.replica.index * r.M + m)
 
     def _input(self, st: _Step, kind: int, b: int, m: int, src: int, what: str) -> torch.Tensor:
         """The tensor at boundary ``b`` of micro-batch ``m``, on this device (at 0: the tokens)."""
@@ -431,23 +433,26 @@ class _DeviceWorker:
 
 class DispatchedRunner:
     """The dispatched schedule over ``devices`` (GPU ``g`` of the shape's turn is ``devices[g]``,
-    with ``budget_bytes[g]`` of memory), the host's pieces in ``store``."""
+    with ``budget_bytes[g]`` of memory), the host's pieces in ``store``; as one of ``replicas``
+    (None: the only one), on its share of each step's micro-batches."""
 
     def __init__(self, shape: DispatchedShape, store: HostStageStore, devices: list[Device],
-                 budget_bytes: list[int], batches: BatchSource, trace: Trace, wait_s: float = WAIT_S):
+                 budget_bytes: list[int], batches: BatchSource, trace: Trace, wait_s: float = WAIT_S,
+                 replicas: ReplicaGroup | None = None):
         self.shape, self.store, self.batches, self.trace = shape, store, batches, trace
         self.config = store.config
         self.pieces = pieces(shape.forward, shape.backward)
         self.n_layers = self.pieces[-1][1]
         if [(st.layer_ids[0], st.layer_ids[-1] + 1) for _, st in sorted(store.stages.items())] != self.pieces:
             raise ValueError(f"the host store's stages are not the pieces {self.pieces}")
-        self.M = batches.micro_batches
+        self.replica = replicas.layout if replicas is not None else ReplicaLayout()
+        self.M = batches.micro_batches // self.replica.count  # this replica's share of a step
         self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
         self.dtype = store.compute_dtype
         self.board = Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
-                                    threads=len(devices))
+                                    threads=len(devices), replicas=replicas)
         self.group = LocalGroup(len(devices), wait_s)
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
@@ -471,12 +476,13 @@ class DispatchedRunner:
         backward's last tasks may run on while the next step starts)."""
         tasks = step_tasks(self.shape.forward, self.shape.backward, self.shape.kept, self.shape.head_gpus,
                            self.shape.order, self.M, steps=1, first_step=step)
-        return self._run(_Step(step, self.batches.step(step), self.store.rule.lr_at(step), tasks,
-                               first=step * self.M))
+        return self._run(_Step(step, self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
+                               tasks, first=step * self.M))
 
     def evaluate(self, micro: list, next_step: int) -> float:
-        """The forward partition's tasks in turn on ``micro``, with the weights step ``next_step``
-        reads, no autograd and no dropout; returns the loss sum."""
+        """The forward partition's tasks in turn on this replica's share of ``micro``, with the
+        weights step ``next_step`` reads, no autograd and no dropout; returns the loss sum."""
+        micro = self.replica.share(micro)
         order, n = self.shape.order, len(self.shape.order)
         every = tuple(range(len(micro)))
         tasks = [Task(f"F{j}", "F", j, order[j % n], every, next_step) for j in range(len(self.shape.forward))]
@@ -516,6 +522,7 @@ class DispatchedRunner:
         """The store holds the state after ``step`` steps (a checkpoint's): every update before is in."""
         with self.board.cond:
             self.board.versions = [step] * len(self.pieces)
+        self.updates.resume_at(step)
 
     def drain(self) -> None:
         """Every task handed out so far is done and every update is in the host store."""
@@ -545,7 +552,6 @@ def dispatched_refusal(cfg: RunConfig, model_config: GPTConfig, precision: str) 
     refused = [(model_config.tie_embeddings, "a model whose token table is tied to its head (the two copies' "
                                              "gradients are summed by the bound schedule's workers)"),
                (precision == "fp16", "fp16 (its loss scale's overflow vote); use bf16"),
-               ((cfg.pipeline.data_parallel or 1) > 1, "--data-parallel"),
                (bool(cfg.offload_dir), "--offload-dir"),
                (cfg.pipeline.replan == "auto", "--replan auto")]
     return next((what for refuse, what in refused if refuse), None)
@@ -560,11 +566,15 @@ def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) ->
 
 def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedShape, precision: str,
                      devices: list[Device], budget_bytes: list[int], batches: BatchSource,
-                     trace: Trace, wait_s: float = WAIT_S) -> DispatchedRunner:
+                     trace: Trace, wait_s: float = WAIT_S, replicas: ReplicaGroup | None = None) -> DispatchedRunner:
     """The host's pieces (built once, on the first device's pinned memory) and the runner over
-    ``devices``; ``wait_s``: how long a task waits for what it needs before the run fails."""
+    ``devices``, as one of ``replicas`` (each parameter's AdamW on its owner's host); ``wait_s``:
+    how long a task waits for what it needs before the run fails."""
     check_dispatched(cfg, model_config, precision)
     cuts = pieces(shape.forward, shape.backward)
     store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[precision], devices[0], cfg.optim.optimizer_lag)
-    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s)
+    if replicas is not None:
+        replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
+        store.update_only(replicas.updates)
+    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s, replicas)

@@ -2,13 +2,15 @@
 drives every device of the box, a thread each (:mod:`mobius.stages.dispatch`), so the host's
 pieces are one store every device loads from; the process itself, its start-up, checkpoints and
 signals are :mod:`mobius.runtime.worker`'s, and its checkpoint shards, exports and restore are the
-bound pipeline's (:mod:`mobius.stages.worker`), piece by piece."""
+bound pipeline's (:mod:`mobius.stages.worker`), piece by piece.  With data-parallel replicas
+(``--data-parallel D``, emulated boxes) there is one such process per box."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
 from mobius.metrics import StepMetrics
@@ -26,6 +28,7 @@ from mobius.runtime.worker import (
     run_worker,
 )
 from mobius.stages.dispatch import build_dispatched
+from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.worker import checkpoint_files, export, restore
 
 
@@ -40,17 +43,23 @@ class DispatchedWorker:
 
     def __init__(self, ctx: WorkerContext):
         self.ctx, self.cfg, spec = ctx, ctx.cfg, ctx.spec
-        if ctx.world != 1:
-            raise InputError(f"the dispatched schedule drives every GPU from one process, but {ctx.world} were "
-                             "started: run it with python -m mobius.train, not torchrun")
+        if ctx.world != spec.data_parallel:
+            raise InputError(f"the dispatched schedule drives every GPU of a box from one process, but {ctx.world} "
+                             f"were started for {spec.data_parallel} boxes: run it with python -m mobius.train, "
+                             "not torchrun")
         n = len(spec.budget_bytes)
-        # The worker's own device is GPU 0; the others open here, each with its emulated link.
-        devices = [ctx.device] + [open_device(spec.cuda, g, spec.enforced_budget(g),
-                                              EmulatedLinks(spec.emulation, g) if spec.emulation else None)
+        self.layout = ReplicaLayout(ctx.rank, spec.data_parallel, 1)
+        # The worker's own device is its box's GPU 0; the others open here, each with its emulated link.
+        first = spec.first_gpu(ctx.rank)
+        devices = [ctx.device] + [open_device(spec.cuda, g, spec.enforced_budget(first + g),
+                                              EmulatedLinks(spec.emulation, first + g) if spec.emulation else None)
                                   for g in range(1, n)]
+        replicas = ReplicaGroup.join(self.layout, 0, ctx.device, ctx.trace, broadcasts_apart=True) \
+            if spec.data_parallel > 1 else None
         batches, self.held_out = ctx.data
         self.runner = build_dispatched(ctx.cfg, model_config_for(ctx.cfg), spec.dispatched, spec.precision, devices,
-                                       list(spec.budget_bytes), batches, ctx.trace, collective_timeout_s(spec))
+                                       list(spec.budget_bytes), batches, ctx.trace, collective_timeout_s(spec),
+                                       replicas)
         for d in devices[1:]:
             d.start_steps()
         self.store = self.runner.store
@@ -59,38 +68,47 @@ class DispatchedWorker:
         self.peak_bytes_max = 0
 
     def step(self, step: int) -> StepMetrics:
-        """The step's loss as soon as the head has it; its traffic and peak memory: what the devices
-        did since the last step returned (the steps overlap)."""
+        """The step's loss as soon as the head has it (every replica's share summed); its traffic
+        and peak memory: what the devices did since the last step returned (the steps overlap)."""
         cfg, workers = self.cfg, self.runner.workers
         for w in workers:
             w.traffic.reset()
             w.memory.reset_peak()
         t0 = time.perf_counter()
         loss = self.runner.step(step)
-        peak = max(w.memory.peak for w in workers)
+        stats = self._summed([loss, *(sum(getattr(w.traffic, k) for w in workers) for k in ("h2d", "d2h", "peer"))])
+        peak = int(self._summed([max(w.memory.peak for w in workers)], dist.ReduceOp.MAX)[0])
         self.peak_bytes_max = max(self.peak_bytes_max, peak)
-        return StepMetrics(step=step, loss=loss, lr=UpdateRule.of(cfg.optim).lr_at(step),
+        return StepMetrics(step=step, loss=stats[0], lr=UpdateRule.of(cfg.optim).lr_at(step),
                            tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
-                           step_time_s=time.perf_counter() - t0, h2d_bytes=sum(w.traffic.h2d for w in workers),
-                           d2h_bytes=sum(w.traffic.d2h for w in workers),
-                           peer_bytes=sum(w.traffic.peer for w in workers), peak_device_bytes=peak,
-                           grad_norm=self.runner.grad_norm)
+                           step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
+                           peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm)
+
+    def _summed(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """``values`` over the replicas (as they are with one)."""
+        if self.layout.count == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
 
     def evaluate(self, done: int) -> float:
-        return sum(self.runner.evaluate(self.held_out.pass_batches(k), done) for k in range(self.held_out.passes))
+        local = sum(self.runner.evaluate(self.held_out.pass_batches(k), done) for k in range(self.held_out.passes))
+        return self._summed([local])[0]
 
     def drain(self) -> None:
         self.runner.drain()
 
     def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
-        return checkpoint_files(self.store, done)
+        return checkpoint_files(self.store, done, layout=self.layout)
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         restore(self.store, ckpt)
         self.runner.resume_at(ckpt.step)
 
     def finish(self) -> dict:
-        export(self.store, self.ctx.payload.exports)
+        if self.layout.index == 0:  # every replica holds the same weights
+            export(self.store, self.ctx.payload.exports)
         out = {"budget_bytes": self.ctx.spec.budget_bytes[0], "peak_bytes_max": self.peak_bytes_max,
                "host_bytes": self.store.host_bytes()}
         if self.ctx.payload.return_weights:

@@ -8,6 +8,14 @@ in), steps AdamW (after the step's global norm, where it clips), and writes the 
 step ``1 + lag`` later reads; then its version says so, and the loads that read it go on.  A piece's
 next gradients wait for that update before landing in its staging buffer, so its updates stay in
 step order on any of the threads.
+
+With data-parallel replicas (:mod:`mobius.stages.replicas`: a process per box, each on its share of
+the step's micro-batches) a piece's summed gradients are summed over the replicas into their
+owners, each owner steps AdamW on its parameters, and the owners' weights are broadcast back
+before the compute copy is written.  A group's collectives must come in the same order on every
+replica, whatever order the gradients came home in: one thread issues the sums, another the
+broadcasts, each taking the pieces step by step, within a step from the last piece to the first
+(:class:`InOrder`); the AdamW between them runs on the pool.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import clip_coefficient, set_lr, squares
+from mobius.stages.replicas import ReplicaGroup
 from mobius.swap.store import HostStageStore
 
 
@@ -48,13 +57,56 @@ class Board:
             self.cond.notify_all()
 
 
+class InOrder:
+    """(piece, step) pairs handed over in any order, taken in one order: step by step from the
+    first, within a step ``order``'s pieces in turn.  Waits on the board, so an error anywhere
+    ends the wait."""
+
+    def __init__(self, board: Board, order: list[int]):
+        self.board, self.order = board, order
+        self._got: set[tuple[int, int]] = set()
+        self._next = (0, 0)  # (step, index into order)
+        self._closed = False
+
+    def put(self, piece: int, step: int) -> None:
+        with self.board.cond:
+            self._got.add((piece, step))
+            self.board.cond.notify_all()
+
+    def start_at(self, step: int) -> None:
+        with self.board.cond:
+            self._next = (step, 0)
+
+    def take(self) -> tuple[int, int] | None:
+        """The next pair, once it is here (None: closed)."""
+        with self.board.cond:
+            step, k = self._next
+            want = (self.order[k], step)
+            self.board.cond.wait_for(lambda: want in self._got or self._closed or self.board.error is not None)
+            if want not in self._got:
+                return None
+            self._got.remove(want)
+            self._next = (step, k + 1) if k + 1 < len(self.order) else (step + 1, 0)
+            return want
+
+    def last_of_step(self) -> bool:
+        """Whether the pair just taken ended its step."""
+        return self._next[1] == 0
+
+    def close(self) -> None:
+        with self.board.cond:
+            self._closed = True
+            self.board.cond.notify_all()
+
+
 class PieceUpdates:
     """AdamW of each piece on the host, once per step, on a thread per device: in step order per
     piece (the producer of a piece's gradients waits for the update before,
-    :meth:`wait_staging`), the head's parts summed in part order."""
+    :meth:`wait_staging`), the head's parts summed in part order; with ``replicas``, between the
+    sum over the replicas and the broadcast back."""
 
     def __init__(self, store: HostStageStore, board: Board, parts: dict[int, int], device: Device, trace: Trace,
-                 threads: int = 1):
+                 threads: int = 1, replicas: ReplicaGroup | None = None):
         """``parts``: piece -> how many tasks' gradients its update sums (the head's parts)."""
         self.store, self.board, self.trace = store, board, trace
         self.lag, self.rule = store.lag, store.rule
@@ -75,6 +127,16 @@ class PieceUpdates:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         self._jobs: list = []
         self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
+        self._last_step = -1  # the latest step whose gradients came home
+        self.replicas = replicas
+        self._threads: list[threading.Thread] = []
+        if replicas is not None:
+            # Every replica takes the pieces in this order: from the last, as the backward frees them.
+            self.summed, self.stepped = (InOrder(board, sorted(self.trained, reverse=True)) for _ in range(2))
+            self._threads = [threading.Thread(target=self._run, args=(loop,), name=f"mobius-{what}", daemon=True)
+                             for loop, what in ((self._sums, "sums"), (self._broadcasts, "broadcasts"))]
+            for t in self._threads:
+                t.start()
 
     def wait_weights(self, piece: int, step: int) -> None:
         """Block until the weights step ``step`` reads of ``piece`` are in its compute copy."""
@@ -96,6 +158,7 @@ class PieceUpdates:
             got = self._arrived.setdefault((piece, step), [])
             got.append((part, arrived, copied))
             self._lr[step] = lr
+            self._last_step = max(self._last_step, step)
             complete = len(got) == self.parts.get(piece, 1)
         if complete:
             self._submit(self._sum, piece, step, device)
@@ -126,8 +189,11 @@ class PieceUpdates:
             else:
                 host.master_grad.add_(src)
         host.attach_master_grads()
+        if self.replicas is not None:
+            self.summed.put(piece, step)  # the sums' thread takes it from here
+            return
         if not self.rule.max_grad_norm:
-            self._update(piece, step, 1.0, device)
+            self._adamw(piece, step, 1.0, device)
             return
         with self._lock:
             done = self._summed.setdefault(step, [])
@@ -136,28 +202,84 @@ class PieceUpdates:
             if last:
                 del self._summed[step]
         if last:  # the step's global norm, then every piece's update
-            total = squares(p.grad for q in sorted(done) for p in self.store.stages[q].master_params)
-            self.grad_norm[step] = total ** 0.5
-            clip = clip_coefficient(total, self.rule.max_grad_norm)
-            for q in sorted(done):
-                self._update(q, step, clip, device)
+            for q, clip in self._clipped(step, done, self._squares(done)):
+                self._adamw(q, step, clip, device)
 
-    def _update(self, piece: int, step: int, clip: float, device: Device) -> None:
+    def _clipped(self, step: int, pieces: list[int], total: float) -> list[tuple[int, float]]:
+        """Step ``step``'s global norm from the sum of squares ``total`` of every piece's gradients:
+        each piece with the coefficient it is clipped by."""
+        self.grad_norm[step] = total ** 0.5
+        clip = clip_coefficient(total, self.rule.max_grad_norm)
+        return [(q, clip) for q in sorted(pieces)]
+
+    def _squares(self, pieces: list[int]) -> float:
+        """The sum of squares of the gradients of the parameters this host updates in ``pieces``
+        (with replicas: those it owns, which its sum holds whole)."""
+        return squares(p.grad for q in sorted(pieces) if (opt := self.store.stages[q].optimizer) is not None
+                       for group in opt.param_groups for p in group["params"])
+
+    def _run(self, loop) -> None:
+        try:
+            loop()
+        except BaseException as err:  # every waiting thread hears of it
+            self.board.fail(err)
+
+    def _sums(self) -> None:
+        """The sums' thread: each piece's gradients summed over the replicas into their owners, in
+        every replica's order; then its AdamW (after the step's norm, where it clips)."""
+        device, waiting = self.replicas.device, []
+        while (item := self.summed.take()) is not None:
+            piece, step = item
+            self.replicas.reduce_gradients(self.store.stages[piece])
+            if not self.rule.max_grad_norm:
+                self._submit(self._adamw, piece, step, 1.0, device)
+                continue
+            waiting.append(piece)
+            if self.summed.last_of_step():
+                total = self.replicas.sum(self._squares(waiting))
+                for q, clip in self._clipped(step, waiting, total):
+                    self._submit(self._adamw, q, step, clip, device)
+                waiting = []
+
+    def _broadcasts(self) -> None:
+        """The broadcasts' thread: each piece's weights from their owners, in every replica's order;
+        then its compute copy."""
+        while (item := self.stepped.take()) is not None:
+            piece, step = item
+            self.replicas.broadcast_weights(self.store.stages[piece])
+            self._publish(piece, step)
+
+    def _adamw(self, piece: int, step: int, clip: float, device: Device) -> None:
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
             if clip < 1.0:
-                for p in host.master_params:
-                    p.grad.mul_(clip)
-            with device.host_update_span(sum(p.numel() for p in host.master_params)):
+                for group in host.optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad.mul_(clip)
+            with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups for p in g["params"])):
                 host.optimizer.step()
             host.optimizer.zero_grad(set_to_none=True)
-        self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
+        if self.replicas is not None:
+            self.stepped.put(piece, step)  # the broadcasts' thread takes it from here
+        else:
+            self._publish(piece, step)
+
+    def _publish(self, piece: int, step: int) -> None:
+        """Piece ``piece``'s master after step ``step``'s update into the compute copy the step
+        ``1 + lag`` later reads; then the loads waiting for it go on."""
+        self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         with self.board.cond:
             self.board.versions[piece] = step + 1
             self.board.cond.notify_all()
+
+    def resume_at(self, step: int) -> None:
+        """The next step's gradients are step ``step``'s."""
+        if self.replicas is not None:
+            self.summed.start_at(step)
+            self.stepped.start_at(step)
 
     def skip_untrained(self, step: int) -> None:
         """Pieces that train nothing are current for every step."""
@@ -168,11 +290,19 @@ class PieceUpdates:
             self.board.cond.notify_all()
 
     def drain(self) -> None:
-        """Every update submitted so far is done."""
+        """Every update of the gradients home so far is done."""
+        last = self._last_step
+        self.board.wait_until(lambda: all(self.board.versions[p] > last for p in self.trained),
+                              f"the updates of step {last}")
         with self._lock:
             jobs = list(self._jobs)
         for job in jobs:
             job.result()
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.summed.close()
+            self.stepped.close()
+        for t in self._threads:
+            t.join(timeout=self.board.wait_s)
         self._pool.shutdown(wait=True)

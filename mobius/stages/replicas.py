@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from mobius.metrics import Trace
@@ -63,22 +64,29 @@ def owners(sizes: dict[str, int], count: int) -> dict[str, int]:
 class ReplicaGroup:
     """The collectives between this worker and the workers at its pipeline position in the other
     replicas: gradients summed into their owners, updated weights broadcast from them (gloo, on
-    host tensors, from the optimizer thread; the main thread's messages use the default group)."""
+    host tensors, from the optimizer thread; the main thread's messages use the default group).
+    Where the sums and the broadcasts are issued by two threads (the dispatched schedule's), each
+    has a group of its own: a group's collectives must come in the same order on every replica."""
 
-    def __init__(self, layout: ReplicaLayout, position: int, group, device: Device, trace: Trace):
+    def __init__(self, layout: ReplicaLayout, position: int, group, device: Device, trace: Trace,
+                 broadcasts=None):
         self.layout, self.position, self.group, self.device, self.trace = layout, position, group, device, trace
+        self.broadcasts = broadcasts or group
         self.owner: dict[str, int] = {}
 
     @classmethod
-    def join(cls, layout: ReplicaLayout, position: int, device: Device, trace: Trace) -> "ReplicaGroup":
+    def join(cls, layout: ReplicaLayout, position: int, device: Device, trace: Trace,
+             broadcasts_apart: bool = False) -> "ReplicaGroup":
         """Every process of the run calls this, in the same order: one group per pipeline position
-        (torch.distributed makes each group with every rank taking part)."""
+        (torch.distributed makes each group with every rank taking part), and a second one for the
+        broadcasts where ``broadcasts_apart``."""
         mine = None
         for p in range(layout.workers):
-            group = dist.new_group([layout.rank_of(p, d) for d in range(layout.count)])
+            ranks = [layout.rank_of(p, d) for d in range(layout.count)]
+            groups = (dist.new_group(ranks), dist.new_group(ranks) if broadcasts_apart else None)
             if p == position:
-                mine = group
-        return cls(layout, position, mine, device, trace)
+                mine = groups
+        return cls(layout, position, mine[0], device, trace, mine[1])
 
     def assign(self, sizes: dict[str, int]) -> None:
         """The owners of this position's trained parameters (``sizes``: elements by name)."""
@@ -104,10 +112,16 @@ class ReplicaGroup:
         self.trace.span(f"reduce {host.index}", "replicas", t0, time.perf_counter(),
                         bytes=host.master_grad.numel() * 4)
 
+    def sum(self, value: float) -> float:
+        """``value`` summed over the replicas (on the sums' group)."""
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        return total.item()
+
     def broadcast_weights(self, host: HostStage) -> None:
         """Every replica's master weights of stage ``host`` as their owners updated them."""
         t0 = time.perf_counter()
         for name, p in host.trained():
-            dist.broadcast(p.data, src=self._root(name), group=self.group)
+            dist.broadcast(p.data, src=self._root(name), group=self.broadcasts)
         self.device.network_time(self.network_bytes(host))
         self.trace.span(f"broadcast {host.index}", "replicas", t0, time.perf_counter(), bytes=host.master.numel() * 4)
