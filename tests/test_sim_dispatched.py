@@ -193,6 +193,46 @@ def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
     assert all(t.start >= max(updates[d].end for d in t.deps if d in updates) for t in loads)
 
 
+def test_replicas_sum_and_broadcast_each_stage_in_one_order_over_the_network():
+    """Two boxes, each on its share of the micro-batches: every backward stage's update is its
+    gradients' sum over the network, the owner's AdamW of half of it, the broadcast back, the sums
+    in one order and the broadcasts in one order; on a slow network the step is the network's, on a
+    free one a box's with half its AdamW."""
+    from dataclasses import replace
+
+    from mobius.partition.cost import exchanged_bytes
+    from mobius.sim.engine import CPU, NET
+
+    profile, topo = _profile(), load_topology("topo2+2")
+    forward, backward = [(0, 5), (5, 10), (10, 14)], [(0, 4), (4, 8), (8, 12), (12, 14)]
+
+    def on(network_bps: float):
+        two = replace(profile, host=replace(profile.host, replicas=2, network_bps=network_bps))
+        return simulate_dispatched(two, forward, backward, topo, [0, 2, 1, 3], M // 2)
+
+    one = simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M // 2)
+    slow, fast = on(1e8), on(1e15)
+    trained = stage_costs(profile, backward, True)
+    params = [c.grad_bytes / 4 for c in trained]
+    for r in (slow, fast):
+        ends = _ends(r)
+        sums = [t for t in r.tasks if t.kind == NET and t.name.startswith("sum")]
+        casts = [t for t in r.tasks if t.kind == NET and t.name.startswith("broadcast")]
+        assert sorted(t.work for t in sums) == sorted(t.work for t in casts) == \
+            pytest.approx(sorted(exchanged_bytes(p, 2) for p in params))
+        for chain in (sums, casts):  # one order each: the backward's, from the head
+            assert all(a.end <= b.start + 1e-12 for a, b in zip(chain, chain[1:]))
+        adam = {t.name: t for t in r.tasks if t.kind == CPU}
+        for s_, b in zip(sums, casts):
+            a = adam[s_.name.replace("sum", "AdamW")]
+            assert s_.end <= a.start + 1e-12 and a.end <= b.start + 1e-12
+    assert slow.step_s >= 2 * sum(exchanged_bytes(p, 2) for p in params) / 1e8
+    # Each host steps half of every stage: on a free network the step is one box's, less that.
+    adam_s = [sum(t.work for t in r.tasks if t.kind == CPU) for r in (one, fast)]
+    assert adam_s[1] == pytest.approx(adam_s[0] / 2)
+    assert one.step_s - adam_s[0] / 2 <= fast.step_s + 1e-9 and fast.step_s < one.step_s < slow.step_s
+
+
 def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys):
     """``mobius.plan --schedule auto``: the dispatched shape found and its step, from the profile the
     plan was made from, on the same GPUs in the same order, beside the plan, and which schedule a
