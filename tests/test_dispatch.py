@@ -28,8 +28,8 @@ KEPT_TAIL = DispatchedShape([(0, 3), (3, 6), (6, 7), (7, 8), (8, 10)],
 
 
 def config(workers: int, **kw) -> RunConfig:
-    kw = {"steps": 3, **kw}
-    return RunConfig.of(model="tiny8", topology="cpu", cpu_workers=workers, seq_len=32, micro_batch_size=2,
+    kw = {"steps": 3, "model": "tiny8", **kw}
+    return RunConfig.of(topology="cpu", cpu_workers=workers, seq_len=32, micro_batch_size=2,
                         micro_batches=4, progress=False, precision="fp32", **kw)
 
 
@@ -110,12 +110,36 @@ def test_a_device_out_of_memory_fails_the_step_with_its_reason():
         run(config(2, steps=1), SYMMETRIC, budget=2**16)
 
 
-@pytest.mark.parametrize("tied,precision,refused", [(True, "fp32", "tied"), (False, "fp16", "fp16")])
-def test_what_it_does_not_run_is_refused_before_anything_is_built(tied, precision, refused):
-    cfg = config(2)
-    model_config = dataclasses.replace(model_config_for(cfg), tie_embeddings=tied)
+@pytest.mark.parametrize("changes,precision,refused", [({}, "fp16", "fp16"), ({"replan": "auto"}, "fp32", "replan")])
+def test_what_it_does_not_run_is_refused_before_anything_is_built(changes, precision, refused):
+    cfg = config(2, **changes)
     with pytest.raises(InputError, match=refused):
-        check_dispatched(cfg, model_config, precision)
+        check_dispatched(cfg, model_config_for(cfg), precision)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    from tiny_hf_models import make_dirs
+
+    return make_dirs(tmp_path_factory.mktemp("hf-dispatch"))["gpt2"]
+
+
+# GPT-2 with two blocks: the embedding (layer 0), the blocks, the head (layer 3), its table tied to the embedding's.
+TIED = DispatchedShape([(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [0, 1], head_gpus=2)
+
+
+@pytest.mark.parametrize("changes", [{"optimizer_lag": 1, "max_grad_norm": 0.05}, {}], ids=["lag1-clipping", "plain"])
+def test_a_tied_token_table_is_updated_with_both_copies_gradients(gpt2_dir, changes):
+    """The embedding's piece and the head's each hold a copy of the tied table: each update waits
+    for the other's gradients and steps with their sum (the norm counting it once), so both copies
+    end as the reference's one parameter."""
+    cfg = config(2, model=str(gpt2_dir), **changes)
+    assert model_config_for(cfg).tie_embeddings
+    got = run(cfg, TIED)
+    assert_same(got, reference(cfg))
+    weights = got[1]
+    head = next(n for n in weights if n.endswith("lm_head.weight"))
+    assert torch.equal(weights[head], weights["layers.0.wte.weight"])
 
 
 def test_a_dispatched_run_stops_saves_and_resumes_as_one_straight_run(tmp_path):
@@ -145,20 +169,23 @@ def test_a_dispatched_run_stops_saves_and_resumes_as_one_straight_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("changes", [{"optimizer_lag": 1, "max_grad_norm": 0.05},
-                                     {"lora_rank": 4, "lora_dropout": 0.3}], ids=["lag1-clipping", "lora-dropout"])
-def test_two_replicas_of_the_dispatched_schedule_equal_the_reference(tmp_path, changes):
+@pytest.mark.parametrize("changes", [{"optimizer_lag": 1, "max_grad_norm": 0.05, "model": "gpt2"},
+                                     {"lora_rank": 4, "lora_dropout": 0.3}], ids=["tied-lag1-clipping", "lora-dropout"])
+def test_two_replicas_of_the_dispatched_schedule_equal_the_reference(tmp_path, gpt2_dir, changes):
     """Two processes, a box of two devices each, on half the step's micro-batches each: every
     piece's gradients summed over them into their owners, each owner's AdamW, the weights broadcast
-    back, whatever order the pieces came home in (with clipping, by the norm of the sums); LoRA's
-    dropout masks those of the micro-batches' places in the whole step.  The reference's losses
-    and weights, each replica's AdamW shards in the checkpoint."""
+    back, whatever order the pieces came home in (with clipping, by the norm of the sums; a tied
+    table's two copies with one owner, which sums them); LoRA's dropout masks those of the
+    micro-batches' places in the whole step.  The reference's losses and weights, each replica's
+    AdamW shards in the checkpoint."""
     import os
 
     from mobius.backends.pipeline import launch_pipeline
     from mobius.planning.prepare import resolve_topology
     from mobius.runtime import checkpoint as ck
 
+    if changes.get("model") == "gpt2":
+        changes = {**changes, "model": str(gpt2_dir)}
     cfg = config(2, data_parallel=2, schedule="dispatched", save=str(tmp_path / "ck"), **changes)
     want_losses, want_weights = reference(cfg)
     history, weights, results = launch_pipeline(cfg, model_config_for(cfg), resolve_topology(cfg),

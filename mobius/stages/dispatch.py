@@ -44,7 +44,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource
 from mobius.metrics import Trace
-from mobius.models import GPTConfig, TokenLayout, run_layers
+from mobius.models import GPTConfig, TokenLayout, run_layers, tied_parameter_names
 from mobius.models.precision import DTYPES
 from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device
@@ -549,9 +549,7 @@ class DispatchedRunner:
 
 def dispatched_refusal(cfg: RunConfig, model_config: GPTConfig, precision: str) -> str | None:
     """What of the run the dispatched schedule does not run yet, in a few words (None: nothing)."""
-    refused = [(model_config.tie_embeddings, "a model whose token table is tied to its head (the two copies' "
-                                             "gradients are summed by the bound schedule's workers)"),
-               (precision == "fp16", "fp16 (its loss scale's overflow vote); use bf16"),
+    refused = [(precision == "fp16", "fp16 (its loss scale's overflow vote: use bf16)"),
                (bool(cfg.offload_dir), "--offload-dir"),
                (cfg.pipeline.replan == "auto", "--replan auto")]
     return next((what for refuse, what in refused if refuse), None)
@@ -575,6 +573,8 @@ def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedS
     store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[precision], devices[0], cfg.optim.optimizer_lag)
     if replicas is not None:
-        replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()})
+        # A tied table's two copies have one owner, which sums their gradients and updates both.
+        replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()},
+                        tied_parameter_names(model_config))
         store.update_only(replicas.updates)
     return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s, replicas)

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from mobius.metrics import Trace
+from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import clip_coefficient, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
@@ -55,6 +56,19 @@ class Board:
             if self.error is None:
                 self.error = err
             self.cond.notify_all()
+
+
+def _tied_table(store: HostStageStore) -> list[tuple[int, str]]:
+    """(piece, name) of a token table's copy in the embedding and in the head, where the model ties
+    them and the table trains (LoRA freezes it); else none."""
+    aliases = tied_parameter_names(store.config)
+    if not aliases:
+        return []
+    (alias, canonical), = aliases.items()
+    first, last = min(store.stages), max(store.stages)
+    if canonical not in dict(store.stages[first].trained()):
+        return []
+    return [(first, canonical), (last, alias)]
 
 
 class InOrder:
@@ -109,6 +123,8 @@ class PieceUpdates:
                  threads: int = 1, replicas: ReplicaGroup | None = None):
         """``parts``: piece -> how many tasks' gradients its update sums (the head's parts)."""
         self.store, self.board, self.trace = store, board, trace
+        self._tied_names = _tied_table(store)  # [(piece, name)] of the embedding's copy and the head's
+        self.tied = {p for p, _ in self._tied_names}
         self.lag, self.rule = store.lag, store.rule
         self.parts = parts
         self.trained = [p for p, host in store.stages.items() if host.trains]
@@ -119,7 +135,7 @@ class PieceUpdates:
             self.staging[p] = [first, *(device.host_buffer(first.numel(), first.dtype)
                                         for _ in range(parts.get(p, 1) - 1))]
         self._arrived: dict[tuple[int, int], list] = {}  # (piece, step) -> [(part, event, copied)]
-        self._summed: dict[int, list[int]] = {}  # step -> pieces whose gradients are in their masters
+        self._waiting: dict[int, list[int]] = {}  # step -> pieces summed, their updates held (_held)
         self._lr: dict[int, float] = {}
         self._lock = threading.Lock()
         # A thread per device, as the plan's host lanes: a piece's updates stay in step order because
@@ -192,31 +208,58 @@ class PieceUpdates:
         if self.replicas is not None:
             self.summed.put(piece, step)  # the sums' thread takes it from here
             return
-        if not self.rule.max_grad_norm:
+        held = self._held(step, piece)
+        if held is None:
             self._adamw(piece, step, 1.0, device)
-            return
-        with self._lock:
-            done = self._summed.setdefault(step, [])
-            done.append(piece)
-            last = len(done) == len(self.trained)
-            if last:
-                del self._summed[step]
-        if last:  # the step's global norm, then every piece's update
-            for q, clip in self._clipped(step, done, self._squares(done)):
+        else:
+            for q, clip in self._released(step, held, self._squares):
                 self._adamw(q, step, clip, device)
 
-    def _clipped(self, step: int, pieces: list[int], total: float) -> list[tuple[int, float]]:
-        """Step ``step``'s global norm from the sum of squares ``total`` of every piece's gradients:
-        each piece with the coefficient it is clipped by."""
+    def _held(self, step: int, piece: int) -> list[int] | None:
+        """None where ``piece``'s update may run now; else the pieces it waited with, once the last
+        of them is here (an empty list until then): every piece where the step's global norm clips
+        them, the two copies of a tied token table each other (they are updated with their sum)."""
+        if not self.rule.max_grad_norm and piece not in self.tied:
+            return None
+        with self._lock:
+            done = self._waiting.setdefault(step, [])
+            done.append(piece)
+            if len(done) < (len(self.trained) if self.rule.max_grad_norm else len(self.tied)):
+                return []
+            return self._waiting.pop(step)
+
+    def _released(self, step: int, pieces: list[int], squares_of) -> list[tuple[int, float]]:
+        """The pieces held for each other, their tied table's gradients summed, each with the
+        coefficient it is clipped by (from ``squares_of(pieces)``, the sum of squares of their
+        gradients, where the step clips)."""
+        if self.tied and self.tied <= set(pieces):
+            self._sum_tied()
+        if not self.rule.max_grad_norm:
+            return [(q, 1.0) for q in sorted(pieces)]
+        total = squares_of(pieces)
         self.grad_norm[step] = total ** 0.5
         clip = clip_coefficient(total, self.rule.max_grad_norm)
         return [(q, clip) for q in sorted(pieces)]
 
+    def _sum_tied(self) -> None:
+        """The token table's two copies (the embedding's, the head's) get the sum of their
+        gradients, embedding + head, as the bound schedule's workers sum them."""
+        embedding, head = (dict(self.store.stages[p].trained())[name] for p, name in self._tied_names)
+        total = embedding.grad + head.grad
+        embedding.grad, head.grad = total, total.clone()
+
     def _squares(self, pieces: list[int]) -> float:
         """The sum of squares of the gradients of the parameters this host updates in ``pieces``
-        (with replicas: those it owns, which its sum holds whole)."""
+        (with replicas: those it owns, which its sum holds whole), a tied table counted once."""
+        duplicate = self._head_copy()
         return squares(p.grad for q in sorted(pieces) if (opt := self.store.stages[q].optimizer) is not None
-                       for group in opt.param_groups for p in group["params"])
+                       for group in opt.param_groups for p in group["params"] if p is not duplicate)
+
+    def _head_copy(self):
+        if not self.tied:
+            return None
+        piece, name = self._tied_names[1]
+        return dict(self.store.stages[piece].trained())[name]
 
     def _run(self, loop) -> None:
         try:
@@ -227,19 +270,16 @@ class PieceUpdates:
     def _sums(self) -> None:
         """The sums' thread: each piece's gradients summed over the replicas into their owners, in
         every replica's order; then its AdamW (after the step's norm, where it clips)."""
-        device, waiting = self.replicas.device, []
+        device = self.replicas.device
         while (item := self.summed.take()) is not None:
             piece, step = item
             self.replicas.reduce_gradients(self.store.stages[piece])
-            if not self.rule.max_grad_norm:
+            held = self._held(step, piece)
+            if held is None:
                 self._submit(self._adamw, piece, step, 1.0, device)
                 continue
-            waiting.append(piece)
-            if self.summed.last_of_step():
-                total = self.replicas.sum(self._squares(waiting))
-                for q, clip in self._clipped(step, waiting, total):
-                    self._submit(self._adamw, q, step, clip, device)
-                waiting = []
+            for q, clip in self._released(step, held, lambda ps: self.replicas.sum(self._squares(ps))):
+                self._submit(self._adamw, q, step, clip, device)
 
     def _broadcasts(self) -> None:
         """The broadcasts' thread: each piece's weights from their owners, in every replica's order;

@@ -88,9 +88,12 @@ class ReplicaGroup:
                 mine = groups
         return cls(layout, position, mine[0], device, trace, mine[1])
 
-    def assign(self, sizes: dict[str, int]) -> None:
-        """The owners of this position's trained parameters (``sizes``: elements by name)."""
-        self.owner = owners(sizes, self.layout.count)
+    def assign(self, sizes: dict[str, int], aliases: dict[str, str] | None = None) -> None:
+        """The owners of this position's trained parameters (``sizes``: elements by name); an alias
+        (``{alias: canonical}``: a tied table's second copy, held here too) is its canonical's."""
+        aliases = aliases or {}
+        self.owner = owners({n: k for n, k in sizes.items() if n not in aliases}, self.layout.count)
+        self.owner.update({a: self.owner[c] for a, c in aliases.items() if a in sizes})
 
     def updates(self, name: str) -> bool:
         """Whether this replica's host updates parameter ``name``."""
