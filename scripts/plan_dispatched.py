@@ -4,12 +4,13 @@ complex where there are two or more), ``--micro-batches`` of 1 x ``--seq-len``, 
 
 For every GPU count: the bound plan's predicted step (the cost model, as ``mobius.plan`` prints it)
 and the simulator's step for the same plan; the dispatched schedule's simulated step with the
-shape its search found (stage counts, kept tail, the head's GPUs); the bound schedule's speed-up
-over its own one-GPU step (simulated), the dispatched one's over the fastest one-GPU step of either.  The simulator
-swaps every stage: where the bound plan keeps stages resident on their GPUs (updated there, its
-"resident" column; without --optimizer-lag), the plan's own figure is the bound schedule's, and the
-dispatched schedule (which keeps none) is compared with that.  Everything here is a prediction from
-config.json alone (analytic profile), not a measurement; the runtime runs the bound schedule only.
+shape its search found (stage counts, kept tail, the kept stages resident on their GPUs, the
+head's GPUs); the bound schedule's speed-up over its own one-GPU step (simulated), the dispatched
+one's over the fastest one-GPU step of either.  The bound simulation swaps every stage: where the
+bound plan keeps stages resident on their GPUs (updated there, its "resident" column; without
+--optimizer-lag), the plan's own figure is the bound schedule's, and the dispatched schedule is
+compared with that.  Everything here is a prediction from config.json alone (analytic profile),
+not a measurement.
 
     python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--optimizer-lag 1]
                                       [--json out.json] [--smoke]
@@ -72,7 +73,8 @@ def row(model: str, gpus: int, directory: str, args) -> dict:
             "dispatched_simulated_s": dispatched.step_s if dispatched else None,
             "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None,
             "dispatched_kept": dispatched.kept if dispatched else None,
-            "dispatched_head_gpus": dispatched.head_gpus if dispatched else None}
+            "dispatched_head_gpus": dispatched.head_gpus if dispatched else None,
+            "dispatched_resident": len(dispatched.resident) if dispatched else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,15 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, optimizer lag "
           f"{args.optimizer_lag}, GPUs of 8x4090-4+4 (predictions, not measurements)")
     print("| GPUs | bound: plan s | resident | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
-          "| kept | head GPUs | dispatched/bound plan |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+          "| kept | resident | head GPUs | dispatched/bound plan |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         d = r["dispatched_simulated_s"]
         print(f"| {r['gpus']} | {r['bound_predicted_s']:.2f} | {r['bound_resident']} | {r['bound_simulated_s']:.2f} | "
               f"{one['bound_simulated_s'] / r['bound_simulated_s']:.2f}x | "
               + (f"{d:.2f} | {fastest_one / d:.2f}x | {r['dispatched_stages'][0]}/{r['dispatched_stages'][1]} | "
-                 f"{r['dispatched_kept']} | {r['dispatched_head_gpus']} | {d / r['bound_predicted_s']:.3f} |"
-                 if d else "does not fit | | | | | |"))
+                 f"{r['dispatched_kept']} | {r['dispatched_resident']} | {r['dispatched_head_gpus']} | "
+                 f"{d / r['bound_predicted_s']:.3f} |" if d else "does not fit | | | | | | |"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -51,12 +51,14 @@ def run(cfg: RunConfig, shape: DispatchedShape, budget: int = 2**32, trace: Trac
     return losses, weights, [w.memory.used for w in runner.workers]
 
 
-def assert_same(got, want) -> None:
+def assert_same(got, want, holding: set[int] = frozenset()) -> None:
+    """The reference's losses and weights; every device byte the tasks took came back, but on the
+    devices ``holding`` resident stages."""
     (losses, weights, left), (ref_losses, ref_weights) = got, want
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, w in ref_weights.items():
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
-    assert left == [0] * len(left)  # every device byte the tasks took came back
+    assert [g for g, used in enumerate(left) if used] == sorted(holding)
 
 
 @pytest.mark.parametrize("shape,lag", [(SYMMETRIC, 0), (SPLIT_HEAD, 1), (KEPT_TAIL, 0), (KEPT_TAIL, 1)],
@@ -67,6 +69,21 @@ def test_dispatched_equals_the_reference(shape, lag):
     forward ran; with the lag, the next step's forward overlapping this step's backward."""
     cfg = config(len(shape.order), optimizer_lag=lag)
     assert_same(run(cfg, shape), reference(cfg))
+
+
+@pytest.mark.parametrize("changes", [{}, {"lora_rank": 4, "lora_dropout": 0.3, "max_grad_norm": 0.05}],
+                         ids=["plain", "lora-dropout-clipping"])
+def test_resident_stages_stay_on_their_devices_and_are_updated_there(changes):
+    """The kept tail's two stages resident on devices 1 and 3: their forwards run there every step
+    (out of turn), their weights never leave, their AdamW runs there (held for the step's norm
+    where it clips, its gradients counted in it); the others as ever.  Those two devices end
+    holding them; the final weights, copied back, are the reference's."""
+    cfg = config(4, **changes)
+    shape = dataclasses.replace(KEPT_TAIL, resident=[(2, 1), (3, 3)])
+    tasks = step_tasks(shape.forward, shape.backward, 2, 2, shape.order, 4, steps=2, resident=shape.resident)
+    assert {(t.name, t.gpu) for t in tasks if t.name in ("F2", "F3", "B3", "B4")} == \
+        {("F2", 1), ("B3", 1), ("F3", 3), ("B4", 3)}
+    assert_same(run(cfg, shape), reference(cfg), holding={1, 3})
 
 
 def test_lora_with_dropout_and_clipping_equal_the_reference():

@@ -14,6 +14,7 @@ from mobius.partition.cost import stage_costs
 from mobius.partition.profile import analytic_profile
 from mobius.sim.dispatched import plan_dispatched, simulate_dispatched, valid_partitions
 from mobius.sim.engine import COMPUTE
+from mobius.stages.tasks import step_tasks
 from mobius.sim.schedules import simulate_mobius
 from topology import load_topology
 
@@ -75,9 +76,12 @@ def test_where_the_head_outweighs_the_other_stages_dispatch_is_faster_than_bindi
     bound = min(simulate_mobius(profile, balanced_bounds(costs, s), topo, order, micro_batches, recompute=True).step_s
                 for s in (4, 8, 12))
     assert found is not None and found.step_s < 0.95 * bound
-    # Tasks in turn, but a kept stage's backward, which runs where its forward ran.
+    # Tasks in turn, but a kept stage's backward, which runs where its forward ran, and a resident
+    # stage's forward, which runs on its GPU.
     tasks = found.gpu_of_tasks()
-    in_turn = [gpu for name, gpu in tasks if not _kept_backward(name, found)]
+    pinned = {f"F{j}": gpu for j, gpu in found.resident}
+    assert all(dict(tasks)[name] == gpu for name, gpu in pinned.items())
+    in_turn = [gpu for name, gpu in tasks if not _kept_backward(name, found) and name not in pinned]
     assert in_turn == [order[i % 4] for i in range(len(in_turn))]
     ran = dict(tasks)
     kept = len(found.backward) - 1 - found.kept
@@ -191,6 +195,38 @@ def test_with_optimizer_lag_steps_overlap_and_the_step_is_their_steady_state():
     loads = [t for t in r.tasks if t.name.startswith("load") and step_of(t.name) == 2 and "prefetch" in t.name]
     assert loads and all(any(d in updates for d in t.deps) for t in loads)
     assert all(t.start >= max(updates[d].end for d in t.deps if d in updates) for t in loads)
+
+
+def test_a_resident_stage_keeps_its_weights_and_is_updated_on_its_gpu():
+    """Kept stages' backwards find their weights there (no load); a resident one's forward runs on
+    its GPU every step, loads nothing, and its AdamW runs on that GPU's compute stream (nothing goes
+    to the host); it fits only where its GPU holds its weights, gradients and AdamW state for good."""
+    from mobius.sim.dispatched import resident_bytes
+
+    profile, topo = _profile(), load_topology("topo2+2")
+    forward = [(0, 6), (6, 11), (11, 12), (12, 13), (13, 14)]
+    backward = [(0, 3), (3, 7), (7, 11), (11, 12), (12, 13), (13, 14)]
+    order = [0, 2, 1, 3]
+
+    def loads(r, name, resident=()):
+        i = [t.name for t in step_tasks(forward, backward, 2, 1, order, M, resident=resident)].index(name)
+        return sum(t.work for t in r.tasks if t.name in (f"load T{i} (prefetch)", f"load T{i}"))
+
+    plain = simulate_dispatched(profile, forward, backward, topo, order, M, kept=2)
+    resident = simulate_dispatched(profile, forward, backward, topo, order, M, kept=2, resident=((2, 3),))
+    costs = stage_costs(profile, forward, False)
+    assert loads(plain, "F2") == costs[2].param_bytes and loads(plain, "B3") == loads(plain, "B4") == 0
+    assert loads(resident, "F2", ((2, 3),)) == 0 and _ends(resident)["F2.0"][2] == _ends(resident)["B3.0"][2] == 3
+    on_gpu = [t for t in resident.tasks if t.name.endswith("on the GPU")]
+    assert [(t.gpu, t.kind, t.work) for t in on_gpu] == \
+        [(3, COMPUTE, costs[2].grad_bytes / 4 / profile.host.device_adam_params_per_s)]
+    assert sum(t.work for t in resident.tasks if "grads" in t.name) == \
+        sum(t.work for t in plain.tasks if "grads" in t.name) - costs[2].grad_bytes
+    # The GPU must hold the stage for good beside what its other tasks need.
+    need = max(t.mem_fwd for t in costs) + resident_bytes(costs[2], profile.dtype)
+    mem = [10**12] * 4
+    mem[3] = need // 2
+    assert simulate_dispatched(profile, forward, backward, topo, order, M, mem, kept=2, resident=((2, 3),)) is None
 
 
 def test_replicas_sum_and_broadcast_each_stage_in_one_order_over_the_network():

@@ -124,7 +124,8 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
                               topo, plan.data_parallel)
     found = plan_dispatched(profile, topo, plan.order, plan.micro_batches,
                             adam_params_per_s=plan.host_costs.get("adam_params_per_s"),
-                            optimizer_lag=cfg.optim.optimizer_lag)
+                            optimizer_lag=cfg.optim.optimizer_lag,
+                            tied=model_config.tie_embeddings and not cfg.lora.rank)
     return found, found.shape(profile) if found is not None else None
 
 

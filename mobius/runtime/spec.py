@@ -285,24 +285,31 @@ class DispatchedShape:
     # The device memory each pass works in beyond its weights (a kept stage's: one micro-batch's).
     forward_bytes: list[int] = field(default_factory=list)
     backward_bytes: list[int] = field(default_factory=list)
+    # Kept stages that stay on one GPU with their AdamW state, updated there: (forward stage, GPU).
+    resident: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         if not valid_partitions(self.forward, self.backward, self.kept):
             raise ValueError(f"backward partition {self.backward} does not fit forward partition {self.forward} "
                              f"with {self.kept} kept stages")
+        kept = range(len(self.forward) - 1 - self.kept, len(self.forward) - 1)
+        if any(j not in kept for j, _ in self.resident):
+            raise ValueError(f"resident stages {[j for j, _ in self.resident]} are not among the kept stages {list(kept)}")
 
     def describe(self) -> str:
         """In a run's header."""
+        resident = f" ({len(self.resident)} resident, updated on their GPUs)" if self.resident else ""
         return (f"{len(self.forward)} forward / {len(self.backward)} backward stages, the head's task on "
-                f"{self.head_gpus} GPU{'s' if self.head_gpus > 1 else ''}, {self.kept} kept, GPUs in turn "
-                f"{self.order}")
+                f"{self.head_gpus} GPU{'s' if self.head_gpus > 1 else ''}, {self.kept} kept{resident}, GPUs in "
+                f"turn {self.order}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DispatchedShape":
-        return cls(**{**d, "forward": [tuple(b) for b in d["forward"]], "backward": [tuple(b) for b in d["backward"]]})
+        return cls(**{**d, "forward": [tuple(b) for b in d["forward"]], "backward": [tuple(b) for b in d["backward"]],
+                      "resident": [tuple(r) for r in d.get("resident", [])]})
 
 
 def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, int]], kept: int = 0) -> bool:

@@ -55,6 +55,7 @@ class DispatchedPlan:
     kept: int = 0  # forward stages before the last whose backward runs where they ran, from kept activations
     head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
+    resident: tuple[tuple[int, int], ...] = ()  # kept stages on one GPU for good, updated there: (stage, GPU)
 
     def shape(self, profile: Profile) -> DispatchedShape:
         """What a run executes of this plan, with each task's micro-batch time on ``profile``'s GPUs
@@ -72,36 +73,44 @@ class DispatchedPlan:
                          for j, c in enumerate(fwd[:-1])] + [fwd[-1].mem_fwd - fwd[-1].param_bytes]
         return DispatchedShape(self.forward, self.backward, self.order, self.kept, self.head_gpus,
                                [c.fwd_s for c in fwd], [c.bwd_s for c in backward],
-                               forward_bytes, [c.mem_bwd - c.param_bytes for c in backward])
+                               forward_bytes, [c.mem_bwd - c.param_bytes for c in backward], list(self.resident))
 
     def gpu_of_tasks(self) -> list[tuple[str, int]]:
         """Which GPU runs each task of the first step, in order ("F3", "H.1", "B0", ...)."""
         return [(t.name, t.gpu) for t in step_tasks(self.forward, self.backward, self.kept, self.head_gpus,
-                                                    self.order, self.micro_batches) if t.step == 0]
+                                                    self.order, self.micro_batches, resident=self.resident)]
 
 
 def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]], topo,
                         order: list[int], micro_batches: int, memory_bytes: list[int] | None = None,
                         adam_params_per_s: float | None = None, optimizer_lag: int = 0, kept: int = 0,
-                        head_gpus: int = 1, steps: int | None = None) -> SimResult | None:
+                        head_gpus: int = 1, steps: int | None = None, resident=()) -> SimResult | None:
     """One step of the dispatched schedule; None where a task does not fit its GPU's memory beside
-    what the kept stages hold there.  With ``optimizer_lag`` the steady state of ``steps`` steps
-    (default :data:`OVERLAPPED_STEPS`; 1: a step alone, ending with its device work), unless a host
-    thread's AdamW of a step takes longer."""
+    what the kept and resident stages hold there.  With ``optimizer_lag`` the steady state of
+    ``steps`` steps (default :data:`OVERLAPPED_STEPS`; 1: a step alone, ending with its device
+    work), unless a host thread's AdamW of a step takes longer.  ``resident``: (kept forward stage,
+    GPU) pairs whose weights stay on that GPU, updated there (without the lag: a step alone, its
+    weights there from the step before)."""
     if not valid_partitions(forward, backward, kept):
         raise ValueError(f"backward partition {backward} does not end within forward partition {forward}, "
                          f"or its last {kept} stages before the head's are not forward stages")
+    if resident and optimizer_lag:
+        raise ValueError("resident stages update on their GPUs at once: not with an optimizer lag")
     head_gpus = max(1, min(head_gpus, micro_batches))
     steps = (steps or OVERLAPPED_STEPS) if optimizer_lag else 1
-    tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, steps)
+    tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, steps, resident=resident)
     fwd = stage_costs(profile, forward, recompute=False)
     bwd = stage_costs(profile, backward, recompute=True)
     no_recompute = stage_costs(profile, backward, recompute=False)
     mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
-    if not _fits(tasks, fwd, no_recompute, mem, micro_batches):
+    held = dict.fromkeys(range(len(mem)), 0)  # the resident stages' weights, gradients and AdamW state
+    for j, g in resident:
+        held[g] += resident_bytes(fwd[j], profile.dtype)
+    if not _fits(tasks, fwd, no_recompute, mem, micro_batches, held, {j for j, _ in resident}):
         return None
     step = _StepOnSimulator(profile, topo, tasks, fwd, bwd, no_recompute, mem, backward, kept, head_gpus,
-                            adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag)
+                            adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag,
+                            ({j for j, _ in resident}, {backward.index(forward[j]) for j, _ in resident}))
     for i, t in enumerate(tasks):
         step.run_task(i, t)
     result = step.sim.run()
@@ -115,7 +124,7 @@ class _StepOnSimulator:
 
     def __init__(self, profile: Profile, topo, tasks: list[Task], fwd: list[StageCost], bwd: list[StageCost],
                  no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
-                 adam_rate: float, optimizer_lag: int):
+                 adam_rate: float, optimizer_lag: int, resident: tuple[set[int], set[int]]):
         self.profile, self.host = profile, profile.host
         self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
         self.sim = Simulator(self.link)
@@ -131,6 +140,8 @@ class _StepOnSimulator:
         self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW (and broadcast)
         self.exchanges: dict[str, int] = {}  # with replicas: "sum", "broadcast" -> the last, in every replica's order
         self.lag = optimizer_lag
+        # The resident stages, by their forward and by their backward index: weights stay, updated there.
+        self.resident_fwd, self.resident_bwd = resident
 
     def add(self, t: Task, *args) -> int:
         tid = self.sim.add(*args)
@@ -140,14 +151,20 @@ class _StepOnSimulator:
     def costs(self, t: Task) -> StageCost:
         return self.fwd[t.stage] if t.kind in "FH" else (self.bwd if t.recomputes else self.no_recompute)[t.stage]
 
+    def there(self, t: Task) -> bool:
+        """Whether a task's weights are on its GPU already: a kept stage's backward finds its
+        forward's there, a resident stage's forward those of the step before."""
+        return (t.kind == "B" and not t.recomputes) or (t.kind == "F" and t.stage in self.resident_fwd)
+
     def run_task(self, i: int, t: Task) -> None:
         c, g = self.costs(t), t.gpu
         # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
         prev = self.last_on.get(g)
-        early = max(0.0, min(c.param_bytes, self.mem[g] - prev[0])) if prev else c.param_bytes
+        param_bytes = 0 if self.there(t) else c.param_bytes
+        early = max(0.0, min(param_bytes, self.mem[g] - prev[0])) if prev else param_bytes
         a = self.add(t, f"load T{i} (prefetch)", H2D, g, early, (self.loaded_on.get(g), *self.updated(t, c)), i,
                      "params")
-        b = self.add(t, f"load T{i}", H2D, g, c.param_bytes - early, (a, prev[1] if prev else None), i, "params")
+        b = self.add(t, f"load T{i}", H2D, g, param_bytes - early, (a, prev[1] if prev else None), i, "params")
         self.loaded_on[g] = b
         begin = self.add(t, f"T{i} switch", COMPUTE, g, self.host.stage_switch_s, (prev[1],) if prev else ())
         last = None
@@ -206,7 +223,14 @@ class _StepOnSimulator:
 
     def update(self, i: int, t: Task, trained: StageCost, last: int) -> None:
         """A backward's gradients leave after its last micro-batch for the host's AdamW; the head's
-        parts are summed on the host before its one update."""
+        parts are summed on the host before its one update.  A resident stage's AdamW runs on its
+        GPU, on the compute stream."""
+        params = trained.grad_bytes / element_bytes(self.profile.dtype)
+        if t.kind == "B" and t.stage in self.resident_bwd:
+            self.computed[t.gpu] = self.updates[(t.step, t.stage)] = self.add(
+                t, f"AdamW T{i} on the GPU", COMPUTE, t.gpu, params / self.host.device_adam_params_per_s, (last,))
+            self.last_on[t.gpu] = (self.last_on[t.gpu][0], self.computed[t.gpu])
+            return
         off = self.add(t, f"grads T{i} to host", D2H, t.gpu, trained.grad_bytes, (last,), len(self.tasks) + i,
                        "gradients")
         after = (off,)
@@ -215,7 +239,6 @@ class _StepOnSimulator:
             if len(self.head_grads[t.step]) < self.head_gpus:
                 return
             after = tuple(self.head_grads[t.step])
-        params = trained.grad_bytes / element_bytes(self.profile.dtype)
         replicas = self.host.replicas
         if replicas == 1:
             self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / self.adam_rate, after)
@@ -230,18 +253,39 @@ class _StepOnSimulator:
 
 
 def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
-          micro_batches: int) -> bool:
-    """Every task fits its GPU beside the activations kept there, from the forward that kept them
-    to the end of their backward (tasks in issue order)."""
-    held = dict.fromkeys(range(len(mem)), 0)
+          micro_batches: int, held: dict[int, int], resident: set[int]) -> bool:
+    """Every task fits its GPU beside what stays there (tasks in issue order): ``held``, the
+    resident stages' state on each GPU; a kept stage's weights and every micro-batch's activations
+    from the forward that kept them to the end of their backward."""
+    held = dict(held)
+    shift = len(no_recompute) - len(fwd)
     for t in tasks:
-        if t.kind == "F" and t.keeps:  # every micro-batch's, beyond the one the pass itself counts
-            held[t.gpu] += micro_batches * no_recompute[len(no_recompute) - len(fwd) + t.stage].kept_bytes
-        if _device_bytes(t, fwd, no_recompute) + held[t.gpu] > mem[t.gpu]:
+        c = fwd[t.stage] if t.kind in "FH" else no_recompute[t.stage]
+        kept_backward = t.kind == "B" and not t.recomputes
+        weights_held = kept_backward or (t.kind == "F" and t.stage in resident)
+        keeping = t.kind == "F" and t.keeps
+        if keeping:  # every micro-batch's, beyond the one the pass itself counts
+            held[t.gpu] += micro_batches * no_recompute[t.stage + shift].kept_bytes
+        if _device_bytes(t, fwd, no_recompute) - (c.param_bytes if weights_held else 0) + held[t.gpu] > mem[t.gpu]:
             return False
-        if t.kind == "B" and not t.recomputes:
-            held[t.gpu] -= micro_batches * no_recompute[t.stage].kept_bytes
+        if keeping and t.stage not in resident:  # its weights stay for its backward
+            held[t.gpu] += c.param_bytes
+        if kept_backward:
+            resident_here = fwd_index(fwd, c) in resident
+            held[t.gpu] -= micro_batches * c.kept_bytes + (0 if resident_here else c.param_bytes)
     return True
+
+
+def fwd_index(fwd: list[StageCost], c: StageCost) -> int:
+    """The forward stage with ``c``'s layers."""
+    return next(j for j, f in enumerate(fwd) if (f.start, f.end) == (c.start, c.end))
+
+
+def resident_bytes(c: StageCost, dtype) -> int:
+    """What a resident stage keeps on its GPU for good: its weights, its gradients and AdamW's two
+    moments, and in 16 bits an fp32 master and its gradient (:mod:`mobius.stages.device_optimizer`)."""
+    params = c.grad_bytes // element_bytes(dtype)
+    return c.param_bytes + c.grad_bytes + 8 * params + (8 * params if element_bytes(dtype) != 4 else 0)
 
 
 def _device_bytes(t: Task, fwd: list[StageCost], no_recompute: list[StageCost]) -> int:
@@ -273,14 +317,17 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, netwo
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
-                    optimizer_lag: int = 0) -> DispatchedPlan | None:
+                    optimizer_lag: int = 0, tied: bool = False) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail (one layer a stage where those do not fit); then, for the
     :data:`REFINED` best of those, the two partitions' stage counts (each partition time-balanced,
     exactly, for its count), all as single steps.
     With ``optimizer_lag`` the steady state of the :data:`STEADY_CANDIDATES` fastest shapes
-    decides.  A few dozen simulations: a second or two for 8 GPUs.  None where nothing fits."""
+    decides.  Without it, the kept stages to keep resident on the GPUs their forwards ran on
+    (:func:`resident_for`).  A few dozen simulations: a second or two for 8 GPUs.  None where
+    nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
+    whose update waits for the head's gradients, stays on the host)."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
@@ -314,9 +361,33 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                 if p := simulated(tail, heads, sf, sb):
                     seen.append(p)
     best = min(seen, key=lambda p: p.step_s)
+    if not optimizer_lag and profile.host.replicas == 1:
+        return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied)
     if optimizer_lag:  # the steady state of the shapes fastest alone
         shapes = {(p.kept, p.head_gpus, len(p.forward) - 1 - p.kept, len(p.backward) - 1 - p.kept)
                   for p in sorted(seen, key=lambda p: p.step_s)[:STEADY_CANDIDATES]}
         best = min((p for shape in sorted(shapes) if (p := simulated(*shape, OVERLAPPED_STEPS))),
                    key=lambda p: p.step_s)
+    return best
+
+
+def resident_for(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: list[int] | None = None,
+                 adam_params_per_s: float | None = None, tied: bool = False) -> DispatchedPlan:
+    """``plan`` with the kept stages that pay for it resident on the GPU their forward ran on
+    (updated there, their weights never reloaded), as the bound plan chooses its resident stages:
+    greedily, the most trained parameters first, each kept where the step is still feasible and at
+    least 0.1% faster.  Not a stage that trains nothing, nor a tied table's (its update needs the
+    head's gradients, on the host)."""
+    first_kept = len(plan.forward) - 1 - plan.kept
+    ran_on = dict(plan.gpu_of_tasks())
+    costs = stage_costs(profile, plan.forward, recompute=False)
+    candidates = [j for j in range(first_kept, len(plan.forward) - 1)
+                  if costs[j].grad_bytes and not (tied and plan.forward[j][0] == 0)]
+    best = plan
+    for j in sorted(candidates, key=lambda j: (-costs[j].grad_bytes, j)):
+        resident = tuple(sorted(best.resident + ((j, ran_on[f"F{j}"]),)))
+        r = simulate_dispatched(profile, plan.forward, plan.backward, topo, plan.order, plan.micro_batches,
+                                memory_bytes, adam_params_per_s, 0, plan.kept, plan.head_gpus, resident=resident)
+        if r is not None and r.step_s < best.step_s * (1 - 1e-3):
+            best = replace(plan, step_s=r.step_s, result=r, resident=resident)
     return best

@@ -28,7 +28,11 @@ weights shared by all of them.
   pipeline's.
 
 A kept stage's forward keeps its autograd graph, and its weights, on its device until its backward
-runs there.  Evaluation runs the forward partition's tasks in turn, the head's loss on the last.
+runs there.  A resident one (the plan's choice, without the lag) runs on the same device every
+step and stays there: its weights are loaded once, its gradients stay in a buffer of the device's,
+and its AdamW runs there (:mod:`~mobius.stages.device_optimizer`), after the step's norm where it
+clips, before the piece's next use; :meth:`DispatchedRunner.drain` copies it home.  Evaluation runs
+the forward partition's tasks in turn, the head's loss on the last.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from mobius.models import GPTConfig, TokenLayout, run_layers, tied_parameter_nam
 from mobius.models.precision import DTYPES
 from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device
-from mobius.runtime.optim import UpdateRule
+from mobius.runtime.optim import UpdateRule, squares
+from mobius.stages.device_optimizer import DeviceOptimizer
 from mobius.stages.links import ActivationLinks
 from mobius.stages.piece_updates import Board, PieceUpdates
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
@@ -163,6 +168,12 @@ class _DeviceWorker:
         # Pieces on (or on their way to) this device: piece -> [handle, its step, tasks using it].
         # A piece has one set of modules here, so a task of another step waits until it is released.
         self._live: dict[int, list] = {}
+        # Resident pieces (the resident stages this device runs): loaded once, updated here.
+        self.resident = {p for j, g in r.shape.resident if g == gpu for p in r.pieces_in(*r.shape.forward[j])}
+        self.resident_handles: dict[int, DeviceStage] = {}
+        self.optimizer = DeviceOptimizer(r.store, device, self.memory, self.trace, r.device_adam_params_per_s) \
+            if self.resident else None
+        self._held_step: int | None = None  # the step whose resident updates wait for its norm (clipping)
         self._queue: list[_Queued] = []  # this device's tasks not done, in order
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"mobius-gpu{gpu}", daemon=True)
@@ -207,10 +218,14 @@ class _DeviceWorker:
             if any(p in self._live and self._live[p][1] is not q.st for p in wanted):
                 return
             for p in wanted:
+                if p in self.resident:  # loaded the first time, there for good
+                    if p not in self.resident_handles:
+                        self.resident_handles[p] = self._load(q.st, p)
+                    continue
                 if p not in self._live:
                     self._live[p] = [self._load(q.st, p), q.st, 0]
                 self._live[p][2] += 1
-            q.handles = [self._live[p][0] for p in wanted]
+            q.handles = [self.resident_handles[p] if p in self.resident else self._live[p][0] for p in wanted]
 
     def _load(self, st: _Step, p: int) -> DeviceStage:
         return self.prefetcher.request(p, priority=0, step=st.step,
@@ -220,6 +235,8 @@ class _DeviceWorker:
         """The task that used ``handles`` is done: a piece no later task shares is evicted."""
         with self._cond:
             for h in handles:
+                if h.index in self.resident:
+                    continue
                 entry = self._live[h.index]
                 entry[2] -= 1
                 if not entry[2]:
@@ -253,6 +270,8 @@ class _DeviceWorker:
 
     def _task(self, st: _Step, t: Task, handles: list[DeviceStage]) -> None:
         self.working.idle()  # nothing computes while the pieces arrive
+        if any(h.index in self.resident for h in handles):
+            self.settle()
         layers = nn.ModuleList([layer for h in handles for layer in self.prefetcher.wait(h)])
         # The memory it works in beyond its weights, as planned, until its own peak is known: held
         # back from the loads ahead.
@@ -388,6 +407,12 @@ class _DeviceWorker:
             del x, out, g
         self._gradients_home(st, t, grads)
 
+    def settle(self) -> None:
+        """The resident pieces' updates held for their step's norm, applied once it is known."""
+        if self._held_step is not None:
+            self.optimizer.apply(self.runner.updates.clip_of(self._held_step))
+            self._held_step = None
+
     def _attach_grads(self, t: Task, handles) -> dict[int, tuple]:
         """A zeroed device gradient buffer for each trained piece the task's backward covers,
         which autograd accumulates into: piece -> (buffer, handle, memory phase)."""
@@ -397,6 +422,9 @@ class _DeviceWorker:
         for h in handles:
             host = self.runner.store.stages[h.index]
             if not host.trains or h.index not in covered:
+                continue
+            if h.index in self.resident:  # its persistent buffer, which stays here
+                grads[h.index] = (self.optimizer.gradients_for(h.index, h.layers), h, None)
                 continue
             phase = self.memory.allocate(host.grad_bytes, f"gradients of piece {h.index}")
             buf = self.device.empty(host.grad_staging.numel(), host.grad_staging.dtype,
@@ -415,12 +443,22 @@ class _DeviceWorker:
         part = int(t.name.split(".")[1]) if t.kind == "H" else 0
         for p, (buf, h, phase) in grads.items():
             host = r.store.stages[p]
+            resident = p in self.resident
             for q, slot in zip(h.layers.parameters(), host.grad_slots()):
                 if slot is not None:  # autograd may have replaced a gradient that was a view
                     mine = view(buf, slot)
                     if q.grad is not None and q.grad.data_ptr() != mine.data_ptr():
                         mine.copy_(q.grad)
-                q.grad = None
+                    if resident:  # the device's AdamW steps the device weights with these
+                        q.grad = mine
+                if not resident:
+                    q.grad = None
+            if resident:  # AdamW here, on the compute stream (after the step's norm, where it clips)
+                self.optimizer.update(p, h.layers, h.weights, st.lr)
+                if self.optimizer.held_back:
+                    self._held_step = st.step
+                    r.updates.resident_done(p, st.step, squares([buf]))
+                continue
             r.updates.wait_staging(p, st.step)
             self.grads_out.wait(self.compute.record())
             self.grads_out.copy(r.updates.staging[p][part], buf, name=f"gradient staging of piece {p}")
@@ -438,7 +476,7 @@ class DispatchedRunner:
 
     def __init__(self, shape: DispatchedShape, store: HostStageStore, devices: list[Device],
                  budget_bytes: list[int], batches: BatchSource, trace: Trace, wait_s: float = WAIT_S,
-                 replicas: ReplicaGroup | None = None):
+                 replicas: ReplicaGroup | None = None, device_adam_params_per_s: float = float("inf")):
         self.shape, self.store, self.batches, self.trace = shape, store, batches, trace
         self.config = store.config
         self.pieces = pieces(shape.forward, shape.backward)
@@ -451,8 +489,12 @@ class DispatchedRunner:
         self.dtype = store.compute_dtype
         self.board = Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])
+        self.device_adam_params_per_s = device_adam_params_per_s  # an emulated GPU's AdamW rate
+        resident = {p for j, _ in shape.resident for p in self.pieces_in(*shape.forward[j])}
+        if resident and (store.lag or replicas is not None):
+            raise ValueError("resident stages update on their devices at once, not with an optimizer lag or replicas")
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
-                                    threads=len(devices), replicas=replicas)
+                                    threads=len(devices), replicas=replicas, resident=resident)
         self.group = LocalGroup(len(devices), wait_s)
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
@@ -475,7 +517,7 @@ class DispatchedRunner:
         """Hand step ``step``'s tasks to the devices; return its loss once the head has it (the
         backward's last tasks may run on while the next step starts)."""
         tasks = step_tasks(self.shape.forward, self.shape.backward, self.shape.kept, self.shape.head_gpus,
-                           self.shape.order, self.M, steps=1, first_step=step)
+                           self.shape.order, self.M, steps=1, first_step=step, resident=self.shape.resident)
         return self._run(_Step(step, self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
                                tasks, first=step * self.M))
 
@@ -485,7 +527,9 @@ class DispatchedRunner:
         micro = self.replica.share(micro)
         order, n = self.shape.order, len(self.shape.order)
         every = tuple(range(len(micro)))
-        tasks = [Task(f"F{j}", "F", j, order[j % n], every, next_step) for j in range(len(self.shape.forward))]
+        pinned = dict(self.shape.resident)
+        tasks = [Task(f"F{j}", "F", j, pinned.get(j, order[j % n]), every, next_step)
+                 for j in range(len(self.shape.forward))]
         with torch.no_grad():
             loss = self._run(_Step(next_step, micro, 0.0, tasks, training=False))
         self.drain()
@@ -525,9 +569,14 @@ class DispatchedRunner:
         self.updates.resume_at(step)
 
     def drain(self) -> None:
-        """Every task handed out so far is done and every update is in the host store."""
+        """Every task handed out so far is done and every update is in the host store (the resident
+        pieces' too, copied there from their devices)."""
         self.board.wait_until(lambda: not self._pending, "the devices' tasks")
         self.updates.drain()
+        for w in self.workers:
+            if w.optimizer is not None:
+                w.settle()
+                w.optimizer.sync_to_host()
 
     @property
     def grad_norm(self) -> float | None:
@@ -564,7 +613,8 @@ def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) ->
 
 def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedShape, precision: str,
                      devices: list[Device], budget_bytes: list[int], batches: BatchSource,
-                     trace: Trace, wait_s: float = WAIT_S, replicas: ReplicaGroup | None = None) -> DispatchedRunner:
+                     trace: Trace, wait_s: float = WAIT_S, replicas: ReplicaGroup | None = None,
+                     device_adam_params_per_s: float = float("inf")) -> DispatchedRunner:
     """The host's pieces (built once, on the first device's pinned memory) and the runner over
     ``devices``, as one of ``replicas`` (each parameter's AdamW on its owner's host); ``wait_s``:
     how long a task waits for what it needs before the run fails."""
@@ -577,4 +627,5 @@ def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedS
         replicas.assign({n: p.numel() for st in store.stages.values() for n, p in st.trained()},
                         tied_parameter_names(model_config))
         store.update_only(replicas.updates)
-    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s, replicas)
+    return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s, replicas,
+                            device_adam_params_per_s)

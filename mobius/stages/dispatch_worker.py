@@ -59,7 +59,7 @@ class DispatchedWorker:
         batches, self.held_out = ctx.data
         self.runner = build_dispatched(ctx.cfg, model_config_for(ctx.cfg), spec.dispatched, spec.precision, devices,
                                        list(spec.budget_bytes), batches, ctx.trace, collective_timeout_s(spec),
-                                       replicas)
+                                       replicas, spec.plan.device_adam_params_per_s)
         for d in devices[1:]:
             d.start_steps()
         self.store = self.runner.store

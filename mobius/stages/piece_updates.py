@@ -120,14 +120,22 @@ class PieceUpdates:
     sum over the replicas and the broadcast back."""
 
     def __init__(self, store: HostStageStore, board: Board, parts: dict[int, int], device: Device, trace: Trace,
-                 threads: int = 1, replicas: ReplicaGroup | None = None):
-        """``parts``: piece -> how many tasks' gradients its update sums (the head's parts)."""
-        self.store, self.board, self.trace = store, board, trace
+                 threads: int = 1, replicas: ReplicaGroup | None = None, resident: set[int] = frozenset()):
+        """``parts``: piece -> how many tasks' gradients its update sums (the head's parts);
+        ``resident``: pieces updated on their devices (:meth:`resident_done`), whose gradients
+        count in the step's norm."""
+        self.store, self.board, self.trace, self.device = store, board, trace, device
         self._tied_names = _tied_table(store)  # [(piece, name)] of the embedding's copy and the head's
         self.tied = {p for p, _ in self._tied_names}
+        if self.tied & set(resident):
+            raise ValueError(f"pieces {sorted(self.tied & set(resident))} hold a tied token table: their update "
+                             "sums both copies' gradients on the host, so they cannot be resident")
         self.lag, self.rule = store.lag, store.rule
         self.parts = parts
-        self.trained = [p for p, host in store.stages.items() if host.trains]
+        self.trained = [p for p, host in store.stages.items() if host.trains and p not in resident]
+        self.resident = [p for p in resident if store.stages[p].trains]
+        self._resident_squares: dict[int, float] = {}  # step -> its resident pieces' sum of squares
+        self.clips: dict[int, float] = {}  # step -> the coefficient its gradients are clipped by
         # Part 0 lands in the store's staging (fp32: the master gradient itself), the others beside it.
         self.staging: dict[int, list[torch.Tensor]] = {}
         for p in self.trained:
@@ -211,9 +219,9 @@ class PieceUpdates:
         held = self._held(step, piece)
         if held is None:
             self._adamw(piece, step, 1.0, device)
-        else:
-            for q, clip in self._released(step, held, self._squares):
-                self._adamw(q, step, clip, device)
+            return
+        for q, clip in self._released(step, held, self._squares) if held else ():
+            self._adamw(q, step, clip, device)
 
     def _held(self, step: int, piece: int) -> list[int] | None:
         """None where ``piece``'s update may run now; else the pieces it waited with, once the last
@@ -224,7 +232,8 @@ class PieceUpdates:
         with self._lock:
             done = self._waiting.setdefault(step, [])
             done.append(piece)
-            if len(done) < (len(self.trained) if self.rule.max_grad_norm else len(self.tied)):
+            everything = len(self.trained) + len(self.resident)
+            if len(done) < (everything if self.rule.max_grad_norm else len(self.tied)):
                 return []
             return self._waiting.pop(step)
 
@@ -236,10 +245,29 @@ class PieceUpdates:
             self._sum_tied()
         if not self.rule.max_grad_norm:
             return [(q, 1.0) for q in sorted(pieces)]
-        total = squares_of(pieces)
+        total = squares_of([q for q in pieces if q not in self.resident]) + self._resident_squares.pop(step, 0.0)
         self.grad_norm[step] = total ** 0.5
         clip = clip_coefficient(total, self.rule.max_grad_norm)
-        return [(q, clip) for q in sorted(pieces)]
+        with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
+            self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
+            self.board.cond.notify_all()
+        return [(q, clip) for q in sorted(pieces) if q not in self.resident]
+
+    def resident_done(self, piece: int, step: int, squares_sum: float) -> None:
+        """Step ``step``'s gradients of resident ``piece`` are in (their sum of squares
+        ``squares_sum``): its device holds its update for the step's norm (:meth:`clip_of`)."""
+        with self._lock:
+            self._resident_squares[step] = self._resident_squares.get(step, 0.0) + squares_sum
+        held = self._held(step, piece)
+        if held:
+            for q, clip in self._released(step, held, self._squares):
+                self._submit(self._adamw, q, step, clip, self.device)
+
+    def clip_of(self, step: int) -> float:
+        """The coefficient step ``step``'s gradients are clipped by, once its norm is known."""
+        self.board.wait_until(lambda: step in self.clips, f"the gradient norm of step {step}")
+        with self.board.cond:
+            return self.clips[step]
 
     def _sum_tied(self) -> None:
         """The token table's two copies (the embedding's, the head's) get the sum of their
@@ -278,7 +306,7 @@ class PieceUpdates:
             if held is None:
                 self._submit(self._adamw, piece, step, 1.0, device)
                 continue
-            for q, clip in self._released(step, held, lambda ps: self.replicas.sum(self._squares(ps))):
+            for q, clip in self._released(step, held, lambda ps: self.replicas.sum(self._squares(ps))) if held else ():
                 self._submit(self._adamw, q, step, clip, device)
 
     def _broadcasts(self) -> None:

@@ -13,7 +13,8 @@ are there.  Two exceptions:
   split over ``head_gpus`` GPUs in turn (``H.<part>``);
 * the ``kept`` forward stages before it are backward stages too, and each one's backward runs on the
   GPU that ran its forward, from the activations that forward kept there (out of turn, no
-  recomputation).
+  recomputation); a ``resident`` one runs on the same GPU every step (out of turn), which keeps its
+  weights and AdamW state and updates it there.
 
 The turn goes on from one step to the next, so with ``--optimizer-lag 1`` the next step's first
 tasks start on the GPUs that are free while this step's last tasks run elsewhere.
@@ -42,12 +43,14 @@ class Task:
 
 
 def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], micro_batches: int,
-               steps: int = 1, first_step: int = 0) -> list[Task]:
+               steps: int = 1, first_step: int = 0, resident=()) -> list[Task]:
     """Every task of ``steps`` steps from ``first_step`` in the order they are issued.  The turn
     goes on from one step to the next (it starts at ``first_step``'s place in it); a kept stage's
-    backward goes to the GPU of its forward, out of turn."""
+    backward goes to the GPU of its forward, out of turn, and a ``resident`` stage's forward
+    (``(forward stage, GPU)`` pairs) to its GPU."""
     n = len(order)
-    turn = count(first_step * tasks_in_turn(forward, backward, kept, head_gpus))
+    pinned = dict(resident)
+    turn = count(first_step * tasks_in_turn(forward, backward, kept, head_gpus, len(pinned)))
     tasks = []
     for step in range(first_step, first_step + steps):
         first = step * micro_batches
@@ -55,7 +58,8 @@ def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], m
         ran_on = {}
         for j in range(len(forward) - 1):
             keeps = j >= len(forward) - 1 - kept
-            tasks.append(Task(f"F{j}", "F", j, order[next(turn) % n], every, step, keeps=keeps))
+            gpu = pinned[j] if j in pinned else order[next(turn) % n]
+            tasks.append(Task(f"F{j}", "F", j, gpu, every, step, keeps=keeps))
             ran_on[forward[j]] = tasks[-1].gpu
         for part in range(head_gpus):
             tasks.append(Task(f"H.{part}", "H", len(forward) - 1, order[next(turn) % n], every[part::head_gpus], step))
@@ -67,9 +71,10 @@ def step_tasks(forward, backward, kept: int, head_gpus: int, order: list[int], m
     return tasks
 
 
-def tasks_in_turn(forward, backward, kept: int, head_gpus: int) -> int:
-    """How many of a step's tasks take their GPU in turn (all but the kept stages' backwards)."""
-    return len(forward) - 1 + head_gpus + len(backward) - 1 - kept
+def tasks_in_turn(forward, backward, kept: int, head_gpus: int, resident: int = 0) -> int:
+    """How many of a step's tasks take their GPU in turn (all but the kept stages' backwards and
+    the ``resident`` stages' forwards)."""
+    return len(forward) - 1 + head_gpus + len(backward) - 1 - kept - resident
 
 
 def pieces(forward: list[tuple[int, int]], backward: list[tuple[int, int]]) -> list[tuple[int, int]]:
