@@ -103,10 +103,6 @@ class InOrder:
             self._next = (step, k + 1) if k + 1 < len(self.order) else (step + 1, 0)
             return want
 
-    def last_of_step(self) -> bool:
-        """Whether the pair just taken ended its step."""
-        return self._next[1] == 0
-
     def close(self) -> None:
         with self.board.cond:
             self._closed = True
