@@ -271,12 +271,12 @@ def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost]
         if keeping and t.stage not in resident:  # its weights stay for its backward
             held[t.gpu] += c.param_bytes
         if kept_backward:
-            resident_here = fwd_index(fwd, c) in resident
+            resident_here = _fwd_index(fwd, c) in resident
             held[t.gpu] -= micro_batches * c.kept_bytes + (0 if resident_here else c.param_bytes)
     return True
 
 
-def fwd_index(fwd: list[StageCost], c: StageCost) -> int:
+def _fwd_index(fwd: list[StageCost], c: StageCost) -> int:
     """The forward stage with ``c``'s layers."""
     return next(j for j, f in enumerate(fwd) if (f.start, f.end) == (c.start, c.end))
 
