@@ -169,7 +169,7 @@ class _DeviceWorker:
         # A piece has one set of modules here, so a task of another step waits until it is released.
         self._live: dict[int, list] = {}
         # Resident pieces (the resident stages this device runs): loaded once, updated here.
-        self.resident = {p for j, g in r.shape.resident if g == gpu for p in r.pieces_in(*r.shape.forward[j])}
+        self.resident = {p for p, g in r.resident_gpu.items() if g == gpu}
         self.resident_handles: dict[int, DeviceStage] = {}
         self.optimizer = DeviceOptimizer(r.store, device, self.memory, self.trace, r.device_adam_params_per_s) \
             if self.resident else None
@@ -490,11 +490,12 @@ class DispatchedRunner:
         self.board = Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])
         self.device_adam_params_per_s = device_adam_params_per_s  # an emulated GPU's AdamW rate
-        resident = {p for j, _ in shape.resident for p in self.pieces_in(*shape.forward[j])}
-        if resident and (store.lag or replicas is not None):
+        # Piece -> the GPU it stays on, for the resident stages' pieces.
+        self.resident_gpu = {p: g for j, g in shape.resident for p in self.pieces_in(*shape.forward[j])}
+        if self.resident_gpu and (store.lag or replicas is not None):
             raise ValueError("resident stages update on their devices at once, not with an optimizer lag or replicas")
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
-                                    threads=len(devices), replicas=replicas, resident=resident)
+                                    threads=len(devices), replicas=replicas, resident=set(self.resident_gpu))
         self.group = LocalGroup(len(devices), wait_s)
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]

@@ -48,7 +48,7 @@ class DispatchedWorker:
                              f"were started for {spec.data_parallel} boxes: run it with python -m mobius.train, "
                              "not torchrun")
         n = len(spec.budget_bytes)
-        self.layout = ReplicaLayout(ctx.rank, spec.data_parallel, 1)
+        self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, spec.data_parallel)  # a process a box
         # The worker's own device is its box's GPU 0; the others open here, each with its emulated link.
         first = spec.first_gpu(ctx.rank)
         devices = [ctx.device] + [open_device(spec.cuda, g, spec.enforced_budget(first + g),

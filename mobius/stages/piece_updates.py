@@ -58,17 +58,16 @@ class Board:
             self.cond.notify_all()
 
 
-def _tied_table(store: HostStageStore) -> list[tuple[int, str]]:
-    """(piece, name) of a token table's copy in the embedding and in the head, where the model ties
-    them and the table trains (LoRA freezes it); else none."""
+def _tied_table(store: HostStageStore) -> list[tuple[int, torch.nn.Parameter]]:
+    """(piece, master parameter) of a token table's copy in the embedding and in the head, where
+    the model ties them and the table trains (LoRA freezes it); else none."""
     aliases = tied_parameter_names(store.config)
     if not aliases:
         return []
     (alias, canonical), = aliases.items()
     first, last = min(store.stages), max(store.stages)
-    if canonical not in dict(store.stages[first].trained()):
-        return []
-    return [(first, canonical), (last, alias)]
+    embedding = dict(store.stages[first].trained()).get(canonical)
+    return [(first, embedding), (last, dict(store.stages[last].trained())[alias])] if embedding is not None else []
 
 
 class InOrder:
@@ -121,8 +120,8 @@ class PieceUpdates:
         ``resident``: pieces updated on their devices (:meth:`resident_done`), whose gradients
         count in the step's norm."""
         self.store, self.board, self.trace, self.device = store, board, trace, device
-        self._tied_names = _tied_table(store)  # [(piece, name)] of the embedding's copy and the head's
-        self.tied = {p for p, _ in self._tied_names}
+        self._tied_copies = _tied_table(store)  # [(piece, parameter)]: the embedding's copy, the head's
+        self.tied = {p for p, _ in self._tied_copies}
         if self.tied & set(resident):
             raise ValueError(f"pieces {sorted(self.tied & set(resident))} hold a tied token table: their update "
                              "sums both copies' gradients on the host, so they cannot be resident")
@@ -268,22 +267,16 @@ class PieceUpdates:
     def _sum_tied(self) -> None:
         """The token table's two copies (the embedding's, the head's) get the sum of their
         gradients, embedding + head, as the bound schedule's workers sum them."""
-        embedding, head = (dict(self.store.stages[p].trained())[name] for p, name in self._tied_names)
+        (_, embedding), (_, head) = self._tied_copies
         total = embedding.grad + head.grad
         embedding.grad, head.grad = total, total.clone()
 
     def _squares(self, pieces: list[int]) -> float:
         """The sum of squares of the gradients of the parameters this host updates in ``pieces``
         (with replicas: those it owns, which its sum holds whole), a tied table counted once."""
-        duplicate = self._head_copy()
+        duplicate = self._tied_copies[1][1] if self._tied_copies else None
         return squares(p.grad for q in sorted(pieces) if (opt := self.store.stages[q].optimizer) is not None
                        for group in opt.param_groups for p in group["params"] if p is not duplicate)
-
-    def _head_copy(self):
-        if not self.tied:
-            return None
-        piece, name = self._tied_names[1]
-        return dict(self.store.stages[piece].trained())[name]
 
     def _run(self, loop) -> None:
         try:
