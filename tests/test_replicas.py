@@ -74,8 +74,10 @@ def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_c
     for replica in (0, 1):  # every weight and gradient, half of the AdamW moments (owners balance to a tensor)
         held = sum(results[replica * 2 + p].host_bytes for p in (0, 1))
         assert held == pytest.approx(host_bytes_needed(get_config("tiny"), "fp32", data_parallel=2), rel=0.05)
-    assert {f for f in os.listdir(a) if f.startswith("optimizer-stage0000")} == {
-        "optimizer-stage0000-replica0.safetensors", "optimizer-stage0000-replica1.safetensors"}
+    # Each replica writes the AdamW state it owns (which stages hold a tensor of each depends on the
+    # partition the measured profile gave).
+    assert {f.rsplit("-", 1)[1] for f in os.listdir(a) if f.startswith("optimizer-stage")} == {
+        "replica0.safetensors", "replica1.safetensors"}
     main(["--resume", a, "--data-parallel", "1", "--stop-after", "1", "--save", b, "--metrics", b + ".jsonl"])
     # At twice the least dilation this machine allows the run as it is now (the model's own, 2e4,
     # would take minutes), asked of the code that refuses one below it.
