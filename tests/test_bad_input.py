@@ -117,7 +117,7 @@ PLAN_OPTIONS = [
     (["--time-limit", "nan"], "--time-limit must be a positive finite number"),
     (["--model", "tiny", "--seq-len", "9999"], "exceeds tiny's context of 128"),
     (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--schedule", "dispatched", "--precision", "fp16"], "--schedule dispatched does not run fp16"),
+    (["--schedule", "dispatched", "--offload-dir", "never-made"], "--schedule dispatched does not run --offload-dir"),
 ]
 
 

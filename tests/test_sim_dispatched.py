@@ -56,6 +56,25 @@ def test_the_tasks_run_in_order_on_the_gpus_in_turn_with_every_micro_batch_after
     assert r.step_s >= computed / topo.n
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_with_clipping_or_fp16_every_update_waits_for_the_steps_last_gradients(lag):
+    """Clipping's norm and fp16's vote need every gradient of the step: each host AdamW starts
+    after the step's last offload (without them, the first starts before it); with the lag the
+    next step's loads wait for those updates, so the steady step is no shorter."""
+    profile, topo = _profile(), load_topology("topo2+2")
+    forward, backward = [(0, 5), (5, 10), (10, 14)], [(0, 4), (4, 8), (8, 12), (12, 14)]
+    runs = {whole: simulate_dispatched(profile, forward, backward, topo, [0, 2, 1, 3], M, optimizer_lag=lag,
+                                       whole_step=whole) for whole in (False, True)}
+    per_step = len(step_tasks(forward, backward, 0, 1, [0, 2, 1, 3], M))
+    for whole, r in runs.items():  # the first step's: tasks T0 .. T<per_step - 1>
+        first_step = [t for t in r.tasks if (found := re.fullmatch(r"(grads|AdamW) T(\d+)( to host)?", t.name))
+                      and int(found[2]) < per_step]
+        last_home = max(t.end for t in first_step if t.name.startswith("grads"))
+        first_adam = min(t.start for t in first_step if t.name.startswith("AdamW"))
+        assert (first_adam >= last_home) == whole
+    assert runs[True].step_s >= runs[False].step_s
+
+
 def test_partitions_must_cover_the_same_layers_and_keep_the_heads_backward_in_the_last_forward_stage():
     assert valid_partitions([(0, 7), (7, 14)], [(0, 3), (3, 9), (9, 14)])
     assert not valid_partitions([(0, 7), (7, 14)], [(0, 6), (6, 14)])  # the head's backward reaches back
@@ -269,10 +288,11 @@ def test_replicas_sum_and_broadcast_each_stage_in_one_order_over_the_network():
     assert one.step_s - adam_s[0] / 2 <= fast.step_s + 1e-9 and fast.step_s < one.step_s < slow.step_s
 
 
-def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys):
+def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp_path):
     """``mobius.plan --schedule auto``: the dispatched shape found and its step, from the profile the
     plan was made from, on the same GPUs in the same order, beside the plan, and which schedule a
-    run takes and why; in lines, or in its JSON.  An fp16 run runs bound, saying why."""
+    run takes and why; in lines, or in its JSON.  A run with its optimizer state on disk runs
+    bound, saying why."""
     import json
 
     from mobius.plan import main
@@ -296,9 +316,9 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith(f"dispatched schedule: predicted {found['step_s'] * 1e3:.1f} ms a step")
     assert lines[-1].startswith(f"schedule: {runs} (auto)")
-    main([*args, "--precision", "fp16"])
-    assert capsys.readouterr().out.strip().splitlines()[-1] == \
-        "schedule: bound: dispatched does not run fp16 (its loss scale's overflow vote: use bf16) yet"
+    main([*args, "--offload-dir", str(tmp_path / "never-made")])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "schedule: bound: dispatched does not run --offload-dir yet"
+    assert not (tmp_path / "never-made").exists()
 
 
 @pytest.mark.slow

@@ -125,7 +125,8 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     found = plan_dispatched(profile, topo, plan.order, plan.micro_batches,
                             adam_params_per_s=plan.host_costs.get("adam_params_per_s"),
                             optimizer_lag=cfg.optim.optimizer_lag,
-                            tied=model_config.tie_embeddings and not cfg.lora.rank)
+                            tied=model_config.tie_embeddings and not cfg.lora.rank,
+                            whole_step=bool(cfg.optim.max_grad_norm) or plan.precision == "fp16")
     return found, found.shape(profile) if found is not None else None
 
 

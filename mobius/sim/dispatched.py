@@ -84,13 +84,15 @@ class DispatchedPlan:
 def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]], topo,
                         order: list[int], micro_batches: int, memory_bytes: list[int] | None = None,
                         adam_params_per_s: float | None = None, optimizer_lag: int = 0, kept: int = 0,
-                        head_gpus: int = 1, steps: int | None = None, resident=()) -> SimResult | None:
+                        head_gpus: int = 1, steps: int | None = None, resident=(),
+                        whole_step: bool = False) -> SimResult | None:
     """One step of the dispatched schedule; None where a task does not fit its GPU's memory beside
     what the kept and resident stages hold there.  With ``optimizer_lag`` the steady state of
     ``steps`` steps (default :data:`OVERLAPPED_STEPS`; 1: a step alone, ending with its device
     work), unless a host thread's AdamW of a step takes longer.  ``resident``: (kept forward stage,
     GPU) pairs whose weights stay on that GPU, updated there (without the lag: a step alone, its
-    weights there from the step before)."""
+    weights there from the step before).  ``whole_step`` (clipping, fp16): every host update of a
+    step waits for all of the step's gradients (its norm, its overflow vote)."""
     if not valid_partitions(forward, backward, kept):
         raise ValueError(f"backward partition {backward} does not end within forward partition {forward}, "
                          f"or its last {kept} stages before the head's are not forward stages")
@@ -110,9 +112,11 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
         return None
     step = _StepOnSimulator(profile, topo, tasks, fwd, bwd, no_recompute, mem, backward, kept, head_gpus,
                             adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag,
-                            ({j for j, _ in resident}, {backward.index(forward[j]) for j, _ in resident}))
+                            ({j for j, _ in resident}, {backward.index(forward[j]) for j, _ in resident}),
+                            whole_step)
     for i, t in enumerate(tasks):
         step.run_task(i, t)
+    step.release(math.inf)
     result = step.sim.run()
     if not optimizer_lag:
         return result
@@ -124,7 +128,7 @@ class _StepOnSimulator:
 
     def __init__(self, profile: Profile, topo, tasks: list[Task], fwd: list[StageCost], bwd: list[StageCost],
                  no_recompute: list[StageCost], mem: list[int], backward, kept: int, head_gpus: int,
-                 adam_rate: float, optimizer_lag: int, resident: tuple[set[int], set[int]]):
+                 adam_rate: float, optimizer_lag: int, resident: tuple[set[int], set[int]], whole_step: bool):
         self.profile, self.host = profile, profile.host
         self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
         self.sim = Simulator(self.link)
@@ -140,6 +144,11 @@ class _StepOnSimulator:
         self.updates: dict[tuple[int, int], int] = {}  # (step, backward stage) -> its AdamW (and broadcast)
         self.exchanges: dict[str, int] = {}  # with replicas: "sum", "broadcast" -> the last, in every replica's order
         self.lag = optimizer_lag
+        # Clipping or fp16: every host update of a step waits for all of its gradients (its norm, its
+        # vote); per step, what they wait for and the updates held ((task, its index, parameters)).
+        self.whole_step = whole_step
+        self.gates: dict[int, list[int]] = {}
+        self.held: dict[int, list[tuple[Task, int, float]]] = {}
         # The resident stages, by their forward and by their backward index: weights stay, updated there.
         self.resident_fwd, self.resident_bwd = resident
 
@@ -157,6 +166,7 @@ class _StepOnSimulator:
         return (t.kind == "B" and not t.recomputes) or (t.kind == "F" and t.stage in self.resident_fwd)
 
     def run_task(self, i: int, t: Task) -> None:
+        self.release(t.step)  # a step's loads may wait for the updates of the steps before
         c, g = self.costs(t), t.gpu
         # Weights: what fits beside the GPU's current task streams in while it computes, the rest after.
         prev = self.last_on.get(g)
@@ -239,17 +249,36 @@ class _StepOnSimulator:
             if len(self.head_grads[t.step]) < self.head_gpus:
                 return
             after = tuple(self.head_grads[t.step])
-        replicas = self.host.replicas
-        if replicas == 1:
-            self.updates[(t.step, t.stage)] = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / self.adam_rate, after)
+        if self.host.replicas > 1:
+            # Summed over the replicas into the owners, 1/D of it stepped here, broadcast back: the
+            # box's network carries the sums and the broadcasts, each in one order (a thread each).
+            x = self.exchanges
+            x["sum"] = self.add(t, f"sum T{i}", NET, 0, exchanged_bytes(params, self.host.replicas),
+                                (*after, x.get("sum")), i, "sums")
+            after = (x["sum"],)
+        if self.whole_step:  # its AdamW waits for the step's last gradients (release)
+            self.gates.setdefault(t.step, []).extend(after)
+            self.held.setdefault(t.step, []).append((t, i, params))
             return
-        # Summed over the replicas into the owners, 1/D of it stepped here, broadcast back: the box's
-        # network carries the sums and the broadcasts, each in one order (a thread each).
-        exchanged, x = exchanged_bytes(params, replicas), self.exchanges
-        x["sum"] = self.add(t, f"sum T{i}", NET, 0, exchanged, (*after, x.get("sum")), i, "sums")
-        adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / replicas / self.adam_rate, (x["sum"],))
-        x["broadcast"] = self.add(t, f"broadcast T{i}", NET, 0, exchanged, (adam, x.get("broadcast")), i, "broadcasts")
-        self.updates[(t.step, t.stage)] = x["broadcast"]
+        self.adamw(t, i, params, after)
+
+    def adamw(self, t: Task, i: int, params: float, after: tuple) -> None:
+        """A stage's AdamW on the host (1/D of it with replicas, then the broadcast back), after ``after``."""
+        replicas, x = self.host.replicas, self.exchanges
+        adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / replicas / self.adam_rate, after)
+        self.updates[(t.step, t.stage)] = adam
+        if replicas > 1:
+            self.updates[(t.step, t.stage)] = x["broadcast"] = self.add(
+                t, f"broadcast T{i}", NET, 0, exchanged_bytes(params, replicas), (adam, x.get("broadcast")), i,
+                "broadcasts")
+
+    def release(self, before: int) -> None:
+        """The held updates of the steps before ``before``, each once every gradient of its step is
+        home (summed over the replicas): clipping's norm, fp16's vote."""
+        for step in sorted(s for s in self.held if s < before):
+            gates = tuple(self.gates.pop(step))
+            for t, i, params in self.held.pop(step):
+                self.adamw(t, i, params, gates)
 
 
 def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
@@ -317,17 +346,18 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, netwo
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
-                    optimizer_lag: int = 0, tied: bool = False) -> DispatchedPlan | None:
+                    optimizer_lag: int = 0, tied: bool = False, whole_step: bool = False) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail (one layer a stage where those do not fit); then, for the
     :data:`REFINED` best of those, the two partitions' stage counts (each partition time-balanced,
     exactly, for its count), all as single steps.
     With ``optimizer_lag`` the steady state of the :data:`STEADY_CANDIDATES` fastest shapes
-    decides.  Without it, the kept stages to keep resident on the GPUs their forwards ran on
-    (:func:`resident_for`).  A few dozen simulations: a second or two for 8 GPUs.  None where
+    decides.  Without it (nor replicas, nor fp16), the kept stages to keep resident on the GPUs
+    their forwards ran on (:func:`resident_for`).  A few dozen simulations: a second or two for 8 GPUs.  None where
     nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
-    whose update waits for the head's gradients, stays on the host)."""
+    whose update waits for the head's gradients, stays on the host); ``whole_step``: clipping or
+    fp16 (:func:`simulate_dispatched`)."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
@@ -340,7 +370,7 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
         rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - 1, layers)]
         forward, backward = balanced_bounds(fwd_costs[:cut], sf) + rest, balanced_bounds(bwd_costs[:cut], sb) + rest
         r = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
-                                adam_params_per_s, optimizer_lag, tail, heads, steps)
+                                adam_params_per_s, optimizer_lag, tail, heads, steps, whole_step=whole_step)
         if r is None or not math.isfinite(r.step_s):
             return None
         return DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r)
@@ -361,8 +391,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                 if p := simulated(tail, heads, sf, sb):
                     seen.append(p)
     best = min(seen, key=lambda p: p.step_s)
-    if not optimizer_lag and profile.host.replicas == 1:
-        return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied)
+    if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
+        return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
     if optimizer_lag:  # the steady state of the shapes fastest alone
         shapes = {(p.kept, p.head_gpus, len(p.forward) - 1 - p.kept, len(p.backward) - 1 - p.kept)
                   for p in sorted(seen, key=lambda p: p.step_s)[:STEADY_CANDIDATES]}
@@ -372,7 +402,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
 
 
 def resident_for(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: list[int] | None = None,
-                 adam_params_per_s: float | None = None, tied: bool = False) -> DispatchedPlan:
+                 adam_params_per_s: float | None = None, tied: bool = False,
+                 whole_step: bool = False) -> DispatchedPlan:
     """``plan`` with the kept stages that pay for it resident on the GPU their forward ran on
     (updated there, their weights never reloaded), as the bound plan chooses its resident stages:
     greedily, the most trained parameters first, each kept where the step is still feasible and at
@@ -387,7 +418,8 @@ def resident_for(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: lis
     for j in sorted(candidates, key=lambda j: (-costs[j].grad_bytes, j)):
         resident = tuple(sorted(best.resident + ((j, ran_on[f"F{j}"]),)))
         r = simulate_dispatched(profile, plan.forward, plan.backward, topo, plan.order, plan.micro_batches,
-                                memory_bytes, adam_params_per_s, 0, plan.kept, plan.head_gpus, resident=resident)
+                                memory_bytes, adam_params_per_s, 0, plan.kept, plan.head_gpus, resident=resident,
+                                whole_step=whole_step)
         if r is not None and r.step_s < best.step_s * (1 - 1e-3):
             best = replace(plan, step_s=r.step_s, result=r, resident=resident)
     return best

@@ -52,7 +52,7 @@ from mobius.models import GPTConfig, TokenLayout, run_layers, tied_parameter_nam
 from mobius.models.precision import DTYPES
 from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device
-from mobius.runtime.optim import UpdateRule, squares
+from mobius.runtime.optim import DynamicLossScaler, UpdateRule, squares
 from mobius.stages.device_optimizer import DeviceOptimizer
 from mobius.stages.links import ActivationLinks
 from mobius.stages.piece_updates import Board, PieceUpdates
@@ -362,8 +362,8 @@ class _DeviceWorker:
                     with self.working.saved_activations(layers) as ledger:
                         loss = run_layers(layers[b_lo - lo:], h, layout)
                     r.add_loss(st, m, loss.item())
-                    if loss.requires_grad:
-                        loss.backward()  # the loss is already its share of the step's mean
+                    if loss.requires_grad:  # the loss is already its share of the step's mean
+                        (loss * r.updates.scale_of(st.step)).backward()
                     self.working.release(ledger)
                     if b_lo > 0:
                         self.links.send(h.grad, routes.grad_target(b_lo), (GRAD, st.step, True, b_lo, m))
@@ -476,7 +476,8 @@ class DispatchedRunner:
 
     def __init__(self, shape: DispatchedShape, store: HostStageStore, devices: list[Device],
                  budget_bytes: list[int], batches: BatchSource, trace: Trace, wait_s: float = WAIT_S,
-                 replicas: ReplicaGroup | None = None, device_adam_params_per_s: float = float("inf")):
+                 replicas: ReplicaGroup | None = None, device_adam_params_per_s: float = float("inf"),
+                 scaler: DynamicLossScaler | None = None):
         self.shape, self.store, self.batches, self.trace = shape, store, batches, trace
         self.config = store.config
         self.pieces = pieces(shape.forward, shape.backward)
@@ -495,7 +496,9 @@ class DispatchedRunner:
         if self.resident_gpu and (store.lag or replicas is not None):
             raise ValueError("resident stages update on their devices at once, not with an optimizer lag or replicas")
         self.updates = PieceUpdates(store, self.board, {p: shape.head_gpus for p in head}, devices[0], trace,
-                                    threads=len(devices), replicas=replicas, resident=set(self.resident_gpu))
+                                    threads=len(devices), replicas=replicas, resident=set(self.resident_gpu),
+                                    scaler=scaler)
+        self._scaling = False  # the loss scale's first step is set (at the first step, or after a resume)
         self.group = LocalGroup(len(devices), wait_s)
         self._pending: dict[tuple[int, bool], int] = {}  # (step, training) -> its tasks not done
         self.workers = [_DeviceWorker(self, g, d, b) for g, (d, b) in enumerate(zip(devices, budget_bytes))]
@@ -517,6 +520,9 @@ class DispatchedRunner:
     def step(self, step: int) -> float:
         """Hand step ``step``'s tasks to the devices; return its loss once the head has it (the
         backward's last tasks may run on while the next step starts)."""
+        if not self._scaling:  # fp16: the scale as the scaler has it now (a checkpoint's, restored)
+            self.updates.start_scaling(step)
+            self._scaling = True
         tasks = step_tasks(self.shape.forward, self.shape.backward, self.shape.kept, self.shape.head_gpus,
                            self.shape.order, self.M, steps=1, first_step=step, resident=self.shape.resident)
         return self._run(_Step(step, self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
@@ -568,6 +574,7 @@ class DispatchedRunner:
         with self.board.cond:
             self.board.versions = [step] * len(self.pieces)
         self.updates.resume_at(step)
+        self._scaling = False
 
     def drain(self) -> None:
         """Every task handed out so far is done and every update is in the host store (the resident
@@ -599,8 +606,7 @@ class DispatchedRunner:
 
 def dispatched_refusal(cfg: RunConfig, model_config: GPTConfig, precision: str) -> str | None:
     """What of the run the dispatched schedule does not run yet, in a few words (None: nothing)."""
-    refused = [(precision == "fp16", "fp16 (its loss scale's overflow vote: use bf16)"),
-               (bool(cfg.offload_dir), "--offload-dir"),
+    refused = [(bool(cfg.offload_dir), "--offload-dir"),
                (cfg.pipeline.replan == "auto", "--replan auto")]
     return next((what for refuse, what in refused if refuse), None)
 
@@ -617,8 +623,9 @@ def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedS
                      trace: Trace, wait_s: float = WAIT_S, replicas: ReplicaGroup | None = None,
                      device_adam_params_per_s: float = float("inf")) -> DispatchedRunner:
     """The host's pieces (built once, on the first device's pinned memory) and the runner over
-    ``devices``, as one of ``replicas`` (each parameter's AdamW on its owner's host); ``wait_s``:
-    how long a task waits for what it needs before the run fails."""
+    ``devices``, as one of ``replicas`` (each parameter's AdamW on its owner's host), with fp16's
+    loss scaler where ``precision`` is fp16; ``wait_s``: how long a task waits for what it needs
+    before the run fails."""
     check_dispatched(cfg, model_config, precision)
     cuts = pieces(shape.forward, shape.backward)
     store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
@@ -629,4 +636,4 @@ def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedS
                         tied_parameter_names(model_config))
         store.update_only(replicas.updates)
     return DispatchedRunner(shape, store, devices, budget_bytes, batches, trace, wait_s, replicas,
-                            device_adam_params_per_s)
+                            device_adam_params_per_s, DynamicLossScaler(enabled=precision == "fp16"))

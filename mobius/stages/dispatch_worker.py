@@ -18,7 +18,7 @@ from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import open_device
 from mobius.runtime.emulation import EmulatedLinks
 from mobius.runtime.inputs import model_config_for
-from mobius.runtime.optim import DynamicLossScaler, UpdateRule
+from mobius.runtime.optim import UpdateRule
 from mobius.runtime.worker import (
     Decision,
     WorkerContext,
@@ -63,13 +63,15 @@ class DispatchedWorker:
         for d in devices[1:]:
             d.start_steps()
         self.store = self.runner.store
-        self.scaler = DynamicLossScaler(enabled=False)  # fp16 is refused (check_dispatched)
+        self.scaler = self.runner.updates.scaler  # fp16's: the steps' votes update it, a checkpoint keeps it
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
 
     def step(self, step: int) -> StepMetrics:
         """The step's loss as soon as the head has it (every replica's share summed); its traffic
-        and peak memory: what the devices did since the last step returned (the steps overlap)."""
+        and peak memory: what the devices did since the last step returned (the steps overlap); its
+        gradient norm, fp16 loss scale and skipped steps: as of the last step whose updates are
+        decided (this one's may still be on their way)."""
         cfg, workers = self.cfg, self.runner.workers
         for w in workers:
             w.traffic.reset()
@@ -82,7 +84,8 @@ class DispatchedWorker:
         return StepMetrics(step=step, loss=stats[0], lr=UpdateRule.of(cfg.optim).lr_at(step),
                            tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
-                           peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm)
+                           peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm,
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
 
     def _summed(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """``values`` over the replicas (as they are with one)."""

@@ -9,6 +9,11 @@ step ``1 + lag`` later reads; then its version says so, and the loads that read 
 next gradients wait for that update before landing in its staging buffer, so its updates stay in
 step order on any of the threads.
 
+In fp16 the pieces wait for the step's last gradients too: the step's overflow vote (a non-finite
+gradient anywhere, on any replica) decides whether every piece steps, with its gradients unscaled,
+or none does; the loss scale the vote leaves is the one the next step's head scales its loss by
+(:meth:`PieceUpdates.scale_of`), as the reference trainer's :class:`DynamicLossScaler` keeps it.
+
 With data-parallel replicas (:mod:`mobius.stages.replicas`: a process per box, each on its share of
 the step's micro-batches) a piece's summed gradients are summed over the replicas into their
 owners, each owner steps AdamW on its parameters, and the owners' weights are broadcast back
@@ -29,7 +34,7 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import clip_coefficient, set_lr, squares
+from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
 from mobius.swap.store import HostStageStore
 
@@ -115,16 +120,23 @@ class PieceUpdates:
     sum over the replicas and the broadcast back."""
 
     def __init__(self, store: HostStageStore, board: Board, parts: dict[int, int], device: Device, trace: Trace,
-                 threads: int = 1, replicas: ReplicaGroup | None = None, resident: set[int] = frozenset()):
+                 threads: int = 1, replicas: ReplicaGroup | None = None, resident: set[int] = frozenset(),
+                 scaler: DynamicLossScaler | None = None):
         """``parts``: piece -> how many tasks' gradients its update sums (the head's parts);
         ``resident``: pieces updated on their devices (:meth:`resident_done`), whose gradients
-        count in the step's norm."""
+        count in the step's norm; ``scaler``: fp16's loss scale, which the steps' votes update."""
         self.store, self.board, self.trace, self.device = store, board, trace, device
         self._tied_copies = _tied_table(store)  # [(piece, parameter)]: the embedding's copy, the head's
         self.tied = {p for p, _ in self._tied_copies}
         if self.tied & set(resident):
             raise ValueError(f"pieces {sorted(self.tied & set(resident))} hold a tied token table: their update "
                              "sums both copies' gradients on the host, so they cannot be resident")
+        self.scaler = scaler or DynamicLossScaler(enabled=False)
+        if self.scaler.enabled and resident:
+            raise ValueError("resident stages update on their devices, but fp16's overflow vote needs every "
+                             "gradient on the host")
+        self._scales: dict[int, float] = {}  # step -> the loss scale its head scales by (fp16)
+        self._whole_step = bool(store.rule.max_grad_norm) or self.scaler.enabled  # every piece waits for the last
         self.lag, self.rule = store.lag, store.rule
         self.parts = parts
         self.trained = [p for p, host in store.stages.items() if host.trains and p not in resident]
@@ -221,32 +233,61 @@ class PieceUpdates:
     def _held(self, step: int, piece: int) -> list[int] | None:
         """None where ``piece``'s update may run now; else the pieces it waited with, once the last
         of them is here (an empty list until then): every piece where the step's global norm clips
-        them, the two copies of a tied token table each other (they are updated with their sum)."""
-        if not self.rule.max_grad_norm and piece not in self.tied:
+        them or fp16's vote decides, the two copies of a tied token table each other (they are
+        updated with their sum)."""
+        if not self._whole_step and piece not in self.tied:
             return None
         with self._lock:
             done = self._waiting.setdefault(step, [])
             done.append(piece)
             everything = len(self.trained) + len(self.resident)
-            if len(done) < (everything if self.rule.max_grad_norm else len(self.tied)):
+            if len(done) < (everything if self._whole_step else len(self.tied)):
                 return []
             return self._waiting.pop(step)
 
-    def _released(self, step: int, pieces: list[int], squares_of) -> list[tuple[int, float]]:
+    def _released(self, step: int, pieces: list[int], squares_of, any_of=bool) -> list[tuple[int, float | None]]:
         """The pieces held for each other, their tied table's gradients summed, each with the
-        coefficient it is clipped by (from ``squares_of(pieces)``, the sum of squares of their
-        gradients, where the step clips)."""
+        coefficient its gradients are multiplied by: the clip (from ``squares_of(pieces)``, the sum
+        of squares of their gradients, where the step clips) over fp16's loss scale; None where
+        the step's vote (``any_of``: over the replicas) found an overflow and it is skipped."""
         if self.tied and self.tied <= set(pieces):
             self._sum_tied()
+        scale = self.scale_of(step)
+        if self.scaler.enabled:
+            overflow = any_of(self._overflowed(pieces))
+            self.scaler.update(overflow)
+            with self.board.cond:
+                self._scales[step + 1] = self.scaler.scale
+                self._scales.pop(step - 1, None)
+                self.board.cond.notify_all()
+            if overflow:
+                return [(q, None) for q in sorted(pieces)]
         if not self.rule.max_grad_norm:
-            return [(q, 1.0) for q in sorted(pieces)]
-        total = squares_of([q for q in pieces if q not in self.resident]) + self._resident_squares.pop(step, 0.0)
+            return [(q, 1.0 / scale) for q in sorted(pieces)]
+        total = squares_of([q for q in pieces if q not in self.resident]) / scale ** 2
+        total += self._resident_squares.pop(step, 0.0)
         self.grad_norm[step] = total ** 0.5
         clip = clip_coefficient(total, self.rule.max_grad_norm)
         with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
             self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
             self.board.cond.notify_all()
-        return [(q, clip) for q in sorted(pieces) if q not in self.resident]
+        return [(q, clip / scale) for q in sorted(pieces) if q not in self.resident]
+
+    def start_scaling(self, step: int) -> None:
+        """The run's first step (or the first after a resume) is ``step``: its head scales by the
+        scaler's scale as it is now (restored from a checkpoint, or the initial one)."""
+        with self.board.cond:
+            self._scales = {step: self.scaler.scale}
+            self.board.cond.notify_all()
+
+    def scale_of(self, step: int) -> float:
+        """The loss scale step ``step``'s head multiplies its loss by: in fp16, the scale the vote
+        of the step before left (waiting for it); else 1."""
+        if not self.scaler.enabled:
+            return 1.0
+        self.board.wait_until(lambda: step in self._scales, f"the loss scale of step {step}")
+        with self.board.cond:
+            return self._scales[step]
 
     def resident_done(self, piece: int, step: int, squares_sum: float) -> None:
         """Step ``step``'s gradients of resident ``piece`` are in (their sum of squares
@@ -270,6 +311,13 @@ class PieceUpdates:
         (_, embedding), (_, head) = self._tied_copies
         total = embedding.grad + head.grad
         embedding.grad, head.grad = total, total.clone()
+
+    def _overflowed(self, pieces: list[int]) -> bool:
+        """Whether a gradient this host updates in ``pieces`` (with replicas: of those it owns,
+        which its sum holds whole) is not finite."""
+        return not all(torch.isfinite(p.grad).all() for q in sorted(pieces)
+                       if (opt := self.store.stages[q].optimizer) is not None
+                       for group in opt.param_groups for p in group["params"] if p.grad is not None)
 
     def _squares(self, pieces: list[int]) -> float:
         """The sum of squares of the gradients of the parameters this host updates in ``pieces``
@@ -295,7 +343,9 @@ class PieceUpdates:
             if held is None:
                 self._submit(self._adamw, piece, step, 1.0, device)
                 continue
-            for q, clip in self._released(step, held, lambda ps: self.replicas.sum(self._squares(ps))) if held else ():
+            released = self._released(step, held, lambda ps: self.replicas.sum(self._squares(ps)),
+                                      lambda local: self.replicas.sum(float(local)) > 0) if held else ()
+            for q, clip in released:
                 self._submit(self._adamw, q, step, clip, device)
 
     def _broadcasts(self) -> None:
@@ -306,17 +356,21 @@ class PieceUpdates:
             self.replicas.broadcast_weights(self.store.stages[piece])
             self._publish(piece, step)
 
-    def _adamw(self, piece: int, step: int, clip: float, device: Device) -> None:
+    def _adamw(self, piece: int, step: int, coefficient: float | None, device: Device) -> None:
+        """AdamW of ``piece`` with step ``step``'s gradients times ``coefficient`` (the clip over
+        fp16's loss scale; None: a step fp16's vote skips, the weights as they are)."""
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
-            if clip < 1.0:
+            if coefficient is not None and coefficient != 1.0:
                 for group in host.optimizer.param_groups:
                     for p in group["params"]:
-                        p.grad.mul_(clip)
-            with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups for p in g["params"])):
-                host.optimizer.step()
+                        p.grad.mul_(coefficient)
+            if coefficient is not None:
+                with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups
+                                                 for p in g["params"])):
+                    host.optimizer.step()
             host.optimizer.zero_grad(set_to_none=True)
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
         if self.replicas is not None:
