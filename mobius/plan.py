@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             out["dispatched"] = None if dispatched is None else {
                 "step_s": dispatched.step_s, "forward": dispatched.forward, "backward": dispatched.backward,
                 "kept": dispatched.kept, "head_gpus": dispatched.head_gpus, "order": dispatched.order,
-                "resident": dispatched.resident}
+                "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by}
             out["schedule"] = {"runs": "dispatched" if shape is not None else "bound", "why": why}
         print(json.dumps(out, indent=1))
         return
@@ -83,7 +83,8 @@ def dispatched_summary(dispatched, plan, tokens: int) -> str:
     verdict = (f"{1 - ratio:.0%} shorter than the bound plan's {plan.predicted_step_s * 1e3:.1f} ms" if ratio < 1
                else f"the bound plan's {plan.predicted_step_s * 1e3:.1f} ms is faster ({ratio:.2f}x)")
     return (head + f"predicted {dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
-            f"{len(dispatched.forward)} forward and {len(dispatched.backward)} backward stages, the last "
+            f"{len(dispatched.forward)} forward and {len(dispatched.backward)} backward stages "
+            f"({dispatched.partitioned_by}), the last "
             f"{dispatched.kept} kept where they ran"
             + (f" ({len(dispatched.resident)} resident, updated on their GPUs)" if dispatched.resident else "")
             + f", the head's micro-batches on {dispatched.head_gpus} GPU{'s' if dispatched.head_gpus > 1 else ''}: "

@@ -11,6 +11,7 @@ import pytest
 from mobius.models import get_config
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
+from mobius.partition.dispatched_mip import solve_dispatched
 from mobius.partition.profile import analytic_profile
 from mobius.sim.dispatched import plan_dispatched, simulate_dispatched, valid_partitions
 from mobius.sim.engine import COMPUTE
@@ -73,6 +74,37 @@ def test_with_clipping_or_fp16_every_update_waits_for_the_steps_last_gradients(l
         first_adam = min(t.start for t in first_step if t.name.startswith("AdamW"))
         assert (first_adam >= last_home) == whole
     assert runs[True].step_s >= runs[False].step_s
+
+
+def test_the_mip_gives_a_heavy_embedding_a_stage_of_its_own_and_the_step_is_shorter(monkeypatch):
+    """Time-balanced partitions give every stage the same compute, whatever its weights; where the
+    embedding's weights are eight blocks' (and it computes nothing), the stage holding it with
+    three blocks waits for its load.  The dispatched MIP (built with PuLP's public API only) cuts
+    the embedding alone, and the simulated step of its partitions is at least 5% shorter."""
+    import dataclasses
+
+    import pulp_public_api
+
+    from mobius.partition import dispatched_mip, highs
+
+    monkeypatch.setattr(dispatched_mip, "pulp", pulp_public_api)
+    monkeypatch.setattr(highs, "pulp", pulp_public_api)
+    profile, topo, order = _profile(), load_topology("topo2+2"), [0, 2, 1, 3]
+    layers = list(profile.layers)
+    layers[0] = dataclasses.replace(layers[0], param_bytes=8 * layers[1].param_bytes)
+    profile = dataclasses.replace(profile, layers=layers)
+    L, memory = profile.n, [int(g.memory_gb * 1e9) for g in topo.gpus]
+    forward = balanced_bounds([x.fwd_s for x in layers[:L - 1]], 4) + [(L - 1, L)]
+    backward = balanced_bounds([x.fwd_s + x.bwd_s for x in layers[:L - 1]], 6) + [(L - 1, L)]
+    assert forward[0] == (0, 4)
+    tasks = step_tasks(forward, backward, 0, 1, order, 2 * M)
+    cut = solve_dispatched(profile, topo, tasks, 0, 4, 6, memory, profile.host.adam_params_per_s,
+                           warm=(forward, backward), time_limit_s=10)
+    assert cut.status == "Optimal" and valid_partitions(cut.forward, cut.backward)
+    assert (len(cut.forward), len(cut.backward)) == (5, 7) and cut.forward[0] == (0, 1)
+    balanced = simulate_dispatched(profile, forward, backward, topo, order, 2 * M, memory)
+    mip = simulate_dispatched(profile, cut.forward, cut.backward, topo, order, 2 * M, memory)
+    assert mip.step_s < 0.95 * balanced.step_s
 
 
 def test_partitions_must_cover_the_same_layers_and_keep_the_heads_backward_in_the_last_forward_stage():
@@ -337,7 +369,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
 
     args = argparse.Namespace(micro_batches=16, seq_len=2048, time_limit=2.0, optimizer_lag=1)
     with model_dir("Llama-3.1-8B") as model:
-        one, eight = [row(model, gpus, str(tmp_path), args) for gpus in (1, 8)]
+        one, eight = [row(model, gpus, str(tmp_path), args, without_mip=False) for gpus in (1, 8)]
     fastest_one = min(one["bound_predicted_s"], one["bound_simulated_s"], one["dispatched_simulated_s"])
     assert fastest_one / eight["dispatched_simulated_s"] >= 7.0
     assert eight["dispatched_simulated_s"] <= 0.75 * eight["bound_predicted_s"]

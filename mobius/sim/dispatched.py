@@ -36,13 +36,16 @@ from dataclasses import dataclass, replace
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import StageCost, exchanged_bytes, stage_costs
+from mobius.partition.dispatched_mip import solve_dispatched
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
 
 OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
 REFINED = 3  # the tails and head splits fastest at two stages a GPU whose stage counts the search varies
-STEADY_CANDIDATES = 5  # the shapes fastest as single steps whose steady state the search compares
+STEADY_CANDIDATES = 5  # the plans fastest as single steps whose steady state the search compares
+MIP_SHAPES = 2  # the fastest shapes whose partitions the MIP cuts again
+BALANCED, MIP = "time-balanced", "MIP"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class DispatchedPlan:
     head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
     resident: tuple[tuple[int, int], ...] = ()  # kept stages on one GPU for good, updated there: (stage, GPU)
+    partitioned_by: str = "time-balanced"  # or "MIP": how its partitions were cut (BALANCED, MIP)
 
     def shape(self, profile: Profile) -> DispatchedShape:
         """What a run executes of this plan, with each task's micro-batch time on ``profile``'s GPUs
@@ -346,40 +350,47 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, netwo
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
-                    optimizer_lag: int = 0, tied: bool = False, whole_step: bool = False) -> DispatchedPlan | None:
+                    optimizer_lag: int = 0, tied: bool = False, whole_step: bool = False,
+                    mip_shapes: int = MIP_SHAPES, mip_time_limit_s: float = 2.0) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail (one layer a stage where those do not fit); then, for the
     :data:`REFINED` best of those, the two partitions' stage counts (each partition time-balanced,
-    exactly, for its count), all as single steps.
-    With ``optimizer_lag`` the steady state of the :data:`STEADY_CANDIDATES` fastest shapes
-    decides.  Without it (nor replicas, nor fp16), the kept stages to keep resident on the GPUs
-    their forwards ran on (:func:`resident_for`).  A few dozen simulations: a second or two for 8 GPUs.  None where
-    nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
+    exactly, for its count), all as single steps; then, for the ``mip_shapes`` best of all, the
+    MIP's partitions with their stage counts (:mod:`mobius.partition.dispatched_mip`, each solve
+    stopped at ``mip_time_limit_s``).  With ``optimizer_lag`` the steady state of the
+    :data:`STEADY_CANDIDATES` fastest time-balanced plans and the MIP's decides.  Without it (nor replicas, nor fp16), the kept stages to keep resident on the GPUs
+    their forwards ran on (:func:`resident_for`).  A few dozen simulations and two solves: a few
+    seconds for 8 GPUs.  None where nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
     whose update waits for the head's gradients, stays on the host); ``whole_step``: clipping or
     fp16 (:func:`simulate_dispatched`)."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
 
-    def simulated(tail: int, heads: int, sf: int, sb: int, steps: int = 1) -> DispatchedPlan | None:
+    def simulated(tail: int, heads: int, forward, backward, steps: int = 1, by: str = BALANCED
+                  ) -> DispatchedPlan | None:
+        r = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
+                                adam_params_per_s, optimizer_lag, tail, heads, steps, whole_step=whole_step)
+        if r is None or not math.isfinite(r.step_s):
+            return None
+        return DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r,
+                              partitioned_by=by)
+
+    def balanced(tail: int, heads: int, sf: int, sb: int) -> DispatchedPlan | None:
         cut = layers - 1 - tail  # the tail's one-layer stages, then the head's
         if cut < 1:
             return None
         sf, sb = min(sf, cut), min(sb, cut)
         rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - 1, layers)]
-        forward, backward = balanced_bounds(fwd_costs[:cut], sf) + rest, balanced_bounds(bwd_costs[:cut], sb) + rest
-        r = simulate_dispatched(profile, forward, backward, topo, order, micro_batches, memory_bytes,
-                                adam_params_per_s, optimizer_lag, tail, heads, steps, whole_step=whole_step)
-        if r is None or not math.isfinite(r.step_s):
-            return None
-        return DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r)
+        return simulated(tail, heads, balanced_bounds(fwd_costs[:cut], sf) + rest,
+                         balanced_bounds(bwd_costs[:cut], sb) + rest)
 
     seen: list[DispatchedPlan] = []
     for tail in range(0, layers - 1, max(1, n // 2)):
         # Where two stages a GPU do not fit, one layer a stage may.
         found = [p for heads in sorted({1, min(2, n), min(math.ceil(n / 2), micro_batches)})
-                 if (p := simulated(tail, heads, 2 * n, 2 * n) or simulated(tail, heads, layers, layers))]
+                 if (p := balanced(tail, heads, 2 * n, 2 * n) or balanced(tail, heads, layers, layers))]
         if not found and tail:
             break  # a longer tail fits no better
         seen += found
@@ -388,15 +399,28 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     for tail, heads in {(p.kept, p.head_gpus) for p in sorted(seen, key=lambda p: p.step_s)[:REFINED]}:
         for sf in sorted({max(1, n // 2), n, 2 * n, 3 * n, layers}):
             for sb in sorted({sf, sf + (sf + 1) // 2, 2 * sf}):
-                if p := simulated(tail, heads, sf, sb):
+                if p := balanced(tail, heads, sf, sb):
                     seen.append(p)
+    # The MIP's cuts of the fastest shapes, from their time-balanced ones.
+    memory = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
+    for p in sorted(seen, key=lambda p: p.step_s)[:mip_shapes]:
+        tasks = step_tasks(p.forward, p.backward, p.kept, p.head_gpus, order, micro_batches)
+        found = solve_dispatched(profile, topo, tasks, p.kept, len(p.forward) - 1 - p.kept,
+                                 len(p.backward) - 1 - p.kept, memory,
+                                 adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag, whole_step,
+                                 warm=(p.forward, p.backward), time_limit_s=mip_time_limit_s)
+        if found and (q := simulated(p.kept, p.head_gpus, found.forward, found.backward, by=MIP)):
+            seen.append(q)
     best = min(seen, key=lambda p: p.step_s)
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
         return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
-    if optimizer_lag:  # the steady state of the shapes fastest alone
-        shapes = {(p.kept, p.head_gpus, len(p.forward) - 1 - p.kept, len(p.backward) - 1 - p.kept)
-                  for p in sorted(seen, key=lambda p: p.step_s)[:STEADY_CANDIDATES]}
-        best = min((p for shape in sorted(shapes) if (p := simulated(*shape, OVERLAPPED_STEPS))),
+    if optimizer_lag:  # the steady state of the plans fastest alone
+        # (the MIP's beside, not instead of, the fastest time-balanced ones: it cuts for a step alone)
+        fastest = sorted((p for p in seen if p.partitioned_by == BALANCED), key=lambda p: p.step_s)
+        candidates = {(p.kept, p.head_gpus, tuple(p.forward), tuple(p.backward)): p.partitioned_by
+                      for p in fastest[:STEADY_CANDIDATES] + [p for p in seen if p.partitioned_by == MIP]}
+        best = min((p for (tail, heads, fwd, bwd), by in sorted(candidates.items())
+                    if (p := simulated(tail, heads, list(fwd), list(bwd), OVERLAPPED_STEPS, by))),
                    key=lambda p: p.step_s)
     return best
 
