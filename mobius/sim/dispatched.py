@@ -24,8 +24,8 @@ and the broadcast back, the sums and the broadcasts each in one order over the b
 :func:`simulate_dispatched` runs it on :mod:`mobius.sim.engine`'s streams and links, with the bound
 schedule's own costs (:func:`mobius.partition.cost.stage_costs`, the runtime's calibrated
 per-micro-batch and stage-switch work, the hand-off between workers); :func:`plan_dispatched`
-searches its shape for the fastest step (a search of simulations over time-balanced partitions:
-the MIP plans the bound schedule only).
+searches its shape for the fastest step (a search of simulations over time-balanced partitions,
+then the MIP's partitions, :mod:`mobius.partition.dispatched_mip`, of the fastest shapes).
 """
 
 from __future__ import annotations
@@ -359,8 +359,9 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     exactly, for its count), all as single steps; then, for the ``mip_shapes`` best of all, the
     MIP's partitions with their stage counts (:mod:`mobius.partition.dispatched_mip`, each solve
     stopped at ``mip_time_limit_s``).  With ``optimizer_lag`` the steady state of the
-    :data:`STEADY_CANDIDATES` fastest time-balanced plans and the MIP's decides.  Without it (nor replicas, nor fp16), the kept stages to keep resident on the GPUs
-    their forwards ran on (:func:`resident_for`).  A few dozen simulations and two solves: a few
+    :data:`STEADY_CANDIDATES` fastest time-balanced plans and the MIP's decides.  Without it (nor
+    replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
+    (:func:`resident_for`).  A few dozen simulations and two solves: a few
     seconds for 8 GPUs.  None where nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
     whose update waits for the head's gradients, stays on the host); ``whole_step``: clipping or
     fp16 (:func:`simulate_dispatched`)."""
