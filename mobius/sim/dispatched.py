@@ -15,7 +15,8 @@ the others.  Three things keep the pool busy, and the simulation models each:
 * **Steps overlap** with ``--optimizer-lag 1``: a step's loads wait only for the updates of the step
   two before, so the next step's first tasks start on the GPUs that are done while its last tasks
   run elsewhere.  The step is then the steady state: the time between the ends of consecutive
-  steps, over :data:`OVERLAPPED_STEPS` simulated.
+  steps, over :data:`OVERLAPPED_STEPS`, each overlapping the next one's start (one more step is
+  simulated after them).
 
 With data-parallel replicas (``profile.host.replicas``) each box runs this on its share of the
 micro-batches, and a stage's update is the sum over the replicas, the owners' AdamW of 1/D of it
@@ -104,7 +105,10 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
         raise ValueError("resident stages update on their GPUs at once: not with an optimizer lag")
     head_gpus = max(1, min(head_gpus, micro_batches))
     steps = (steps or OVERLAPPED_STEPS) if optimizer_lag else 1
-    tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, steps, resident=resident)
+    # One step more than those measured: in a run each step overlaps its successor's first tasks,
+    # and a last step without one would end early and make the steady state look shorter.
+    simulated = steps + 1 if steps > 1 else 1
+    tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, simulated, resident=resident)
     fwd = stage_costs(profile, forward, recompute=False)
     bwd = stage_costs(profile, backward, recompute=True)
     no_recompute = stage_costs(profile, backward, recompute=False)
@@ -124,7 +128,7 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     result = step.sim.run()
     if not optimizer_lag:
         return result
-    return replace(result, step_s=_steady_step_s(result, step.step_of, steps, profile.host.network_bps))
+    return replace(result, step_s=_steady_step_s(result, step.step_of, steps, simulated, profile.host.network_bps))
 
 
 class _StepOnSimulator:
@@ -331,11 +335,12 @@ def _device_bytes(t: Task, fwd: list[StageCost], no_recompute: list[StageCost]) 
     return no_recompute[t.stage].mem_bwd
 
 
-def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, network_bps: float) -> float:
-    """The time between the ends of the first and last simulated steps' device work (and their
-    exchanges between replicas), per step (one step: its device work's end); unless a host
-    thread's AdamW, or the network's exchanges, of one step take longer."""
-    ends = [0.0] * steps
+def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, simulated: int,
+                   network_bps: float) -> float:
+    """The time between the ends of the first and the ``steps``-th steps' device work (and their
+    exchanges between replicas), per step, of ``simulated`` steps (one step: its device work's
+    end); unless a host thread's AdamW, or the network's exchanges, of one step take longer."""
+    ends = [0.0] * simulated
     for t in result.tasks:
         if t.kind not in (CPU, DELAY):
             ends[step_of[t.id]] = max(ends[step_of[t.id]], t.end)
@@ -344,8 +349,8 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, netwo
         if t.kind == CPU:
             adam[t.gpu] = adam.get(t.gpu, 0.0) + t.work
     network = sum(t.work for t in result.tasks if t.kind == NET) / network_bps if network_bps else 0.0
-    device = ends[0] if steps == 1 else (ends[-1] - ends[0]) / (steps - 1)
-    return max(device, max(adam.values(), default=0.0) / steps, network / steps)
+    device = ends[0] if steps == 1 else (ends[steps - 1] - ends[0]) / (steps - 1)
+    return max(device, max(adam.values(), default=0.0) / simulated, network / simulated)
 
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
