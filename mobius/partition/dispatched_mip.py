@@ -93,11 +93,11 @@ class _Model:
 
     def __init__(self, profile: Profile, topo, tasks: list, kept: int, stages_fwd: int, stages_bwd: int,
                  memory_bytes: list[int], adam_params_per_s: float, optimizer_lag: int, whole_step: bool):
-        self.profile, self.host, self.tasks = profile, profile.host, tasks
+        self.host, self.tasks = profile.host, tasks
         layers = profile.n
-        self.cut = cut = layers - 1 - kept
+        cut = layers - 1 - kept
         self.runs = [(lo, min(hi, cut)) for lo, hi in profile.runs() if lo < cut]
-        self.sf, self.sb, self.kept = stages_fwd, stages_bwd, kept
+        self.sf, self.sb = stages_fwd, stages_bwd
         self.rest = [(cut + k, cut + k + 1) for k in range(kept)] + [(layers - 1, layers)]
         self.tail_fwd = stage_costs(profile, self.rest, recompute=False)
         self.prob = prob = pulp.LpProblem("mobius_dispatched_partition", pulp.LpMinimize)
@@ -164,7 +164,7 @@ class _Model:
         handoff = host.handoff_s
         step = V("step", 0)
         start: dict[tuple[int, int], pulp.LpVariable] = {}  # (task, micro-batch) -> its pass's start
-        last_on: dict[int, tuple[int, object, object]] = {}  # GPU -> (task, its end, its memory)
+        last_on: dict[int, tuple[object, object]] = {}  # GPU -> (its last task's end, that task's memory)
         load_done: dict[int, pulp.LpVariable] = {}  # GPU -> its last load's end
         pass_of: dict[tuple[str, int], tuple[int, object]] = {}  # (F|B, micro-batch) -> (task, duration): the latest
         homes, updates = [], []
@@ -184,7 +184,7 @@ class _Model:
             load_done[g] = loaded
             prob += first[0] >= loaded
             if g in last_on:
-                before, before_end, before_memory = last_on[g]
+                before_end, before_memory = last_on[g]
                 early = V(f"early_{i}", 0)
                 prob += early <= weights
                 prob += early <= self.G[g] - before_memory
@@ -203,7 +203,7 @@ class _Model:
             end = V(f"end_{i}", 0)
             prob += end >= first[-1] + d
             prob += step >= end
-            last_on[g] = (i, end, memory)
+            last_on[g] = (end, memory)
             if t.kind == "F":
                 continue
             home = V(f"home_{i}", 0)
