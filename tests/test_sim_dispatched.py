@@ -362,7 +362,8 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
     assert lines[-2].startswith(f"dispatched schedule: predicted {found['step_s'] * 1e3:.1f} ms a step")
     assert lines[-1].startswith(f"schedule: {runs} (auto)")
     main([*args, "--offload-dir", str(tmp_path / "never-made")])
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "schedule: bound: dispatched does not run --offload-dir yet"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "schedule: bound: dispatched does not run --offload-dir yet"
     assert not (tmp_path / "never-made").exists()
 
 

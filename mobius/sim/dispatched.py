@@ -42,7 +42,7 @@ from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
 
-OVERLAPPED_STEPS = 3  # simulated back to back with the optimizer lag: two steady-state steps between their ends
+OVERLAPPED_STEPS = 3  # with the optimizer lag: two steady-state steps between their ends (and one more after)
 REFINED = 3  # the tails and head splits fastest at two stages a GPU whose stage counts the search varies
 STEADY_CANDIDATES = 5  # the plans fastest as single steps whose steady state the search compares
 MIP_SHAPES = 2  # the fastest shapes whose partitions the MIP cuts again
@@ -60,7 +60,7 @@ class DispatchedPlan:
     head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
     resident: tuple[tuple[int, int], ...] = ()  # kept stages on one GPU for good, updated there: (stage, GPU)
-    partitioned_by: str = "time-balanced"  # or "MIP": how its partitions were cut (BALANCED, MIP)
+    partitioned_by: str = BALANCED  # or MIP: how its partitions were cut
 
     def shape(self, profile: Profile) -> DispatchedShape:
         """What a run executes of this plan, with each task's micro-batch time on ``profile``'s GPUs
@@ -366,10 +366,10 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     stopped at ``mip_time_limit_s``).  With ``optimizer_lag`` the steady state of the
     :data:`STEADY_CANDIDATES` fastest time-balanced plans and the MIP's decides.  Without it (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
-    (:func:`resident_for`).  A few dozen simulations and two solves: a few
-    seconds for 8 GPUs.  None where nothing fits.  ``tied``: the model's token table is tied to its head (the embedding's stage,
-    whose update waits for the head's gradients, stays on the host); ``whole_step``: clipping or
-    fp16 (:func:`simulate_dispatched`)."""
+    (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs.
+    None where nothing fits.  ``tied``: the model's token table is tied to its head (the
+    embedding's stage, whose update waits for the head's gradients, stays on the host);
+    ``whole_step``: clipping or fp16 (:func:`simulate_dispatched`)."""
     n, layers = len(order), profile.n
     fwd_costs = [l.fwd_s for l in profile.layers]
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
