@@ -415,7 +415,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                                  len(p.backward) - 1 - p.kept, memory,
                                  adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag, whole_step,
                                  warm=(p.forward, p.backward), time_limit_s=mip_time_limit_s)
-        if found and (q := simulated(p.kept, p.head_gpus, found.forward, found.backward, by=MIP)):
+        if found and (found.forward, found.backward) != (p.forward, p.backward) and \
+                (q := simulated(p.kept, p.head_gpus, found.forward, found.backward, by=MIP)):
             seen.append(q)
     best = min(seen, key=lambda p: p.step_s)
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
@@ -423,8 +424,9 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     if optimizer_lag:  # the steady state of the plans fastest alone
         # (the MIP's beside, not instead of, the fastest time-balanced ones: it cuts for a step alone)
         fastest = sorted((p for p in seen if p.partitioned_by == BALANCED), key=lambda p: p.step_s)
-        candidates = {(p.kept, p.head_gpus, tuple(p.forward), tuple(p.backward)): p.partitioned_by
-                      for p in fastest[:STEADY_CANDIDATES] + [p for p in seen if p.partitioned_by == MIP]}
+        candidates = {}
+        for p in fastest[:STEADY_CANDIDATES] + [p for p in seen if p.partitioned_by == MIP]:
+            candidates.setdefault((p.kept, p.head_gpus, tuple(p.forward), tuple(p.backward)), p.partitioned_by)
         best = min((p for (tail, heads, fwd, bwd), by in sorted(candidates.items())
                     if (p := simulated(tail, heads, list(fwd), list(bwd), OVERLAPPED_STEPS, by))),
                    key=lambda p: p.step_s)
