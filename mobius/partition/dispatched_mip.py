@@ -163,10 +163,10 @@ class _Model:
         V = prob.add_variable
         handoff = host.handoff_s
         step = V("step", 0)
-        start: dict[tuple[int, int], pulp.LpVariable] = {}  # (task, micro-batch) -> its pass's start
         last_on: dict[int, tuple[object, object]] = {}  # GPU -> (its last task's end, that task's memory)
         load_done: dict[int, pulp.LpVariable] = {}  # GPU -> its last load's end
-        pass_of: dict[tuple[str, int], tuple[int, object]] = {}  # (F|B, micro-batch) -> (task, duration): the latest
+        # (F|B, micro-batch) -> the latest pass of its chain: (its start, its duration)
+        pass_of: dict[tuple[str, int], tuple[pulp.LpVariable, object]] = {}
         homes, updates = [], []
         adam_lane: dict[int, object] = {}
         head_home: list = []
@@ -176,8 +176,6 @@ class _Model:
             prob += memory <= self.G[t.gpu]
             bw, g = self.bw[t.gpu], t.gpu
             first = [V(f"t_{i}_{m}", 0) for m in t.micro_batches]
-            for m, x in zip(t.micro_batches, first):
-                start[(i, m)] = x
             # Weights: after the GPU's previous load; what does not fit beside its previous task after it.
             loaded = V(f"loaded_{i}", 0)
             prob += loaded >= (load_done[g] if g in load_done else 0) + weights * (1.0 / bw)
@@ -189,17 +187,16 @@ class _Model:
                 prob += early <= weights
                 prob += early <= self.G[g] - before_memory
                 prob += first[0] >= before_end + host.stage_switch_s + (weights - early) * (1.0 / bw)
-            # Passes: in micro-batch order, each after its input's pass.
-            chain = "F" if t.kind == "F" else "B"
+            # Passes: in micro-batch order, each after its input's pass (the head's input is the
+            # forward chain's, and its pass, ending with its backward, goes on in the backward chain).
+            takes, gives = ("F", "F") if t.kind == "F" else ("F", "B") if t.kind == "H" else ("B", "B")
             for n, (m, x) in enumerate(zip(t.micro_batches, first)):
                 if n:
                     prob += x >= first[n - 1] + d
-                source = pass_of.get(("F", m)) if t.kind in "FH" else pass_of.get(("B", m))
-                if source is not None:
-                    src, src_d = source
-                    prob += x >= start[(src, m)] + src_d + self.act * (1.0 / bw) + handoff
-            for m in t.micro_batches:  # the head's pass ends with its backward: the backward chain's
-                pass_of[(chain, m)] = (i, d)
+                if (takes, m) in pass_of:
+                    source_start, source_d = pass_of[(takes, m)]
+                    prob += x >= source_start + source_d + self.act * (1.0 / bw) + handoff
+                pass_of[(gives, m)] = (x, d)
             end = V(f"end_{i}", 0)
             prob += end >= first[-1] + d
             prob += step >= end
