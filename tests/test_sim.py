@@ -45,17 +45,38 @@ def test_hand_computed_mobius_schedule_2_gpus_4_stages_2_micro_batches():
 
 def test_optimizer_lag_takes_adamw_off_the_step():
     """3 s of AdamW per stage: without the lag the last stage's update (S0, gradients home at 17 s)
-    ends the step at 20 s; with it the step ends at 17 s, since each worker's optimizer thread
-    needs 2 x 3 s, less than a step."""
+    ends the step at 20 s; with it the step ends with the last compute at 16 s (the next step's
+    first loads start while S0's gradients leave), since each worker's optimizer thread needs
+    2 x 3 s, less than a step."""
     prof = unit_profile()
     params_per_s = 10**9 / 4 / 3.0  # 1 GB of fp32 weights per stage in 3 s
     kw = dict(micro_batches=2, recompute=False, adam_params_per_s=params_per_s)
     plain = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], **kw)
     lagged = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], optimizer_lag=1, **kw)
-    assert plain.step_s == pytest.approx(20.0) and lagged.step_s == pytest.approx(17.0)
+    assert plain.step_s == pytest.approx(20.0) and lagged.step_s == pytest.approx(16.0)
     slow = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], optimizer_lag=1,
                            micro_batches=2, recompute=False, adam_params_per_s=params_per_s / 4)
     assert slow.step_s == pytest.approx(24.0)  # 2 stages x 12 s of AdamW per worker: the optimizer bounds the step
+
+
+def test_stage_inputs_share_the_root_complex_and_a_recomputation_overlaps_the_gradients_arrival():
+    """Two GPUs under one root complex of 1 GB/s, 1 GB activations.  S1's input (issued on GPU 1's
+    compute stream at 4 s) shares the root complex with S2's 4 GB prefetch on GPU 0, so it takes 2 s,
+    not the 1 s of its link alone.  S1's recomputation runs as soon as its backward may start
+    (8-9 s), long before its output gradient is home (16 s): only the gradient's upload and the
+    backward wait for it."""
+    layers = [LayerProfile(f"l{i}", "x", 0, 1.0, 2.0, p, 10**9, 0, 0) for i, p in enumerate([10**9, 10**9, 4 * 10**9])]
+    prof = Profile("act", 1, 1, "fp32", "synthetic", layers)
+    out = simulate_mobius(prof, [(0, 1), (1, 2), (2, 3)], two_gpu_topology(shared_rc=True), [0, 1], micro_batches=1,
+                          recompute=True, adam_params_per_s=1e30)
+    t = {task.name: (task.start, task.end) for task in out.result.tasks}
+    assert t["F load S2 (prefetch)"] == (2, 7) and t["F1.0 inputs in"] == (4, 6) and t["F1.0"] == (6, 7)
+    assert t["R1.0 inputs in"] == (7, 8) and t["R1.0"] == (8, 9)
+    assert t["grad S2.0 to S1"] == (16, 16) and t["B1.0 inputs in"] == (16, 17) and t["B1.0"] == (17, 19)
+    assert out.step_s == pytest.approx(25.0)
+    lagged = simulate_mobius(prof, [(0, 1), (1, 2), (2, 3)], two_gpu_topology(shared_rc=True), [0, 1],
+                             micro_batches=1, recompute=True, adam_params_per_s=1e30, optimizer_lag=1)
+    assert lagged.step_s == pytest.approx(24.0)  # B0.0's end: S0's gradients leave during the next step
 
 
 def test_two_transfers_on_one_root_complex_share_it_equally():
