@@ -17,7 +17,7 @@ import sys
 
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
-from mobius.planning.pipeline import choose_schedule, plan_on
+from mobius.planning.pipeline import ScheduleChoice, choose_schedule, plan_on
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_seq_len, model_config_for
 from mobius.stages.dispatch import check_dispatched
@@ -56,33 +56,36 @@ def main(argv: list[str] | None = None) -> None:
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if dispatching:
             print(f"predicting the dispatched schedule on {topo.n} workers", flush=True)
-            dispatched, shape, why = choose_schedule(cfg, model_config, topo, plan, args.profile)
+            choice = choose_schedule(cfg, model_config, topo, plan, args.profile)
     if args.json:
         out = plan.to_dict()
         if dispatching:
+            dispatched = choice.dispatched
             out["dispatched"] = None if dispatched is None else {
                 "step_s": dispatched.step_s, "forward": dispatched.forward, "backward": dispatched.backward,
                 "kept": dispatched.kept, "head_gpus": dispatched.head_gpus, "order": dispatched.order,
                 "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by}
-            out["schedule"] = {"runs": "dispatched" if shape is not None else "bound", "why": why}
+            out["schedule"] = {"runs": "dispatched" if choice.shape is not None else "bound", "why": choice.why,
+                               "bound_step_s": choice.bound_step_s, "bound_how": choice.bound_how}
         print(json.dumps(out, indent=1))
         return
     print(plan.render())
     if dispatching:
         batch = cfg.batch
-        print(dispatched_summary(dispatched, plan, batch.micro_batches * batch.micro_batch_size * batch.seq_len))
-        print(f"schedule: {why}")
+        print(dispatched_summary(choice, batch.micro_batches * batch.micro_batch_size * batch.seq_len))
+        print(f"schedule: {choice.why}")
 
 
-def dispatched_summary(dispatched, plan, tokens: int) -> str:
-    """One line: the dispatched schedule's prediction beside the plan's, and which is faster."""
-    head = "dispatched schedule: "
+def dispatched_summary(choice: ScheduleChoice, tokens: int) -> str:
+    """One line: the dispatched schedule's simulated step beside the bound plan's it was compared
+    with, and which is faster."""
+    head, dispatched = "dispatched schedule: ", choice.dispatched
     if dispatched is None:
         return head + "not predicted"
-    ratio = dispatched.step_s / plan.predicted_step_s
-    verdict = (f"{1 - ratio:.0%} shorter than the bound plan's {plan.predicted_step_s * 1e3:.1f} ms" if ratio < 1
-               else f"the bound plan's {plan.predicted_step_s * 1e3:.1f} ms is faster ({ratio:.2f}x)")
-    return (head + f"predicted {dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
+    bound = f"the bound plan's {choice.bound_how} {choice.bound_step_s * 1e3:.1f} ms"
+    ratio = dispatched.step_s / choice.bound_step_s
+    verdict = f"{1 - ratio:.0%} shorter than {bound}" if ratio < 1 else f"{bound} is faster ({ratio:.2f}x)"
+    return (head + f"simulated {dispatched.step_s * 1e3:.1f} ms a step ({tokens / dispatched.step_s:,.0f} tokens/s), "
             f"{len(dispatched.forward)} forward and {len(dispatched.backward)} backward stages "
             f"({dispatched.partitioned_by}), the last "
             f"{dispatched.kept} kept where they ran"

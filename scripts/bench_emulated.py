@@ -191,9 +191,11 @@ def main(argv: list[str] | None = None) -> None:
         if fast in results and slow in results:
             g = {"faster": fast, "slower": slow,
                  "predicted_gain": 1 - results[fast]["predicted_s"] / results[slow]["predicted_s"],
+                 "simulated_gain": 1 - results[fast]["simulated_s"] / results[slow]["simulated_s"],
                  "measured_gain": 1 - results[fast]["measured_s"] / results[slow]["measured_s"]}
             gains.append(g)
-            print(f"gain of {fast} over {slow}: predicted {g['predicted_gain']:+.1%}, measured {g['measured_gain']:+.1%}")
+            print(f"gain of {fast} over {slow}: predicted {g['predicted_gain']:+.1%}, simulated "
+                  f"{g['simulated_gain']:+.1%}, measured {g['measured_gain']:+.1%}")
     for prefix in ("small blocks", "large blocks"):
         rows = {k.split()[-1]: v for k, v in results.items() if k.startswith(prefix)}
         if rows:

@@ -15,6 +15,7 @@ from mobius.partition.dispatched_mip import solve_dispatched
 from mobius.partition.profile import analytic_profile
 from mobius.sim.dispatched import plan_dispatched, simulate_dispatched, valid_partitions
 from mobius.sim.engine import COMPUTE
+from mobius.sim.schedules import simulate_mobius
 from mobius.stages.tasks import step_tasks
 from mobius.sim.schedules import simulate_mobius
 from topology import load_topology
@@ -355,11 +356,18 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
                                 topo, found["order"], 16, kept=found["kept"], head_gpus=found["head_gpus"],
                                 adam_params_per_s=out["host_costs"]["adam_params_per_s"], optimizer_lag=1)
     assert found["order"] == out["order"] and again.step_s == pytest.approx(found["step_s"], rel=1e-9)
-    runs = "dispatched" if found["step_s"] < out["predicted_step_s"] else "bound"
-    assert out["schedule"]["runs"] == runs
+    # Compared with the bound plan simulated alike (it has no resident stages: the lag keeps none).
+    bound = simulate_mobius(profile, [tuple(b) for b in out["bounds"]], topo, out["order"], 16, out["recompute"],
+                            adam_params_per_s=out["host_costs"]["adam_params_per_s"], optimizer_lag=1)
+    schedule = out["schedule"]
+    assert schedule["bound_how"] == "simulated" and schedule["bound_step_s"] == pytest.approx(bound.step_s, rel=1e-9)
+    assert schedule["bound_step_s"] != pytest.approx(out["predicted_step_s"], rel=1e-3)  # not the cost model's
+    runs = "dispatched" if found["step_s"] < bound.step_s else "bound"
+    assert schedule["runs"] == runs
     main(args)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith(f"dispatched schedule: predicted {found['step_s'] * 1e3:.1f} ms a step")
+    assert lines[-2].startswith(f"dispatched schedule: simulated {found['step_s'] * 1e3:.1f} ms a step")
+    assert f"the bound plan's simulated {bound.step_s * 1e3:.1f} ms" in lines[-2]
     assert lines[-1].startswith(f"schedule: {runs} (auto)")
     main([*args, "--offload-dir", str(tmp_path / "never-made")])
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -122,9 +122,13 @@ class StageRunner:
                                        replicas, disk)
         self.device_optimizer = DeviceOptimizer(store, device, memory, trace, plan.device_adam_params_per_s)
         self.grad_norm: float | None = None  # the last step's global gradient norm, where it clips
-        # The compute stream's work of each micro-batch (inputs' uploads included), between two of
-        # its events: what the run compares with its plan's compute lane (mobius.runtime.plan_check).
+        # The compute stream's work of each micro-batch once its inputs are on the device, between
+        # two of its events: what the run compares with its plan's compute lane (mobius.runtime.plan_check),
+        # the layers' time.  The inputs' uploads and the waits before them are not in it: under
+        # contention for the root complex an upload can take as long as the pass, which made an
+        # emulated box's compute lane look 3x slower than its profile.
         self._computed: list[tuple[Event, Event]] = []
+        self._inputs_in: Event | None = None  # the running pass's inputs are on the device
         self.compute_s = 0.0  # the last step's
         # The planner never makes such a plan: these updates need what only the host has (the tied
         # sum, fp16's vote), or must write the weights the step after next reads (--optimizer-lag).
@@ -236,14 +240,13 @@ class StageRunner:
         return dropout_micro_batch(self.batches.seed, st.step, self.replica.index * self.M + m)
 
     def _op_compute(self, op: Op, st: _StepState) -> None:
-        began = self.compute.record()
         with self.device.compute_span(self._emulated_s(op.stage, "backward" if op.backward else "forward")):
             if op.backward:
                 self._backward(op.stage, op.mb, st)
             else:
                 self._forward(op.stage, op.mb, op.recompute, st)
         if st.training:
-            self._computed.append((began, self.compute.record()))
+            self._computed.append((self._inputs_in, self.compute.record()))
 
     def _forward(self, s: int, m: int, recompute: bool, st: _StepState) -> None:
         x_host = st.micro[m].tokens if s == 0 else st.inbox.pop((s, m))
@@ -251,6 +254,7 @@ class StageRunner:
         layout = self._layout(s, m, st)
         keep_input = recompute and st.training  # on the host, for the recomputation in backward
         x = self.links.to_device(x_host, "stage input", recycle=not keep_input)
+        self._inputs_in = self.compute.record()
         if recompute or not st.training:
             if keep_input:
                 st.host_inputs[(s, m)] = x_host
@@ -274,14 +278,14 @@ class StageRunner:
         self.links.flush(keep=1)
         x_phase = self.working.memory.phase
         x_host = st.host_inputs.pop((s, m))
-        began = self.compute.record()
         x = self.links.to_device(x_host, "recompute input", recycle=False)
+        self._inputs_in = self.compute.record()
         if x.is_floating_point():
             x.requires_grad_(True)
         with self.working.saved_activations(st.layers) as ledger, \
                 self.device.compute_span(self._emulated_s(s, "forward")), self._dropout(m, st):
             out = run_layers(st.layers, x, self._layout(s, m, st))
-        self._computed.append((began, self.compute.record()))
+        self._computed.append((self._inputs_in, self.compute.record()))
         st.kept[(s, m)] = (x, out, ledger, x_phase)
         st.recomputed_from[(s, m)] = x_host
 
@@ -290,9 +294,11 @@ class StageRunner:
             self.links.flush(keep=1)
         x, out, ledger, x_phase = st.kept.pop((s, m))
         if s == self.n_stages - 1:
+            self._inputs_in = self.compute.record()
             (out * self.scaler.scale).backward()  # the loss is already its share of the step's mean
         else:
             g = self.links.to_device(st.inbox.pop((s, m)), "output gradient")
+            self._inputs_in = self.compute.record()
             if out.requires_grad:  # else nothing before it trains (e.g. a frozen embedding under LoRA)
                 out.backward(g)
             self.working.free(g)
