@@ -257,7 +257,7 @@ class PipelineConfig:
     schedule: str = setting(
         "bound", "bound: each stage on one GPU for the whole step (Mobius); dispatched: each stage's forward and "
                  "backward handed to the GPUs in turn, with partitions of their own (RoundPipe); auto: the one "
-                 "whose predicted step is shorter", choices=("bound", "dispatched", "auto"), plans=True)
+                 "whose simulated step is shorter", choices=("bound", "dispatched", "auto"), plans=True)
     replan: str = setting(
         "off", "auto: when the run's first steps show a lane of its plan off by more than 20%%, plan again with the "
                "measured rates and switch plans at a step boundary if the new plan is predicted to save more than "
