@@ -53,9 +53,10 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
                     prefetch: bool = True) -> SimOutcome:
     """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
     backward its output gradient, and with recomputation its input again) is copied to the device
-    on the compute stream, so it occupies the device (at the GPU link's rate) before the compute;
-    parameters arrive on a copy stream of their own; activations and gradients leave on copy
-    streams of their own, sharing the link while both are in flight; an activation
+    on the compute stream, so it occupies the device before the compute, sharing the link and the
+    root complex with the copies in flight (a recomputation runs before its output gradient is
+    awaited); parameters arrive on a copy stream of their own; activations and gradients leave on
+    copy streams of their own, sharing the link while both are in flight; an activation
     reaches the next worker ``profile.host.handoff_s`` after it reached the host.  AdamW runs at
     ``adam_params_per_s`` (default: the profile's host rate); with data-parallel replicas
     (``profile.host.replicas``) on 1/D of each stage, between the sum of its gradients and the
