@@ -35,10 +35,26 @@ def test_a_lane_off_by_more_than_a_fifth_is_named_once_and_its_rate_kept():
     history = steps(adam_s=0.042, rate=4e8)
     assert check.after(history[:3]) == []  # the warm-up step and two: not yet
     lines = check.after(history)
-    assert lines == ["plan check: host AdamW 42.00 ms measured, 0.17 s predicted (400 M parameters/s measured, "
+    assert lines == ["plan check: host AdamW 41.94 ms measured, 0.17 s predicted (400 M parameters/s measured, "
                      "100 M planned); the next plan for this host uses the measured rate"]
     assert kept == [4e8]
     assert check.after(history + steps(0.042, 4e8)) == []  # once per run
+
+
+def test_under_the_lag_the_host_lane_is_its_parameters_at_the_measured_rate_not_a_steps_window():
+    """With ``--optimizer-lag 1`` a step's updates run during the next one, so a step's window
+    holds a varying number of a worker's updates (here one and a half, three, one, three): at the
+    planned rate nothing is off, and at four times it the lane is a quarter of the prediction."""
+    plan = plan_of(MIN_PARAMS_KEPT * 4, rate=1e8)  # predicted: 0.168 s, two updates of 0.084 s
+    windows = [0.126, 0.252, 0.084, 0.252]
+
+    def history(rate):
+        return [StepMetrics(step=k, loss=1.0, lr=1.0, tokens=1, step_time_s=1.0, host_adam_s=s * 1e8 / rate,
+                            host_adam_params_per_s=rate) for k, s in enumerate(windows)]
+
+    assert PlanCheck(plan, lambda r: None).after(history(1e8)) == []
+    (line,) = PlanCheck(plan, lambda r: None).after(history(4e8))
+    assert line.startswith("plan check: host AdamW 41.94 ms measured, 0.17 s predicted (400 M parameters/s")
 
 
 def test_within_a_fifth_nothing_is_said_and_small_updates_keep_no_rate():

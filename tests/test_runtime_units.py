@@ -53,6 +53,59 @@ def test_a_prefetch_waits_for_what_the_running_stage_reserved():
     assert memory.used == 5 * MiB and memory.peak <= memory.budget
 
 
+def test_weights_give_way_to_an_input_upload_under_way_and_not_to_one_not_begun():
+    """The dispatched schedule's rule on one device's link: while an input upload runs, the
+    prefetcher issues no piece of weights; once it ends, the stage loads, in pieces of a quarter of
+    the upload, every weight as the host has it.  An upload its stream has not reached yet (the
+    stream still computes what came before) holds nothing back."""
+    from mobius.swap.upload_gate import UploadGate
+
+    device = CpuDevice(check=True, jitter_ms=1.0)
+    store = tiny_store(device)
+    memory, traffic, gate = DeviceMemory(64 * MiB, "worker 0"), Traffic(), UploadGate(device)
+    gate.min_piece_bytes = 1024
+    prefetcher = Prefetcher(store, store.config, memory, device, traffic, Trace(enabled=False), gate=gate)
+    uploading, finish = threading.Event(), threading.Event()
+
+    def upload():  # as the compute thread's copy of an input on the CPU device: the body is the copy
+        with gate.upload(device.compute, 16384):  # the stage's weights go in pieces of 4 KiB
+            uploading.set()
+            finish.wait()
+
+    thread = threading.Thread(target=upload)
+    try:
+        thread.start()
+        uploading.wait()
+        handle = prefetcher.request(1, priority=0)
+        assert not handle._loaded.wait(0.3) and traffic.h2d == 0  # not one piece while it runs
+        assert gate.piece_bytes() == 4096
+        finish.set()
+        thread.join()
+        layers = prefetcher.wait(handle)
+        assert all(torch.equal(d, h) for (_, h), d in zip(store.stages[1].named_params(), layers.parameters()))
+        assert traffic.h2d == store.stages[1].param_bytes > 8 * 4096
+        prefetcher.release(handle)
+    finally:
+        finish.set()
+        prefetcher.close()
+        device.close()
+
+    class Point:  # an event of a stream that has (not) reached it yet
+        def __init__(self, reached):
+            self.reached = reached
+
+        def query(self):
+            return self.reached
+
+        def synchronize(self):
+            raise AssertionError("waited for an upload that had not begun")
+
+    stream = SimpleNamespace(record=lambda: Point(False))
+    with gate.upload(stream, 16384):
+        gate.wait_clear()  # returns at once
+    gate.wait_clear()
+
+
 def test_saved_activations_count_each_storage_once_and_are_freed():
     memory = DeviceMemory(100 * MiB)
     working = WorkingMemory(memory, plan=None)

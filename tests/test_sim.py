@@ -123,6 +123,20 @@ def test_copy_streams_of_one_gpu_run_together_and_share_its_link():
     assert r.tasks[grads].end == pytest.approx(4.0)  # 10 at 5/s by t=2, then 20 at 10/s: the link never idles
 
 
+def test_an_urgent_upload_holds_its_gpus_weights_but_not_another_gpus():
+    """Activations first (the dispatched schedule's uploads): GPU 0's input takes its whole link,
+    its weights wait until it is done; GPU 1's weights, under the same root complex, keep their
+    share of it."""
+    sim = Simulator(Link(gpu_bw={0: 10.0, 1: 10.0}, rc_of={0: 0, 1: 0}, rc_bw={0: 20.0}))
+    weights = sim.add("weights", H2D, 0, 30.0, stream="params")
+    other = sim.add("other GPU's weights", H2D, 1, 20.0, stream="params")
+    upload = sim.add("input", H2D, 0, 10.0, stream="activations", urgent=True)
+    r = sim.run()
+    assert r.tasks[upload].end == pytest.approx(1.0)  # 10 at the link's 10/s
+    assert r.tasks[other].end == pytest.approx(2.0)  # 10/s throughout
+    assert r.tasks[weights].end == pytest.approx(4.0)  # nothing until t=1, then 30 at 10/s
+
+
 def test_baselines_gpipe_oom_and_zero3_traffic():
     prof = unit_profile(8)
     topo = two_gpu_topology(memory_gb=10.0)

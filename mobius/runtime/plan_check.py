@@ -2,9 +2,9 @@
 
 After the warm-up step and :data:`STEPS` more, the pipeline compares what it measured with what its
 plan predicted: the step, the compute lane (the busiest worker's micro-batch passes: what a layer
-profile timed wrongly throws off) and the host AdamW lane (the busiest worker's optimizer thread;
-the lane a host rate timed wrongly throws off most, and the one a plan's choices of recomputation,
-residency and stage count hang on).  What is off by more than :data:`TOLERANCE` is named in one
+profile timed wrongly throws off) and the host AdamW lane (the busiest worker's parameters at the
+rate its optimizer threads measured; the lane a host rate timed wrongly throws off most, and the one
+a plan's choices of recomputation, residency and stage count hang on).  What is off by more than :data:`TOLERANCE` is named in one
 line; the host's measured AdamW rate is kept (:data:`HOST_RATES`) for the next plan on this
 machine to use instead of the one it was planned with, and a layer profile that made the compute
 slower than it runs is forgotten when the run ends (:data:`PROFILES`), to be measured again.
@@ -105,15 +105,19 @@ class PlanCheck:
             compute_line = (f"plan check: compute {seconds_text(compute)} measured, {seconds_text(planned_compute)} "
                             f"predicted ({compute / planned_compute:.2f}x)")
             lines.append(compute_line)
-        adam = [m.host_adam_s for m in measured if m.host_adam_s is not None]
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
         predicted = predicted_host_adam_s(self.plan)
-        if adam and rates and predicted and self.plan.data_parallel == 1 and _off(statistics.median(adam), predicted):
+        # The lane is the busiest worker's parameters at the rate measured: a step's own seconds of
+        # AdamW are not at hand under the lag, where the updates of one step run during the next
+        # (a step's window held one to three updates of a worker with two stages).
+        rate = statistics.median(rates) if rates else 0.0
+        planned = self.plan.host_costs.get("adam_params_per_s", 0.0)
+        lane = predicted * planned / rate if rate else 0.0
+        if lane and self.plan.data_parallel == 1 and _off(lane, predicted):
             self.off.append(Lane.HOST_ADAM)
-            rate, planned = statistics.median(rates), self.plan.host_costs["adam_params_per_s"]
             # An emulated host's update lasts the time its rate gives, whatever the parameter count.
             kept = predicted * planned >= MIN_PARAMS_KEPT or measured[0].emulated_step_s is not None
-            lines.append(f"plan check: host AdamW {seconds_text(statistics.median(adam))} measured, "
+            lines.append(f"plan check: host AdamW {seconds_text(lane)} measured, "
                          f"{seconds_text(predicted)} predicted ({rate / 1e6:,.0f} M parameters/s measured, "
                          f"{planned / 1e6:,.0f} M planned); " + (
                              "the next plan for this host uses the measured rate" if kept else

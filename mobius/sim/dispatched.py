@@ -160,8 +160,8 @@ class _StepOnSimulator:
         # The resident stages, by their forward and by their backward index: weights stay, updated there.
         self.resident_fwd, self.resident_bwd = resident
 
-    def add(self, t: Task, *args) -> int:
-        tid = self.sim.add(*args)
+    def add(self, t: Task, *args, **options) -> int:
+        tid = self.sim.add(*args, **options)
         self.step_of[tid] = t.step
         return tid
 
@@ -198,10 +198,12 @@ class _StepOnSimulator:
     def compute(self, t: Task, name: str, upload: float, work: float, deps: list) -> int:
         """A micro-batch's pass on the task's GPU, after its inputs' upload: a transfer on the GPU's
         link between the GPU's compute before and this one (the runtime uploads them on the compute
-        stream), sharing the link and its root complex with the weights streaming in meanwhile."""
+        stream), sharing its root complex with the other GPUs' copies; the weights streaming in on
+        its own link meanwhile give way to it (:mod:`mobius.swap.upload_gate`)."""
         g = t.gpu
         if upload:
-            deps = [self.add(t, f"{name} inputs in", H2D, g, upload, (*deps, self.computed.get(g)), 0, "activations")]
+            deps = [self.add(t, f"{name} inputs in", H2D, g, upload, (*deps, self.computed.get(g)), 0, "activations",
+                             urgent=True)]
         self.computed[g] = self.add(t, name, COMPUTE, g, work + self.host.micro_batch_s, deps)
         return self.computed[g]
 

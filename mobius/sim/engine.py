@@ -6,7 +6,8 @@ gradient streams), and a CPU worker thread (AdamW).  A copy stream runs one tran
 picks, among the issued transfers whose dependencies are done, the one with the best priority (the
 runtime's transfer queue); transfers on different streams of one GPU run at the same time.
 
-Bandwidth is a fluid model.  The transfers of one GPU in one direction share its link equally; the
+Bandwidth is a fluid model.  The transfers of one GPU in one direction share its link equally (but
+an *urgent* one, which holds the others of its GPU and direction until it is done); the
 transfers of one root complex in one direction share its host bandwidth max-min fair, each capped
 by its share of its link (PCIe has no priorities between devices).  Where links are as fast as
 their root complex (every preset) this is the sharing ``--emulate`` gives the runtime
@@ -40,6 +41,7 @@ class Task:
     deps: tuple[int, ...]
     priority: int = 0
     stream: str = ""  # transfers: the copy stream it is issued on
+    urgent: bool = False  # a transfer its GPU's other transfers of that direction give way to
     start: float = -1.0
     end: float = -1.0
     remaining: float = 0.0
@@ -124,9 +126,10 @@ class Simulator:
         self.link = link
         self.tasks: list[Task] = []
 
-    def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0, stream: str = "") -> int:
+    def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0, stream: str = "",
+            urgent: bool = False) -> int:
         deps = tuple(d for d in deps if d is not None)
-        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority, stream)
+        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority, stream, urgent)
         self.tasks.append(t)
         return t.id
 
@@ -138,8 +141,14 @@ class Simulator:
             sharing = [t for t in active if t.kind == kind]
             for t in sharing:
                 t.rate = getattr(self.link, field_) / len(sharing)
+        # An urgent transfer holds its GPU's others of its direction (the runtime issues them in
+        # pieces, none while it runs: mobius.swap.upload_gate).
+        urgent = {(t.gpu, t.kind) for t in active if t.urgent}
         for t in active:
             if t.kind in SHARED:
+                continue
+            if not t.urgent and (t.gpu, t.kind) in urgent:
+                t.rate = 0.0
                 continue
             per_gpu[(t.gpu, t.kind)] += 1
             groups[(self.link.rc_of[t.gpu], t.kind)].append(t)

@@ -13,8 +13,9 @@ weights shared by all of them.
   :mod:`~mobius.stages.links` (an in-process transport between the device threads): the hidden
   state at a layer boundary goes to the forward task that starts there and, from the same copy off
   the device, to the recomputing backward task that starts there; a gradient to the backward task
-  that ends there.  Each is keyed by (what, step, boundary, micro-batch).  Activations share each
-  link with the weights streaming in (no priority between them).
+  that ends there.  Each is keyed by (what, step, boundary, micro-batch).  On each device's link a
+  task's inputs go before the weights streaming in for the tasks after it
+  (:mod:`~mobius.swap.upload_gate`).
 * **One update per piece and step** (:class:`~mobius.stages.piece_updates.PieceUpdates`, on host
   threads): a backward's gradients of each piece go home into the piece's staging buffer (the
   head's parts into one each) and the piece's AdamW runs once all have arrived, summed in part
@@ -63,6 +64,7 @@ from mobius.stages.working_memory import WorkingMemory
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.prefetch import DeviceStage, Prefetcher
 from mobius.swap.store import HostStageStore, view
+from mobius.swap.upload_gate import UploadGate
 
 # As a transport's receive: a dependency that never comes fails the run, never hangs it (an emulated
 # run allows for its dilated steps: mobius.runtime.worker.collective_timeout_s).
@@ -155,12 +157,13 @@ class _DeviceWorker:
         self.memory = DeviceMemory(budget_bytes, f"GPU {gpu}")
         self.traffic = Traffic()
         self.trace = r.trace.of_pid(gpu)  # a row of lanes for each device
-        self.prefetcher = Prefetcher(r.store, r.config, self.memory, device, self.traffic, self.trace)
+        gate = UploadGate(device)  # a task's inputs go up before the weights of the tasks after it
+        self.prefetcher = Prefetcher(r.store, r.config, self.memory, device, self.traffic, self.trace, gate=gate)
         self.host = device.host_stream("host")
         self.compute = device.compute
         self.grads_out = device.new_stream("d2h-gradients", "d2h")
         self.links = ActivationLinks(r.group.endpoint(gpu), device, self.host, self.memory, self.traffic, self.trace,
-                                     r.tag_of)
+                                     r.tag_of, gate)
         self.working = WorkingMemory(self.memory, None)
         self._seen: dict[str, int] = {}  # task name -> the most working memory it used: held from prefetches
         self.kept: dict[tuple, tuple] = {}  # (step, forward stage, micro-batch) -> (input, output, ledger, phase)

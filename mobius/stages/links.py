@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -25,6 +26,7 @@ from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
 from mobius.stages.transport import Transport
 from mobius.swap.memory import DeviceMemory, Traffic
+from mobius.swap.upload_gate import UploadGate
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -65,8 +67,10 @@ class ActivationLinks:
     key for the transport, the same on both ends."""
 
     def __init__(self, transport: Transport, device: Device, host: Stream, memory: DeviceMemory,
-                 traffic: Traffic, trace: Trace, tag_of: Callable[[tuple], int]):
-        self.transport, self.device, self.tag_of = transport, device, tag_of
+                 traffic: Traffic, trace: Trace, tag_of: Callable[[tuple], int], gate: UploadGate | None = None):
+        """``gate``: where the device's weights give way to its input uploads (the dispatched
+        schedule's)."""
+        self.transport, self.device, self.tag_of, self.gate = transport, device, tag_of, gate
         self.memory, self.traffic, self.trace = memory, traffic, trace
         self.rank = transport.rank
         self.compute, self.host = device.compute, host
@@ -93,7 +97,8 @@ class ActivationLinks:
         self.traffic.h2d += n
         x = self.device.empty(host.numel(), host.dtype, name=what).view(host.shape)
         self.compute.wait(self.host.record())  # after this thread's writes (a receive) of ``host``
-        self.compute.copy(x, host)
+        with self.gate.upload(self.compute, n) if self.gate is not None else nullcontext():
+            self.compute.copy(x, host)
         if recycle:
             self.recycle(host)
         return x

@@ -12,7 +12,8 @@ whose weights wait on disk (:mod:`mobius.swap.disk`) is first read whole into a 
 the host's (one, reused: the largest such stage), then copied as any other.
 
 Activation and gradient transfers use streams of their own (see :mod:`mobius.stages.executor`):
-they never queue behind a parameter prefetch.
+they never queue behind a parameter prefetch.  Under the dispatched schedule the weights give way
+to the device's input uploads on the link as well (:mod:`mobius.swap.upload_gate`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections import deque
 from typing import Callable
 
 import torch
@@ -30,6 +32,7 @@ from mobius.models import GPTConfig, build_layer
 from mobius.runtime.device import COPY_CHUNK_BYTES, Device, Event
 from mobius.swap.memory import DeviceMemory, Traffic
 from mobius.swap.store import HostStageStore, view
+from mobius.swap.upload_gate import AHEAD, UploadGate
 
 
 class DeviceStage:
@@ -52,10 +55,12 @@ class DeviceStage:
 
 class Prefetcher:
     def __init__(self, store: HostStageStore, config: GPTConfig, memory: DeviceMemory, device: Device,
-                 traffic: Traffic, trace: Trace, disk=None):
-        """``disk``: the disk tier holding the compute copy of the stages whose weights wait there."""
+                 traffic: Traffic, trace: Trace, disk=None, gate: UploadGate | None = None):
+        """``disk``: the disk tier holding the compute copy of the stages whose weights wait there;
+        ``gate``: the device's input uploads, which the weights give way to (the dispatched
+        schedule's rule: :mod:`mobius.swap.upload_gate`)."""
         self.store, self.config, self.memory, self.device = store, config, memory, device
-        self.disk = disk
+        self.disk, self.gate = disk, gate
         self._staging: torch.Tensor | None = None  # where a stage's weights on disk are read to
         self._staged: Event | None = None  # the last copy out of it
         self.traffic, self.trace = traffic, trace
@@ -169,15 +174,22 @@ class Prefetcher:
                 bursts[-1][1] = self.stream.record()
 
         at = 0
+        unfinished: deque[Event] = deque()  # with a gate: the pieces issued and maybe still copying
         for source in sources:
-            step = max(1, COPY_CHUNK_BYTES // source.element_size())
+            step = max(1, (COPY_CHUNK_BYTES if self.gate is None else self.gate.piece_bytes()) // source.element_size())
             for a in range(0, source.numel(), step):
                 b = min(a + step, source.numel())
                 nbytes = (b - a) * source.element_size()
                 self.memory.reserve_for_prefetch(nbytes, self._stop, before_waiting=end_burst if tracing else None)
+                if self.gate is not None:
+                    while len(unfinished) >= AHEAD:
+                        unfinished.popleft().synchronize()
+                    self.gate.wait_clear()
                 if tracing and (not bursts or bursts[-1][1] is not None):
                     bursts.append([self.stream.record(), None, 0])
                 self.stream.copy(weights[at + a:at + b], source[a:b])
+                if self.gate is not None:
+                    unfinished.append(self.stream.record())
                 self.traffic.h2d += nbytes
                 if tracing:
                     bursts[-1][2] += nbytes
