@@ -134,7 +134,7 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     Like is compared with like: the dispatched prediction is a simulation, so the bound plan is
     simulated too (:func:`mobius.sim.simulate_mobius`, the runtime's operations on the same links).
     The plan's own prediction is its MIP's cost model, which ran up to 10% high on emulated boxes
-    where the simulator came within 5% of both schedules (docs/benchmarks.md).  The simulator does
+    where the simulator came within 8% of both schedules (docs/benchmarks.md).  The simulator does
     not model stages resident on their GPUs or state on disk: for such a plan it is the plan's
     prediction.  (The disk tier is refused before this: ``mobius.plan`` never models it here.)"""
     if not topo.virtual and not cfg.emulation.enabled:
