@@ -4,10 +4,11 @@ After the warm-up step and :data:`STEPS` more, the pipeline compares what it mea
 plan predicted: the step, the compute lane (the busiest worker's micro-batch passes: what a layer
 profile timed wrongly throws off) and the host AdamW lane (the busiest worker's parameters at the
 rate its optimizer threads measured; the lane a host rate timed wrongly throws off most, and the one
-a plan's choices of recomputation, residency and stage count hang on).  What is off by more than :data:`TOLERANCE` is named in one
-line; the host's measured AdamW rate is kept (:data:`HOST_RATES`) for the next plan on this
-machine to use instead of the one it was planned with, and a layer profile that made the compute
-slower than it runs is forgotten when the run ends (:data:`PROFILES`), to be measured again.
+a plan's choices of recomputation, residency and stage count hang on).  What is off by more than
+:data:`TOLERANCE` is named in one line; the host's measured AdamW rate is kept (:data:`HOST_RATES`)
+for the next plan on this machine to use instead of the one it was planned with, and a layer
+profile that made the compute slower than it runs is forgotten when the run ends
+(:data:`PROFILES`), to be measured again.
 """
 
 from __future__ import annotations
