@@ -85,12 +85,11 @@ def lagged_step_s(r: SimResult, host) -> float:
     (its AdamW, and its exchanges alone on the network) or the network need longer than that."""
     device_end = max((t.end for t in r.tasks if t.kind in (COMPUTE, H2D)), default=0.0)
     outgoing: dict[int, list[tuple[float, float]]] = {}
+    optimizer_busy: dict[int, float] = {}
     for t in r.tasks:
         if t.kind == D2H:
             outgoing.setdefault(t.gpu, []).append((t.start, t.end))
-    optimizer_busy: dict[int, float] = {}
-    for t in r.tasks:
-        if t.kind in (CPU, NET):
+        elif t.kind in (CPU, NET):
             optimizer_busy[t.gpu] = optimizer_busy.get(t.gpu, 0.0) + (t.work if t.kind == CPU else
                                                                       t.work / host.network_bps)
     network = sum(t.work for t in r.tasks if t.kind == NET) / host.network_bps if host.replicas > 1 else 0.0
@@ -134,9 +133,9 @@ class _BoundStep:
         b = self.sim.add(f"{tag} load S{j}", H2D, self.gpu[j], size - first, (a, late_dep), prio, "params")
         return [a, b]
 
-    def compute(self, name: str, j: int, upload_bytes: float, work: float, deps: list, passes: int = 1) -> int:
+    def compute(self, name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
         """The stage inputs' upload, then the compute and the runtime's fixed per-micro-batch work of
-        each pass.  The runtime issues the upload on the compute stream, so it starts after the
+        the pass.  The runtime issues the upload on the compute stream, so it starts after the
         GPU's compute before it; it shares the GPU's link and root complex with the weights
         streaming in meanwhile (timed at the link's full rate, it made every pass under contention
         shorter than the runtime's: the bound step 5-9% short on emulated boxes)."""
@@ -144,7 +143,7 @@ class _BoundStep:
         if upload_bytes:
             deps = [self.sim.add(f"{name} inputs in", H2D, g, upload_bytes, (*deps, self.computed.get(g)), 0,
                                  "activations")]
-        self.computed[g] = self.sim.add(name, COMPUTE, g, work + passes * self.host.micro_batch_s, deps)
+        self.computed[g] = self.sim.add(name, COMPUTE, g, work + self.host.micro_batch_s, deps)
         return self.computed[g]
 
     def switch(self, name: str, j: int, after) -> int:
