@@ -97,9 +97,87 @@ def test_answer_masks_follow_the_chat_template(tmp_path):
         text = tok.decode(targets[targets != IGNORE])
         if on_prompt:
             full = tok.apply_chat_template(CHAT["messages"], tokenize=False)
-            assert text == full[len("<|im_start|>"):] + "<|endoftext|>"  # every next token
+            assert text == full[len("<|im_start|>"):]  # every next token
         else:
-            assert text == "A1<|im_end|>\nA2<|im_end|>\n<|endoftext|>"
+            assert text == "A1<|im_end|>\nA2<|im_end|>\n"  # the turns' ends, and no EOS after them
+
+
+# Each family's chat template as its models ship it, and TRL's training variant of it (the
+# assistant's output inside {% generation %}, as trl/chat_templates/*_training.jinja draw it), which
+# is what TRL's assistant_only_loss trains through transformers' return_assistant_tokens_mask.
+FAMILIES = {
+    "chatml": ("<|im_end|>", [],
+               "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+               "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+               "{% generation %}{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
+               "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    "llama3": ("<|eot_id|>", [],
+               "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + "
+               "m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+               "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{% if m['role'] == 'assistant' %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% generation %}"
+               "{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}{{ '<|start_header_id|>' + "
+               "m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    "gemma": ("<eos>", ["system"],
+              "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set role = 'model' %}"
+              "{% else %}{% set role = m['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + m['content'] | trim"
+              " + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}"
+              "{% endif %}",
+              "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<start_of_turn>model\n' }}"
+              "{% generation %}{{ m['content'] | trim + '<end_of_turn>\n' }}{% endgeneration %}{% else %}"
+              "{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] | trim + '<end_of_turn>\n' }}{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"),
+    "phi3": ("<|endoftext|>", [],
+             "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+             "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|assistant|>\n' }}{% generation %}"
+             "{{ m['content'] + '<|end|>\n' }}{% endgeneration %}{% else %}{{ '<|' + m['role'] + '|>\n' + "
+             "m['content'] + '<|end|>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+             "{{ '<|assistant|>\n' }}{% elif messages[-1]['role'] == 'assistant' %}{% generation %}{{ eos_token }}"
+             "{% endgeneration %}{% else %}{{ eos_token }}{% endif %}"),
+    "mistral": ("</s>", ["system"],
+                "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                "'[/INST]' }}{% else %}{{ ' ' + m['content'] | trim + eos_token }}{% endif %}{% endfor %}",
+                "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                "'[/INST]' }}{% else %}{% generation %}{{ ' ' + m['content'] | trim + eos_token }}{% endgeneration %}"
+                "{% endif %}{% endfor %}"),
+}
+FAMILY_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|end|>", "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]"]
+BOS = {"llama3": "<|begin_of_text|>", "gemma": "<bos>", "mistral": "<s>"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_tokens_equal_trl_assistant_only_loss(tmp_path, family):
+    """The tokens we train on each family's own template are the ones TRL's assistant-only loss
+    trains with its generation-tagged variant: the answers and what closes each of them, no more."""
+    transformers = pytest.importorskip("transformers")
+    from make_tiny_chat_model import byte_tokenizer
+
+    from mobius.data.examples import ChatRenderer
+
+    eos, no_roles, shipped, training = FAMILIES[family]
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(FAMILY_SPECIAL), eos_token=eos,
+                                               bos_token=BOS.get(family))
+    tok.chat_template = shipped
+    tok.save_pretrained(str(tmp_path))
+    renderer = ChatRenderer(str(tmp_path), None, train_on_prompt=False)
+    conversations = [CHAT["messages"], CHAT["messages"][1:3],
+                     CHAT["messages"][1:] + [{"role": "user", "content": "Q3"}],
+                     [{"role": "user", "content": " spaced "}, {"role": "assistant", "content": " two words \n"}]]
+    for messages in conversations:
+        messages = [m for m in messages if m["role"] not in no_roles]
+        ours = renderer.chat(messages)
+        trl = tok.apply_chat_template(messages, chat_template=training, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert ours.ids.tolist() == trl["input_ids"], (family, messages)
+        assert ours.trained.tolist() == [bool(m) for m in trl["assistant_masks"]], (family, messages)
+        assert ours.trained.sum() < ours.trained.size
 
 
 @pytest.mark.parametrize("content,message", [
@@ -308,9 +386,9 @@ def test_an_end_of_text_token_past_the_models_vocabulary_is_one_line(tmp_path, c
     settings = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps(dict(settings, eos_token="<|end|>")))
     (model / "generation_config.json").unlink()
-    chat = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    completions = write_jsonl(tmp_path / "completions.jsonl", [RECORDS["completion"]])  # text ends with EOS
     capsys.readouterr()
-    message = one_line_exit_2(train_main, ["--model", str(model), "--data", str(chat), "--seq-len", "128", "--steps",
+    message = one_line_exit_2(train_main, ["--model", str(model), "--data", str(completions), "--seq-len", "128", "--steps",
                                            "1", "--backend", "single", "--no-progress", "--save", str(tmp_path / "ck")],
                               capsys)
     assert f"has a vocabulary of {vocab}, but the data has token id {vocab} (tokenizer.json of m)" in message

@@ -120,7 +120,7 @@ def test_packed_rows_hold_several_examples_with_answers_only_trained(chat_setup)
     assert 0 < trained.numel() < (seg >= 0).sum()  # prompts are not trained
     text = bytes(t for t in mb.tokens[0].tolist() if t < 256).decode()
     assert "<" not in text and "say" in text  # the special tokens are single ids, not bytes
-    assert (tgt == 256).any()  # every example ends with EOS, trained
+    assert (tgt == 258).any() and not (tgt == 256).any()  # each turn's <|im_end|> is trained, no EOS after it
 
 
 @pytest.mark.parametrize("data", ["chat", "alpaca"])
@@ -196,7 +196,8 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
 def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
     """The job done: a tiny Llama fine-tuned on an instruction set (parity of a number), exported,
     answers prompts it never saw with transformers' generate and stops at the end of its turn.  (At
-    lr 1e-2 without clipping: the settings this task was tuned at.)"""
+    lr 5e-3 without clipping: the settings this task was tuned at; at 1e-2 150 steps answer "odd"
+    to every number, with the answer and its end of turn the only tokens trained.)"""
     from mobius.train import main
 
     model = make_tiny_chat_model(tmp_path / "model", hidden=64, layers=2)
@@ -207,7 +208,7 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
         for n in train:
             f.write(json.dumps({"instruction": f"Is {n} even or odd?", "output": "odd" if n % 2 else "even"}) + "\n")
     main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--backend", "single", "--steps", "150",
-          "--lr", "1e-2", "--max-grad-norm", "0", "--seq-len", "128", "--micro-batch-size", "8", "--micro-batches", "1", "--no-progress",
+          "--lr", "5e-3", "--max-grad-norm", "0", "--seq-len", "128", "--micro-batch-size", "8", "--micro-batches", "1", "--no-progress",
           "--export", str(tmp_path / "tuned"), "--eval-split", "0.05", "--eval-every", "50",
           "--metrics", str(tmp_path / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")])
     evals = [json.loads(line)["eval_loss"] for line in open(tmp_path / "m.jsonl")]

@@ -4,9 +4,12 @@ Chat messages are rendered by the model's own chat template through ``transforme
 ``apply_chat_template`` (never a template engine of ours).  Which tokens are the answer is found
 the way the template itself draws the line: for each assistant turn, the conversation up to it
 rendered with the generation prompt ends where the answer starts, and the conversation including
-it ends where the answer (with its end-of-turn marker) stops.  Tokens whose text starts inside
-those spans are trained; the rest is prompt.  Every example ends with the tokenizer's EOS, trained,
-so the model learns where an answer ends.
+it ends where the answer (with whatever the template closes a turn with) stops.  Tokens whose text
+starts inside those spans are trained; the rest is prompt.  That is what TRL's assistant-only loss
+trains with its generation-tagged templates: the template's own end of turn teaches the model where
+an answer ends, so no EOS is added to a conversation (an EOS after ChatML's ``<|im_end|>\n`` would
+teach a token that is never generated).  Plain prompt/completion text and documents end with the
+tokenizer's EOS, trained, as TRL adds it to non-conversational data.
 """
 
 from __future__ import annotations
@@ -122,19 +125,23 @@ class ChatRenderer:
             raise InputError(f"chat and instruction data need a chat template: --model {self.model} has none; "
                              "give one with --chat-template FILE")
         full = self._render(messages)
+        ids, offsets = self._encode(full)
         spans = []
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            start = len(self._render(messages[:i], generation_prompt=True)) if i else 0
-            upto = self._render(messages[: i + 1])
-            if not full.startswith(upto) or start > len(upto):
+            prompt = self._render(messages[:i], generation_prompt=True) if i else ""
+            # The answer ends where the conversation that stops after it parts from the whole one, token
+            # by token: a template that closes the conversation (Phi-3's EOS) closes only the last turn.
+            upto = self._encode(self._render(messages[: i + 1]))[0]
+            same = _common_prefix(ids, upto)
+            end = offsets[same - 1][1] if same else 0
+            if not full.startswith(prompt) or end <= len(prompt):
                 raise InputError(f"the chat template ({self.template_source}) renders a conversation differently "
                                  "from its beginning, so the answer tokens cannot be told apart")
-            spans.append((start, len(upto)))
-        ids, offsets = self._encode(full)
+            spans.append((len(prompt), end))
         trained = [self.train_on_prompt or any(a <= s < b for a, b in spans) for s, _ in offsets]
-        return self._finish(ids, trained)
+        return Example(np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool))
 
     def text(self, prompt: str, answer: str | None) -> Example:
         """Plain prompt + answer (TRL's standard prompt-completion), or a document (answer None)."""
@@ -146,14 +153,20 @@ class ChatRenderer:
         return self._finish(ids, [self.train_on_prompt or s >= cut for s, _ in offsets])
 
     def _finish(self, ids: list[int], trained: list[bool]) -> Example:
+        """Text ends with EOS, trained: what the model must learn to emit when the text is done."""
         if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
             ids, trained = ids + [self.eos_id], trained + [True]
         elif ids:
-            trained[-1] = True  # the template's own closing EOS is what the model must learn to emit
+            trained[-1] = True
         return Example(np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool))
 
     def render(self, record: Record) -> Example:
         return self.chat(record.messages) if record.messages is not None else self.text(record.prompt, record.answer)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class ByteRenderer:
