@@ -18,7 +18,9 @@ import sys
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
 from mobius.planning.pipeline import ScheduleChoice, choose_schedule, plan_on
+from mobius.models.precision import use_fp16_accumulation
 from mobius.planning.prepare import resolve_topology
+from mobius.runtime.device import cuda_available
 from mobius.runtime.inputs import check_seq_len, model_config_for
 from mobius.stages.dispatch import check_dispatched
 
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         topo = resolve_topology(cfg)
+        if cfg.optim.fp16_accumulation:  # a profile measured here is measured so
+            use_fp16_accumulation(not topo.virtual and cuda_available())
         plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if dispatching:

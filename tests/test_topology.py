@@ -57,6 +57,7 @@ def test_probe_without_nvml_gives_cpu_workers(capsys):
     (lambda d: d["gpus"][1].__setitem__("tflops", "fast"), "gpus[1].tflops"),
     (lambda d: d["gpus"][2].__setitem__("root_complex", 7), "gpus[2].root_complex"),
     (lambda d: d["host"].pop("memory_gb"), "host.memory_gb"),
+    (lambda d: d["gpus"][0].__setitem__("tflops_fp16_accumulate", -1), "gpus[0].tflops_fp16_accumulate"),
 ])
 def test_malformed_files_name_the_key(tmp_path, mutate, key):
     d = load_preset("topo2+2").to_dict()
@@ -79,6 +80,27 @@ def test_presets_load_and_round_trip(tmp_path):
         assert again.to_dict() == topo.to_dict()
     assert load_preset("8x3090-4+4").n == 8 and load_preset("dgx-a100").choose_backend()[0] == "chunked"
     assert load_preset("p3.8xlarge").gpus[0].memory_gb == 16
+
+
+def test_each_gpu_carries_its_peak_with_fp16_accumulation_and_a_run_plans_at_the_one_it_uses(capsys):
+    from mobius.boundary.errors import InputError
+    from mobius.config import RunConfig
+    from mobius.planning.prepare import resolve_topology
+    from topology.probe import fp16_accumulate_tflops_for, tflops_for
+
+    assert (tflops_for("NVIDIA GeForce RTX 4090"), fp16_accumulate_tflops_for("NVIDIA GeForce RTX 4090")) == (165.2, 330.3)
+    assert (tflops_for("NVIDIA GeForce RTX 3090"), fp16_accumulate_tflops_for("NVIDIA GeForce RTX 3090")) == (71.0, 142.0)
+    assert fp16_accumulate_tflops_for("NVIDIA H200") is None  # the same as its fp32-accumulate peak
+    gpu = load_preset("8x4090-4+4").gpus[0]
+    assert (gpu.peak_tflops(), gpu.peak_tflops(fp16_accumulation=True)) == (165.2, 330.3)
+    assert load_preset("dgx-a100").gpus[0].peak_tflops(fp16_accumulation=True) == 312.0
+    topo = resolve_topology(RunConfig.of(topology="8x4090-4+4", precision="fp16", fp16_accumulation=True))
+    assert {g.tflops for g in topo.gpus} == {330.3} and "fp16 accumulation: 330.3 TFLOPS" in topo.name
+    assert {g.tflops for g in resolve_topology(RunConfig.of(topology="8x4090-4+4", precision="fp16")).gpus} == {165.2}
+    with pytest.raises(InputError, match="needs --precision fp16, not bf16"):
+        RunConfig.of(topology="8x4090-4+4", precision="bf16", fp16_accumulation=True)
+    with pytest.raises(InputError, match="these are CPU workers"):
+        resolve_topology(RunConfig.of(topology="cpu", precision="fp16", fp16_accumulation=True))
 
 
 def test_cross_mapping_topo2_2_separates_every_adjacent_pair():

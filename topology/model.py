@@ -36,14 +36,21 @@ class GPU:
     index: int
     name: str
     memory_gb: float
-    tflops: float
+    tflops: float  # dense fp16/bf16 tensor-core peak, fp32 accumulation (the vendor's figure)
     root_complex: int
     link_bandwidth_gbps: float
     extra: dict = field(default_factory=dict)
+    # Dense fp16 tensor-core peak with fp16 accumulation, where it is higher (GeForce cards run it at
+    # twice their fp32-accumulate rate; A100, H100 and H200 at the same): None, the same as tflops.
+    fp16_accumulate_tflops: float | None = None
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gb * GB)
+
+    def peak_tflops(self, fp16_accumulation: bool = False) -> float:
+        """The dense tensor-core peak a run computes at: with fp16 accumulation, its own figure."""
+        return (self.fp16_accumulate_tflops or self.tflops) if fp16_accumulation else self.tflops
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,7 @@ class Topology:
             "root_complexes": [{"id": r.id, "host_bandwidth_gbps": r.host_bandwidth_gbps, **r.extra}
                                for r in self.root_complexes],
             "gpus": [{"index": g.index, "name": g.name, "memory_gb": g.memory_gb, "tflops": g.tflops,
+                      **({"tflops_fp16_accumulate": g.fp16_accumulate_tflops} if g.fp16_accumulate_tflops else {}),
                       "root_complex": g.root_complex, "link_bandwidth_gbps": g.link_bandwidth_gbps, **g.extra}
                      for g in self.gpus],
             "nvlink": self.nvlink if self.nvlink == "all" else [list(p) for p in self.nvlink],
@@ -255,7 +263,7 @@ def _root_complexes(d: dict, source: str) -> list[RootComplex]:
 
 def _gpus(d: dict, source: str, rc_ids: set[int]) -> list[GPU]:
     gpus = []
-    known = ("index", "name", "memory_gb", "tflops", "root_complex", "link_bandwidth_gbps")
+    known = ("index", "name", "memory_gb", "tflops", "tflops_fp16_accumulate", "root_complex", "link_bandwidth_gbps")
     for i, g in enumerate(_get(d, "gpus", list, "", source)):
         where = f"gpus[{i}]"
         gpu = GPU(
@@ -266,7 +274,10 @@ def _gpus(d: dict, source: str, rc_ids: set[int]) -> list[GPU]:
             root_complex=_get(g, "root_complex", int, where, source),
             link_bandwidth_gbps=float(_get(g, "link_bandwidth_gbps", NUMBER, where, source)),
             extra={k: v for k, v in g.items() if k not in known},
+            fp16_accumulate_tflops=_get(g, "tflops_fp16_accumulate", NUMBER, where, source, default=None),
         )
+        if gpu.fp16_accumulate_tflops is not None and gpu.fp16_accumulate_tflops <= 0:
+            raise TopologyError(f"{source}: key {where}.tflops_fp16_accumulate must be positive")
         if gpu.root_complex not in rc_ids:
             raise TopologyError(f"{source}: key {where}.root_complex names unknown root complex {gpu.root_complex}")
         if gpu.memory_gb <= 0 or gpu.tflops <= 0 or gpu.link_bandwidth_gbps <= 0:

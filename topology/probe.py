@@ -31,6 +31,9 @@ PCIE_LANE_GBPS = {1: 0.2, 2: 0.4, 3: 0.8, 4: 1.6, 5: 3.2, 6: 6.4}
 KNOWN_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.1),
                 ("4090", 165.2), ("3090 Ti", 80.0), ("3090", 71.0), ("A6000", 154.8), ("V100", 125.0),
                 ("T4", 65.0), ("A10", 125.0)]
+# Dense fp16 tensor TFLOPS with fp16 accumulation where the same whitepapers give more than the
+# above (GeForce cards: twice); every other card runs it at its fp32-accumulate figure.
+KNOWN_FP16_ACCUMULATE_TFLOPS = [("4090", 330.3), ("3090 Ti", 160.0), ("3090", 142.0)]
 DEFAULT_TFLOPS = 50.0
 
 
@@ -74,6 +77,11 @@ def drive_name(device: int, sysfs_root: str = "/sys") -> str | None:
 
 def tflops_for(name: str) -> float:
     return next((tf for frag, tf in KNOWN_TFLOPS if frag in name), DEFAULT_TFLOPS)
+
+
+def fp16_accumulate_tflops_for(name: str) -> float | None:
+    """A card's fp16-accumulate peak where it exceeds :func:`tflops_for` (None: the same)."""
+    return next((tf for frag, tf in KNOWN_FP16_ACCUMULATE_TFLOPS if frag in name), None)
 
 
 def _level_name(nvml: ModuleType, level: int) -> str:
@@ -127,7 +135,8 @@ def probe_nvml(nvml: ModuleType, sysfs_root: str = "/sys") -> Topology | None:
             link_bw = PCIE_LANE_GBPS.get(info["gen"], 0.8) * info["width"]
             gpus.append(GPU(index=i, name=info["name"], memory_gb=info["memory"] / GB, tflops=tflops_for(info["name"]),
                             root_complex=rc_of[i], link_bandwidth_gbps=round(link_bw, 2),
-                            extra={"pci_bus_id": info["bus_id"], "pcie_gen": info["gen"], "pcie_width": info["width"]}))
+                            extra={"pci_bus_id": info["bus_id"], "pcie_gen": info["gen"], "pcie_width": info["width"]},
+                            fp16_accumulate_tflops=fp16_accumulate_tflops_for(info["name"])))
         rcs = [RootComplex(id=r, host_bandwidth_gbps=max(g.link_bandwidth_gbps for g in gpus if g.root_complex == r),
                            extra={"host_bridge": rc_names[r]}) for r in range(len(rc_names))]
         nvlink: list | str = sorted(nvlink_pairs)

@@ -18,6 +18,7 @@ from mobius.backends.single import check_single_options, train_single
 from mobius.boundary.errors import InputError
 from mobius.config import OPTIONS, SECTIONS, RunConfig, flag_name
 from mobius.models import GPTConfig
+from mobius.models.precision import use_fp16_accumulation
 from mobius.planning.prepare import (data_parallel_of, early_calibration, resolve_devices, resolve_precision,
                                      resolve_topology)
 from mobius.runtime.device import cuda_available
@@ -65,6 +66,8 @@ def resolve(cfg: RunConfig) -> tuple[RunConfig, Backend, Topology | None]:
     topo = topo if backend.in_workers else None
     cuda = cuda_available() if topo is None else resolve_devices(topo, cfg.emulation.enabled)[0]
     precision = resolve_precision(cfg, cuda)
+    if cfg.optim.fp16_accumulation:
+        use_fp16_accumulation(cuda)
     return cfg.changed(precision=precision), backend, topo
 
 

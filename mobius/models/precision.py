@@ -16,3 +16,16 @@ def default_precision(on_gpus: bool) -> str:
 def element_bytes(precision: str) -> int:
     """Bytes per element of ``precision`` (a profile's ``dtype``)."""
     return DTYPES[precision].itemsize
+
+
+def use_fp16_accumulation(cuda: bool) -> None:
+    """``--fp16-accumulation``: this process's CUDA matrix products in fp16 accumulate in fp16 (the
+    command's, for the single backend and the profiler; each worker's).  CPU products ignore it."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "allow_fp16_accumulation"):
+        from mobius.boundary.errors import InputError
+
+        raise InputError(f"--fp16-accumulation: torch {torch.__version__} has no fp16 accumulation "
+                         "(torch.backends.cuda.matmul.allow_fp16_accumulation, torch 2.7 and later)")
+    if cuda:
+        matmul.allow_fp16_accumulation = True

@@ -131,8 +131,9 @@ def profile_how(config: GPTConfig, topo: Topology, how: str) -> str:
 def profile_key(config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int, precision: str) -> str:
     """The cache entry of the profile measured on this machine for these settings."""
     # Every worker, CPU or GPU, steps its optimizer on the host's cores: topo.n share them.
+    # The GPUs' peaks: fp16 accumulation (resolve_topology) is another profile.
     return key_of([PROFILE_VERSION, config.to_dict(), micro_batch, seq_len, precision, *_measuring(topo), topo.n,
-                   measured_on()])
+                   measured_on(), sorted({g.tflops for g in topo.gpus})])
 
 
 def _measuring(topo: Topology) -> tuple[str, int]:
@@ -267,6 +268,13 @@ def resolve_topology(cfg: RunConfig) -> Topology:
     if cfg.gpu_mem_gb is not None:
         for g in topo.gpus:
             g.memory_gb = min(g.memory_gb, cfg.gpu_mem_gb)
+    if cfg.optim.fp16_accumulation:  # the peak the run computes at is the one everything plans from
+        if topo.virtual:
+            raise InputError("--fp16-accumulation is a CUDA GPU's tensor-core mode; these are CPU workers (no NVIDIA "
+                             "GPU here): plan a GPU box with --topology PRESET|FILE")
+        for g in topo.gpus:
+            g.tflops = g.peak_tflops(fp16_accumulation=True)
+        topo.name += f" (fp16 accumulation: {', '.join(sorted({f'{g.tflops:g}' for g in topo.gpus}))} TFLOPS)"
     if cfg.host_adam_gbps is not None:
         topo.host_memory_bandwidth_gbps = cfg.host_adam_gbps
     if cfg.host_mem_gb:  # stated (0: as little as the disk tier allows, whatever the host has)

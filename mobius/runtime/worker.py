@@ -432,6 +432,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         cfg = cfg.changed(precision=spec.precision)
         payload = replace(payload, cfg=cfg, spec=spec, header=header)
     gpu = spec.first_gpu(rank)
+    if cfg.optim.fp16_accumulation:
+        use_fp16_accumulation(spec.cuda)
     emulation = EmulatedLinks(spec.emulation, gpu) if spec.emulation else None
     device = open_device(spec.cuda, int(os.environ.get("LOCAL_RANK", 0)), spec.enforced_budget(gpu), emulation)
     trace = Trace(enabled=bool(cfg.outputs.trace), pid=rank)

@@ -62,6 +62,10 @@ class Link:
 class SimResult:
     step_s: float
     tasks: list[Task]
+    # Of a steady state's step (mobius.sim.dispatched): its device work's part, and what bounds it
+    # besides (a host thread's AdamW or the network's exchanges of one step); step_s is the larger.
+    device_s: float | None = None
+    floor_s: float = 0.0
     bytes_by_gpu: dict = field(default_factory=dict)  # (gpu, dir) -> bytes
     bytes_by_rc: dict = field(default_factory=dict)  # (rc, dir) -> bytes
 
@@ -176,15 +180,17 @@ class Simulator:
                 dependents[d].append(t.id)
         queues: dict[tuple[str, int, str], deque[int]] = defaultdict(deque)  # streams and threads: issue order
         ready: dict[tuple[str, int, str], list[tuple[int, int]]] = defaultdict(list)  # transfers: (priority, id) heaps
-        busy: dict[tuple[str, int, str], int | None] = {}  # each resource's running task
+        # The running task of each busy resource only: an event looks at what runs, never at every
+        # resource (each delay is a resource of its own, so there are as many as tasks).
+        busy: dict[tuple[str, int, str], int] = {}
+        changed = set()  # the resources whose next start may have changed: nothing else is looked at
         for t in tasks:
             key = _resource(t)
-            busy[key] = None
+            changed.add(key)
             if key[0] not in TRANSFERS:
                 queues[key].append(t.id)
             elif not t.deps:
                 heapq.heappush(ready[key], (t.priority, t.id))
-        changed = set(busy)  # the resources whose next start may have changed: nothing else is looked at
         now = 0.0
         finished = 0
         by_gpu: dict = defaultdict(float)
@@ -194,7 +200,7 @@ class Simulator:
             # Start what can start: a transfer queue its best ready transfer (the runtime's transfer
             # queue), a stream or thread its next task in issue order once that is ready.
             for key in changed:
-                if busy[key] is not None:
+                if key in busy:
                     continue
                 if key[0] in TRANSFERS:
                     pick = heapq.heappop(ready[key])[1] if ready[key] else None
@@ -205,7 +211,7 @@ class Simulator:
                     busy[key] = pick
                     tasks[pick].start = now
             changed = set()
-            active = [tasks[i] for i in busy.values() if i is not None]
+            active = [tasks[i] for i in busy.values()]
             if not active:
                 stuck = [t.name for t in tasks if not done[t.id]][:5]
                 raise RuntimeError(f"simulation deadlock at t={now:.6f}s; waiting: {stuck}")
@@ -236,7 +242,7 @@ class Simulator:
                     done[t.id] = True
                     finished += 1
                     key = _resource(t)
-                    busy[key] = None
+                    del busy[key]
                     changed.add(key)
                     for w in dependents[t.id]:
                         waiting_on[w] -= 1
