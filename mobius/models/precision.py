@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mobius.boundary.errors import InputError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = tuple(DTYPES)
 
@@ -23,8 +25,6 @@ def use_fp16_accumulation(cuda: bool) -> None:
     command's, for the single backend and the profiler; each worker's).  CPU products ignore it."""
     matmul = torch.backends.cuda.matmul
     if not hasattr(matmul, "allow_fp16_accumulation"):
-        from mobius.boundary.errors import InputError
-
         raise InputError(f"--fp16-accumulation: torch {torch.__version__} has no fp16 accumulation "
                          "(torch.backends.cuda.matmul.allow_fp16_accumulation, torch 2.7 and later)")
     if cuda:
