@@ -53,6 +53,21 @@ def test_defaults_shown_and_printed(capsys):
     assert "(default: 4)" in capsys.readouterr().out  # --micro-batch-size
 
 
+def test_printed_config_is_yaml_alone_and_reads_back(tmp_path, capsys):
+    """``--print-config > x.yaml`` then ``--config x.yaml --print-config`` prints the same: stdout
+    holds the YAML alone (the probe's line and anything else said on the way go to stderr)."""
+    import yaml
+
+    with pytest.raises(SystemExit):
+        train_main(["--topology", "auto", "--lr", "2e-3", "--print-config"])
+    first = capsys.readouterr()
+    assert "topology: no NVIDIA driver" not in first.out and yaml.safe_load(first.out)["lr"] == 2e-3
+    (tmp_path / "x.yaml").write_text(first.out)
+    with pytest.raises(SystemExit):
+        train_main(["--config", str(tmp_path / "x.yaml"), "--print-config"])
+    assert capsys.readouterr().out == first.out
+
+
 def test_default_learning_rates_and_epochs(tmp_path):
     assert parse_train_args(["--model", "tiny"]).optim.lr == 1e-3
     assert parse_train_args(["--model", "tiny", "--lr", "5e-4"]).optim.lr == 5e-4

@@ -594,9 +594,12 @@ def parse_train_args(argv: list[str] | None = None, checkpoint_settings=None, re
     cfg = RunConfig.from_dict(vars(args))
     check_paths(cfg)
     if args.print_config:
+        import contextlib
+
         import yaml
 
-        settings = (resolve(cfg) if resolve else cfg).to_dict()
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML alone: what probing says goes aside
+            settings = (resolve(cfg) if resolve else cfg).to_dict()
         shown = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}  # YAML lists
         print(yaml.safe_dump(shown, sort_keys=False), end="")
         raise SystemExit(0)
