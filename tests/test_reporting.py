@@ -21,7 +21,7 @@ def run_args(tmp_path) -> list[str]:
 
 
 def losses_of(metrics_file) -> dict[int, float]:
-    return {json.loads(line)["step"] + 1: json.loads(line)["loss"] for line in open(metrics_file)}
+    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in open(metrics_file)}
 
 
 def tensorboard_scalars(directory) -> dict[str, dict[int, float]]:

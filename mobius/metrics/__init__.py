@@ -61,7 +61,8 @@ class MetricsWriter:
 
     def write(self, m: StepMetrics) -> None:
         if self._file:
-            line = (json.dumps(asdict(m)) + "\n").encode()
+            # Steps counted from 1, as the console and every --report-to tracker count them.
+            line = (json.dumps({**asdict(m), "step": m.step + 1}) + "\n").encode()
             before = self._hash.hexdigest()
             self._hash.update(line)
             with writing("the metrics file", self.path):
