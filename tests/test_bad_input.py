@@ -413,6 +413,22 @@ def _edit_manifest(d: Path, **changes) -> None:
     (d / ck.MANIFEST).write_text(json.dumps(m))
 
 
+def test_a_checkpoint_of_the_earlier_schedules_resumes_only_when_asked(saved):
+    """Before the schedules were transformers', "cosine" decayed to 10% after a warm-up from above
+    0: a checkpoint without the mark does not silently continue on another schedule."""
+    from mobius.config import parse_train_args
+    from mobius.models import get_config
+
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest.pop("lr_schedules") == "transformers"
+    manifest["digest"] = ck.manifest_digest(manifest)
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    old, run = ck.load_checkpoint(saved, verify=False), SINGLE + ["--resume", str(saved), "--precision", "fp32"]
+    with pytest.raises(ck.CheckpointError, match="earlier learning-rate schedules"):
+        ck.check_compatible(old, get_config("tiny").to_dict(), parse_train_args(run), set())
+    ck.check_compatible(old, get_config("tiny").to_dict(), parse_train_args(run + ["--resume-with-changes"]), set())
+
+
 def test_a_checkpoint_written_before_a_model_field_existed_resumes(saved, tmp_path):
     """A model field added since (a Qwen3 head size) has its default in an older checkpoint."""
     manifest = json.loads((saved / "manifest.json").read_text())

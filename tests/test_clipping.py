@@ -55,18 +55,39 @@ def test_the_clipping_rule_is_torchs():
     assert ps[0].grad[0].item() == pytest.approx(3.0 * clip_coefficient(25.0, 1.0), rel=1e-7)
 
 
-def test_the_schedules():
-    """Warm-up then cosine or linear to the floor, or constant; the default is the schedule the
-    runs had before the settings existed, to the bit."""
-    rule = UpdateRule(lr=1.0, steps=40)
-    old = [1.0 * (s + 1) / 4 if s < 4 else 1.0 * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (s - 4) / 36))))
-           for s in range(40)]
-    assert [rule.lr_at(s) for s in range(40)] == old
-    linear = UpdateRule(lr=2.0, steps=10, scheduler="linear", warmup_ratio=0.0, min_lr_ratio=0.0)
-    assert [linear.lr_at(s) for s in (0, 5, 10)] == [2.0, 1.0, 0.0]
-    assert UpdateRule(lr=1.0, steps=10, scheduler="constant").lr_at(0) == 1.0  # no warm-up
-    warm = UpdateRule(lr=1.0, steps=10, scheduler="constant_with_warmup", warmup_steps=4)
-    assert [warm.lr_at(s) for s in (0, 3, 4, 9)] == [0.25, 1.0, 1.0, 1.0]
+@pytest.mark.parametrize("scheduler", ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"])
+@pytest.mark.parametrize("warmup", [{}, {"warmup_ratio": 0.1}, {"warmup_ratio": 0.07}, {"warmup_steps": 5}])
+def test_each_schedule_is_transformers_at_every_step(scheduler, warmup):
+    """The lr of every step is the one ``transformers.get_scheduler`` gives by the same name, with
+    the warm-up Hugging Face's Trainer counts (the ratio of the steps rounded up)."""
+    transformers = pytest.importorskip("transformers")
+    if scheduler == "constant" and warmup:
+        with pytest.raises(InputError, match="constant has no warm-up"):
+            parse_train_args(["--lr-scheduler", scheduler] + [f"--{k.replace('_', '-')}={v}" for k, v in warmup.items()])
+        return
+    steps, peak = 60, 3e-4
+    optim = parse_train_args(["--lr", str(peak), "--steps", str(steps), "--lr-scheduler", scheduler]
+                             + [f"--{k.replace('_', '-')}={v}" for k, v in warmup.items()]).optim
+    rule = UpdateRule.of(optim)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=peak)
+    hf_warmup = warmup.get("warmup_steps") or math.ceil(steps * warmup.get("warmup_ratio", 0.0))
+    kwargs = {"min_lr_rate": optim.min_lr_ratio} if scheduler == "cosine_with_min_lr" else None
+    theirs = transformers.get_scheduler(scheduler, opt, num_warmup_steps=hf_warmup, num_training_steps=steps,
+                                        scheduler_specific_kwargs=kwargs)
+    for step in range(steps):
+        assert rule.lr_at(step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-9 * peak), step
+        opt.step()
+        theirs.step()
+
+
+def test_the_update_rule_takes_hugging_faces_defaults_and_refuses_a_floor_nothing_uses():
+    optim = parse_train_args([]).optim
+    assert (optim.lr_scheduler, optim.warmup_ratio, optim.adam_beta2, optim.weight_decay) == ("linear", 0.0, 0.999, 0.0)
+    with pytest.raises(InputError, match="--min-lr-ratio is where --lr-scheduler cosine_with_min_lr ends"):
+        parse_train_args(["--min-lr-ratio", "0.2"])
+    assert "cosine to 0.2x (transformers' 'cosine_with_min_lr' schedule)" in UpdateRule.of(
+        parse_train_args(["--lr-scheduler", "cosine_with_min_lr", "--min-lr-ratio", "0.2"]).optim).describe()
 
 
 def test_the_settings_are_checked_and_clipping_defaults_to_the_peers_for_hugging_face_models(tmp_path):

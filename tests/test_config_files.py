@@ -177,7 +177,7 @@ def test_a_resume_that_changes_the_update_rule_is_refused_unless_asked(tmp_path,
     args = ["--model", "tiny", "--seq-len", "16", "--steps", "4", "--no-progress", "--backend", "single"]
     train_main(args + ["--stop-after", "2", "--save", str(tmp_path / "ck"), "--max-grad-norm", "0.5"])
     message = one_line_exit_2(train_main, ["--resume", str(tmp_path / "ck"), "--max-grad-norm", "1",
-                                           "--lr-scheduler", "linear"], capsys)
-    assert "--lr-scheduler 'cosine' -> 'linear'" in message and "--max-grad-norm 0.5 -> 1.0" in message
+                                           "--lr-scheduler", "cosine"], capsys)
+    assert "--lr-scheduler 'linear' -> 'cosine'" in message and "--max-grad-norm 0.5 -> 1.0" in message
     train_main(["--resume", str(tmp_path / "ck")])  # the checkpoint's own rule: goes on
     assert "gradients clipped at a global norm of 0.5" in capsys.readouterr().out

@@ -110,6 +110,64 @@ def test_single_and_pipeline_equal_peft(hf_dirs, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch,names,ours", [("llama", "q_proj,v_proj", ("qkv.0", "qkv.2")),
+                                             ("gpt2", "c_proj", ("proj", "fc_out")),
+                                             ("qwen3", "o_proj,gate_proj", ("proj", "fc.0"))])
+def test_peft_module_names_adapt_those_modules_alone_as_peft_does(hf_dirs, arch, names, ours):
+    """``--lora-targets`` in PEFT's module names (q and v alone, PEFT's classic choice; GPT-2's
+    c_proj, which names attention's output and the MLP's): the same modules adapted as PEFT adapts
+    them, single and pipeline equal to it, the adapter's target_modules PEFT's names."""
+    from conftest import run_in_threads
+
+    from mobius.models.adapters import adapter_config
+
+    path = hf_dirs[arch]
+    cfg = lora_cfg(path, lora_targets=tuple(names.split(",")))
+    config = model_config_for(cfg)
+    assert config.lora_targets == ours
+    assert {t.rsplit(".", 1)[-1] for t in adapter_config(config)["target_modules"]} == set(names.split(","))
+    want = peer_losses(path, cfg)
+    trainer = ReferenceTrainer(cfg, config, make_batches(cfg, config), torch.device("cpu"))
+    assert [trainer.step(k).loss for k in range(STEPS)] == pytest.approx(want, rel=1e-5)
+    losses, _ = run_in_threads(lora_cfg(path, lora_targets=tuple(names.split(",")), topology="cpu", cpu_workers=2,
+                                        stages=4, recompute="on"))
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_lora_targets_are_ours_or_the_familys_peft_names(hf_dirs):
+    from mobius.boundary.errors import InputError
+
+    assert model_config_for(lora_cfg(hf_dirs["llama"], lora_targets=("v_proj", "qkv"))).lora_targets == ("qkv",)
+    assert model_config_for(lora_cfg(hf_dirs["llama"], lora_targets=("up_proj", "k_proj"))).lora_targets == \
+        ("qkv.1", "fc.1")
+    with pytest.raises(InputError, match="give distinct names among qkv, proj, fc, fc_out or llama's q_proj, k_proj"):
+        model_config_for(lora_cfg(hf_dirs["llama"], lora_targets=("query",)))
+    with pytest.raises(InputError, match="give distinct names among qkv, proj, fc, fc_out$"):
+        model_config_for(RunConfig.of(model="tiny", lora_rank=4, lora_targets=("q_proj",)))
+
+
+def test_adapters_of_some_parts_export_and_merge_as_peft(hf_dirs):
+    """q and v adapted alone (trained: B not zero): the exported tensors load into PEFT, whose
+    merged q_proj and v_proj are ours merged, and k_proj is the base's."""
+    from mobius.models.adapters import merged_layers
+
+    cfg = lora_cfg(hf_dirs["llama"], lora_targets=("q_proj", "v_proj"))
+    config = model_config_for(cfg)
+    model = build_model(config, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    assert not any(n.endswith(("qkv.lora_A.1", "qkv.lora_B.1")) for n, _ in model.named_parameters())  # no k
+    states = layer_states(dict(model.named_parameters()))
+    theirs = peft_model(hf_dirs["llama"], cfg, adapter_tensors(config, states)).merge_and_unload().state_dict()
+    ours = merged_layers(config, states)[1]["qkv.weight"]
+    q, k, v = ours.split([config.attention_width, config.kv_width, config.kv_width])
+    for name, want in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+        torch.testing.assert_close(theirs[f"model.layers.0.self_attn.{name}.weight"], want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(q, states[1]["qkv.weight"][:config.attention_width])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_dora_on_single_and_pipeline_equals_peft(hf_dirs, arch):

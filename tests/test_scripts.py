@@ -79,6 +79,11 @@ def test_plan_scripts():
     assert (one["gpus"], two["gpus"]) == (1, 2)
     assert all(r["bound_simulated_s"] > 0 and r["dispatched_simulated_s"] > 0 for r in (one, two))
     assert two["dispatched_stages"][1] >= two["dispatched_stages"][0]  # backward stages are the smaller
+    run_script("compare_roundpipe", ["--smoke", "--fraction", "0.5", "--json", "roundpipe.json"])
+    found = read("roundpipe.json")
+    assert found["fraction"] == 0.5 and [(r["lag"], r["gpus"]) for r in found["rows"]] == [(1, 1), (1, 2), (0, 1), (0, 2)]
+    assert all(r["step_s"] >= 0.9 * r["bound_floor_s"] and r["tokens_per_s"] > 0 for r in found["rows"])
+    assert found["rows"][0]["roundpipe_tokens_per_s"] == 3142.0
     run_script("plan_disk", ["--smoke", "--json", "disk.json"])
     (row,) = read("disk.json")
     assert row["moments_on_disk"] > 0 and row["mobius_step_s"] > 0 and row["zero_infinity_step_s"] > 0

@@ -398,6 +398,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
     assert eight["dispatched_kept"] > 0 and eight["dispatched_head_gpus"] > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 1])
 def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_is_simulated_whole(lag):
     """At many micro-batches the search compares plans by their steps at two smaller counts,

@@ -23,7 +23,9 @@ BACKENDS = ("auto", "pipeline", "chunked", "single")
 DEFAULT_LR = {"preset": 1e-3, "full": 2e-5, "lora": 2e-4}
 DEFAULT_STEPS = 40  # without --steps or --epochs
 # The learning-rate schedules (mobius.runtime.optim.UpdateRule), Hugging Face Trainer's names.
-SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+# Learning-rate schedules by their transformers.get_scheduler names, each its lr at every step.
+SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+DEFAULT_MIN_LR_RATIO = 0.1
 # Hugging Face's Trainer, TRL and axolotl clip at 1.0 by default; our presets train from scratch
 # without it (their losses are the suite's references).
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -145,18 +147,20 @@ class OptimConfig:
     optimizer_lag: int = setting(
         0, "1: apply step k's AdamW update while step k+1 computes (its forward uses weights one update old), so the "
            "CPU optimizer leaves the critical path; pipeline and single backends", choices=(0, 1), plans=True)
-    # The update rule (mobius.runtime.optim.UpdateRule), with Hugging Face Trainer's names
+    # The update rule (mobius.runtime.optim.UpdateRule), with Hugging Face Trainer's names and defaults
     adam_beta1: float = setting(0.9, "AdamW's first-moment decay")
-    adam_beta2: float = setting(0.95, "AdamW's second-moment decay")
+    adam_beta2: float = setting(0.999, "AdamW's second-moment decay")
     adam_eps: float = setting(1e-8, "AdamW's epsilon")
     weight_decay: float = setting(
-        0.01, "AdamW's decoupled weight decay, on weight matrices and embeddings (not biases and norms)")
+        0.0, "AdamW's decoupled weight decay, on weight matrices and embeddings (not biases and norms)")
     lr_scheduler: str = setting(
-        "cosine", "after the warm-up: cosine or linear decay to --min-lr-ratio of --lr, or constant (constant: no "
-                  "warm-up either)", choices=SCHEDULERS)
-    warmup_ratio: float = setting(0.1, "linear warm-up over this fraction of --steps (at least one step when positive)")
-    warmup_steps: int | None = setting(None, "linear warm-up over this many steps, instead")
-    min_lr_ratio: float = setting(0.1, "the learning rate the decay ends at, as a fraction of --lr")
+        "linear", "the learning-rate schedule by its transformers.get_scheduler name, its lr at every step: linear or "
+                  "cosine decay to 0, cosine_with_min_lr to --min-lr-ratio of --lr, each after the warm-up; "
+                  "constant_with_warmup; constant (no warm-up)", choices=SCHEDULERS)
+    warmup_ratio: float = setting(0.0, "linear warm-up from 0 over this fraction of --steps, rounded up")
+    warmup_steps: int | None = setting(None, "linear warm-up from 0 over this many steps, instead")
+    min_lr_ratio: float = setting(DEFAULT_MIN_LR_RATIO, "--lr-scheduler cosine_with_min_lr: the learning rate the decay ends at, as "
+                                       "a fraction of --lr (transformers' min_lr_rate)")
     max_grad_norm: float | None = setting(
         None, "clip the global norm of each step's gradients (over every stage, worker and chunk) to this; 0: no "
               "clipping (default: 1.0 to fine-tune a Hugging Face model, as its peers do; off for a preset)",
@@ -180,6 +184,12 @@ class OptimConfig:
             raise InputError(f"--warmup-steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}")
         if self.lr_scheduler not in SCHEDULERS:
             raise InputError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.lr_scheduler == "constant" and (self.warmup_steps or self.warmup_ratio):
+            raise InputError("--lr-scheduler constant has no warm-up; for --warmup-steps or --warmup-ratio use "
+                             "--lr-scheduler constant_with_warmup")
+        if self.lr_scheduler != "cosine_with_min_lr" and self.min_lr_ratio != DEFAULT_MIN_LR_RATIO:
+            raise InputError(f"--min-lr-ratio is where --lr-scheduler cosine_with_min_lr ends; {self.lr_scheduler} "
+                             "has no floor")
         if self.fp16_accumulation and self.precision != "fp16":
             raise InputError(f"--fp16-accumulation accumulates fp16 products in fp16: it needs --precision fp16, "
                              f"not {self.precision or 'the default'}")
@@ -302,7 +312,9 @@ class LoraConfig:
              "backend and every recomputation draws the same)", plans=True)
     targets: tuple[str, ...] = setting(
         LORA_MODULES, "comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), fc (MLP "
-                      "in; gate and up), fc_out (MLP out)", plans=True)
+                      "in; gate and up), fc_out (MLP out), or PEFT's module names of a Hugging Face model's family "
+                      "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2's c_attn, c_proj, c_fc; "
+                      "OPT's out_proj, fc1, fc2; Phi-3's qkv_proj, gate_up_proj)", plans=True)
     use_dora: bool = setting(
         False, "DoRA (weight-decomposed LoRA, PEFT's use_dora): each output row's magnitude trains apart from the "
                "adapted direction, whose norm is held constant in backward, as PEFT does", plans=True)
@@ -324,10 +336,7 @@ class LoraConfig:
         _positive(self, ("alpha",), {"alpha": "lora_alpha"})
         if not 0 <= self.dropout < 1:
             raise InputError(f"--lora-dropout must be at least 0 and below 1, got {self.dropout}")
-        unknown = [t for t in self.targets if t not in LORA_MODULES]
-        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise InputError(f"--lora-targets {','.join(self.targets)!r}: give distinct names among "
-                             f"{', '.join(LORA_MODULES)}")
+        # The names themselves are the model's to tell (mobius.models.adapters.lora_targets).
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mobius.boundary import ownership
+from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig
 from mobius.models.hf import (
     EXPORT_KIND,
@@ -30,7 +31,7 @@ from mobius.models.hf import (
     finalize_export,
     write_shard,
 )
-from mobius.models.lora import parts
+from mobius.models.lora import LORA_MODULES, adapted_parts, parts
 
 # Where each family's decoder sits inside its ``*ForCausalLM`` module tree (PEFT names modules by it).
 # Gemma 3 with its vision tower: the language model is one branch of the tree.
@@ -38,7 +39,32 @@ MODULE_ROOT = {"gpt2": "transformer.", "opt": "model.decoder.", "gemma3": "model
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def _module_paths(config: GPTConfig, index: int, module: str) -> list[str]:
+def lora_targets(config: GPTConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``--lora-targets`` as the model's targets (:func:`mobius.models.lora.adapted_parts`): our
+    projections' names, or, for a Hugging Face model, PEFT's module names of its family (``q_proj``,
+    ``v_proj``, ``gate_proj``, GPT-2's ``c_attn``, ...: a name adapts every module whose last path
+    component it is, as PEFT matches it); in one order whatever order they were given in."""
+    peft: dict[str, list[tuple[str, int]]] = {}  # a module's last path component -> (our module, its part)
+    if config.hf_arch:
+        for module in LORA_MODULES:
+            for part, path in enumerate(module_paths(config, 1, module)):
+                peft.setdefault(path.rsplit(".", 1)[-1], []).append((module, part))
+    chosen: dict[str, set[int]] = {}
+    for name in names:
+        found = [(name, p) for p in range(len(parts(config, name)))] if name in LORA_MODULES else peft.get(name, [])
+        for module, part in found:
+            chosen.setdefault(module, set()).add(part)
+    if not names or len(set(names)) != len(names) or any(n not in LORA_MODULES and n not in peft for n in names):
+        raise InputError(f"--lora-targets {','.join(names)!r}: give distinct names among {', '.join(LORA_MODULES)}"
+                         + (f" or {config.hf_arch}'s {', '.join(peft)}" if peft else ""))
+    targets: list[str] = []
+    for module in (m for m in LORA_MODULES if m in chosen):
+        every = len(chosen[module]) == len(parts(config, module))
+        targets += [module] if every else [f"{module}.{part}" for part in sorted(chosen[module])]
+    return tuple(targets)
+
+
+def module_paths(config: GPTConfig, index: int, module: str) -> list[str]:
     """The Hugging Face module paths of our projection ``module`` in layer ``index`` (one per part)."""
     root = MODULE_ROOT.get(config.hf_arch, "model.")
     piece = next(p for p in _layer_map(config, index, root) if p.ours == f"{module}.weight")
@@ -49,10 +75,12 @@ def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]
     """PEFT-named adapter tensors (fp32) from {layer index: local-name state}."""
     out = {}
     for index, state in layers.items():
-        for module in config.lora_targets:
-            if f"{module}.lora_A.0" not in state:
+        for module, chosen in adapted_parts(config).items():
+            if f"{module}.lora_A.{chosen[0]}" not in state:
                 continue
-            for part, path in enumerate(_module_paths(config, index, module)):
+            for part, path in enumerate(module_paths(config, index, module)):
+                if part not in chosen:
+                    continue
                 for ab in ("A", "B"):
                     tensor = state[f"{module}.lora_{ab}.{part}"]
                     out[f"base_model.model.{path}.lora_{ab}.weight"] = tensor.detach().float().contiguous().cpu()
@@ -68,25 +96,25 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
     out = {}
     for index, state in layers.items():
         merged = {k: v for k, v in state.items() if ".lora_" not in k}
-        for module in config.lora_targets:
-            if f"{module}.lora_A.0" not in state:
+        for module, chosen in adapted_parts(config).items():
+            if f"{module}.lora_A.{chosen[0]}" not in state:
                 continue
-            n = len(parts(config, module))
-            delta = torch.cat([state[f"{module}.lora_B.{i}"].float() @ state[f"{module}.lora_A.{i}"].float()
-                               for i in range(n)], dim=0)
-            weight = state[f"{module}.weight"].float() + delta * scaling
-            if config.lora_dora:  # each row rescaled to its trained magnitude, as PEFT merges DoRA
-                magnitude = torch.cat([state[f"{module}.lora_magnitude.{i}"].float() for i in range(n)])
-                weight = (magnitude / torch.linalg.norm(weight, dim=1)).view(-1, 1) * weight
-            merged[f"{module}.weight"] = weight
+            rows = []  # each part's rows, merged where it has an adapter
+            for i, w in enumerate(state[f"{module}.weight"].float().split(parts(config, module))):
+                if i in chosen:
+                    w = w + state[f"{module}.lora_B.{i}"].float() @ state[f"{module}.lora_A.{i}"].float() * scaling
+                    if config.lora_dora:  # each row rescaled to its trained magnitude, as PEFT merges DoRA
+                        w = (state[f"{module}.lora_magnitude.{i}"].float() / torch.linalg.norm(w, dim=1)).view(-1, 1) * w
+                rows.append(w)
+            merged[f"{module}.weight"] = torch.cat(rows, dim=0)
         out[index] = merged
     return out
 
 
 def adapter_config(config: GPTConfig) -> dict:
     """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
-    targets = sorted({".".join(path.split(".")[-2:]) for module in config.lora_targets
-                      for path in _module_paths(config, 1, module)})
+    targets = sorted({".".join(path.split(".")[-2:]) for module, chosen in adapted_parts(config).items()
+                      for part, path in enumerate(module_paths(config, 1, module)) if part in chosen})
     if config.hf_arch == "gemma3":
         # Its vision tower has modules of the same names: name the language model's alone (PEFT
         # matches a string target as a regular expression over the whole module name).
@@ -130,7 +158,7 @@ def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) 
             tensors.update(load_file(str(shard)))
             shard.unlink()
         per_part = 3 if config.lora_dora else 2  # A, B (and DoRA's magnitude)
-        expected = sum(per_part * len(parts(config, m)) for m in config.lora_targets) * config.n_layer
+        expected = sum(per_part * len(chosen) for chosen in adapted_parts(config).values()) * config.n_layer
         if len(tensors) != expected:
             raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
         save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})

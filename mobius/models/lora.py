@@ -13,7 +13,8 @@ outside of that (evaluation, exports) no dropout applies.
 Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`` for Llama,
 OPT and Gemma, gate|up in ``fc`` for SwiGLU and GeGLU): such a projection carries one adapter per
 Hugging Face module, each on its slice of the output, exactly as PEFT puts one on each module, so
-an exported adapter loads into PEFT unchanged.  Where the checkpoint fuses them too (GPT-2's
+an exported adapter loads into PEFT unchanged.  A target names a projection (every part adapted) or
+one part of it, ``qkv.0`` (q_proj alone: PEFT's ``q_proj``); a part without an adapter adds nothing.  Where the checkpoint fuses them too (GPT-2's
 ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) there is one module and one adapter.
 Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
 """
@@ -64,6 +65,16 @@ def _mix(*values: int) -> int:
 FUSED_IN_CHECKPOINT = {None: ("qkv", "fc"), "gpt2": ("qkv", "fc"), "phi3": ("qkv", "fc")}
 
 
+def adapted_parts(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Our projections that carry adapters, in :data:`LORA_MODULES` order, and the parts of each
+    that do (``config.lora_targets``: ``qkv`` adapts every part, ``qkv.2`` the third alone)."""
+    chosen: dict[str, set[int]] = {}
+    for target in config.lora_targets:
+        module, _, part = target.partition(".")
+        chosen.setdefault(module, set()).update([int(part)] if part else range(len(parts(config, module))))
+    return {m: tuple(sorted(chosen[m])) for m in LORA_MODULES if m in chosen}
+
+
 def parts(config: GPTConfig, module: str) -> list[int]:
     """Output sizes of the Hugging Face modules fused in our ``module``."""
     h, kv = config.hidden, config.kv_width
@@ -81,28 +92,31 @@ class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus one low-rank adapter per part of its output."""
 
     def add_adapters(self, sizes: list[int], rank: int, alpha: float, dropout: float = 0.0,
-                     where: tuple[int, int] = (0, 0), dora: bool = False) -> None:
+                     where: tuple[int, int] = (0, 0), dora: bool = False, chosen: tuple[int, ...] | None = None) -> None:
         """``where``: (layer index, module number), what a dropout mask is a function of.  ``dora``:
-        each part also trains the magnitude of each of its output rows (DoRA, PEFT's ``use_dora``)."""
+        each part also trains the magnitude of each of its output rows (DoRA, PEFT's ``use_dora``).
+        ``chosen``: the parts that get adapters (default: all), named by their index."""
         assert sum(sizes) == self.out_features
         self.scaling = alpha / rank
         self.dropout, self.where, self.sizes = dropout, where, list(sizes)
-        self.lora_A = nn.ParameterList([nn.Parameter(self.weight.new_empty((rank, self.in_features),
-                                                                           dtype=torch.get_default_dtype()))
-                                        for _ in sizes])
-        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(n, rank, device=self.weight.device)) for n in sizes])
-        self.lora_magnitude = nn.ParameterList([nn.Parameter(self.weight.new_empty(n, dtype=torch.get_default_dtype()))
-                                                for n in sizes] if dora else [])
+        chosen = range(len(sizes)) if chosen is None else chosen
+        self.lora_A = nn.ParameterDict({str(k): nn.Parameter(self.weight.new_empty(
+            (rank, self.in_features), dtype=torch.get_default_dtype())) for k in chosen})
+        self.lora_B = nn.ParameterDict({str(k): nn.Parameter(torch.zeros(sizes[k], rank, device=self.weight.device))
+                                        for k in chosen})
+        self.lora_magnitude = nn.ParameterDict({str(k): nn.Parameter(self.weight.new_empty(
+            sizes[k], dtype=torch.get_default_dtype())) for k in chosen} if dora else {})
         for p in (self.weight, self.bias):
             if p is not None:
                 p.requires_grad_(False)
 
     def reset_adapters(self, generator: torch.Generator) -> None:
-        for a, b in zip(self.lora_A, self.lora_B):
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            nn.init.zeros_(b)
-        for magnitude, w in zip(self.lora_magnitude, self.weight.split(self.sizes)):
-            magnitude.copy_(torch.linalg.norm(w.float(), dim=1))  # B = 0: the base rows' own norms
+        rows = self.weight.split(self.sizes)
+        for k in self.lora_A:
+            nn.init.kaiming_uniform_(self.lora_A[k], a=math.sqrt(5), generator=generator)
+            nn.init.zeros_(self.lora_B[k])
+        for k, magnitude in self.lora_magnitude.items():
+            magnitude.copy_(torch.linalg.norm(rows[int(k)].float(), dim=1))  # B = 0: the base rows' own norms
 
     def _dropped(self, x: torch.Tensor, part: int) -> torch.Tensor:
         key = _MICRO_BATCH.get()
@@ -117,7 +131,8 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, weight, self.bias)
         if len(self.lora_magnitude):
             return y + self._dora(x, y, weight)
-        deltas = [F.linear(F.linear(self._dropped(x, k), a), b) for k, (a, b) in enumerate(zip(self.lora_A, self.lora_B))]
+        deltas = [F.linear(F.linear(self._dropped(x, k), self.lora_A[str(k)]), self.lora_B[str(k)])
+                  if str(k) in self.lora_A else x.new_zeros(*x.shape[:-1], n) for k, n in enumerate(self.sizes)]
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return y + delta * self.scaling
 
@@ -127,8 +142,12 @@ class LoRALinear(nn.Linear):
         norms a constant in backward (DoRA §4.3):
         ``(m / |W + s B A| - 1) x W^T + (m / |W + s B A|) s (x A^T) B^T``."""
         outs, row = [], 0
-        for k, (a, b, magnitude) in enumerate(zip(self.lora_A, self.lora_B, self.lora_magnitude)):
-            n = b.shape[0]
+        for k, n in enumerate(self.sizes):
+            if str(k) not in self.lora_A:  # no adapter: the base rows as they are
+                outs.append(y.new_zeros(*y.shape[:-1], n))
+                row += n
+                continue
+            a, b, magnitude = self.lora_A[str(k)], self.lora_B[str(k)], self.lora_magnitude[str(k)]
             w = weight[row:row + n]
             lora_weight = (b @ a).detach().to(x.dtype)
             scale = (magnitude / torch.linalg.norm(w + self.scaling * lora_weight, dim=1).detach()).view(1, -1)
@@ -153,11 +172,11 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
     for p in block.parameters():
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
-    for name in config.lora_targets:
+    for name, chosen in adapted_parts(config).items():
         lin = getattr(block, name)
         lin.__class__ = LoRALinear4bit if isinstance(lin, Linear4bit) else LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
-                         (index, LORA_MODULES.index(name)), config.lora_dora)
+                         (index, LORA_MODULES.index(name)), config.lora_dora, chosen)
         if generator is not None:
             with torch.no_grad():
                 lin.reset_adapters(generator)

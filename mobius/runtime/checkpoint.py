@@ -56,6 +56,10 @@ SETTING_DEFAULTS = {"optimizer_lag": 0, "data_format": None, "packing": "auto", 
                     "chat_template": None, "truncate": True, "eval_split": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
                     "adam_eps": 1e-8, "weight_decay": 0.01, "lr_scheduler": "cosine", "warmup_ratio": 0.1,
                     "warmup_steps": None, "min_lr_ratio": 0.1, "max_grad_norm": 0.0}
+# What the schedules' names mean (lr_scheduler, warmup_*): transformers.get_scheduler's.  A checkpoint
+# without this mark was written when "cosine" and "linear" decayed to --min-lr-ratio and a warm-up
+# started above 0.
+LR_SCHEDULES = "transformers"
 # With --optimizer-lag 1 the weights the next step computes with (one update behind the master
 # weights stored by name) are stored as LAGGED + name.
 LAGGED = "lagged/"
@@ -284,6 +288,10 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     changed = [f"--{k.replace('_', '-')} {ckpt.manifest[k]!r} -> {_setting(cfg, k)!r}"
                for k in RUN_SETTINGS if ckpt.manifest[k] != _setting(cfg, k)]
+    if ckpt.manifest.get("lr_schedules") != LR_SCHEDULES and not cfg.checkpoint.resume_with_changes:
+        raise CheckpointError(f"--resume {ckpt.directory}: the checkpoint's run used Mobius' earlier learning-rate "
+                              "schedules (cosine and linear decayed to --min-lr-ratio, a warm-up started above 0); "
+                              "pass --resume-with-changes to continue on transformers' schedule of its settings")
     if changed and not cfg.checkpoint.resume_with_changes:
         raise CheckpointError(f"--resume {ckpt.directory}: this run changes settings of the checkpoint's run "
                               f"({'; '.join(changed)}); pass --resume-with-changes to apply them")
@@ -355,7 +363,8 @@ def run_meta(cfg, model_config: dict, step: int, scaler, inputs: dict[str, str] 
     continues with it)."""
     return {"step": step, "model": cfg.model, "model_config": model_config, "backend": cfg.backend,
             "inputs": inputs or {},
-            **{k: _setting(cfg, k) for k in RUN_SETTINGS}, "config": stored_config(cfg.to_dict()),
+            **{k: _setting(cfg, k) for k in RUN_SETTINGS}, "lr_schedules": LR_SCHEDULES,
+            "config": stored_config(cfg.to_dict()),
             "loss_scale": scaler.scale, "loss_scale_clean_steps": scaler.clean_steps,
             "skipped_steps": scaler.skipped_steps}
 

@@ -13,7 +13,8 @@ from mobius.data.packing import EvalBatches
 from mobius.data.shared import open_shared
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
-from mobius.models.lora import LORA_MODULES, parts
+from mobius.models.adapters import lora_targets
+from mobius.models.lora import adapted_parts, parts
 
 
 def model_config_for(cfg: RunConfig) -> GPTConfig:
@@ -21,9 +22,8 @@ def model_config_for(cfg: RunConfig) -> GPTConfig:
     config = get_config(cfg.model)
     if not cfg.lora.rank:
         return config
-    targets = set(cfg.lora.targets)  # a set: the order they were named in changes nothing
     return dataclasses.replace(config, lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha or cfg.lora.rank),
-                               lora_targets=tuple(t for t in LORA_MODULES if t in targets),
+                               lora_targets=lora_targets(config, cfg.lora.targets),
                                lora_dropout=cfg.lora.dropout, lora_dora=cfg.lora.use_dora,
                                lora_4bit=cfg.lora.load_in_4bit)
 
@@ -36,7 +36,7 @@ def check_seq_len(cfg: RunConfig, model_config: GPTConfig) -> None:
 def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
     if cfg.lora.rank:
-        for module in model_config.lora_targets:
+        for module in adapted_parts(model_config):
             width = min(parts(model_config, module) + [model_config.hidden])
             if cfg.lora.rank > width:
                 raise InputError(f"--lora-rank {cfg.lora.rank} exceeds the {width} of {cfg.model}'s smallest "

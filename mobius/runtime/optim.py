@@ -1,8 +1,9 @@
 """Optimizer pieces every backend shares, so they update weights identically.
 
 :class:`UpdateRule` is the update every backend applies: AdamW with decoupled weight decay on
-matrices only (not on biases and norms), its betas and epsilon, the learning-rate schedule (warm-up,
-then cosine, linear or constant, down to a floor), and clipping of the gradients' *global* norm.
+matrices only (not on biases and norms), its betas and epsilon, the learning-rate schedule (Hugging
+Face's, as ``transformers.get_scheduler`` gives it by name, warm-up counted as its Trainer counts
+it), and clipping of the gradients' *global* norm.
 The pipeline runs one AdamW per stage on the CPU master weights; AdamW is elementwise, so grouping
 parameters per stage changes no number.  Clipping is not elementwise: every backend sums the squares
 of all of a step's gradients (every stage, worker and chunk) before it applies any update
@@ -27,13 +28,13 @@ class UpdateRule:
 
     lr: float  # the peak learning rate
     steps: int = 1  # of the whole run: the schedule's length
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.01  # on matrices only
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.1  # of the steps (at least one step when positive)
+    weight_decay: float = 0.0  # on matrices only
+    scheduler: str = "linear"  # a transformers.get_scheduler name (SCHEDULERS)
+    warmup_ratio: float = 0.0  # of the steps, rounded up
     warmup_steps: int | None = None  # instead of the ratio
-    min_lr_ratio: float = 0.1  # where cosine and linear decay end, as a fraction of the peak
+    min_lr_ratio: float = 0.1  # where cosine_with_min_lr ends, as a fraction of the peak (its min_lr_rate)
     max_grad_norm: float = 0.0  # clip the global gradient norm to this (0: no clipping)
 
     @classmethod
@@ -46,33 +47,41 @@ class UpdateRule:
 
     def describe(self) -> str:
         """The rule in one line (a run's header)."""
-        decay = {"cosine": f"cosine to {self.min_lr_ratio:g}x", "linear": f"linear to {self.min_lr_ratio:g}x",
-                 "constant": "constant", "constant_with_warmup": "constant"}[self.scheduler]
+        decay = {"cosine": "cosine to 0", "linear": "linear to 0", "cosine_with_min_lr":
+                 f"cosine to {self.min_lr_ratio:g}x", "constant": "constant", "constant_with_warmup": "constant"}
         warm = f" after {self.warmup} warm-up step{'s' if self.warmup != 1 else ''}" if self.warmup else ""
         clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (every update waits for the "
                 "step's last gradient)" if self.max_grad_norm else "; no gradient clipping")
         return (f"AdamW at lr {self.lr:g} (betas {self.betas[0]:g}/{self.betas[1]:g}, eps {self.eps:g}, weight "
-                f"decay {self.weight_decay:g} on matrices), {decay}{warm}{clip}")
+                f"decay {self.weight_decay:g} on matrices), {decay[self.scheduler]}{warm} (transformers' "
+                f"{self.scheduler!r} schedule){clip}")
 
     @property
     def warmup(self) -> int:
+        """Warm-up steps as Hugging Face's Trainer counts them: ``--warmup-steps``, else the ratio of
+        the steps rounded up (``TrainingArguments.get_warmup_steps``)."""
         if self.scheduler == "constant":
             return 0
         if self.warmup_steps is not None:
             return self.warmup_steps
-        return max(1, math.floor(self.steps * self.warmup_ratio + 1e-9)) if self.warmup_ratio > 0 else 0
+        return math.ceil(self.steps * self.warmup_ratio)
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
-        warmup, peak, floor = self.warmup, self.lr, self.min_lr_ratio
+        """Learning rate of optimizer step ``step`` (0-based): the peak times the factor
+        ``transformers.get_scheduler(self.scheduler, ...)`` gives at that step (its warm-up starts at
+        0: the first step of a warm-up does not move the weights)."""
+        warmup, n = self.warmup, self.steps
         if step < warmup:
-            return peak * (step + 1) / warmup
+            return self.lr * step / max(1, warmup)
         if self.scheduler in ("constant", "constant_with_warmup"):
-            return peak
-        progress = min(1.0, (step - warmup) / max(1, self.steps - warmup))
+            return self.lr
         if self.scheduler == "linear":
-            return peak * (floor + (1 - floor) * (1.0 - progress))
-        return peak * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+            return self.lr * max(0.0, (n - step) / max(1, n - warmup))
+        progress = (step - warmup) / max(1, n - warmup)
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.scheduler == "cosine_with_min_lr":
+            factor = factor * (1 - self.min_lr_ratio) + self.min_lr_ratio
+        return self.lr * max(0.0, factor)
 
 
 def make_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], rule: UpdateRule) -> torch.optim.AdamW:
