@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.from_dict(vars(args))
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
+    started = time.perf_counter()
     dispatching = cfg.pipeline.schedule != "bound"
     if cfg.pipeline.schedule == "dispatched":  # what it does not run, refused before anything is planned
         check_dispatched(cfg, model_config_for(cfg), cfg.optim.precision or "")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                 "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by}
             out["schedule"] = {"runs": "dispatched" if choice.shape is not None else "bound", "why": choice.why,
                                "bound_step_s": choice.bound_step_s, "bound_how": choice.bound_how}
+        out["planning_s"] = time.perf_counter() - started
         print(json.dumps(out, indent=1))
         return
     print(plan.render())
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         batch = cfg.batch
         print(dispatched_summary(choice, batch.micro_batches * batch.micro_batch_size * batch.seq_len))
         print(f"schedule: {choice.why}")
+    print(f"planned in {time.perf_counter() - started:.1f} s")
 
 
 def dispatched_summary(choice: ScheduleChoice, tokens: int) -> str:

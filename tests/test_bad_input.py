@@ -99,6 +99,12 @@ TRAIN_OPTIONS = [
     (["--lora-rank", "2", "--load-in-4bit", "--backend", "pipeline", "--topology", "cpu"],
      "--load-in-4bit is built for --backend single"),
     (["--lr-scheduler", "exponential"], "invalid choice: 'exponential'"),
+    (["--lr", "1e39"], "--lr 1e+39 is beyond what fp32 holds"),
+    (["--adam-eps", "1e-46"], "--adam-eps 1e-46 is below fp32's smallest normal number"),
+    (["--warmup-steps", "2"], "a warm-up of 2 steps covers the run's 2"),
+    (["--warmup-ratio", "0.6"], "a warm-up of 2 steps covers the run's 2"),
+    (["--lr-scheduler", "constant", "--warmup-steps", "1"], "--lr-scheduler constant has no warm-up"),
+    (["--precision", "fp16", "--fp16-accumulation"], "--fp16-accumulation is a CUDA GPU's tensor-core mode"),
     (["--backend", "pipeline", "--topology", "cpu", "--schedule", "dispatched", "--replan", "auto"],
      "--schedule dispatched does not run --replan auto yet"),
 ]

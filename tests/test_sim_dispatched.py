@@ -419,3 +419,14 @@ def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_i
                                    kept=plan.kept, head_gpus=plan.head_gpus, steps=steps) for m in SAMPLED]
     assert _extrapolated_s(samples, many) == pytest.approx(whole.step_s, rel=0.05)
     assert _extrapolated_s(samples, many) != pytest.approx(samples[-1].step_s, rel=0.1)  # it grew with them
+
+
+@pytest.mark.parametrize("topology,lag", [("topo2+2", 0), ("topo2+2", 1), ("1xh100", 0)])
+def test_one_micro_batch_plans_both_schedules(capsys, topology, lag):
+    """The edges of the search: one micro-batch (no more of the head's GPUs than micro-batches), one GPU."""
+    from mobius.plan import main as plan_main
+
+    plan_main(["--model", "tiny", "--topology", topology, "--micro-batches", "1", "--schedule", "auto",
+               "--optimizer-lag", str(lag)])
+    out = capsys.readouterr().out
+    assert "schedule: " in out and "planned in " in out

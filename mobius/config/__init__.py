@@ -26,6 +26,16 @@ DEFAULT_STEPS = 40  # without --steps or --epochs
 # Learning-rate schedules by their transformers.get_scheduler names, each its lr at every step.
 SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
 DEFAULT_MIN_LR_RATIO = 0.1
+# The master weights and AdamW's state are fp32: a setting fp32 cannot hold is not the run asked for.
+FP32_MAX, FP32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
+def warmup_steps_of(steps: int, warmup_ratio: float, warmup_steps: int | None, scheduler: str) -> int:
+    """Warm-up steps as Hugging Face's Trainer counts them: ``--warmup-steps``, else the ratio of
+    the steps rounded up (``TrainingArguments.get_warmup_steps``); none for ``constant``."""
+    if scheduler == "constant":
+        return 0
+    return warmup_steps if warmup_steps is not None else math.ceil(steps * warmup_ratio)
 # Hugging Face's Trainer, TRL and axolotl clip at 1.0 by default; our presets train from scratch
 # without it (their losses are the suite's references).
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -190,6 +200,15 @@ class OptimConfig:
         if self.lr_scheduler != "cosine_with_min_lr" and self.min_lr_ratio != DEFAULT_MIN_LR_RATIO:
             raise InputError(f"--min-lr-ratio is where --lr-scheduler cosine_with_min_lr ends; {self.lr_scheduler} "
                              "has no floor")
+        if self.lr > FP32_MAX:
+            raise InputError(f"--lr {self.lr:g} is beyond what fp32 holds ({FP32_MAX:.3g}): every update would be inf")
+        if self.adam_eps < FP32_TINY:
+            raise InputError(f"--adam-eps {self.adam_eps:g} is below fp32's smallest normal number ({FP32_TINY:.3g}): "
+                             "AdamW's state is fp32, where it divides by as good as 0")
+        warmup = warmup_steps_of(self.steps, self.warmup_ratio, self.warmup_steps, self.lr_scheduler)
+        if warmup >= self.steps:
+            raise InputError(f"a warm-up of {warmup} steps covers the run's {self.steps}: its learning rate never "
+                             f"reaches --lr (the first step's is 0); warm up over fewer steps")
         if self.fp16_accumulation and self.precision != "fp16":
             raise InputError(f"--fp16-accumulation accumulates fp16 products in fp16: it needs --precision fp16, "
                              f"not {self.precision or 'the default'}")

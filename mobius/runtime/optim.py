@@ -18,6 +18,8 @@ from typing import Iterable
 
 import torch
 
+from mobius.config import warmup_steps_of
+
 # torch.nn.utils.clip_grad_norm_'s: the coefficient is max_norm / (norm + 1e-6), at most 1
 CLIP_EPS = 1e-6
 
@@ -58,13 +60,7 @@ class UpdateRule:
 
     @property
     def warmup(self) -> int:
-        """Warm-up steps as Hugging Face's Trainer counts them: ``--warmup-steps``, else the ratio of
-        the steps rounded up (``TrainingArguments.get_warmup_steps``)."""
-        if self.scheduler == "constant":
-            return 0
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return math.ceil(self.steps * self.warmup_ratio)
+        return warmup_steps_of(self.steps, self.warmup_ratio, self.warmup_steps, self.scheduler)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based): the peak times the factor

@@ -426,7 +426,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     seen: list[DispatchedPlan] = []
     for tail in range(0, layers - 1, max(1, n // 2)):
         # Where two stages a GPU do not fit, one layer a stage may.
-        found = [p for heads in sorted({1, min(2, n), min(math.ceil(n / 2), micro_batches)})
+        # (no more of the head's GPUs than micro-batches: each needs one)
+        found = [p for heads in sorted({min(h, micro_batches) for h in (1, min(2, n), math.ceil(n / 2))})
                  if (p := balanced(tail, heads, 2 * n, 2 * n) or balanced(tail, heads, layers, layers))]
         if not found and tail:
             break  # a longer tail fits no better
