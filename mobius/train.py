@@ -28,7 +28,6 @@ from mobius.models.hf import check_export_target
 from mobius.planning.planner import available_host_memory, check_host_memory
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
-from mobius.swap.disk import is_state_file
 from topology import Topology
 
 
@@ -93,7 +92,7 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     check_outputs(cfg, model_config)
     with contextlib.ExitStack() as working:
         for option, directory in offload_dirs(cfg).items():
-            working.enter_context(ownership.working_dir(option, directory, ours=is_state_file))
+            working.enter_context(ownership.working_dir(option, directory))
         cfg, backend, topo = resolve(cfg)  # decided once: everything after reads them
         check_options(cfg, model_config, backend, topo)  # before the data is read
         return _run_prepared(cfg, model_config, backend, topo)

@@ -3,6 +3,7 @@ give in memory, in process and on pipeline workers, across a resume between tier
 them by the host memory; the files are the run's own."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,11 +99,12 @@ def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives)
         lanes = {lane: sum(e["args"]["bytes"] for e in disk.trace.events if e["tid"] == lane)
                  for lane in ("disk read", "disk write")}
         assert lanes == {"disk read": disk.read_bytes, "disk write": disk.written_bytes}
-        for d in directories:  # each drive holds its part of every stage's state
+        for d in directories:  # each drive holds its part of every stage's state, and the files' ledger
             assert sorted(p.name for p in d.iterdir()) == sorted(
-                [f"rank000-stage000{s}.adam" for s in range(4)] + ["rank000-stage0002.weights"])
+                [f"rank000-stage000{s}.adam" for s in range(4)] + ["rank000-stage0002.weights",
+                                                                   f".mobius-ledger-rank000-{os.getpid()}"])
         trained = {s: ours.stages[s].grad_staging.numel() for s in range(4)}
-        assert sum(p.stat().st_size for d in directories for p in d.iterdir()) == 4 * sum(
+        assert sum(p.stat().st_size for d in directories for p in d.iterdir() if ".mobius-ledger" not in p.name) == 4 * sum(
             (3 if s in (1, 2) else 2) * n for s, n in trained.items()) + 4 * trained[2]
     finally:
         disk.close()
@@ -115,20 +117,51 @@ def test_a_stage_is_striped_in_equal_contiguous_parts():
     assert stripes(10, 3) == [(0, 4), (4, 3), (7, 3)] and stripes(4, 1) == [(0, 4)] and stripes(2, 3)[2] == (2, 0)
 
 
-def test_state_files_a_dead_worker_left_are_removed_and_nothing_else(tmp_path):
-    """A worker killed before it closed its tier leaves its files: the run removes those its names
-    give, in the directory it found empty; a file of another name stays, and so does the directory."""
+def _killed_after_making(where, names) -> None:
+    """A process that records ``names`` in its ledger in ``where``, makes them, and dies (its lock
+    let go as a SIGKILL lets go of it)."""
+    from mobius.boundary.ledger import FileLedger
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ledger = FileLedger(where, "rank001")
+            for name in names:
+                os.write(ledger.create(name), b"left by a worker")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def test_files_a_dead_worker_left_are_removed_by_their_identity_never_by_name(tmp_path):
+    """A worker killed before it closed its tier leaves its files: the run's janitor removes each
+    one its ledger recorded while the name still leads to it; a file of the user's renamed over one
+    of ours, or named like ours, stays; so does the directory then.  A later run on a directory a
+    killed run left removes them first; one a live process holds is refused."""
+    from mobius.boundary.ledger import FileLedger
     from mobius.boundary.ownership import working_dir
-    from mobius.swap.disk import is_state_file, state_file_name
+    from mobius.swap.disk import state_file_name
 
     where = tmp_path / "nvme"
-    with working_dir("--offload-dir", where, ours=is_state_file):
-        (where / state_file_name(1, 3)).write_bytes(b"left by a worker")
+    with working_dir("--offload-dir", where):
+        _killed_after_making(where, [state_file_name(1, 3), state_file_name(1, 4)])
         (where / "notes.txt").write_text("the user's, made while the run lasted")
-    assert [p.name for p in where.iterdir()] == ["notes.txt"]
-    with working_dir("--offload-dir", tmp_path / "fresh", ours=is_state_file):
-        (tmp_path / "fresh" / state_file_name(0, 0)).write_bytes(b"left")
-    assert not (tmp_path / "fresh").exists()
+        os.replace(where / "notes.txt", where / state_file_name(1, 4))  # renamed over one of ours
+        (where / state_file_name(2, 0)).write_text("the user's, named like ours")
+    assert sorted(p.name for p in where.iterdir()) == [state_file_name(1, 4), state_file_name(2, 0)]
+    assert (where / state_file_name(1, 4)).read_text() == "the user's, made while the run lasted"
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    _killed_after_making(killed, [state_file_name(0, 0)])
+    with working_dir("--offload-dir", killed):  # not refused: what it holds is a dead run's
+        assert list(killed.iterdir()) == []
+    live = FileLedger(killed, "rank000")
+    with pytest.raises(InputError, match="is in use by a running Mobius process"):
+        with working_dir("--offload-dir", killed):
+            pass
+    live.close()
+    assert list(killed.iterdir()) == []
 
 
 def test_a_file_that_is_there_is_never_opened(tmp_path):
@@ -223,7 +256,7 @@ def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tie
         assert all(st == {} for st in trainer.optimizer.state.values())  # the moments are on disk
         assert all(p.numel() == 0 for p in trainer.master.values()) == bool(lag)  # and with the lag the master
         assert trainer.disk.read_bytes > 0 and trainer.disk.written_bytes > 0
-        assert sum(len(list(Path(d).iterdir())) for d in drives) == 2
+        assert sum(len([f for f in Path(d).iterdir() if ".mobius-ledger" not in f.name]) for d in drives) == 2
         with trainer.optimizer_state():
             weights = {n: p.detach().clone() for n, p in trainer.master.items()}
     finally:

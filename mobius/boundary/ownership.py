@@ -29,10 +29,10 @@ import shutil
 import stat
 import sys
 from pathlib import Path
-from typing import Callable
 
 from mobius.boundary.checks import read_json
 from mobius.boundary.errors import InputError, RunError, shown
+from mobius.boundary.ledger import remove_orphans
 
 MARKER = ".mobius-owned.json"
 LOCK_TAG = b"mobius output lock\n"  # what a lock file of ours holds (an empty one: an older Mobius's)
@@ -422,20 +422,26 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
 
 
 @contextlib.contextmanager
-def working_dir(option: str, path: str | os.PathLike | None, ours: Callable[[str], bool] = lambda name: False):
+def working_dir(option: str, path: str | os.PathLike | None):
     """A directory the run fills with files of its own while it lasts (``--offload-dir``): it must
     be absent (made here, removed at the end) or empty (left empty at the end), never a directory
-    that holds a file of the user's.  The run removes the files it made; where a process of it died
-    first, the files it left are removed here: those whose names ``ours`` gives (the directory was
-    empty, and the run makes each such name exclusively).  What remains is not ours."""
+    that holds a file of the user's.  The run's processes record every file they make there in
+    their ledgers (:mod:`mobius.boundary.ledger`) and remove them; what a process that died first
+    left is removed here, at the end, and by the next run on the directory, at its start: each file
+    its ledger recorded, while its name still leads to it.  What remains is not ours."""
     if path is None:
         yield
         return
     where = Path(path)
     if where.is_symlink() or (where.exists() and not where.is_dir()):
         raise InputError(f"{option} {shown(where)} is not a directory")
-    if where.is_dir() and any(where.iterdir()):
-        raise InputError(f"{option} {shown(where)} holds files Mobius did not write: give an empty or new directory")
+    if where.is_dir():
+        held = remove_orphans(where)  # what a run killed before it could clean up left
+        if held:
+            raise InputError(f"{option} {shown(where)} is in use by a running Mobius process ({held[0]})")
+        if any(where.iterdir()):
+            raise InputError(f"{option} {shown(where)} holds files Mobius did not write: give an empty or new "
+                             "directory")
     made = not where.exists()
     try:
         where.mkdir(exist_ok=True)
@@ -450,10 +456,7 @@ def working_dir(option: str, path: str | os.PathLike | None, ours: Callable[[str
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            for left in where.iterdir():
-                if ours(left.name) and left.is_file() and not left.is_symlink():
-                    left.unlink()
+        remove_orphans(where)
         if made:
             with contextlib.suppress(OSError):
                 where.rmdir()  # empty again; anything left in it is not ours to remove

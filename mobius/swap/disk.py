@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 from mobius.boundary.errors import InputError, RunError, shown
+from mobius.boundary.ledger import FileLedger, remove_orphans
 from mobius.metrics import Trace
 from mobius.models import build_model
 from mobius.runtime.optim import UpdateRule, adamw
@@ -59,11 +59,6 @@ DRIVE_TIMING_BYTES = 256 * 2**20  # past a drive's write cache, flushed; a fract
 def state_file_name(rank: int, stage: int, kind: str = "adam") -> str:
     """A stage's file on one drive: its AdamW records (``adam``) or its compute copy (``weights``)."""
     return f"rank{rank:03d}-stage{stage:04d}.{kind}"
-
-
-def is_state_file(name: str) -> bool:
-    """Whether ``name`` is one the tier gives its files (a run's, in a directory it found empty)."""
-    return re.fullmatch(r"rank\d{3}-stage\d{4}\.(adam|weights)", name) is not None
 
 
 def block_params(largest: int) -> int:
@@ -162,6 +157,10 @@ class DiskState:
                        for call, what in ((os.preadv, "read-part"), (os.pwritev, "write-part"))} if drives > 1 else {}
         self._writes: dict[int, list[Future]] = {}  # each stage's blocks being written
         self.read_bytes = self.written_bytes = 0
+        try:
+            self.ledgers = [FileLedger(d, f"rank{rank:03d}") for d in self.directories]
+        except OSError as err:
+            raise RunError(f"--offload-dir: cannot create its files ({err.strerror})") from None
 
     def holds(self, s: int) -> bool:
         return s in self.blocks
@@ -186,16 +185,18 @@ class DiskState:
                                                                for k in range(len(self.directories))])
 
     def _create(self, s: int, kind: str, sizes: list[int]) -> tuple[list[Path], list[int]]:
-        """Stage ``s``'s files of ``kind`` on every drive, ``sizes`` bytes each, created exclusively."""
-        paths, fds = [d / state_file_name(self.rank, s, kind) for d in self.directories], []
-        for path, size in zip(paths, sizes):
+        """Stage ``s``'s files of ``kind`` on every drive, ``sizes`` bytes each, created exclusively
+        and recorded in the drive's ledger (:mod:`mobius.boundary.ledger`)."""
+        name = state_file_name(self.rank, s, kind)
+        paths, fds = [d / name for d in self.directories], []
+        for ledger, path, size in zip(self.ledgers, paths, sizes):
             try:
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+                fds.append(ledger.create(name))
                 os.ftruncate(fds[-1], size)
             except OSError as err:
-                for fd, made in zip(fds, paths):
+                for fd, made in zip(fds, self.ledgers):
                     os.close(fd)
-                    made.unlink(missing_ok=True)
+                    made.remove(name)
                 self._close()
                 raise RunError(f"--offload-dir {shown(path.parent)}: cannot create its files "
                                f"({err.strerror})") from None
@@ -505,12 +506,14 @@ class DiskState:
         self._writer.shutdown(wait=True, cancel_futures=True)
         for pool in self._parts.values():
             pool.shutdown(wait=True)
-        for fds, paths in ((self.fds, self.paths), (self.weight_fds, self.weight_paths)):
+        for fds in (self.fds, self.weight_fds):
             for s in fds:
-                for fd, path in zip(fds[s], paths[s]):
+                for fd in fds[s]:
                     os.close(fd)
-                    path.unlink(missing_ok=True)
         self.fds, self.weight_fds = {}, {}
+        for ledger in self.ledgers:  # each file removed while it is still the one made
+            ledger.close()
+        self.ledgers = []
 
 
 def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2**20) -> tuple[float, float]:
@@ -518,10 +521,12 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
     ``nbytes`` written in ``block``-sized requests and flushed to the drive (``fsync``), then read
     back with its pages dropped from the page cache first, through a file of our own (created
     exclusively, removed after)."""
-    path = Path(directory) / f".mobius-drive-{os.getpid()}"
+    name = f".mobius-drive-{os.getpid()}"
     buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
+    remove_orphans(directory)  # a timing file left by a process that was killed
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        ledger = FileLedger(directory, "drive")
+        fd = ledger.create(name)
     except OSError as err:
         raise RunError(f"{shown(directory)}: cannot write a file there to time the drive ({err.strerror})") from None
     try:
@@ -539,7 +544,7 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
         raise RunError(f"{shown(directory)}: timing the drive failed ({err.strerror})") from None
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        ledger.close()
     return nbytes / read_s / 1e9, nbytes / write_s / 1e9
 
 
