@@ -459,3 +459,28 @@ def test_a_forked_worker_adopts_the_launchers_environment_and_keeps_its_rank(mon
         "1", "run", "/launchers/own/cache")
     from mobius.boundary.cache import cache_root
     assert str(cache_root()) == "/launchers/own/cache"
+
+
+def test_a_cache_lock_another_process_holds_is_waited_for_a_bounded_time_and_said(monkeypatch, capsys):
+    """A write whose entry lock stays held (a process stopped while it held it) is given up after
+    the bounded wait, said on stderr, and the run goes on: the cache only saves time."""
+    import fcntl
+    import os
+
+    from mobius.boundary import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "LOCK_WAIT_S", 1.2)
+    monkeypatch.setattr(cache_module, "_said", set(), raising=False)
+    entries = cache_module.Cache("locktest", "lock test entry")
+    entries.directory.mkdir(parents=True, exist_ok=True)
+    held = os.open(entries.directory / ".k.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file: another holder, as another process would be
+    try:
+        entries.put("k", {"x": 1})
+    finally:
+        os.close(held)
+    err = capsys.readouterr().err
+    assert "waiting for the lock of the locktest cache entry" in err and "going on without writing it" in err
+    assert entries.get("k", lambda d: d) is None
+    entries.put("k", {"x": 1})  # free again: written
+    assert entries.get("k", lambda d: d) == {"x": 1}

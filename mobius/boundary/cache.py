@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -116,7 +117,10 @@ class Cache:
             # user's must not touch that file (O_NOFOLLOW refuses it).
             lock = os.open(self.directory / f".{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not _locked_within(lock, LOCK_WAIT_S, f"{self.kind} cache entry {shown(path)}"):
+                    _say_once(f"another process has held the lock of the {self.kind} cache entry {shown(path)} for "
+                              f"{LOCK_WAIT_S:g} s; going on without writing it")
+                    return
                 tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
                 try:
                     tmp.write_text(json.dumps({"sha256": _digest(payload), "payload": payload}))
@@ -138,3 +142,27 @@ class Cache:
             where = "left in place"
         print(f"note: cached {self.what} {shown(path)} is not usable ({reason}); {where}, rebuilding it",
               file=sys.stderr, flush=True)
+
+
+# A cache entry's lock is held for the milliseconds a write takes: a wait past this is another
+# process stuck (or stopped) holding it, and the cache only saves time.
+LOCK_WAIT_S = 10.0
+
+
+def _locked_within(fd: int, seconds: float, what: str) -> bool:
+    """``fd``'s exclusive lock taken within ``seconds`` (said once after the first second)."""
+    deadline, said = time.monotonic() + seconds, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if not said and seconds - left >= 1.0:
+            print(f"note: waiting for the lock of the {what}, held by another process (at most {seconds:g} s)",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(0.05, left))
