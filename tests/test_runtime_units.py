@@ -484,3 +484,17 @@ def test_a_cache_lock_another_process_holds_is_waited_for_a_bounded_time_and_sai
     assert entries.get("k", lambda d: d) is None
     entries.put("k", {"x": 1})  # free again: written
     assert entries.get("k", lambda d: d) == {"x": 1}
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    """The step just done diverged (no later loss would show it): the save refuses in one line and
+    writes nothing; a checkpoint already there stays as it was."""
+    import torch
+
+    from mobius.boundary.errors import RunError
+    from mobius.runtime import checkpoint as ck
+
+    bad = {"weights.safetensors": {"w": torch.tensor([1.0, float("inf")]), "step": torch.tensor([3])}}
+    with pytest.raises(RunError, match="after step 3 w holds values that are not finite .* nothing is saved"):
+        ck.save(tmp_path / "ck", bad, {"step": 3})
+    assert not (tmp_path / "ck").exists() and list(tmp_path.iterdir()) == []

@@ -36,7 +36,7 @@ import torch
 
 from mobius.boundary import ownership
 from mobius.boundary.checks import read_json
-from mobius.boundary.errors import InputError, RunError
+from mobius.boundary.errors import InputError, RunError, shown
 from mobius.config.sources import stored_config
 from mobius.models import GPTConfig, build_model
 from mobius.runtime.device import rng_states, set_rng_states
@@ -128,7 +128,15 @@ def save(directory: str | os.PathLike, files: dict[str, dict[str, torch.Tensor]]
     opens the staging directory, each process writes its ``files`` (file name -> tensors by name;
     a pipeline worker its stages' shards, the chunked engine's rank 0 the gathered whole), rank 0
     adds the RNG states, checksums everything and swaps the checkpoint in.  ``barrier`` holds the
-    processes together between those phases."""
+    processes together between those phases.  Weights or AdamW state that are not finite (a
+    run that diverged on the step just done: no later loss shows it) are never saved."""
+    for tensors in files.values():
+        bad = next((name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())),
+                   None)
+        if bad is not None:
+            kept = "the checkpoint there stays as it was" if Path(directory).exists() else "nothing is saved"
+            raise RunError(f"--save {shown(directory)}: after step {meta.get('step')} {bad} holds values that are not "
+                           f"finite (the update diverged; try a lower --lr or --max-grad-norm 1): {kept}")
     staging = staging_dir(directory)
     if rank == 0:
         begin_save(directory)
