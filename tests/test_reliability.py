@@ -508,3 +508,44 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_no_writer_thread_tracebac
         signal.signal(signal.SIGXFSZ, previous)
     err = capfd.readouterr().err
     assert "Exception in thread" not in err and "Traceback" not in err, err
+
+
+def _rewrite(saved, filename: str, change) -> None:
+    """``filename`` of the checkpoint rewritten by ``change(tensors)`` and the manifest re-digested,
+    as a hostile user could: its digest proves integrity, not origin."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(saved / filename))
+    change(tensors)
+    save_file(tensors, str(saved / filename))
+    m = saved / "manifest.json"
+    manifest = json.loads(m.read_text())
+    manifest["files"][filename] = ownership_sha256(saved / filename)
+    manifest["digest"] = ck.manifest_digest(manifest)
+    m.write_text(json.dumps(manifest))
+
+
+def ownership_sha256(path):
+    from mobius.boundary.ownership import sha256_of
+
+    return sha256_of(path)
+
+
+@pytest.mark.parametrize("what,change,said", [
+    ("a short moment", lambda t: t.__setitem__(next(k for k in t if k.startswith("exp_avg/")), torch.zeros(1)),
+     "is F32 of shape [1]; the model's is F32 of shape"),
+    ("int32 weights", lambda t: t.__setitem__(next(k for k in t if not k.startswith(("exp_avg", "step/"))),
+                                              torch.zeros(t[next(k for k in t if not k.startswith(("exp_avg", "step/")))].shape,
+                                                          dtype=torch.int32)), "is I32 of shape"),
+    ("a negative second moment", lambda t: t.__setitem__(next(k for k in t if k.startswith("exp_avg_sq/")),
+                                                         -torch.ones_like(t[next(k for k in t if k.startswith("exp_avg_sq/"))])),
+     "holds negative values"),
+])
+def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_allocated(saved, capsys, what, change, said):
+    files = {f.name for f in saved.iterdir()}
+    target = "optimizer.safetensors" if what != "int32 weights" else "weights.safetensors"
+    assert target in files
+    _rewrite(saved, target, change)
+    code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--resume-with-changes"],
+                        capsys)
+    assert code == 2 and len(err) == 1 and said in err[0], (what, err)

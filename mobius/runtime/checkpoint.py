@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,7 @@ class Checkpoint:
     manifest: dict
     _index: dict[str, Path]
     _verified: set = field(default_factory=set)  # files whose bytes matched the manifest when read
+    _shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype), as stored
 
     @property
     def step(self) -> int:
@@ -203,7 +205,32 @@ class Checkpoint:
                 raise CheckpointError(f"checkpoint {self.directory}: {path} is corrupt (checksum mismatch)")
             self._verified.add(path)
         with safe_open(str(path), framework="pt") as h:
-            return h.get_tensor(name)
+            tensor = h.get_tensor(name)
+        # Values a run of ours never writes: refused before they reach an optimizer.
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {name!r} holds values that are not finite")
+        if name.startswith("exp_avg_sq/") and bool((tensor < 0).any()):
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {name!r} holds negative values (AdamW's "
+                                  "second moment is a mean of squares)")
+        return tensor
+
+    def check_tensors(self, trained: dict[str, tuple[int, ...]]) -> None:
+        """Every tensor a resume reads of the ``trained`` parameters (name -> shape) has the
+        parameter's shape and a floating dtype (AdamW's moments fp32, its step one number), before
+        anything is allocated from it: a crafted checkpoint's short moment would have the fused
+        AdamW write past its tensor."""
+        kinds = ["", "exp_avg/", "exp_avg_sq/"] + ([LAGGED] if self.manifest.get("optimizer_lag") else [])
+        for param, shape in trained.items():
+            for kind in kinds + ["step/"]:
+                name = kind + param
+                if name not in self._shapes:
+                    continue  # missing ones are check_compatible's to name
+                got, dtype = self._shapes[name]
+                want = (1,) if kind == "step/" else tuple(shape)
+                floats = ("F32",) if kind.startswith("exp_avg") else ("F32", "BF16", "F16", "F64")
+                if (math.prod(got) != 1 if kind == "step/" else got != want) or dtype not in floats:
+                    raise CheckpointError(f"--resume {self.directory}: tensor {name!r} is {dtype} of shape "
+                                          f"{list(got)}; the model's is {'/'.join(floats)} of shape {list(want)}")
 
 
 def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkpoint:
@@ -238,6 +265,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
         raise CheckpointError(f"--resume {directory}: {d / MANIFEST}: step must be a non-negative integer, got "
                               f"{str(step)[:40]!r}")
     index: dict[str, Path] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     verified: set = set()
     from safetensors import safe_open
 
@@ -259,9 +287,11 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
                 with safe_open(str(path), framework="pt") as h:
                     for key in h.keys():
                         index[key] = path
+                        tensor = h.get_slice(key)
+                        shapes[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
             except Exception as err:  # safetensors raises its own error types
                 raise CheckpointError(f"--resume {directory}: {path} is not a safetensors file ({err})") from None
-    return Checkpoint(d, manifest, index, verified)
+    return Checkpoint(d, manifest, index, verified, shapes)
 
 
 def _setting(cfg, key: str):
@@ -311,8 +341,10 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
 def open_for_resume(cfg, model_config) -> Checkpoint:
     """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
     ckpt = load_checkpoint(cfg.checkpoint.resume)
-    names = {n for n, p in build_model(model_config, device="meta").named_parameters() if p.requires_grad}
-    check_compatible(ckpt, model_config.to_dict(), cfg, names)
+    trained = {n: tuple(p.shape) for n, p in build_model(model_config, device="meta").named_parameters()
+               if p.requires_grad}
+    check_compatible(ckpt, model_config.to_dict(), cfg, set(trained))
+    ckpt.check_tensors(trained)
     return ckpt
 
 
