@@ -393,3 +393,12 @@ def test_an_end_of_text_token_past_the_models_vocabulary_is_one_line(tmp_path, c
                               capsys)
     assert f"has a vocabulary of {vocab}, but the data has token id {vocab} (tokenizer.json of m)" in message
     assert not (tmp_path / "ck").exists()
+
+
+def test_data_whose_answers_truncation_cuts_away_is_refused_before_training(tmp_path, capsys):
+    """Every answer past --seq-len: nothing would train (the loss 0, weight decay alone moving the
+    weights); refused in one line saying how many examples lost their answer."""
+    long = [{"prompt": "a prompt that goes on " * 4, "completion": "yes"}, {"prompt": "and on " * 8, "completion": "no"}]
+    data = write_jsonl(tmp_path / "long.jsonl", long)
+    message = one_line_exit_2(train_main, SINGLE + ["--data", str(data), "--seq-len", "16"], capsys)
+    assert "none of its 2 examples has a token to train on: 2 of them lost their whole answer to truncation" in message

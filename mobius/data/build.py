@@ -36,8 +36,9 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         checked(int(corpus.max()))
         return BatchSource(corpus, batch.seq_len, batch.micro_batch_size, batch.micro_batches, seed, tokenizer.name)
 
-    def packed(records: list[Record], fmt: str, renderer, skipped: list[str]):
-        """Examples rendered with the model's template and packed (or padded) into sequences."""
+    def packed(records: list[Record], fmt: str, renderer, skipped: list[str], source: str):
+        """Examples rendered with the model's template and packed (or padded) into sequences
+        (``source``: where they come from, in messages)."""
         packing = data.packing != "off"
         examples = []
         for r in records:
@@ -52,9 +53,14 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         out = pack(examples, batch.seq_len, packing, seed, data.truncate)
         checked(max(int(out.tokens.max()), int(out.targets.max())))  # a target past the inputs: the last EOS
         trained = int((out.targets >= 0).sum())
+        if not trained:  # a run that would train nothing, refused before it starts
+            cut = (f": {out.lost_answers} of them lost their whole answer to truncation at --seq-len {batch.seq_len} "
+                   "(raise --seq-len)" if out.lost_answers else "")
+            raise InputError(f"{source}: none of its {out.examples:,} examples has a token to train on{cut}")
         describe = (f"{out.examples:,} {fmt} examples ({trained:,} trained tokens) "
                     f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
                     + (f", {out.truncated} truncated to --seq-len" if out.truncated else "")
+                    + (f" ({out.lost_answers} of them losing their whole answer)" if out.lost_answers else "")
                     + f"; tokenizer {tokenizer.name}, chat template {renderer.template_source}"
                     + (f"; {len(skipped)} bad records skipped (the first: {skipped[0]})" if skipped else ""))
         return out, describe
@@ -68,13 +74,14 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         train = windows(corpus_of([r.prompt for r in records], tokenizer, data.path))
     else:
         renderer = renderer_for(model, data.chat_template, data.train_on_prompt)
-        sequences, describe = packed(records, fmt, renderer, skipped)
+        sequences, describe = packed(records, fmt, renderer, skipped, f"--data {data.path}")
         train = ExampleBatches(sequences, batch.micro_batch_size, batch.micro_batches, seed, data.packing != "off",
                                describe)
     if not (data.eval_path or data.eval_split):
         return train, None
     renderer = renderer or renderer_for(model, data.chat_template, data.train_on_prompt)
-    sequences, describe = packed(held_out, fmt, renderer, [])
+    sequences, describe = packed(held_out, fmt, renderer, [], f"--eval-data {data.eval_path}" if data.eval_path
+                                 else f"--eval-split {data.eval_split} of --data {data.path}")
     return train, EvalBatches(sequences, batch.micro_batch_size, batch.micro_batches, data.packing != "off", describe)
 
 

@@ -36,6 +36,7 @@ class Packed:
     segments: np.ndarray  # (N, T): example index within its sequence, -1 for padding
     examples: int
     truncated: int  # examples cut to fit --seq-len
+    lost_answers: int = 0  # of those, examples whose every trained token was cut away
 
     ARRAYS = ("tokens", "targets", "positions", "segments")
 
@@ -49,7 +50,7 @@ def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, trunca
     order = np.random.default_rng([seed, 0x9ac]).permutation(len(examples)) if packing else range(len(examples))
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     used = seq_len  # tokens in the current row (start with "full": the first example opens a row)
-    truncated = 0
+    truncated = lost_answers = 0
     for i in order:
         ex = examples[i]
         if ex.ids.size < 2:
@@ -60,6 +61,7 @@ def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, trunca
             if not truncate:
                 raise InputError(f"example {i} has {ex.ids.size} tokens, more than --seq-len {seq_len} + 1 "
                                  "(--no-truncate); raise --seq-len or drop --no-truncate to cut it")
+            lost_answers += bool((targets >= 0).any()) and not bool((targets[:seq_len] >= 0).any())
             inputs, targets = inputs[:seq_len], targets[:seq_len]
             truncated += 1
         if not packing or used + inputs.size > seq_len:
@@ -72,7 +74,7 @@ def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, trunca
     n = len(rows)
     out = Packed(np.full((n, seq_len), pad_id, dtype=np.int64), np.full((n, seq_len), IGNORE, dtype=np.int64),
                  np.zeros((n, seq_len), dtype=np.int64), np.full((n, seq_len), -1, dtype=np.int64),
-                 sum(len(r) for r in rows), truncated)
+                 sum(len(r) for r in rows), truncated, lost_answers)
     for r, row in enumerate(rows):
         at = 0
         for e, (inputs, targets) in enumerate(row):
