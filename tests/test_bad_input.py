@@ -376,6 +376,7 @@ def test_outputs_never_replace_the_users_files(hf, tmp_path, capsys):
     train_main(hf_run + ["--export", str(tmp_path / "tuned2"), "--metrics", str(tmp_path / "m.jsonl")])
 
 
+@pytest.mark.slow
 def test_ownership_is_by_content(hf, tmp_path, capsys):
     """Files that only look like ours, and ours once the user changed them, are the user's."""
     model = _copy(hf, "gpt2", tmp_path / "m")

@@ -139,6 +139,7 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_engine_in_passes_with_mixed_placement_equals_the_reference(one_rank_group):
     """In-process: two passes of two micro-batches, 2 of the chunks on the device and the rest
     offloaded through the copy streams and the optimizer thread, under the stream checker with

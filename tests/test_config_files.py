@@ -97,6 +97,7 @@ def test_steps_and_epochs_together_are_refused(capsys):
                                                                     capsys)
 
 
+@pytest.mark.slow
 def test_a_config_that_is_no_regular_file_or_unbounded_is_refused_at_once(tmp_path, capsys):
     """A FIFO would block for ever, an alias bomb expands without bound: both refused in one line,
     before anything is read or expanded; a bad value is echoed short."""
@@ -135,6 +136,7 @@ def test_lists_of_names_are_lists_in_yaml_and_comma_separated_on_the_command_lin
     assert parse_train_args(["--config", str(tmp_path / "printed.yaml")]).lora.targets == ("qkv", "fc")
 
 
+@pytest.mark.slow
 def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):
     train_main(RUN + ["--metrics", str(tmp_path / "straight.jsonl")])
     train_main(RUN + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
@@ -143,6 +145,7 @@ def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):
     assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")
 
 
+@pytest.mark.slow
 def test_a_resume_reads_only_the_files_the_user_names(tmp_path, capsys):
     """The checkpoint records the data file its run read; --resume alone does not read it again
     (a checkpoint could name any file), naming it does."""
@@ -171,6 +174,7 @@ def test_outputs_get_their_parent_directories_which_go_again_when_empty(tmp_path
     assert "file is not a directory" in message and (tmp_path / "file").read_text() == "a user's file"
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_update_rule_is_refused_unless_asked(tmp_path, capsys):
     """Clipping, the schedule and AdamW's settings change the numbers of the rest of a run: a
     resume that changes one says which, as for the learning rate."""

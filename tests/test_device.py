@@ -153,6 +153,7 @@ def test_checker_catches_a_wait_removed_from_the_runtime(one_worker_env, monkeyp
     print(info.value)
 
 
+@pytest.mark.slow
 def test_jittered_streams_equal_the_reference(one_worker_env, monkeypatch):
     """Random sleeps before every job of every copy stream: the order of the work may change, the
     numbers may not."""

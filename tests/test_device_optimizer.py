@@ -85,6 +85,7 @@ def test_a_resident_run_resumes_a_checkpoint_and_writes_one(tmp_path, slow_host)
         torch.testing.assert_close(a.get(name), b.get(name), rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_stages_stay_on_the_device_where_the_host_is_slow(slow_host):
     cfg = tiny()
     assert prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1].resident

@@ -40,6 +40,7 @@ def _stores(tmp_path, drives: int, masters: list[int], weights: list[int] = ()):
     return ours, theirs, disk, directories
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drives", [1, 3])
 def test_state_through_files_gives_the_bits_of_state_in_memory(tmp_path, drives):
     """Five AdamW updates of four stages, block by block (blocks cutting through parameters),
@@ -231,6 +232,7 @@ def test_an_offload_dir_with_the_users_files_or_on_another_backend_is_refused(tm
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 1])
 def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tiers(tmp_path, capsys, lag):
     """--backend single with --offload-dir, clipped, with and without the optimizer lag: every
@@ -279,6 +281,7 @@ def test_single_with_moments_on_disk_equals_the_reference_and_resumes_across_tie
         assert not (tmp_path / "nvme").exists()
 
 
+@pytest.mark.slow
 def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(tmp_path, capsys):
     """``--host-mem-gb`` below what the run holds in memory: the largest host stages' moments go
     to disk until the rest fits (none where it fits; with 0 all the tier can take); the prediction
@@ -332,6 +335,7 @@ def test_the_host_memory_is_the_machines_available_less_a_margin_unless_stated(m
     assert resolve_topology(RunConfig.of(model="tiny", topology="4x4090", offload_dir="nvme")).host_memory_gb == 1024
 
 
+@pytest.mark.slow
 def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
     """Llama-3.1-8B, full fine-tuning in bf16 on the 4x4090 preset with 64 GB of host memory and
     one 7 GB/s drive (about 160 GB of state in memory; 96 GB with every moment on disk, and refused
@@ -357,6 +361,7 @@ def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
     assert "tokens/s" in plan.render()
 
 
+@pytest.mark.slow
 def test_llama_70b_full_fine_tuning_plans_on_256_gb_and_two_drives_beside_zero_infinity():
     """Llama-3.1-70B, full fine-tuning in bf16 on 8x3090-4+4 with 256 GB of host memory and two
     7 GB/s drives (about 1.1 TB of state in memory): planned with every stage's moments and master
@@ -454,6 +459,7 @@ def test_a_drive_slower_than_stated_is_refused_before_training_and_one_as_fast_p
     assert list(slow.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monkeypatch):
     """``--offload-dir`` without the drive's rates (no --drive-gbps, none in the topology): before
     training the drive is timed, and the plan takes it at those rates, by the name sysfs gives it
@@ -475,6 +481,7 @@ def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monke
     assert plan.disk_gbps == (drive.read_gbps, drive.write_gbps)
 
 
+@pytest.mark.slow
 def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
     """Several directories stripe the moments over several drives: two on one file system are
     refused before training (one line, nothing left); each is timed against its own drive's stated
@@ -596,6 +603,7 @@ def test_worker_processes_with_stage_weights_on_disk_resume_with_the_bits_of_a_s
     assert not (tmp_path / "nvme").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_stage_weights_on_disk_give_the_bits_they_give_in_memory(tmp_path, precision, monkeypatch):
     """Three of four stages with every state on disk and two of them with their compute weights

@@ -66,6 +66,7 @@ def assert_same(got, want, holding: set[int] = frozenset()) -> None:
     assert [g for g, used in enumerate(left) if used] == sorted(holding)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,lag", [(SYMMETRIC, 0), (SPLIT_HEAD, 1), (KEPT_TAIL, 0), (KEPT_TAIL, 1)],
                          ids=["2-symmetric-lag0", "2-split-head-lag1", "4-kept-tail-lag0", "4-kept-tail-lag1"])
 def test_dispatched_equals_the_reference(shape, lag):
@@ -76,6 +77,7 @@ def test_dispatched_equals_the_reference(shape, lag):
     assert_same(run(cfg, shape), reference(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [{}, {"lora_rank": 4, "lora_dropout": 0.3, "max_grad_norm": 0.05}],
                          ids=["plain", "lora-dropout-clipping"])
 def test_resident_stages_stay_on_their_devices_and_are_updated_there(changes):
@@ -91,6 +93,7 @@ def test_resident_stages_stay_on_their_devices_and_are_updated_there(changes):
     assert_same(run(cfg, shape), reference(cfg), holding={1, 3})
 
 
+@pytest.mark.slow
 def test_lora_with_dropout_and_clipping_equal_the_reference():
     """LoRA adapters on frozen pieces (the embedding and head train nothing), each micro-batch's
     dropout masks drawn alike in forward and in recomputations that start mid-stage, and the
@@ -101,6 +104,7 @@ def test_lora_with_dropout_and_clipping_equal_the_reference():
     assert_same(run(cfg, SPLIT_HEAD), want)
 
 
+@pytest.mark.slow
 def test_bf16_follows_the_bf16_reference():
     """16-bit compute copies and gradient staging (the GPUs' default), fp32 masters and AdamW: the
     reference's bf16 losses to bf16's precision."""
@@ -109,6 +113,7 @@ def test_bf16_follows_the_bf16_reference():
     assert losses == pytest.approx(reference(cfg, precision="bf16")[0], rel=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 1])
 def test_fp16_skips_the_step_that_overflows_as_the_reference_does(monkeypatch, lag):
     """fp16 loss scaling: every piece's update waits for the step's vote; where it finds a
@@ -187,6 +192,7 @@ def gpt2_dir(tmp_path_factory):
 TIED = DispatchedShape([(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [0, 1], head_gpus=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [{"optimizer_lag": 1, "max_grad_norm": 0.05}, {}], ids=["lag1-clipping", "plain"])
 def test_a_tied_token_table_is_updated_with_both_copies_gradients(gpt2_dir, changes):
     """The embedding's piece and the head's each hold a copy of the tied table: each update waits
@@ -201,6 +207,7 @@ def test_a_tied_token_table_is_updated_with_both_copies_gradients(gpt2_dir, chan
     assert torch.equal(weights[head], weights["layers.0.wte.weight"])
 
 
+@pytest.mark.slow
 def test_a_dispatched_run_stops_saves_and_resumes_as_one_straight_run(tmp_path):
     """Through ``mobius.train`` (one process driving both devices), with the lag: stopped after 2
     of 4 steps, saved piece by piece, resumed from there; the losses and the final weights and

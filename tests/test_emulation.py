@@ -273,6 +273,7 @@ def test_settled_contention_makes_sequential_mapping_slower_than_cross():
     assert min(seq_machine.upload) < min(cross_machine.upload) < 13.1e9
 
 
+@pytest.mark.slow
 def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     """The factor is the model's (its CPU time over its GPU time on this machine): cross and
     sequential mapping, with and without prefetching, emulate at one factor; --dilation fixes it,

@@ -38,6 +38,7 @@ def assert_same(got, want) -> None:
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,stages,recompute", [(2, 4, "on"), (2, 5, "off"), (4, 8, "on")])
 def test_workers_in_threads_equal_the_reference(workers, stages, recompute):
     """Two stages per worker (the Mobius swap), an odd split where one worker holds three, four
@@ -61,6 +62,7 @@ def test_tied_embedding_exchanged_between_workers(tied_gpt2, workers, stages):
     assert head and torch.equal(weights[head[0]], weights["layers.0.wte.weight"])
 
 
+@pytest.mark.slow
 def test_fp16_overflow_vote_in_threads():
     """fp16: every worker must skip the same steps (the vote goes through the transport)."""
     cfg = config(2, 4, steps=3, recompute="on", precision="fp16")
@@ -85,6 +87,7 @@ def test_optimizer_lag_equals_its_reference(tied_gpt2, model, workers, stages):
     assert want[0][0] == unlagged[0] and want[0][1] != pytest.approx(unlagged[1], rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["on", "off"])
 def test_lora_dropout_masks_are_the_references(recompute):
     """--lora-dropout: every micro-batch's masks are a function of (seed, step, micro-batch, layer,

@@ -73,6 +73,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
         json.loads(open(os.path.join(hf_dirs[arch], "config.json")).read())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer

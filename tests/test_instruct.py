@@ -123,6 +123,7 @@ def test_packed_rows_hold_several_examples_with_answers_only_trained(chat_setup)
     assert (tgt == 258).any() and not (tgt == 256).any()  # each turn's <|im_end|> is trained, no EOS after it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["chat", "alpaca"])
 def test_single_and_pipeline_threads_equal_transformers_on_each_example(chat_setup, data):
     """Packing on: single, the pipeline on 2 and 4 workers with recompute on and off, all equal

@@ -206,6 +206,7 @@ def test_a_dora_export_loads_in_peft_and_merges(hf_dirs, tmp_path):
         torch.testing.assert_close(with_adapter(tokens).logits, merged_model(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path):
     """A pipeline run (2 workers) exports the adapter and the merged model; PEFT's model with our
     adapter, the merged model and ours give the same logits; untouched tensors are the input's."""

@@ -34,6 +34,7 @@ def random_profile(rng: random.Random, n_layers: int) -> Profile:
     return Profile("random", 1, 1, "fp16", "synthetic", layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(20))
 def test_mip_equals_exhaustive_optimum(seed):
     rng = random.Random(seed)
@@ -87,6 +88,7 @@ def test_the_mip_needs_only_pulps_public_api(seed, public_pulp_only):
     test_mip_equals_exhaustive_optimum(seed)
 
 
+@pytest.mark.slow
 def test_the_warm_start_reaches_highs_and_bounds_the_answer(public_pulp_only, monkeypatch):
     """The partition given as the warm start is handed to HiGHS (its integer variables, through
     ``setSolution``) and the answer is never worse than it."""

@@ -12,6 +12,7 @@ from mobius.models.quant import BLOCK, NF4, dequantize, quantize
 from mobius.runtime.inputs import model_config_for
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(96, 64), (33, 50), (7, 3), (1, 1)])
 def test_codes_and_scales_are_bitsandbytes_own(shape):
     bf = pytest.importorskip("bitsandbytes.functional")

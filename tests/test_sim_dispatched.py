@@ -129,6 +129,7 @@ def test_partitions_must_cover_the_same_layers_and_keep_the_heads_backward_in_th
         simulate_dispatched(_profile(), [(0, 10), (10, 14)], [(0, 5), (5, 14)], load_topology("topo2+2"), [0, 1], M)
 
 
+@pytest.mark.slow
 def test_where_the_head_outweighs_the_other_stages_dispatch_is_faster_than_binding():
     """GPT-2's head (a 50k vocabulary) is 31% of its work: bound, the GPU that holds it sets the
     pace of every stage it holds; dispatched, the other GPUs take the stages it would have held.
@@ -334,6 +335,7 @@ def test_replicas_sum_and_broadcast_each_stage_in_one_order_over_the_network():
     assert one.step_s - adam_s[0] / 2 <= fast.step_s + 1e-9 and fast.step_s < one.step_s < slow.step_s
 
 
+@pytest.mark.slow
 def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp_path):
     """``mobius.plan --schedule auto``: the dispatched shape found and its step, from the profile the
     plan was made from, on the same GPUs in the same order, beside the plan, and which schedule a
