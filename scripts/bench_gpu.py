@@ -207,7 +207,8 @@ def single_rank_group():
 
 
 def _train_loop(model, optimizer, args, device, autocast_dtype) -> tuple[list[float], list[float]]:
-    """Seconds and mean micro-batch loss of each step."""
+    """Seconds and mean micro-batch loss of each step, at the learning rate a run's schedule gives."""
+    rule = UpdateRule(lr=args.lr, steps=args.steps)
     batches = BatchSource(load_corpus(None), args.seq_len, args.micro_batch_size, args.micro_batches, 0)
     times, losses = [], []
     for step in range(args.steps):
@@ -221,6 +222,8 @@ def _train_loop(model, optimizer, args, device, autocast_dtype) -> tuple[list[fl
                 loss = model(mb.tokens.to(device), mb.targets.to(device))
             (loss / args.micro_batches).backward()
             total += loss.item() / args.micro_batches
+        for group in optimizer.param_groups:
+            group["lr"] = rule.lr_at(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -281,7 +284,8 @@ def run_deepspeed(args, cuda: bool, out_dir: str) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": list(UpdateRule(lr=args.lr).betas),
+                                                  "weight_decay": UpdateRule(lr=args.lr).weight_decay}},
     }
     with single_rank_group():
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
