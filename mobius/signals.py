@@ -134,8 +134,11 @@ class LauncherSignals:
 
     def _on_signal(self, signum: int) -> None:
         if self.aborted or not self.started_file.exists():
-            # Nothing to save yet: end the workers; the launcher then exits with one line.
+            # Nothing to save yet: end the workers; the launcher then exits with one line.  Workers
+            # the agent has not spawned yet find the stop file and stop after their first step, as
+            # they would mid-training (else they would train every step of a stopped run).
             self.aborted = self.aborted or signum
+            self.stop.stop_file.touch()
             for child in multiprocessing.active_children():
                 child.kill()
             return

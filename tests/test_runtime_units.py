@@ -498,3 +498,16 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     with pytest.raises(RunError, match="after step 3 w holds values that are not finite .* nothing is saved"):
         ck.save(tmp_path / "ck", bad, {"step": 3})
     assert not (tmp_path / "ck").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_before_training_started_is_not_lost_on_workers_spawned_after_it(tmp_path):
+    """SIGTERM in the seconds before the agent has spawned the workers: none to kill yet, so the
+    stop file is there for them, and each stops after its first step as it would mid-training."""
+    import signal
+
+    from mobius.signals import LauncherSignals, StopRequest
+
+    launcher = LauncherSignals(tmp_path)
+    launcher._on_signal(signal.SIGTERM)
+    assert launcher.aborted == signal.SIGTERM
+    assert StopRequest(launcher.stop.stop_file, announce=False).check()  # what a worker reads after a step
