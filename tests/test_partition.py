@@ -432,3 +432,17 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
     assert {"min", "balanced", "uniform"} <= set(mip.baselines)
     assert mip.predicted_step_s <= min(mip.baselines.values()) * (1 + 1e-9), mip.baselines
     assert plan("balanced").predicted_step_s == pytest.approx(mip.baselines["balanced"], rel=1e-9)
+
+
+def test_the_host_update_is_charged_at_what_it_moves():
+    """In 16 bits the host update converts each gradient to fp32 and refreshes the 16-bit copy
+    beside AdamW's 28 bytes a parameter: 40 bytes, so 28/40 of AdamW's rate; fp32 converts nothing."""
+    from mobius.config import RunConfig
+    from mobius.partition.profile import host_update_rate
+    from mobius.planning.prepare import get_profile, resolve_topology
+
+    assert host_update_rate(1e9, "fp32") == 1e9 and host_update_rate(1e9, "bf16") == pytest.approx(0.7e9, rel=1e-12)
+    topo = resolve_topology(RunConfig.of(topology="4x4090"))
+    rates = {p: get_profile("small", get_config("small"), topo, 1, 128, p, "analytic").host.adam_params_per_s
+             for p in ("fp32", "bf16", "fp16")}
+    assert rates["bf16"] == rates["fp16"] == pytest.approx(rates["fp32"] * 28 / 40, rel=1e-12)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mobius.models import GPTConfig, build_layer, build_model, layer_count
-from mobius.models.precision import DTYPES
+from mobius.models.precision import DTYPES, element_bytes
 from mobius.runtime.device import (
     cpu_threads_per_worker,
     memory_allocated,
@@ -61,6 +61,18 @@ GPU_ADAM_PARAMS_PER_S = 936e9 / 28
 # the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
 # (scripts/bench_optimizer.py, docs/benchmarks.md).
 ADAM_BYTES_PER_PARAM = 28
+# Beside AdamW, a 16-bit run's host update converts the parameter's 16-bit gradient to fp32 (2 bytes
+# read, 4 written) and refreshes its 16-bit compute copy from the master (4 read, 2 written), on the
+# same thread, at the same memory bandwidth.
+CONVERSION_BYTES_PER_PARAM = 12
+
+
+def host_update_rate(adam_params_per_s: float, precision: str) -> float:
+    """The parameters per second a worker's host update covers: its AdamW at ``adam_params_per_s``
+    (timed on one fp32 tensor, or assumed from the host's memory bandwidth at
+    :data:`ADAM_BYTES_PER_PARAM`), and in 16 bits the conversions, charged at what they move."""
+    moved = ADAM_BYTES_PER_PARAM + (CONVERSION_BYTES_PER_PARAM if element_bytes(precision) == 2 else 0)
+    return adam_params_per_s * ADAM_BYTES_PER_PARAM / moved
 
 
 # Where a GPU's curve is not known: the H100's shape, anchored at what was measured.

@@ -41,6 +41,7 @@ from mobius.partition.profile import (
     analytic_efficiency,
     analytic_profile,
     host_adam_rate,
+    host_update_rate,
     measure_profile,
 )
 from mobius.planning.planner import available_host_memory
@@ -77,7 +78,7 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
                                    analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n), device_adam_rate(topo))
-        return with_measured_host_rate(profile, host_key(topo, measured=False))
+        return with_measured_host_rate(with_host_update(profile), host_key(topo, measured=False))
     device, workers = _measuring(topo)
     key = profile_key(config, topo, micro_batch, seq_len, precision)
     profile = None if fresh else PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
@@ -93,7 +94,15 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
               flush=True)
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
-    return with_measured_host_rate(profile, host_key(topo, measured=True))
+    return with_measured_host_rate(with_host_update(profile), host_key(topo, measured=True))
+
+
+def with_host_update(profile: Profile) -> Profile:
+    """``profile`` with its host rate the whole host update's, conversions included
+    (:func:`mobius.partition.profile.host_update_rate`), not AdamW's alone; a rate a run measured
+    (:func:`with_measured_host_rate`) is the whole update already."""
+    rate = host_update_rate(profile.host.adam_params_per_s, profile.dtype)
+    return replace(profile, host=replace(profile.host, adam_params_per_s=rate))
 
 
 def block_efficiency(topo: Topology, gpu) -> tuple[int, float] | None:
