@@ -11,7 +11,7 @@ measurement.
 
     python scripts/plan_disk.py [--micro-batches 32] [--seq-len 2048] [--json out.json] [--smoke]
 
-``--smoke``: the ``small`` preset on ``4x4090`` with 0.3 GB, 8 micro-batches of 1024, the MIP stopped at 1 s.
+``--smoke``: the ``mobius-3b`` preset on ``4x4090`` with 40 GB, 8 micro-batches of 1024, the MIP stopped at 1 s.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     boxes = BOXES
     if args.smoke:
-        boxes, args.micro_batches, args.seq_len, args.time_limit = [("small", "4x4090", 0.3, ("7",))], 8, 1024, 1.0
+        boxes, args.micro_batches, args.seq_len, args.time_limit = [("mobius-3b", "4x4090", 40.0, ("7",))], 8, 1024, 1.0
     rows = [row(*box, args) for box in boxes]
     print(f"full fine-tuning, bf16, {args.micro_batches} micro-batches of 1x{args.seq_len} (predictions, "
           "not measurements)")

@@ -368,12 +368,12 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
     assert schedule["runs"] == runs
     main(args)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith(f"dispatched schedule: simulated {found['step_s'] * 1e3:.1f} ms a step")
-    assert f"the bound plan's simulated {bound.step_s * 1e3:.1f} ms" in lines[-2]
-    assert lines[-1].startswith(f"schedule: {runs} (auto)")
+    assert lines[-3].startswith(f"dispatched schedule: simulated {found['step_s'] * 1e3:.1f} ms a step")
+    assert f"the bound plan's simulated {bound.step_s * 1e3:.1f} ms" in lines[-3]
+    assert lines[-2].startswith(f"schedule: {runs} (auto)") and lines[-1].startswith("planned in ")
     main([*args, "--offload-dir", str(tmp_path / "never-made")])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == "schedule: bound: dispatched does not run --offload-dir yet"
+    said = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert said[0] == "schedule: bound: dispatched does not run --offload-dir yet" and said[1].startswith("planned in ")
     assert not (tmp_path / "never-made").exists()
 
 
