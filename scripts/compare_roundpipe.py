@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, fp16 with fp16 accumulation, "
           f"GPUs of 8x4090-4+4 at block efficiency {fraction:.4f} ({'given' if args.fraction else 'calibrated'}); "
           "ours: predictions, not measurements")
-    print("| optimizer | GPUs | schedule | step s | tok/s | speed-up | bound plan's floor s | step/floor | RoundPipe tok/s "
-          "| ours/RoundPipe | planned in s |")
+    print("| optimizer | GPUs | schedule | step s | tok/s | speed-up | bound plan's floor s | step/floor "
+          "| RoundPipe tok/s | ours/RoundPipe | planned in s |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         theirs = (ROUNDPIPE if r["lag"] else ROUNDPIPE_SYNCHRONOUS).get(r["gpus"])

@@ -169,8 +169,9 @@ class OptimConfig:
                   "constant_with_warmup; constant (no warm-up)", choices=SCHEDULERS)
     warmup_ratio: float = setting(0.0, "linear warm-up from 0 over this fraction of --steps, rounded up")
     warmup_steps: int | None = setting(None, "linear warm-up from 0 over this many steps, instead")
-    min_lr_ratio: float = setting(DEFAULT_MIN_LR_RATIO, "--lr-scheduler cosine_with_min_lr: the learning rate the decay ends at, as "
-                                       "a fraction of --lr (transformers' min_lr_rate)")
+    min_lr_ratio: float = setting(
+        DEFAULT_MIN_LR_RATIO, "--lr-scheduler cosine_with_min_lr: the learning rate the decay ends at, as a fraction of "
+                              "--lr (transformers' min_lr_rate)")
     max_grad_norm: float | None = setting(
         None, "clip the global norm of each step's gradients (over every stage, worker and chunk) to this; 0: no "
               "clipping (default: 1.0 to fine-tune a Hugging Face model, as its peers do; off for a preset)",

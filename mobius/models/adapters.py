@@ -104,7 +104,8 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
                 if i in chosen:
                     w = w + state[f"{module}.lora_B.{i}"].float() @ state[f"{module}.lora_A.{i}"].float() * scaling
                     if config.lora_dora:  # each row rescaled to its trained magnitude, as PEFT merges DoRA
-                        w = (state[f"{module}.lora_magnitude.{i}"].float() / torch.linalg.norm(w, dim=1)).view(-1, 1) * w
+                        magnitude = state[f"{module}.lora_magnitude.{i}"].float()
+                        w = (magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1) * w
                 rows.append(w)
             merged[f"{module}.weight"] = torch.cat(rows, dim=0)
         out[index] = merged

@@ -14,9 +14,10 @@ Our blocks fuse projections that Hugging Face models keep apart (q|k|v in ``qkv`
 OPT and Gemma, gate|up in ``fc`` for SwiGLU and GeGLU): such a projection carries one adapter per
 Hugging Face module, each on its slice of the output, exactly as PEFT puts one on each module, so
 an exported adapter loads into PEFT unchanged.  A target names a projection (every part adapted) or
-one part of it, ``qkv.0`` (q_proj alone: PEFT's ``q_proj``); a part without an adapter adds nothing.  Where the checkpoint fuses them too (GPT-2's
-``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) there is one module and one adapter.
-Parameter names: ``<module>.lora_A.<part>``, ``<module>.lora_B.<part>``.
+one part of it, ``qkv.0`` (q_proj alone: PEFT's ``q_proj``); a part without an adapter adds nothing.
+Where the checkpoint fuses them too (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``)
+there is one module and one adapter.  Parameter names: ``<module>.lora_A.<part>``,
+``<module>.lora_B.<part>``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus one low-rank adapter per part of its output."""
 
     def add_adapters(self, sizes: list[int], rank: int, alpha: float, dropout: float = 0.0,
-                     where: tuple[int, int] = (0, 0), dora: bool = False, chosen: tuple[int, ...] | None = None) -> None:
+                     where: tuple[int, int] = (0, 0), dora: bool = False,
+                     chosen: tuple[int, ...] | None = None) -> None:
         """``where``: (layer index, module number), what a dropout mask is a function of.  ``dora``:
         each part also trains the magnitude of each of its output rows (DoRA, PEFT's ``use_dora``).
         ``chosen``: the parts that get adapters (default: all), named by their index."""
