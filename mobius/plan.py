@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         topo = resolve_topology(cfg)
         if cfg.optim.fp16_accumulation:  # a profile measured here is measured so
-            use_fp16_accumulation(not topo.virtual and cuda_available())
+            use_fp16_accumulation(cuda_available())  # (CPU workers were refused by resolve_topology)
         plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if dispatching:

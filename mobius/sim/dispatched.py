@@ -117,7 +117,8 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     bwd = stage_costs(profile, backward, recompute=True)
     no_recompute = stage_costs(profile, backward, recompute=False)
     mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
-    if not dispatched_fits(profile, forward, backward, mem, order, micro_batches, kept, head_gpus, resident):
+    if not _fits(tasks, fwd, no_recompute, mem, micro_batches, _held(fwd, resident, profile.dtype, len(mem)),
+                 {j for j, _ in resident}):
         return None
     step = _StepOnSimulator(profile, topo, tasks, fwd, bwd, no_recompute, mem, backward, kept, head_gpus,
                             adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag,
@@ -302,10 +303,16 @@ def dispatched_fits(profile: Profile, forward: list[tuple[int, int]], backward: 
     tasks = step_tasks(forward, backward, kept, head_gpus, order, micro_batches, resident=resident)
     fwd = stage_costs(profile, forward, recompute=False)
     no_recompute = stage_costs(profile, backward, recompute=False)
-    held = dict.fromkeys(range(len(mem)), 0)  # the resident stages' weights, gradients and AdamW state
+    return _fits(tasks, fwd, no_recompute, mem, micro_batches, _held(fwd, resident, profile.dtype, len(mem)),
+                 {j for j, _ in resident})
+
+
+def _held(fwd: list[StageCost], resident, dtype, gpus: int) -> dict[int, int]:
+    """What the resident stages keep on each GPU for good: their weights, gradients and AdamW state."""
+    held = dict.fromkeys(range(gpus), 0)
     for j, g in resident:
-        held[g] += resident_bytes(fwd[j], profile.dtype)
-    return _fits(tasks, fwd, no_recompute, mem, micro_batches, held, {j for j, _ in resident})
+        held[g] += resident_bytes(fwd[j], dtype)
+    return held
 
 
 def _fits(tasks: list[Task], fwd: list[StageCost], no_recompute: list[StageCost], mem: list[int],
