@@ -1,6 +1,6 @@
 """A stand-in for PuLP with only the public API the partition MIP may use: ``LpProblem(name,
 sense)``, ``add_variable``, ``+=`` of constraints and of the objective, ``toDict()`` (its documented
-export), ``lpSum`` and the sense constants.  Anything else the MIP reached for (a solver interface,
+export; no ``toDataclass()``, so the solver's dict path is the one these tests take), ``lpSum`` and the sense constants.  Anything else the MIP reached for (a solver interface,
 a variable's column index, the solver model) is missing here and fails the tests that plan with it.
 """
 
