@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     dispatching = cfg.pipeline.schedule != "bound"
     if cfg.pipeline.schedule == "dispatched":  # what it does not run, refused before anything is planned
-        check_dispatched(cfg, model_config_for(cfg), cfg.optim.precision or "")
+        check_dispatched(cfg)
     model_config = model_config_for(cfg)
     check_seq_len(cfg, model_config)
     # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.

@@ -174,11 +174,10 @@ def test_a_device_out_of_memory_fails_the_step_with_its_reason():
         run(config(2, steps=1), SYMMETRIC, budget=2**16)
 
 
-@pytest.mark.parametrize("changes,precision,refused", [({"replan": "auto"}, "fp32", "replan")])
-def test_what_it_does_not_run_is_refused_before_anything_is_built(changes, precision, refused):
-    cfg = config(2, **changes)
+@pytest.mark.parametrize("changes,refused", [({"replan": "auto"}, "replan"), ({"offload_dir": "x"}, "offload-dir")])
+def test_what_it_does_not_run_is_refused_before_anything_is_built(changes, refused):
     with pytest.raises(InputError, match=refused):
-        check_dispatched(cfg, model_config_for(cfg), precision)
+        check_dispatched(config(2, **changes))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The three backends, each in a module of its own behind one interface (:class:`Backend`), and
-the one place that knows them apart: which one a run uses (``--backend``, or the topology's choice),
-which options each takes, and what the rest of the run asks of it.
+the run's choice between them: which one a run uses (``--backend``, or the topology's choice), which
+options each takes, and what the rest of the run asks of it.
 
 * :mod:`~mobius.backends.pipeline`: Mobius's pipeline, one worker per device (PCIe boxes);
 * :mod:`~mobius.backends.chunked`: the chunk-based data-parallel engine (NVLink boxes);

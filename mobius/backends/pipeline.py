@@ -68,7 +68,7 @@ def check_pipeline_options(cfg: RunConfig, model_config: GPTConfig, topo: Topolo
         raise InputError("--load-in-4bit is built for --backend single: the pipeline's stage stores hold 16- and "
                          "32-bit weights")
     if cfg.pipeline.schedule == "dispatched":
-        check_dispatched(cfg, model_config, cfg.optim.precision or "")
+        check_dispatched(cfg)
     check_offload_dir(cfg, model_config, topo)
 
 

@@ -1,8 +1,9 @@
 """The cost model of one Mobius training step for a given partition (Mobius §3.2, Table 2).
 
-This module is the single definition of "how long does this partition take"; the MIP encodes the
-same equations as linear constraints, the baselines and the exhaustive checker call
-:func:`evaluate` directly.
+This module is the bound schedule's analytic answer to "how long does this partition take": the MIP
+encodes the same equations as linear constraints, the baselines and the exhaustive checker call
+:func:`evaluate` directly.  It is an approximation of the schedule's operations: the simulator
+(:mod:`mobius.sim`) times those, and is what ``--schedule auto`` compares.
 
 Stage ``j`` runs on pipeline slot ``j mod N`` with host<->device bandwidth ``B_j`` (GB/s, after the
 mapping's expected root-complex sharing) and memory ``G_j``.  With ``S_j`` its parameter bytes,

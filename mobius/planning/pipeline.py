@@ -165,8 +165,8 @@ def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, pla
     if cfg.pipeline.schedule == "bound":
         return ScheduleChoice(None, None, "bound (--schedule bound)")
     if cfg.pipeline.schedule == "dispatched":
-        check_dispatched(cfg, model_config, plan.precision)
-    elif (refusal := dispatched_refusal(cfg, model_config, plan.precision)) is not None:
+        check_dispatched(cfg)
+    elif (refusal := dispatched_refusal(cfg)) is not None:
         return ScheduleChoice(None, None, f"bound: dispatched does not run {refusal} yet")
     found, shape, bound, how = dispatched_beside(cfg, model_config, topo, plan, profile_how)
     if found is None:

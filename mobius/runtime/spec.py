@@ -1,5 +1,6 @@
 """What a run executes, as data: the :class:`Plan` of a pipeline run, the :class:`ChunkedSetup` of a
-chunked one, and the :class:`RunSpec` every worker receives, which holds one of them (and, under
+chunked one, and the :class:`RunSpec` every worker receives, which holds its backend's (the pipeline's plan with
+the dispatched shape where that schedule runs, or the chunked setup; and, under
 ``--emulate``, the :class:`~mobius.runtime.emulation.EmulationSpec`).  Decided by
 :mod:`mobius.planning.prepare` (and :mod:`mobius.planning.pipeline`, :mod:`mobius.planning.planner`)
 or :mod:`chunked_dp.prepare` before any worker starts; plain data here, so workers need neither the

@@ -607,16 +607,16 @@ class DispatchedRunner:
             raise errors[0]
 
 
-def dispatched_refusal(cfg: RunConfig, model_config: GPTConfig, precision: str) -> str | None:
+def dispatched_refusal(cfg: RunConfig) -> str | None:
     """What of the run the dispatched schedule does not run yet, in a few words (None: nothing)."""
     refused = [(bool(cfg.offload_dir), "--offload-dir"),
                (cfg.pipeline.replan == "auto", "--replan auto")]
     return next((what for refuse, what in refused if refuse), None)
 
 
-def check_dispatched(cfg: RunConfig, model_config: GPTConfig, precision: str) -> None:
+def check_dispatched(cfg: RunConfig) -> None:
     """What the dispatched schedule does not run, refused before anything is built."""
-    refusal = dispatched_refusal(cfg, model_config, precision)
+    refusal = dispatched_refusal(cfg)
     if refusal is not None:
         raise InputError(f"--schedule dispatched does not run {refusal} yet: use --schedule bound")
 
@@ -629,7 +629,7 @@ def build_dispatched(cfg: RunConfig, model_config: GPTConfig, shape: DispatchedS
     ``devices``, as one of ``replicas`` (each parameter's AdamW on its owner's host), with fp16's
     loss scaler where ``precision`` is fp16; ``wait_s``: how long a task waits for what it needs
     before the run fails."""
-    check_dispatched(cfg, model_config, precision)
+    check_dispatched(cfg)
     cuts = pieces(shape.forward, shape.backward)
     store = HostStageStore(model_config, cuts, list(range(len(cuts))), cfg.optim.seed, UpdateRule.of(cfg.optim),
                            DTYPES[precision], devices[0], cfg.optim.optimizer_lag)
