@@ -29,9 +29,11 @@ import torch
 
 from mobius.config import RunConfig
 from mobius.data import BatchSource
+from mobius.data.preference import PreferenceBatches
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
+from mobius.models.preference import step_metrics
 from mobius.models.precision import DTYPES, default_precision
 from mobius.runtime.device import peak_memory, reset_peak_memory
 from mobius.runtime.optim import (
@@ -76,7 +78,23 @@ class ReferenceTrainer:
                 self.stage.master_on_disk = True
                 self.disk.park(self.stage)
             self.disk.attach({0: self.stage})
+        if isinstance(batches, PreferenceBatches):  # before any checkpoint is loaded: the initial weights
+            self.compute_reference()
         reset_peak_memory(device)
+
+    def compute_reference(self) -> None:
+        """The reference model's log-probabilities of every pair (a preference run's): one forward-only
+        pass with the weights as they are, no dropout (:mod:`mobius.models.preference`)."""
+        logps = {}
+        with torch.no_grad(), self._autocast():
+            for rows, micro in self.batches.reference_passes():
+                values = []
+                for mb in micro:
+                    layout = mb.layout.to(self.device)
+                    self.model(mb.tokens.to(self.device), layout)
+                    values.append(layout.pairs.logps.cpu().numpy())
+                logps.update(self.batches.rows_of(rows, values))
+        self.batches.set_reference(logps)
 
     def close(self) -> None:
         """The disk tier's files removed (they are the run's)."""
@@ -126,7 +144,7 @@ class ReferenceTrainer:
             self.stage.master_grad.zero_()
             for p, slot in zip(self.computed, self.stage.slots):
                 p.grad = view(self.stage.master_grad, slot)
-        total = 0.0
+        total, pair_sums = 0.0, 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
             tokens, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
@@ -135,6 +153,8 @@ class ReferenceTrainer:
             t_bwd = time.perf_counter()
             (loss * self.scaler.scale).backward()
             total += loss.item()
+            if layout.pairs is not None:
+                pair_sums = pair_sums + layout.pairs.sums.cpu()
             self.trace.span(f"fwd mb{m}", "compute", t_fwd, t_bwd, step=step)
             self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
         params = list(self.model.parameters())
@@ -175,4 +195,6 @@ class ReferenceTrainer:
         peak = peak_memory(self.device)
         return StepMetrics(step=step, loss=total, lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
-                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps, grad_norm=grad_norm)
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps, grad_norm=grad_norm,
+                           preference=None if micro[0].layout.pairs is None else
+                           step_metrics(pair_sums, micro[0].layout.pairs.step_pairs))

@@ -16,6 +16,7 @@ from mobius.config.sources import comma_names, layered_argv
 from mobius.data.records import FORMATS
 from mobius.models.lora import LORA_MODULES
 from mobius.models.precision import PRECISIONS
+from mobius.models.preference import LOSS_TYPES, PreferenceObjective
 
 BACKENDS = ("auto", "pipeline", "chunked", "single")
 # Peak learning rates: our presets train from scratch; a pretrained Hugging Face model is fine-tuned
@@ -102,6 +103,36 @@ class DataConfig:
             raise InputError(f"--eval-every must be zero or positive, got {self.eval_every}")
         if self.eval_every and not (self.eval_path or self.eval_split):
             raise InputError("--eval-every needs --eval-data PATH or --eval-split FRACTION")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the run minimises: next-token cross-entropy on the answers (SFT), or a preference loss
+    on pairs of answers (DPO, :mod:`mobius.models.preference`)."""
+    name: str = setting(
+        "sft", "sft: cross-entropy of the answers' tokens; dpo: prefer each pair's chosen answer over its rejected "
+               "one against the initial model (TRL's DPOTrainer; --data of chosen/rejected records)",
+        choices=("sft", "dpo"))
+    beta: float = setting(0.1, "dpo: how far the model may move from the reference (TRL's beta)")
+    label_smoothing: float = setting(
+        0.0, "dpo, --loss-type sigmoid: the chance a pair's preference is wrong (conservative DPO)")
+    loss_type: str = setting("sigmoid", "dpo: sigmoid (DPO) or ipo (IPO, log-ratios averaged over the answer's "
+                                        "tokens)", choices=LOSS_TYPES)
+
+    def __post_init__(self):
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise InputError(f"--beta must be a positive finite number, got {self.beta}")
+        if not (math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 0.5):
+            raise InputError(f"--label-smoothing must be at least 0 and below 0.5, got {self.label_smoothing}")
+        if self.name == "sft" and (self.beta, self.label_smoothing, self.loss_type) != (0.1, 0.0, "sigmoid"):
+            raise InputError("--beta, --label-smoothing and --loss-type set the preference loss: they need "
+                             "--objective dpo")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise InputError(f"--label-smoothing smooths the sigmoid loss; --loss-type {self.loss_type} has none")
+
+    @property
+    def preference(self) -> PreferenceObjective | None:
+        return PreferenceObjective(self.beta, self.label_smoothing, self.loss_type) if self.name == "dpo" else None
 
 
 # Sizes past which a batch is refused at once: 2**24 tokens in one micro-batch are over 100 GB of
@@ -380,10 +411,10 @@ class EmulationConfig:
 # Where each command-line option lives: option -> (section, attribute).  The command line, a
 # --config file, --print-config and a checkpoint's stored configuration all speak options; the
 # code reads sections.
-SECTIONS = {"data": DataConfig, "batch": BatchConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+SECTIONS = {"data": DataConfig, "objective": ObjectiveConfig, "batch": BatchConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
             "outputs": OutputConfig, "pipeline": PipelineConfig, "chunked": ChunkedConfig, "lora": LoraConfig,
             "emulation": EmulationConfig}
-_RENAMED = {"data": ("data", "path"), "data_format": ("data", "format"), "eval_data": ("data", "eval_path"),
+_RENAMED = {"objective": ("objective", "name"), "data": ("data", "path"), "data_format": ("data", "format"), "eval_data": ("data", "eval_path"),
             "chunk_prefetch": ("chunked", "prefetch"), "emulate": ("emulation", "enabled"),
             "lora_rank": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
             "lora_targets": ("lora", "targets")}
@@ -430,6 +461,7 @@ class RunConfig:
             "assumes 3.5 GB/s)",
         metavar="GBPS[,GBPS...]", plans=True)
     data: DataConfig = DataConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
     batch: BatchConfig = BatchConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -471,6 +503,16 @@ class RunConfig:
         if self.emulation.enabled and self.topology == "cpu":
             raise InputError("--emulate rehearses a GPU topology (a preset or file); --topology cpu has no GPUs "
                              "to emulate")
+        if self.objective.name == "dpo":
+            if not self.data.path:
+                raise InputError("--objective dpo trains on preference pairs: give --data PATH of chosen/rejected "
+                                 "records")
+            if self.data.train_on_prompt:
+                raise InputError("--train-on-prompt with --objective dpo: a preference is between answers; the "
+                                 "prompt carries no loss")
+            if self.data.eval_path or self.data.eval_split:
+                raise InputError("--objective dpo does not evaluate held-out pairs yet: drop --eval-data and "
+                                 "--eval-split")
         replicas = self.pipeline.data_parallel or 1
         if self.batch.micro_batches % replicas:
             raise InputError(f"--micro-batches {self.batch.micro_batches} is not divisible by --data-parallel "

@@ -17,14 +17,17 @@ from mobius.boundary.errors import InputError
 from mobius.data.corpus import BatchSource, corpus_of, load_corpus
 from mobius.data.examples import renderer_for
 from mobius.data.packing import EvalBatches, ExampleBatches, pack
-from mobius.data.records import Record, read_examples
+from mobius.data.preference import PairRenderer, PreferenceBatches, pack_pairs
+from mobius.data.records import Pair, Record, read_examples
 from mobius.data.tokenizers import tokenizer_for
+from mobius.models.preference import PreferenceObjective
 
 
-def build_batches(data, batch, seed: int, model: str, vocab_size: int
+def build_batches(data, batch, seed: int, model: str, vocab_size: int, objective: PreferenceObjective | None = None
                   ) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
-    """The run's training batches (random windows of a text corpus, or packed or padded examples)
-    and its held-out examples (``--eval-data`` or ``--eval-split``, else None)."""
+    """The run's training batches (random windows of a text corpus, packed or padded examples, or
+    preference pairs where ``objective`` is one) and its held-out examples (``--eval-data`` or
+    ``--eval-split``, else None)."""
     tokenizer = tokenizer_for(model)
 
     def checked(largest: int) -> None:
@@ -69,6 +72,14 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
         return windows(load_corpus(None, tokenizer=tokenizer)), None
     skipped: list[str] = []
     records, held_out, fmt = _records(data, seed, skipped if data.skip_bad_records else None)
+    if (fmt == "preference") != (objective is not None):
+        raise InputError(f"--data {data.path} holds preference pairs (chosen/rejected): train them with --objective "
+                         "dpo" if objective is None else
+                         f"--objective dpo trains on preference pairs ([prompt/]chosen/rejected); --data {data.path} "
+                         f"holds {fmt} records")
+    if objective is not None:
+        return preference_batches(records, data, batch, seed, objective, renderer_for(model, data.chat_template, False),
+                                  skipped, checked), None
     renderer = None
     if fmt == "text" and data.packing == "auto":  # a corpus: random windows, as in pre-training
         train = windows(corpus_of([r.prompt for r in records], tokenizer, data.path))
@@ -83,6 +94,32 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int
     sequences, describe = packed(held_out, fmt, renderer, [], f"--eval-data {data.eval_path}" if data.eval_path
                                  else f"--eval-split {data.eval_split} of --data {data.path}")
     return train, EvalBatches(sequences, batch.micro_batch_size, batch.micro_batches, data.packing != "off", describe)
+
+
+def preference_batches(records: list[Pair], data, batch, seed: int, objective: PreferenceObjective, renderer,
+                       skipped: list[str], checked) -> PreferenceBatches:
+    """Preference pairs rendered as TRL renders them and packed (or padded) two sides to a row
+    (:mod:`mobius.data.preference`); a bad pair refused, or with ``--skip-bad-records`` left out."""
+    pairs_renderer, pairs = PairRenderer(renderer), []
+    for r in records:
+        try:
+            pairs.append(pairs_renderer.render(r))
+        except InputError as err:
+            if not data.skip_bad_records:
+                raise
+            skipped.append(str(err))
+    if not pairs:
+        raise InputError(f"every one of the {len(skipped)} pairs is bad (the first: {skipped[0]})")
+    packing = data.packing == "on"
+    out, lost = pack_pairs(pairs, batch.seq_len, packing, seed, data.truncate)
+    checked(max(int(out.tokens.max()), int(out.targets.max())))
+    describe = (f"{out.examples:,} preference pairs ({int((out.targets >= 0).sum()):,} trained tokens) "
+                f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
+                + (f", {out.truncated} cut to --seq-len / 2 a side" if out.truncated else "")
+                + (f", {lost} left out (truncation cut an answer away)" if lost else "")
+                + f"; chat template {pairs_renderer.template_source}"
+                + (f"; {len(skipped)} bad records skipped (the first: {skipped[0]})" if skipped else ""))
+    return PreferenceBatches(out, batch.micro_batch_size, batch.micro_batches, seed, objective, describe)
 
 
 def rendered(renderer, record: Record):

@@ -13,10 +13,12 @@ chat       ``messages``: [{role, content}] (OpenAI)     assistant turns
 sharegpt   ``conversations``: [{from, value}]            ``gpt`` turns
 completion ``prompt``, ``completion`` (TRL; strings or  ``completion``
            lists of messages)
+preference ``chosen``, ``rejected``, optional ``prompt``   ``chosen`` over
+           (TRL; strings or lists of messages)          ``rejected`` (DPO)
 ========== ============================================ ==========================
 
 Every record becomes a :class:`Record`: a list of chat messages, or a prompt and an answer of
-plain text.  Plain text files are documents (format ``text``).
+plain text; a preference record a :class:`Pair`.  Plain text files are documents (format ``text``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from pathlib import Path
 from mobius.boundary.checks import parse_json
 from mobius.boundary.errors import InputError, first_line
 
-FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion")
+FORMATS = ("text", "alpaca", "chat", "sharegpt", "completion", "preference")
 SHAPES = ("text; instruction[/input]/output (alpaca); messages (chat); conversations (ShareGPT); "
-          "prompt/completion")
+          "prompt/completion; [prompt/]chosen/rejected (preference)")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -48,7 +50,21 @@ class Record:
     where: str = ""  # the file and line (or record, or row) it came from, for what is said of it
 
 
+@dataclass
+class Pair:
+    """One preference: an answer ``chosen`` over ``rejected`` after ``prompt``; all three text, or
+    all lists of chat messages (``conversational``: the prompt's turns, then each answer's)."""
+
+    prompt: str | list[dict]
+    chosen: str | list[dict]
+    rejected: str | list[dict]
+    conversational: bool
+    where: str = ""
+
+
 def detect_format(fields: dict) -> str | None:
+    if "chosen" in fields and "rejected" in fields:
+        return "preference"
     if "messages" in fields:
         return "chat"
     if "conversations" in fields:
@@ -109,8 +125,8 @@ def _conversation(messages: list[dict], where: str, key: str) -> list[dict]:
     return messages
 
 
-def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
-    """The :class:`Record` of one raw record and its format (``fmt`` forces one)."""
+def to_record(fields, fmt: str | None, where: str) -> tuple[Record | Pair, str]:
+    """The :class:`Record` (or :class:`Pair`) of one raw record and its format (``fmt`` forces one)."""
     if not isinstance(fields, dict):
         raise InputError(f"{where}: a record must be a JSON object, got {type(fields).__name__}")
     found = fmt or detect_format(fields)
@@ -118,12 +134,15 @@ def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
         raise InputError(f"{where}: a record with fields {sorted(fields)[:8]} is of no known shape; "
                          f"accepted: {SHAPES}")
     need = {"text": ("text",), "alpaca": ("instruction", "output"), "chat": ("messages",),
-            "sharegpt": ("conversations",), "completion": ("prompt", "completion")}[found]
+            "sharegpt": ("conversations",), "completion": ("prompt", "completion"),
+            "preference": ("chosen", "rejected")}[found]
     missing = [k for k in need if k not in fields]
     if missing:
         raise InputError(f"{where}: --data-format {found} needs {', '.join(need)}; the record has {sorted(fields)[:8]}")
     if found == "text":
         return Record(answer=None, prompt=_str(fields["text"], where, "text")), found
+    if found == "preference":
+        return _pair(fields, where), found
     if found == "alpaca":
         user = _str(fields["instruction"], where, "instruction")
         if fields.get("input"):
@@ -145,6 +164,46 @@ def to_record(fields, fmt: str | None, where: str) -> tuple[Record, str]:
                                              + _messages(completion, where, "completion", "role", "content", None),
                                              where, "prompt + completion")), found
     return Record(prompt=_str(prompt, where, "prompt"), answer=_str(completion, where, "completion")), found
+
+
+def _pair(fields: dict, where: str) -> Pair:
+    """A preference record as TRL reads one: with no ``prompt``, the turns (or the text) the two
+    answers share are the prompt (TRL's ``extract_prompt``).  Refused: answers of two kinds, an
+    empty answer, the same answer twice."""
+    chosen, rejected, prompt = fields["chosen"], fields["rejected"], fields.get("prompt")
+    conversational = isinstance(chosen, list)
+    if isinstance(rejected, list) != conversational or (prompt is not None and isinstance(prompt, list)
+                                                         != conversational):
+        raise InputError(f"{where}: 'chosen', 'rejected' (and 'prompt') must all be text or all lists of messages")
+    if conversational:
+        chosen = _messages(chosen, where, "chosen", "role", "content", None)
+        rejected = _messages(rejected, where, "rejected", "role", "content", None)
+        if prompt is None:
+            shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen),
+                                                                                               len(rejected)))
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        else:
+            prompt = _messages(prompt, where, "prompt", "role", "content", None)
+        for key, answer in (("chosen", chosen), ("rejected", rejected)):
+            if not answer or any(m["role"] != "assistant" for m in answer):
+                raise InputError(f"{where}: {key!r} must end the conversation with the assistant's answer")
+            _conversation(prompt + answer, where, f"prompt + {key}")
+    else:
+        chosen, rejected = _str(chosen, where, "chosen"), _str(rejected, where, "rejected")
+        if prompt is None:  # the shared start, short of a space before where they part (TRL's rule)
+            shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen),
+                                                                                               len(rejected)))
+            if 0 < shared < len(chosen) and chosen[shared - 1] == " ":
+                shared -= 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        else:
+            prompt = _str(prompt, where, "prompt")
+        for key, answer in (("chosen", chosen), ("rejected", rejected)):
+            if not answer.strip():
+                raise InputError(f"{where}: {key!r} is an empty answer")
+    if chosen == rejected:
+        raise InputError(f"{where}: 'chosen' and 'rejected' are the same answer: nothing to prefer")
+    return Pair(prompt, chosen, rejected, conversational)
 
 
 def _is_binary(raw: bytes) -> bool:
@@ -243,7 +302,7 @@ def _files(path: Path, option: str) -> list[Path]:
 
 
 def read_examples(path: str | Path, fmt: str | None = None, option: str = "--data",
-                  skipped: list[str] | None = None) -> tuple[list[Record], str]:
+                  skipped: list[str] | None = None) -> tuple[list[Record | Pair], str]:
     """Every record under ``path`` and their one format; plain text files are ``text`` documents.
     A bad record is refused naming its file, line (record, row) and what is wrong with it; with
     ``skipped`` (``--skip-bad-records``) it is left out and said there instead."""

@@ -38,6 +38,8 @@ class StepMetrics:
     grad_norm: float | None = None  # the step's global gradient norm before clipping (where --max-grad-norm clips)
     eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
     eval_perplexity: float | None = None
+    # A preference run's metrics (mobius.models.preference.METRICS: TRL's names), over the step's pairs.
+    preference: dict[str, float] | None = None
 
 
 class MetricsWriter:

@@ -32,6 +32,7 @@ def scalars_of(m: StepMetrics) -> dict[str, float]:
         scalars.update({"eval/loss": m.eval_loss, "eval/perplexity": m.eval_perplexity})
     if m.grad_norm is not None:
         scalars["train/grad_norm"] = m.grad_norm
+    scalars.update({f"train/{name}": value for name, value in (m.preference or {}).items()})
     return scalars
 
 

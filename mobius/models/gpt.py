@@ -33,6 +33,7 @@ from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 from mobius.models.hf import load_layer_weights
 from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
+from mobius.models.preference import pair_loss
 from mobius.models.lora import LORA_MODULES, add_lora, freeze, parts
 from mobius.models.quant import quantize_projections
 
@@ -401,22 +402,26 @@ class Head(GPTLayer):
         layout = as_layout(layout)
         h = self.ln_f(x).reshape(-1, x.shape[-1])
         targets = layout.targets.reshape(-1)
+        sides = None if layout.pairs is None else layout.pairs.sides.reshape(-1)
         if not layout.every_target_trained:  # prompts and padding: only the trained rows reach the head
             trained = targets != IGNORE
             h, targets = h[trained], targets[trained]
-        divisor = layout.loss_tokens or max(1, targets.numel())
+            sides = None if sides is None else sides[trained]
         weight = self.lm_head.weight
         chunk = ce_chunk_tokens(self.config.vocab_size)
-        grads = torch.is_grad_enabled()
-        need_h, sums = grads and h.requires_grad, self.weight_grads if grads and weight.requires_grad else None
         kind, cap = h.device.type, self.config.logit_softcap
-        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
-            # The loss runs its matmuls itself: hand it the autocast dtype.
-            dtype = torch.get_autocast_dtype(kind)
-            with torch.autocast(kind, enabled=False):
-                return ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets, chunk, need_h, sums, divisor,
-                                                 cap)
-        return ChunkedCrossEntropy.apply(h, weight, targets, chunk, need_h, sums, divisor, cap)
+        autocast = kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
+        # The loss runs its matmuls itself: under autocast, it is handed the autocast dtype.
+        dtype = torch.get_autocast_dtype(kind) if autocast else h.dtype
+        with torch.autocast(kind, enabled=False) if autocast else contextlib.nullcontext():
+            h, weight = h.to(dtype), weight.to(dtype)
+            if layout.pairs is not None:
+                return pair_loss(h, weight, targets, sides, layout.pairs, chunk, cap)
+            grads = torch.is_grad_enabled()
+            need_h = grads and h.requires_grad
+            sums = self.weight_grads if grads and self.lm_head.weight.requires_grad else None
+            divisor = layout.loss_tokens or max(1, targets.numel())
+            return ChunkedCrossEntropy.apply(h, weight, targets, chunk, need_h, sums, divisor, cap)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         z = self.lm_head(self.ln_f(x))

@@ -10,6 +10,9 @@ The loss of a micro-batch is the *sum* of its trained tokens' cross-entropies di
 losses then add up to the step's token mean, whatever the split into micro-batches, and their
 gradients to the gradient of that mean.
 
+A micro-batch of preference pairs (DPO) carries :class:`~mobius.models.preference.PairLayout`
+instead: its loss is over pairs of examples, not tokens.
+
 Workers derive the layout of micro-batch ``m`` of step ``k`` from the data themselves (batches are
 a pure function of ``(seed, step)``), so it never travels between pipeline stages.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from mobius.models.preference import PairLayout
 
 IGNORE = -100  # a target that carries no loss (the value PyTorch and Hugging Face use)
 
@@ -30,6 +35,7 @@ class TokenLayout:
     segments: torch.Tensor | None = None  # (B, T) example ids; None: one example per row
     loss_tokens: int | None = None  # the step's trained tokens; None: this micro-batch's own
     every_target_trained: bool = False  # known to hold no IGNORE (text windows): no selection needed
+    pairs: PairLayout | None = None  # preference pairs: the loss is theirs (mobius.models.preference)
     _masks: dict = field(default_factory=dict, repr=False)  # attention masks by sliding window
 
     @property
@@ -39,7 +45,7 @@ class TokenLayout:
     def to(self, device: torch.device) -> "TokenLayout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TokenLayout(move(self.targets), move(self.positions), move(self.segments), self.loss_tokens,
-                           self.every_target_trained)
+                           self.every_target_trained, None if self.pairs is None else self.pairs.to(device))
 
     def attention_mask(self, window: int | None = None) -> torch.Tensor:
         """(B, 1, T, T) booleans: query i may attend key j when both belong to one example and

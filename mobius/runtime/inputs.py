@@ -55,7 +55,8 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
 
 def make_data(cfg: RunConfig, model_config: GPTConfig) -> tuple[BatchSource | ExampleBatches, EvalBatches | None]:
     """The run's training batches and held-out examples (:func:`mobius.data.build.build_batches`)."""
-    return build_batches(cfg.data, cfg.batch, cfg.optim.seed, cfg.model, model_config.vocab_size)
+    return build_batches(cfg.data, cfg.batch, cfg.optim.seed, cfg.model, model_config.vocab_size,
+                         cfg.objective.preference)
 
 
 def worker_data(cfg: RunConfig, model_config: GPTConfig, shared: dict | None

@@ -106,6 +106,8 @@ def postfix(history: list[StepMetrics]) -> dict[str, str]:
     evaluated = [h.eval_loss for h in history if h.eval_loss is not None]
     shown = {"loss": f"{m.loss:.4f}", **({"eval": f"{evaluated[-1]:.4f}"} if evaluated else {}),
              "tok_s": f"{m.tokens / max(m.step_time_s, 1e-9):.0f}"}
+    if m.preference is not None:  # a preference run: how often, and by how much, the chosen answer wins
+        shown.update(acc=f"{m.preference['rewards/accuracies']:.2f}", margin=f"{m.preference['rewards/margins']:.3f}")
     if m.emulated_step_s is not None:
         shown.update(emulated_step=seconds_text(m.emulated_step_s),
                      emulated_tok_s=f"{m.tokens / m.emulated_step_s:.0f}")

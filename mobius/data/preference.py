@@ -1,0 +1,190 @@
+"""Preference pairs into packed rows, and the batches of a DPO run.
+
+A pair is tokenized as TRL's ``DPOTrainer`` tokenizes it: the prompt alone (with the generation
+prompt, for a conversation), the prompt followed by each answer (plain text gets the tokenizer's
+EOS after the answer, as TRL adds it), and each answer is what follows the longest start the
+prompt shares with both (TRL's ``common_prefix_length``).  The answer's tokens are trained; the
+prompt's are not.
+
+Both sides of a pair go into one row, as two examples (segments ``2k`` and ``2k + 1`` of the
+row's ``k``-th pair), each attending only to itself: a micro-batch always holds whole pairs, and
+the head that computes the loss has both sides (:mod:`mobius.models.preference`).  With packing
+on, pairs fill ``--seq-len`` rows end to end; off, a row holds one pair.  Each side keeps its
+first ``--seq-len / 2`` positions (TRL's ``max_length`` of ``--seq-len / 2 + 1`` tokens, its
+``keep_start``); a pair whose answer that cuts away entirely is left out and counted (TRL drops
+it), and with ``--no-truncate`` any cut is refused.
+
+The reference model's log-probabilities of each row's pairs are a table beside the rows
+(:meth:`PreferenceBatches.set_reference`), computed once, before training, in passes over every
+row (:meth:`PreferenceBatches.reference_passes`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mobius.boundary.errors import InputError
+from mobius.data.corpus import Batch, smallest_ids
+from mobius.data.examples import ByteRenderer, ChatRenderer, Example, _common_prefix
+from mobius.data.packing import ExampleBatches, Packed
+from mobius.data.records import Pair
+from mobius.models.layout import IGNORE, TokenLayout
+from mobius.models.preference import PairLayout, PreferenceObjective
+
+
+class PairRenderer:
+    """Renders :class:`Pair` s as TRL does, with a model directory's tokenizer and chat template
+    (or bytes, for our presets: plain text only, no EOS)."""
+
+    def __init__(self, renderer: ChatRenderer | ByteRenderer):
+        self.renderer = renderer
+        self.template_source = renderer.template_source
+
+    def _ids(self, text: str) -> list[int]:
+        r = self.renderer
+        if isinstance(r, ByteRenderer):
+            return r.tok.encode(text).astype(np.int64).tolist()
+        return list(r.tokenizer(text)["input_ids"])  # with the tokenizer's own special tokens, as TRL
+
+    def _chat_ids(self, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+        r = self.renderer
+        if isinstance(r, ByteRenderer) or not r.has_template:
+            raise InputError("conversational preference data needs a Hugging Face model with a chat template "
+                             "(--model DIR, or --chat-template FILE)")
+        return r._encode(r._render(messages, generation_prompt))[0]
+
+    def render(self, pair: Pair) -> tuple[Example, Example]:
+        if pair.conversational:
+            prompt = self._chat_ids(pair.prompt, generation_prompt=True) if pair.prompt else []
+            sides = [self._chat_ids(pair.prompt + answer) for answer in (pair.chosen, pair.rejected)]
+        else:
+            eos = getattr(getattr(self.renderer, "tokenizer", None), "eos_token", None) or ""
+            prompt = self._ids(pair.prompt) if pair.prompt else []
+            sides = [self._ids(pair.prompt + answer + ("" if answer.endswith(eos) else eos))
+                     for answer in (pair.chosen, pair.rejected)]
+        start = min(_common_prefix(prompt, s) for s in sides)
+        out = []
+        for ids in sides:
+            if len(ids) <= start:
+                raise InputError(f"{pair.where}: an answer adds no token to the prompt")
+            trained = np.arange(len(ids)) >= start
+            out.append(Example(np.asarray(ids, dtype=np.int64), trained))
+        return out[0], out[1]
+
+
+def pack_pairs(pairs: list[tuple[Example, Example]], seq_len: int, packing: bool, seed: int,
+               truncate: bool = True, pad_id: int = 0) -> tuple[Packed, int]:
+    """Rows of whole pairs (see the module's docstring) and how many pairs were left out because
+    truncation cut an answer away."""
+    side_len = seq_len // 2
+    order = np.random.default_rng([seed, 0x9a1]).permutation(len(pairs)) if packing else range(len(pairs))
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = seq_len
+    truncated = lost = 0
+    for i in order:
+        sides = []
+        for ex in pairs[i]:
+            inputs, targets = ex.ids[:-1], np.where(ex.trained[1:], ex.ids[1:], IGNORE)
+            if inputs.size > side_len:
+                if not truncate:
+                    raise InputError(f"pair {i} has an answer of {ex.ids.size} tokens with its prompt, more than "
+                                     f"--seq-len {seq_len} / 2 + 1 (--no-truncate); raise --seq-len or drop "
+                                     "--no-truncate to cut it")
+                inputs, targets = inputs[:side_len], targets[:side_len]
+            sides.append((inputs, targets))
+        if any(not (t >= 0).any() for _, t in sides):
+            lost += 1
+            continue
+        truncated += any(a.size < ex.ids.size - 1 for (a, _), ex in zip(sides, pairs[i]))
+        size = sum(a.size for a, _ in sides)
+        if not packing or used + size > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].extend(sides)
+        used += size
+    if not rows:
+        raise InputError(f"every one of the {len(pairs)} pairs lost its answers to truncation at --seq-len "
+                         f"{seq_len} (half of it a side); raise --seq-len")
+    n = len(rows)
+    out = Packed(np.full((n, seq_len), pad_id, dtype=np.int64), np.full((n, seq_len), IGNORE, dtype=np.int64),
+                 np.zeros((n, seq_len), dtype=np.int64), np.full((n, seq_len), -1, dtype=np.int64),
+                 sum(len(r) // 2 for r in rows), truncated, lost)
+    for r, row in enumerate(rows):
+        at = 0
+        for e, (inputs, targets) in enumerate(row):
+            span = slice(at, at + inputs.size)
+            out.tokens[r, span], out.targets[r, span] = inputs, targets
+            out.positions[r, span], out.segments[r, span] = np.arange(inputs.size), e
+            at += inputs.size
+    for a in Packed.ARRAYS:
+        setattr(out, a, smallest_ids(getattr(out, a)))
+    return out, lost
+
+
+class PreferenceBatches(ExampleBatches):
+    """The batches of a run on preference pairs: rows of whole pairs (see the module's docstring),
+    each micro-batch's layout carrying its pairs (:class:`~mobius.models.preference.PairLayout`)
+    and, once they are known, the reference's log-probabilities of them."""
+
+    def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, seed: int,
+                 objective: PreferenceObjective, describe: str):
+        super().__init__(packed, micro_batch_size, micro_batches, seed, True, describe)
+        self.objective = objective
+        segments = np.asarray(packed.segments, dtype=np.int64)
+        self.row_pairs = (segments.max(axis=1) + 1) // 2  # pairs in each row
+        self.pairs = int(self.row_pairs.sum())
+        self.reference: np.ndarray | None = None  # (rows, most pairs in a row, 2) once computed
+
+    def step(self, step: int) -> list[Batch]:
+        idx = self.step_sequences(step)
+        return self._micro_batches(idx, int(self.row_pairs[idx].sum()))
+
+    def _micro_batches(self, idx: np.ndarray, step_pairs: int, reference: bool = True) -> list[Batch]:
+        out, b = super()._micro_batches(idx, 1), self.micro_batch_size
+        for k, mb in enumerate(out):
+            rows = idx[k * b:(k + 1) * b]
+            counts = [int(self.row_pairs[r]) if r >= 0 else 0 for r in rows]
+            first = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64)[:, None]
+            seg = mb.layout.segments
+            sides = torch.where(seg >= 0, 2 * (first + seg // 2) + seg % 2, torch.full_like(seg, -1))
+            table = None
+            if reference and self.reference is not None:
+                table = torch.from_numpy(np.concatenate(
+                    [self.reference[r, :c] for r, c in zip(rows, counts)] or [np.zeros((0, 2), np.float32)]))
+            mb.layout.pairs = PairLayout(sides, sum(counts), max(1, step_pairs), self.objective, table)
+            mb.layout.loss_tokens = None
+        return out
+
+    def reference_passes(self) -> list[tuple[np.ndarray, list[Batch]]]:
+        """Every row, in passes of M micro-batches of B rows (the last filled with empty rows), each
+        with the rows it holds: what the reference pass computes (forward only, no reference)."""
+        per_pass = self.micro_batch_size * self.micro_batches
+        order = np.arange(-(-self.sequences // per_pass) * per_pass)
+        order = np.where(order < self.sequences, order, -1)
+        return [(order[a:a + per_pass], self._micro_batches(order[a:a + per_pass], self.pairs, reference=False))
+                for a in range(0, order.size, per_pass)]
+
+    def rows_of(self, rows: np.ndarray, logps: list[np.ndarray]) -> dict[int, np.ndarray]:
+        """Each of ``rows``' pairs' log-probabilities, from its pass's micro-batches' (each
+        (pairs, 2), in row order: what their heads left in ``layout.pairs.logps``)."""
+        out, b = {}, self.micro_batch_size
+        for k, values in enumerate(logps):
+            at = 0
+            for r in rows[k * b:(k + 1) * b]:
+                if r >= 0:
+                    n = int(self.row_pairs[r])
+                    out[int(r)] = np.asarray(values[at:at + n], dtype=np.float32)
+                    at += n
+        return out
+
+    def set_reference(self, logps: dict[int, np.ndarray]) -> None:
+        """The reference's log-probabilities: of each row, its pairs' (pairs, 2), in row order."""
+        table = np.zeros((self.sequences, max(1, int(self.row_pairs.max())), 2), dtype=np.float32)
+        for r, values in logps.items():
+            table[r, :values.shape[0]] = values
+        missing = [r for r in range(self.sequences) if r not in logps and self.row_pairs[r]]
+        if missing:
+            raise RuntimeError(f"the reference pass left {len(missing)} rows without log-probabilities")
+        self.reference = table
+
