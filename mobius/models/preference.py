@@ -63,7 +63,7 @@ class SideLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sides: torch.Tensor,
                 n_sides: int, chunk: int, softcap: float | None) -> torch.Tensor:
-        out = torch.zeros(n_sides, dtype=torch.float32, device=h.device)
+        out = torch.zeros(n_sides, dtype=_accumulated(h), device=h.device)
         for a in range(0, h.shape[0], chunk):
             logits = _logits(h[a:a + chunk], weight, softcap)[0]
             tc = targets[a:a + chunk]
@@ -79,7 +79,7 @@ class SideLogProbs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         per_token = grad.float()[sides]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=_accumulated(h), device=h.device) if need_w else None
         for a in range(0, h.shape[0], ctx.chunk):
             hc, tc, g = h[a:a + ctx.chunk], targets[a:a + ctx.chunk], per_token[a:a + ctx.chunk]
             logits, capped = _logits(hc, weight, ctx.softcap)
@@ -91,13 +91,19 @@ class SideLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[a:a + ctx.chunk] = d @ weight
             if need_w:
-                grad_w.add_((d.t() @ hc).float())
+                grad_w.add_((d.t() @ hc).to(grad_w.dtype))
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
+def _accumulated(h: torch.Tensor) -> torch.dtype:
+    """What the log-probabilities and the weight's gradient are computed in: fp32, or fp64 for fp64."""
+    return torch.promote_types(h.dtype, torch.float32)
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: float | None):
-    """fp32 logits of a chunk, and the tanh a soft cap applied (None without one), for its gradient."""
-    logits = (h @ weight.t()).float()
+    """A chunk's logits in :func:`_accumulated`'s type, and the tanh a soft cap applied (None
+    without one), for its gradient."""
+    logits = (h @ weight.t()).to(_accumulated(h))
     if softcap is None:
         return logits, None
     capped = torch.tanh(logits / softcap)
