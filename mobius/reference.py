@@ -33,7 +33,7 @@ from mobius.data.preference import PreferenceBatches
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
-from mobius.models.preference import step_metrics
+from mobius.models.preference import metric_sums, step_metrics
 from mobius.models.precision import DTYPES, default_precision
 from mobius.runtime.device import peak_memory, reset_peak_memory
 from mobius.runtime.optim import (
@@ -85,16 +85,9 @@ class ReferenceTrainer:
     def compute_reference(self) -> None:
         """The reference model's log-probabilities of every pair (a preference run's): one forward-only
         pass with the weights as they are, no dropout (:mod:`mobius.models.preference`)."""
-        logps = {}
         with torch.no_grad(), self._autocast():
-            for rows, micro in self.batches.reference_passes():
-                values = []
-                for mb in micro:
-                    layout = mb.layout.to(self.device)
-                    self.model(mb.tokens.to(self.device), layout)
-                    values.append(layout.pairs.logps.cpu().numpy())
-                logps.update(self.batches.rows_of(rows, values))
-        self.batches.set_reference(logps)
+            self.batches.compute_reference(
+                lambda micro: [self.model(mb.tokens.to(self.device), mb.layout.to(self.device)) for mb in micro])
 
     def close(self) -> None:
         """The disk tier's files removed (they are the run's)."""
@@ -144,7 +137,7 @@ class ReferenceTrainer:
             self.stage.master_grad.zero_()
             for p, slot in zip(self.computed, self.stage.slots):
                 p.grad = view(self.stage.master_grad, slot)
-        total, pair_sums = 0.0, 0.0
+        total = 0.0
         for m, mb in enumerate(micro):
             t_fwd = time.perf_counter()
             tokens, layout = mb.tokens.to(self.device), mb.layout.to(self.device)
@@ -153,8 +146,6 @@ class ReferenceTrainer:
             t_bwd = time.perf_counter()
             (loss * self.scaler.scale).backward()
             total += loss.item()
-            if layout.pairs is not None:
-                pair_sums = pair_sums + layout.pairs.sums.cpu()
             self.trace.span(f"fwd mb{m}", "compute", t_fwd, t_bwd, step=step)
             self.trace.span(f"bwd mb{m}", "compute", t_bwd, time.perf_counter(), step=step)
         params = list(self.model.parameters())
@@ -197,4 +188,4 @@ class ReferenceTrainer:
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps, grad_norm=grad_norm,
                            preference=None if micro[0].layout.pairs is None else
-                           step_metrics(pair_sums, micro[0].layout.pairs.step_pairs))
+                           step_metrics(metric_sums(micro), micro[0].layout.pairs.step_pairs))

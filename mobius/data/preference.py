@@ -21,6 +21,8 @@ row (:meth:`PreferenceBatches.reference_passes`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -165,12 +167,28 @@ class PreferenceBatches(ExampleBatches):
         return [(order[a:a + per_pass], self._micro_batches(order[a:a + per_pass], self.pairs, reference=False))
                 for a in range(0, order.size, per_pass)]
 
-    def rows_of(self, rows: np.ndarray, logps: list[np.ndarray]) -> dict[int, np.ndarray]:
-        """Each of ``rows``' pairs' log-probabilities, from its pass's micro-batches' (each
-        (pairs, 2), in row order: what their heads left in ``layout.pairs.logps``)."""
+    def compute_reference(self, forward: Callable[[list[Batch]], object],
+                          all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
+        """The reference pass: ``forward`` runs each pass's micro-batches forward only with the
+        initial weights; the rows whose heads ran in this process fill its table, and
+        ``all_reduce`` (where several processes share the heads) sums the processes' tables."""
+        logps = {}
+        for rows, micro in self.reference_passes():
+            forward(micro)
+            logps.update(self.rows_of(rows, micro))
+        table = torch.from_numpy(self.table_of(logps))
+        if all_reduce is not None:
+            all_reduce(table)
+        self.set_reference(table.numpy())
+
+    def rows_of(self, rows: np.ndarray, micro: list[Batch]) -> dict[int, np.ndarray]:
+        """Each of ``rows``' pairs' log-probabilities, from its pass's micro-batches whose heads ran
+        here (each (pairs, 2), in row order: ``layout.pairs.found``)."""
         out, b = {}, self.micro_batch_size
-        for k, values in enumerate(logps):
-            at = 0
+        for k, mb in enumerate(micro):
+            if (values := mb.layout.pairs.found.get("logps")) is None:
+                continue  # its head ran in another process
+            values, at = values.float().cpu().numpy(), 0
             for r in rows[k * b:(k + 1) * b]:
                 if r >= 0:
                     n = int(self.row_pairs[r])
@@ -178,13 +196,21 @@ class PreferenceBatches(ExampleBatches):
                     at += n
         return out
 
-    def set_reference(self, logps: dict[int, np.ndarray]) -> None:
-        """The reference's log-probabilities: of each row, its pairs' (pairs, 2), in row order."""
+    def table_of(self, logps: dict[int, np.ndarray]) -> np.ndarray:
+        """The reference table with the rows of ``logps`` filled (each row's pairs' (pairs, 2)),
+        zeros elsewhere: the processes of a run each fill the rows whose heads they ran, and their
+        tables add up to the whole one."""
         table = np.zeros((self.sequences, max(1, int(self.row_pairs.max())), 2), dtype=np.float32)
         for r, values in logps.items():
             table[r, :values.shape[0]] = values
-        missing = [r for r in range(self.sequences) if r not in logps and self.row_pairs[r]]
-        if missing:
-            raise RuntimeError(f"the reference pass left {len(missing)} rows without log-probabilities")
-        self.reference = table
+        return table
+
+    def set_reference(self, table: np.ndarray) -> None:
+        """The reference's log-probabilities of every row's pairs (:meth:`table_of`).  A sum of
+        log-probabilities is below zero: a zero is a pair the pass did not reach."""
+        filled = np.arange(table.shape[1])[None, :] < self.row_pairs[:, None]
+        if not (table[filled] < 0).all():
+            raise RuntimeError(f"the reference pass left {int((table[filled] >= 0).any(-1).sum())} pairs without "
+                               "log-probabilities")
+        self.reference = np.asarray(table, dtype=np.float32)
 

@@ -10,12 +10,16 @@ A step's rows are copied out of the mapping as int64 tensors; the mapping itself
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from pathlib import Path
 
 import numpy as np
 
 from mobius.data.corpus import BatchSource
 from mobius.data.packing import EvalBatches, ExampleBatches, Packed
+from mobius.data.preference import PreferenceBatches
+from mobius.models.preference import PreferenceObjective
 
 Source = BatchSource | ExampleBatches | EvalBatches
 
@@ -41,10 +45,13 @@ def _write(source: Source, prefix: Path) -> dict:
                 "seed": source.seed, "tokenizer_name": source.tokenizer_name}
     for name in Packed.ARRAYS:
         np.save(f"{prefix}-{name}.npy", getattr(source.packed, name))
-    return {"kind": "eval" if isinstance(source, EvalBatches) else "examples", "prefix": str(prefix),
+    kind = "eval" if isinstance(source, EvalBatches) else "pairs" if isinstance(source, PreferenceBatches) \
+        else "examples"
+    return {"kind": kind, "prefix": str(prefix),
             "examples": source.packed.examples, "truncated": source.packed.truncated,
             "micro_batch_size": source.micro_batch_size, "micro_batches": source.micro_batches,
-            "seed": source.seed, "packing": source.packing, "describe": source.describe()}
+            "seed": source.seed, "packing": source.packing, "describe": source.describe(),
+            **({"objective": asdict(source.objective)} if kind == "pairs" else {})}
 
 
 def _mapped(prefix: str, name: str) -> np.ndarray:
@@ -58,6 +65,9 @@ def _read(entry: dict) -> Source:
                            entry["micro_batches"], entry["seed"], entry["tokenizer_name"])
     arrays = {name: _mapped(prefix, name) for name in Packed.ARRAYS}
     packed = Packed(**arrays, examples=entry["examples"], truncated=entry["truncated"])
+    if entry["kind"] == "pairs":
+        return PreferenceBatches(packed, entry["micro_batch_size"], entry["micro_batches"], entry["seed"],
+                                 PreferenceObjective(**entry["objective"]), entry["describe"])
     if entry["kind"] == "eval":
         return EvalBatches(packed, entry["micro_batch_size"], entry["micro_batches"], entry["packing"],
                            entry["describe"])

@@ -19,7 +19,7 @@ their margin, and each side's log-probability, averaged over the step's pairs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,14 +45,15 @@ class PairLayout:
     step_pairs: int  # pairs in the whole step (or evaluation): the loss's divisor
     objective: PreferenceObjective
     reference: torch.Tensor | None = None  # (pairs, 2) the reference's log-probs; None: computing them
-    # What the head found, read by whoever ran it: each side's log-prob (pairs, 2), and the metrics'
-    # sums over this micro-batch's pairs, in METRICS' order.
-    logps: torch.Tensor | None = None
-    sums: torch.Tensor | None = None
+    # What the head found, for whoever holds the micro-batch (the dict is shared by every copy
+    # ``to`` makes, so the batch a worker built sees what its head computed on the device):
+    # "logps", each side's log-prob (pairs, 2); "sums", the metrics' sums over the pairs, in
+    # METRICS' order (not in the reference pass).
+    found: dict = field(default_factory=dict)
 
     def to(self, device: torch.device) -> "PairLayout":
         return PairLayout(self.sides.to(device), self.pairs, self.step_pairs, self.objective,
-                          None if self.reference is None else self.reference.to(device))
+                          None if self.reference is None else self.reference.to(device), self.found)
 
 
 class SideLogProbs(torch.autograd.Function):
@@ -117,11 +118,11 @@ def pair_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, side
     log-probs, and returns zero."""
     n = pairs.pairs
     logps = SideLogProbs.apply(h, weight, targets, sides, 2 * n, chunk, softcap).view(n, 2)
-    pairs.logps = logps.detach()
+    pairs.found["logps"] = logps.detach()
     if pairs.reference is None:
         return logps.sum().detach() * 0.0
     tokens = torch.bincount(sides, minlength=2 * n).view(n, 2).float()
-    losses, pairs.sums = preference_losses(logps, pairs.reference.float(), tokens, pairs.objective)
+    losses, pairs.found["sums"] = preference_losses(logps, pairs.reference.float(), tokens, pairs.objective)
     return losses.sum() / pairs.step_pairs
 
 
@@ -142,6 +143,16 @@ def preference_losses(logps: torch.Tensor, reference: torch.Tensor, tokens: torc
     sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
                         logps[:, 0].detach().sum(), logps[:, 1].detach().sum()])
     return losses, sums
+
+
+def metric_sums(micro: list) -> torch.Tensor:
+    """The sums of :data:`METRICS` over the micro-batches (:class:`~mobius.data.corpus.Batch` es)
+    whose heads ran here (zeros where none did: this process computed no head)."""
+    total = torch.zeros(len(METRICS), dtype=torch.float64)
+    for mb in micro:
+        if (sums := mb.layout.pairs.found.get("sums")) is not None:
+            total += sums.detach().double().cpu()
+    return total
 
 
 def step_metrics(sums: torch.Tensor | list[float], pairs: int) -> dict[str, float]:

@@ -142,6 +142,7 @@ class StageRunner:
         the sum of the losses this worker computed (the last stage's worker: the step's loss)."""
         st = _StepState(self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
                         step)
+        self.micro = st.micro  # what a preference run's head found is in them (PairLayout.found)
         self.store.begin_step(step)
         self._execute(self.ops, st)
         self.grad_norm = self.optimizer.finish_step(step, st.lr, self.host, self.device_optimizer)

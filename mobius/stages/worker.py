@@ -22,10 +22,12 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
+from mobius.data.preference import PreferenceBatches
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
 from mobius.models.precision import DTYPES
+from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
@@ -66,6 +68,9 @@ class PipelineWorker:
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
+        if isinstance(self.parts.runner.batches, PreferenceBatches):  # before a checkpoint is restored
+            self.parts.runner.batches.compute_reference(lambda micro: self.parts.runner.evaluate(micro, 0),
+                                                        dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
         cfg, memory, traffic = self.cfg, self.parts.memory, self.parts.traffic
@@ -74,8 +79,11 @@ class PipelineWorker:
         t0 = time.perf_counter()
         loss = self.parts.runner.step(step)
         adam_s, adam_params = self.parts.runner.optimizer.take_busy()
-        stats = torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer, adam_s, adam_params], dtype=torch.float64)
-        dist.all_reduce(stats)  # the loss: the last stage's worker computed it
+        pairs = isinstance(self.parts.runner.batches, PreferenceBatches)
+        stats = torch.cat([torch.tensor([loss, traffic.h2d, traffic.d2h, traffic.peer, adam_s, adam_params],
+                                        dtype=torch.float64),
+                           metric_sums(self.parts.runner.micro) if pairs else torch.zeros(0, dtype=torch.float64)])
+        dist.all_reduce(stats)  # the loss (and a preference run's metrics): the last stage's workers computed it
         most = torch.tensor([memory.peak, adam_s, self.parts.runner.compute_s], dtype=torch.float64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.peak_bytes_max = max(self.peak_bytes_max, int(most[0].item()))
@@ -86,7 +94,9 @@ class PipelineWorker:
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
                            host_adam_s=most[1].item(), compute_s=most[2].item(),
                            host_adam_params_per_s=stats[5].item() / stats[4].item() if stats[4] > 0 else None,
-                           grad_norm=self.parts.runner.grad_norm)
+                           grad_norm=self.parts.runner.grad_norm,
+                           preference=step_metrics(stats[6:], self.parts.runner.micro[0].layout.pairs.step_pairs)
+                           if pairs else None)
 
     def evaluate(self, done: int) -> float:
         held_out = self.parts.held_out
