@@ -37,6 +37,7 @@ from chunked_dp.shards import Shards
 from mobius.data import BatchSource
 from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer
+from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime.device import Device
 from mobius.runtime.optim import UpdateRule
 from mobius.runtime.spec import Timing
@@ -117,15 +118,18 @@ class ChunkedEngine:
         grad_norm = self.reduction.clipped_updates() if self.rule.max_grad_norm else None
         self.reduction.wait_host_jobs()  # the next step's gathers read the updated compute copies
         self.gathers.drop_all()
-        stats = torch.tensor([sum(float(x) for x in losses), self.counters.h2d, self.counters.d2h,
-                              self.counters.peer], dtype=torch.float64)
-        dist.all_reduce(stats)
+        pairs = micro[0].layout.pairs
+        stats = torch.cat([torch.tensor([sum(float(x) for x in losses), self.counters.h2d, self.counters.d2h,
+                                         self.counters.peer], dtype=torch.float64),
+                           metric_sums(mine) if pairs is not None else torch.zeros(0, dtype=torch.float64)])
+        dist.all_reduce(stats)  # the loss (and a preference run's metrics) over the workers' shares
         blocks = self.gathers.blocks
         return StepMetrics(step=step, loss=stats[0].item(), lr=self.reduction.lr,
                            tokens=len(micro) * micro[0].tokens.numel(), step_time_s=time.perf_counter() - t0,
                            h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]), peer_bytes=int(stats[3]),
                            peak_device_bytes=len(blocks) * blocks[0].numel() * blocks[0].element_size(),
-                           grad_norm=grad_norm)
+                           grad_norm=grad_norm,
+                           preference=None if pairs is None else step_metrics(stats[4:], pairs.step_pairs))
 
     def _forward(self, batch: list, inputs: list | None = None) -> list[torch.Tensor]:
         """``batch``'s micro-batches forward layer by layer, without autograd (a graph would hold
@@ -177,14 +181,17 @@ class ChunkedEngine:
     def evaluate(self, held_out) -> float:
         """Loss on held-out examples: each worker runs its share of every pass's micro-batches
         forward, gathering chunks as in training; the sum over workers."""
-        total = 0.0
-        for k in range(held_out.passes):
-            self.gathers.new_step()
-            total += sum(x.item() for x in self._forward(self._mine(held_out.pass_batches(k))))
-        self.gathers.drop_all()
+        total = sum(self.forward_only(held_out.pass_batches(k)) for k in range(held_out.passes))
         stats = torch.tensor([total], dtype=torch.float64)
         dist.all_reduce(stats)
         return stats.item()
+
+    def forward_only(self, micro: list) -> float:
+        """This worker's share of ``micro`` forward, no autograd; the sum of its losses."""
+        self.gathers.new_step()
+        total = sum(x.item() for x in self._forward(self._mine(micro)))
+        self.gathers.drop_all()
+        return total
 
     def close(self) -> None:
         self.reduction.close()

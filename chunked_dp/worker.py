@@ -4,8 +4,10 @@ and signals are :mod:`mobius.runtime.worker`'s, as for the pipeline."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
+from mobius.data.preference import PreferenceBatches
 from mobius.metrics import StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
@@ -34,6 +36,8 @@ class ChunkedWorker:
         self.batches, self.held_out = ctx.data
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here
         self.evaluates = self.held_out is not None
+        if isinstance(self.batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
+            self.batches.compute_reference(self.engine.forward_only, dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
         return self.engine.step(step, self.batches)

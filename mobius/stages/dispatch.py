@@ -528,8 +528,8 @@ class DispatchedRunner:
             self._scaling = True
         tasks = step_tasks(self.shape.forward, self.shape.backward, self.shape.kept, self.shape.head_gpus,
                            self.shape.order, self.M, steps=1, first_step=step, resident=self.shape.resident)
-        return self._run(_Step(step, self.replica.share(self.batches.step(step)), self.store.rule.lr_at(step),
-                               tasks, first=step * self.M))
+        self.micro = self.replica.share(self.batches.step(step))  # a preference run's head fills PairLayout.found
+        return self._run(_Step(step, self.micro, self.store.rule.lr_at(step), tasks, first=step * self.M))
 
     def evaluate(self, micro: list, next_step: int) -> float:
         """The forward partition's tasks in turn on this replica's share of ``micro``, with the

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
+from mobius.data.preference import PreferenceBatches
 from mobius.metrics import StepMetrics
+from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import open_device
 from mobius.runtime.emulation import EmulatedLinks
@@ -66,6 +68,9 @@ class DispatchedWorker:
         self.scaler = self.runner.updates.scaler  # fp16's: the steps' votes update it, a checkpoint keeps it
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
+        if isinstance(batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
+            batches.compute_reference(lambda micro: self.runner.evaluate(micro, 0),
+                                      dist.all_reduce if self.layout.count > 1 else None)
 
     def step(self, step: int) -> StepMetrics:
         """The step's loss as soon as the head has it (every replica's share summed); its traffic
@@ -78,14 +83,19 @@ class DispatchedWorker:
             w.memory.reset_peak()
         t0 = time.perf_counter()
         loss = self.runner.step(step)
-        stats = self._summed([loss, *(sum(getattr(w.traffic, k) for w in workers) for k in ("h2d", "d2h", "peer"))])
+        pairs = isinstance(self.runner.batches, PreferenceBatches)
+        found = metric_sums(self.runner.micro).tolist() if pairs else []
+        stats = self._summed([loss, *(sum(getattr(w.traffic, k) for w in workers) for k in ("h2d", "d2h", "peer")),
+                              *found])
         peak = int(self._summed([max(w.memory.peak for w in workers)], dist.ReduceOp.MAX)[0])
         self.peak_bytes_max = max(self.peak_bytes_max, peak)
         return StepMetrics(step=step, loss=stats[0], lr=UpdateRule.of(cfg.optim).lr_at(step),
                            tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm,
-                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps)
+                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
+                           preference=step_metrics(stats[4:], self.runner.micro[0].layout.pairs.step_pairs)
+                           if pairs else None)
 
     def _summed(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """``values`` over the replicas (as they are with one)."""
