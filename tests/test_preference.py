@@ -202,3 +202,30 @@ def test_dpo_refusals_are_one_line(setup, capsys):
     assert "--beta must be" in one_line_exit_2(train, argv + ["--objective", "dpo", "--beta", "0"], capsys)
     assert "--label-smoothing" in one_line_exit_2(
         train, argv + ["--objective", "dpo", "--loss-type", "ipo", "--label-smoothing", "0.1"], capsys)
+
+
+@pytest.mark.slow
+def test_pipeline_and_chunked_equal_single(setup):
+    """The workers as processes, each deriving its pairs and the reference pass's share: the bound
+    pipeline on 4 CPU workers (with LoRA on 2), the dispatched schedule on 2 and the chunked engine
+    on 2 equal the single backend's losses and metrics (1e-5)."""
+    from mobius.backends.chunked import launch_chunked
+    from mobius.backends.pipeline import launch_pipeline
+    from mobius.models import get_config
+    from mobius.runtime.inputs import make_data
+    from topology import cpu_topology
+
+    cfg = config(setup, steps=4, micro_batches=4, packing="on", seq_len=160)
+    for launch, changes in ((launch_pipeline, {"backend": "pipeline", "cpu_workers": 4, "stages": 4}),
+                            (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "lora_rank": 4}),
+                            (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "schedule": "dispatched"}),
+                            (launch_chunked, {"backend": "chunked", "cpu_workers": 2})):
+        run_cfg = RunConfig.from_dict({**cfg.to_dict(), **changes})
+        want, _ = ours(run_cfg.changed(backend="single"))
+        workers = run_cfg.cpu_workers
+        history = launch(run_cfg, get_config(cfg.model), cpu_topology(workers),
+                         data=make_data(run_cfg, model_config_for(run_cfg)))
+        for m, w in zip(history, want, strict=True):
+            assert m.loss == pytest.approx(w.loss, rel=1e-5), changes
+            for name, value in w.preference.items():
+                assert m.preference[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (changes, name)

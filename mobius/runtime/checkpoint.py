@@ -50,13 +50,14 @@ KIND = "checkpoint"
 RUN_SETTINGS = ("seed", "micro_batch_size", "micro_batches", "seq_len", "data", "lr", "steps", "precision",
                 "optimizer_lag", "data_format", "packing", "train_on_prompt", "chat_template", "truncate", "eval_split",
                 "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "lr_scheduler", "warmup_ratio", "warmup_steps",
-                "min_lr_ratio", "max_grad_norm")
+                "min_lr_ratio", "max_grad_norm", "objective", "beta", "label_smoothing", "loss_type")
 # Settings added after checkpoints of this format were first written, with the value they had (the
 # update rule before it could be set: no clipping).
 SETTING_DEFAULTS = {"optimizer_lag": 0, "data_format": None, "packing": "auto", "train_on_prompt": False,
                     "chat_template": None, "truncate": True, "eval_split": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
                     "adam_eps": 1e-8, "weight_decay": 0.01, "lr_scheduler": "cosine", "warmup_ratio": 0.1,
-                    "warmup_steps": None, "min_lr_ratio": 0.1, "max_grad_norm": 0.0}
+                    "warmup_steps": None, "min_lr_ratio": 0.1, "max_grad_norm": 0.0, "objective": "sft", "beta": 0.1,
+                    "label_smoothing": 0.0, "loss_type": "sigmoid"}
 # What the schedules' names mean (lr_scheduler, warmup_*): transformers.get_scheduler's.  A checkpoint
 # without this mark was written when "cosine" and "linear" decayed to --min-lr-ratio and a warm-up
 # started above 0.

@@ -151,6 +151,13 @@ class StageRunner:
         self._computed.clear()
         return st.loss_sum
 
+    def reload_resident(self) -> None:
+        """The resident stages loaded before any step (by a preference run's reference pass) let go,
+        to load again from the host store as the first step finds it (a checkpoint restored)."""
+        for handle in self._resident_handles.values():
+            self.prefetcher.release(handle)
+        self._resident_handles.clear()
+
     def drain(self) -> None:
         """Every update issued so far is done and in the host stage store (before a checkpoint, an
         export or the final weights are read)."""

@@ -71,6 +71,7 @@ class PipelineWorker:
         if isinstance(self.parts.runner.batches, PreferenceBatches):  # before a checkpoint is restored
             self.parts.runner.batches.compute_reference(lambda micro: self.parts.runner.evaluate(micro, 0),
                                                         dist.all_reduce)
+            self.parts.runner.reload_resident()
 
     def step(self, step: int) -> StepMetrics:
         cfg, memory, traffic = self.cfg, self.parts.memory, self.parts.traffic
