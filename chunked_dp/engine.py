@@ -35,7 +35,8 @@ from chunked_dp.gathers import Counters, Gathers
 from chunked_dp.reduction import Reduction
 from chunked_dp.shards import Shards
 from mobius.data import BatchSource
-from mobius.metrics import StepMetrics, Trace
+from mobius.data.preference import evaluation_of, held_out_sums
+from mobius.metrics import Evaluation, StepMetrics, Trace
 from mobius.models import GPTConfig, LayerList, build_layer
 from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime.device import Device
@@ -178,13 +179,13 @@ class ChunkedEngine:
                     self.reduction.reduce(k, last)
         return losses
 
-    def evaluate(self, held_out) -> float:
+    def evaluate(self, held_out) -> Evaluation:
         """Loss on held-out examples: each worker runs its share of every pass's micro-batches
         forward, gathering chunks as in training; the sum over workers."""
         total = sum(self.forward_only(held_out.pass_batches(k)) for k in range(held_out.passes))
-        stats = torch.tensor([total], dtype=torch.float64)
+        stats = torch.tensor([total, *held_out_sums(held_out)], dtype=torch.float64)
         dist.all_reduce(stats)
-        return stats.item()
+        return evaluation_of(stats.tolist(), held_out)
 
     def forward_only(self, micro: list) -> float:
         """This worker's share of ``micro`` forward, no autograd; the sum of its losses."""

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
 from mobius.data.preference import PreferenceBatches
-from mobius.metrics import StepMetrics
+from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
@@ -37,12 +37,14 @@ class ChunkedWorker:
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here
         self.evaluates = self.held_out is not None
         if isinstance(self.batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
-            self.batches.compute_reference(self.engine.forward_only, dist.all_reduce)
+            for source in (self.batches, self.held_out):
+                if source is not None:
+                    source.compute_reference(self.engine.forward_only, dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
         return self.engine.step(step, self.batches)
 
-    def evaluate(self, done: int) -> float:
+    def evaluate(self, done: int) -> Evaluation:
         return self.engine.evaluate(self.held_out)
 
     def drain(self) -> None:

@@ -79,14 +79,15 @@ class ReferenceTrainer:
                 self.disk.park(self.stage)
             self.disk.attach({0: self.stage})
         if isinstance(batches, PreferenceBatches):  # before any checkpoint is loaded: the initial weights
-            self.compute_reference()
+            self.compute_reference(batches)
         reset_peak_memory(device)
 
-    def compute_reference(self) -> None:
-        """The reference model's log-probabilities of every pair (a preference run's): one forward-only
-        pass with the weights as they are, no dropout (:mod:`mobius.models.preference`)."""
+    def compute_reference(self, pairs: PreferenceBatches) -> None:
+        """The reference model's log-probabilities of every pair of ``pairs`` (a preference run's
+        training or held-out pairs): one forward-only pass with the weights as they are, no dropout
+        (:mod:`mobius.models.preference`)."""
         with torch.no_grad(), self._autocast():
-            self.batches.compute_reference(
+            pairs.compute_reference(
                 lambda micro: [self.model(mb.tokens.to(self.device), mb.layout.to(self.device)) for mb in micro])
 
     def close(self) -> None:

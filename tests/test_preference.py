@@ -215,17 +215,55 @@ def test_pipeline_and_chunked_equal_single(setup):
     from mobius.runtime.inputs import make_data
     from topology import cpu_topology
 
-    cfg = config(setup, steps=4, micro_batches=4, packing="on", seq_len=160)
+    cfg = config(setup, steps=4, micro_batches=4, packing="on", seq_len=160, eval_split=0.25, eval_every=2)
     for launch, changes in ((launch_pipeline, {"backend": "pipeline", "cpu_workers": 4, "stages": 4}),
                             (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "lora_rank": 4}),
                             (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "schedule": "dispatched"}),
                             (launch_chunked, {"backend": "chunked", "cpu_workers": 2})):
         run_cfg = RunConfig.from_dict({**cfg.to_dict(), **changes})
-        want, _ = ours(run_cfg.changed(backend="single"))
+        want = single_history(run_cfg.changed(backend="single"))
         workers = run_cfg.cpu_workers
         history = launch(run_cfg, get_config(cfg.model), cpu_topology(workers),
                          data=make_data(run_cfg, model_config_for(run_cfg)))
+        assert [m.eval_loss is not None for m in history] == [False, True, False, True]
         for m, w in zip(history, want, strict=True):
             assert m.loss == pytest.approx(w.loss, rel=1e-5), changes
             for name, value in w.preference.items():
                 assert m.preference[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (changes, name)
+            if w.eval_loss is not None:
+                assert m.eval_loss == pytest.approx(w.eval_loss, rel=1e-5), changes
+                for name, value in w.eval_preference.items():
+                    assert m.eval_preference[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (changes, name)
+
+
+def single_history(cfg: RunConfig):
+    """``--backend single``'s metrics of every step (with its evaluations), as the command runs it."""
+    from mobius.backends.single import train_single
+    from mobius.runtime.inputs import make_data
+
+    return train_single(cfg, model_config_for(cfg), None, make_data(cfg, model_config_for(cfg)))
+
+
+@pytest.mark.slow
+def test_a_learnable_preference_is_learned_on_held_out_pairs(tmp_path):
+    """Numbers whose parity the chosen answer states and the rejected one denies: after 40 steps
+    the held-out pairs (numbers never trained on) prefer the right answer at least 9 times in 10."""
+    import random
+
+    r = random.Random(0)
+    records = []
+    for _ in range(400):
+        n = r.randrange(1000)
+        good, bad = ("even", "odd") if n % 2 == 0 else ("odd", "even")
+        records.append({"prompt": [{"role": "user", "content": f"is {n} even or odd?"}],
+                        "chosen": [{"role": "assistant", "content": good}],
+                        "rejected": [{"role": "assistant", "content": bad}]})
+    (tmp_path / "parity.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    model = make_tiny_chat_model(tmp_path / "model", hidden=64, layers=2)
+    cfg = RunConfig.of(model=str(model), data=str(tmp_path / "parity.jsonl"), objective="dpo", steps=40, seq_len=80,
+                       micro_batch_size=8, micro_batches=2, lr=5e-3, lr_scheduler="constant", max_grad_norm=1.0,
+                       precision="fp32", progress=False,
+                       topology="cpu", backend="single", eval_split=0.2)
+    final = single_history(cfg)[-1]
+    assert final.eval_preference["rewards/accuracies"] >= 0.9
+    assert final.eval_loss < 0.6  # below log 2, where it started

@@ -7,6 +7,7 @@ import torch
 
 from mobius.boundary.errors import InputError, shown
 from mobius.config import RunConfig
+from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
@@ -42,6 +43,8 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
     batches, held_out = data
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
+    if isinstance(held_out, PreferenceBatches):  # with the initial weights, as the training pairs'
+        trainer.compute_reference(held_out)
 
     def restore(ckpt: ck.Checkpoint) -> None:
         with trainer.optimizer_state(restoring=True):
@@ -84,7 +87,8 @@ def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, d
     header = (f"mobius: backend single on {device}, model {cfg.model} ({n / 1e6:.1f}M parameters), "
               f"{cfg.batch.describe()}, {cfg.optim.precision}" + (", 4-bit NF4 base" if model_config.lora_4bit else "")
               + (f", resuming at step {start}" if start else "") + f"\n  update: {trainer.rule.describe()}" + on_disk)
-    evaluate = (lambda done: trainer.evaluate(held_out)) if held_out is not None else None
+    evaluate = (lambda done: evaluation_of([trainer.evaluate(held_out), *held_out_sums(held_out)], held_out)) \
+        if held_out is not None else None
     with StopRequest() as stop:
         history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
     if cfg.outputs.trace:

@@ -510,9 +510,6 @@ class RunConfig:
             if self.data.train_on_prompt:
                 raise InputError("--train-on-prompt with --objective dpo: a preference is between answers; the "
                                  "prompt carries no loss")
-            if self.data.eval_path or self.data.eval_split:
-                raise InputError("--objective dpo does not evaluate held-out pairs yet: drop --eval-data and "
-                                 "--eval-split")
         replicas = self.pipeline.data_parallel or 1
         if self.batch.micro_batches % replicas:
             raise InputError(f"--micro-batches {self.batch.micro_batches} is not divisible by --data-parallel "

@@ -17,7 +17,7 @@ from mobius.boundary.errors import InputError
 from mobius.data.corpus import BatchSource, corpus_of, load_corpus
 from mobius.data.examples import renderer_for
 from mobius.data.packing import EvalBatches, ExampleBatches, pack
-from mobius.data.preference import PairRenderer, PreferenceBatches, pack_pairs
+from mobius.data.preference import PairRenderer, PreferenceBatches, PreferenceEvalBatches, pack_pairs
 from mobius.data.records import Pair, Record, read_examples
 from mobius.data.tokenizers import tokenizer_for
 from mobius.models.preference import PreferenceObjective
@@ -78,8 +78,11 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int, objective
                          f"--objective dpo trains on preference pairs ([prompt/]chosen/rejected); --data {data.path} "
                          f"holds {fmt} records")
     if objective is not None:
-        return preference_batches(records, data, batch, seed, objective, renderer_for(model, data.chat_template, False),
-                                  skipped, checked), None
+        renderer = renderer_for(model, data.chat_template, False)
+        train = preference_batches(records, data, batch, seed, objective, renderer, skipped, checked)
+        held = preference_batches(held_out, data, batch, seed, objective, renderer, [], checked, evaluation=True) \
+            if held_out else None
+        return train, held
     renderer = None
     if fmt == "text" and data.packing == "auto":  # a corpus: random windows, as in pre-training
         train = windows(corpus_of([r.prompt for r in records], tokenizer, data.path))
@@ -97,7 +100,7 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int, objective
 
 
 def preference_batches(records: list[Pair], data, batch, seed: int, objective: PreferenceObjective, renderer,
-                       skipped: list[str], checked) -> PreferenceBatches:
+                       skipped: list[str], checked, evaluation: bool = False) -> PreferenceBatches:
     """Preference pairs rendered as TRL renders them and packed (or padded) two sides to a row
     (:mod:`mobius.data.preference`); a bad pair refused, or with ``--skip-bad-records`` left out."""
     pairs_renderer, pairs = PairRenderer(renderer), []
@@ -119,6 +122,8 @@ def preference_batches(records: list[Pair], data, batch, seed: int, objective: P
                 + (f", {lost} left out (truncation cut an answer away)" if lost else "")
                 + f"; chat template {pairs_renderer.template_source}"
                 + (f"; {len(skipped)} bad records skipped (the first: {skipped[0]})" if skipped else ""))
+    if evaluation:
+        return PreferenceEvalBatches(out, batch.micro_batch_size, batch.micro_batches, objective, describe)
     return PreferenceBatches(out, batch.micro_batch_size, batch.micro_batches, seed, objective, describe)
 
 

@@ -32,7 +32,8 @@ from mobius.data.examples import ByteRenderer, ChatRenderer, Example, _common_pr
 from mobius.data.packing import ExampleBatches, Packed
 from mobius.data.records import Pair
 from mobius.models.layout import IGNORE, TokenLayout
-from mobius.models.preference import PairLayout, PreferenceObjective
+from mobius.metrics import Evaluation
+from mobius.models.preference import PairLayout, PreferenceObjective, metric_sums, step_metrics
 
 
 class PairRenderer:
@@ -158,14 +159,17 @@ class PreferenceBatches(ExampleBatches):
             mb.layout.loss_tokens = None
         return out
 
-    def reference_passes(self) -> list[tuple[np.ndarray, list[Batch]]]:
-        """Every row, in passes of M micro-batches of B rows (the last filled with empty rows), each
-        with the rows it holds: what the reference pass computes (forward only, no reference)."""
+    def _pass_rows(self) -> list[np.ndarray]:
+        """Every row in order, in passes of M micro-batches of B rows (the last filled with empty rows)."""
         per_pass = self.micro_batch_size * self.micro_batches
         order = np.arange(-(-self.sequences // per_pass) * per_pass)
         order = np.where(order < self.sequences, order, -1)
-        return [(order[a:a + per_pass], self._micro_batches(order[a:a + per_pass], self.pairs, reference=False))
-                for a in range(0, order.size, per_pass)]
+        return [order[a:a + per_pass] for a in range(0, order.size, per_pass)]
+
+    def reference_passes(self) -> list[tuple[np.ndarray, list[Batch]]]:
+        """Every row's pass (:meth:`_pass_rows`) with the rows it holds: what the reference pass
+        computes (forward only, no reference)."""
+        return [(rows, self._micro_batches(rows, self.pairs, reference=False)) for rows in self._pass_rows()]
 
     def compute_reference(self, forward: Callable[[list[Batch]], object],
                           all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
@@ -214,3 +218,38 @@ class PreferenceBatches(ExampleBatches):
                                "log-probabilities")
         self.reference = np.asarray(table, dtype=np.float32)
 
+
+
+class PreferenceEvalBatches(PreferenceBatches):
+    """Held-out pairs in order, in passes of M micro-batches of B rows; each micro-batch's loss
+    is its share of the mean over every held-out pair, so the passes add up to the evaluation's
+    loss.  The micro-batches handed out since :meth:`take_sums` last ran are kept, for the sums of
+    the metrics their heads found here."""
+
+    def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, objective: PreferenceObjective,
+                 describe: str):
+        super().__init__(packed, micro_batch_size, micro_batches, 0, objective, describe)
+        self.passes = len(self._pass_rows())
+        self._handed: list[Batch] = []
+
+    def pass_batches(self, k: int) -> list[Batch]:
+        micro = self._micro_batches(self._pass_rows()[k], self.pairs)
+        self._handed += micro
+        return micro
+
+    def take_sums(self) -> torch.Tensor:
+        """The metrics' sums over the held-out micro-batches whose heads ran here since the last call."""
+        sums, self._handed = metric_sums(self._handed), []
+        return sums
+
+
+def held_out_sums(held_out) -> list[float]:
+    """What a backend's evaluation reduces beside its loss: the held-out pairs' metric sums found
+    here (none for held-out examples)."""
+    return held_out.take_sums().tolist() if isinstance(held_out, PreferenceEvalBatches) else []
+
+
+def evaluation_of(values: list[float], held_out) -> Evaluation:
+    """The :class:`~mobius.metrics.Evaluation` of the reduced ``[loss, *held_out_sums]``."""
+    pairs = isinstance(held_out, PreferenceEvalBatches)
+    return Evaluation(float(values[0]), step_metrics(values[1:], held_out.pairs) if pairs else None)

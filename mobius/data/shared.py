@@ -18,7 +18,7 @@ import numpy as np
 
 from mobius.data.corpus import BatchSource
 from mobius.data.packing import EvalBatches, ExampleBatches, Packed
-from mobius.data.preference import PreferenceBatches
+from mobius.data.preference import PreferenceBatches, PreferenceEvalBatches
 from mobius.models.preference import PreferenceObjective
 
 Source = BatchSource | ExampleBatches | EvalBatches
@@ -45,13 +45,13 @@ def _write(source: Source, prefix: Path) -> dict:
                 "seed": source.seed, "tokenizer_name": source.tokenizer_name}
     for name in Packed.ARRAYS:
         np.save(f"{prefix}-{name}.npy", getattr(source.packed, name))
-    kind = "eval" if isinstance(source, EvalBatches) else "pairs" if isinstance(source, PreferenceBatches) \
-        else "examples"
+    kind = "eval" if isinstance(source, EvalBatches) else "eval_pairs" if isinstance(source, PreferenceEvalBatches) \
+        else "pairs" if isinstance(source, PreferenceBatches) else "examples"
     return {"kind": kind, "prefix": str(prefix),
             "examples": source.packed.examples, "truncated": source.packed.truncated,
             "micro_batch_size": source.micro_batch_size, "micro_batches": source.micro_batches,
             "seed": source.seed, "packing": source.packing, "describe": source.describe(),
-            **({"objective": asdict(source.objective)} if kind == "pairs" else {})}
+            **({"objective": asdict(source.objective)} if kind in ("pairs", "eval_pairs") else {})}
 
 
 def _mapped(prefix: str, name: str) -> np.ndarray:
@@ -65,6 +65,9 @@ def _read(entry: dict) -> Source:
                            entry["micro_batches"], entry["seed"], entry["tokenizer_name"])
     arrays = {name: _mapped(prefix, name) for name in Packed.ARRAYS}
     packed = Packed(**arrays, examples=entry["examples"], truncated=entry["truncated"])
+    if entry["kind"] == "eval_pairs":
+        return PreferenceEvalBatches(packed, entry["micro_batch_size"], entry["micro_batches"],
+                                     PreferenceObjective(**entry["objective"]), entry["describe"])
     if entry["kind"] == "pairs":
         return PreferenceBatches(packed, entry["micro_batch_size"], entry["micro_batches"], entry["seed"],
                                  PreferenceObjective(**entry["objective"]), entry["describe"])

@@ -38,7 +38,18 @@ class StepMetrics:
     grad_norm: float | None = None  # the step's global gradient norm before clipping (where --max-grad-norm clips)
     eval_loss: float | None = None  # after this step, on the held-out examples (--eval-every, the end)
     eval_perplexity: float | None = None
-    # A preference run's metrics (mobius.models.preference.METRICS: TRL's names), over the step's pairs.
+    # A preference run's metrics (mobius.models.preference.METRICS: TRL's names), over the step's pairs,
+    # and over the held-out pairs where this step evaluated.
+    preference: dict[str, float] | None = None
+    eval_preference: dict[str, float] | None = None
+
+
+@dataclass
+class Evaluation:
+    """A held-out evaluation: its loss, and a preference run's metrics (TRL's names,
+    :data:`mobius.models.preference.METRICS`) over the held-out pairs."""
+
+    loss: float
     preference: dict[str, float] | None = None
 
 

@@ -33,6 +33,7 @@ def scalars_of(m: StepMetrics) -> dict[str, float]:
     if m.grad_norm is not None:
         scalars["train/grad_norm"] = m.grad_norm
     scalars.update({f"train/{name}": value for name, value in (m.preference or {}).items()})
+    scalars.update({f"eval/{name}": value for name, value in (m.eval_preference or {}).items()})
     return scalars
 
 

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from mobius.boundary.errors import RunError, shown
 from mobius.config import OutputConfig, RunConfig
-from mobius.metrics import MetricsWriter, StepMetrics, seconds_text
+from mobius.metrics import Evaluation, MetricsWriter, StepMetrics, seconds_text
 from mobius.metrics.reporters import open_reports
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
@@ -22,7 +22,7 @@ from mobius.signals import StopRequest
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
               save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
               agree: Callable[..., tuple[bool, ...]] | None = None, main: bool = True,
-              eval_fn: Callable[[int], float] | None = None, check: PlanCheck | None = None,
+              eval_fn: Callable[[int], Evaluation] | None = None, check: PlanCheck | None = None,
               switch: PlanSwitch | None = None,
               before: list[StepMetrics] | None = None, started: float | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
@@ -56,9 +56,14 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             done = step + 1
             every = cfg.data.eval_every
             if eval_fn is not None and (done == steps or (every and done % every == 0)):
-                m.eval_loss = eval_fn(done)
+                evaluation = eval_fn(done)
+                m.eval_loss, m.eval_preference = evaluation.loss, evaluation.preference
                 m.eval_perplexity = math.exp(min(m.eval_loss, 700.0))
-                if main:
+                if main and m.eval_preference is not None:  # a preference loss has no perplexity
+                    bar.write(f"eval after step {done}: loss {m.eval_loss:.4f}, reward accuracy "
+                              f"{m.eval_preference['rewards/accuracies']:.3f}, margin "
+                              f"{m.eval_preference['rewards/margins']:.4f}")
+                elif main:
                     bar.write(f"eval after step {done}: loss {m.eval_loss:.4f}, perplexity {m.eval_perplexity:.2f}")
             history.append(m)
             for line in check.after(history) if check is not None and main else ():

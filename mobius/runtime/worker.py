@@ -131,8 +131,8 @@ class WorkerBackend(Protocol):
     def step(self, step: int) -> StepMetrics:
         """Optimizer step ``step``, its metrics as every worker agrees on them."""
 
-    def evaluate(self, done: int) -> float:
-        """The held-out loss with the weights after ``done`` steps (every worker calls it)."""
+    def evaluate(self, done: int) -> Evaluation:
+        """The held-out loss (and metrics) with the weights after ``done`` steps (every worker calls it)."""
 
     def drain(self) -> None:
         """Every update issued so far is in the state :meth:`checkpoint_files` reads."""

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
-from mobius.data.preference import PreferenceBatches
-from mobius.metrics import StepMetrics
+from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
+from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import open_device
@@ -69,8 +69,10 @@ class DispatchedWorker:
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
         if isinstance(batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
-            batches.compute_reference(lambda micro: self.runner.evaluate(micro, 0),
-                                      dist.all_reduce if self.layout.count > 1 else None)
+            for source in (batches, self.held_out):
+                if source is not None:
+                    source.compute_reference(lambda micro: self.runner.evaluate(micro, 0),
+                                             dist.all_reduce if self.layout.count > 1 else None)
 
     def step(self, step: int) -> StepMetrics:
         """The step's loss as soon as the head has it (every replica's share summed); its traffic
@@ -105,9 +107,9 @@ class DispatchedWorker:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def evaluate(self, done: int) -> float:
+    def evaluate(self, done: int) -> Evaluation:
         local = sum(self.runner.evaluate(self.held_out.pass_batches(k), done) for k in range(self.held_out.passes))
-        return self._summed([local])[0]
+        return evaluation_of(self._summed([local, *held_out_sums(self.held_out)]), self.held_out)
 
     def drain(self) -> None:
         self.runner.drain()

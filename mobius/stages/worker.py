@@ -22,8 +22,8 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.data.preference import PreferenceBatches
-from mobius.metrics import StepMetrics, Trace
+from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
+from mobius.metrics import Evaluation, StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
 from mobius.models.precision import DTYPES
@@ -69,8 +69,9 @@ class PipelineWorker:
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
         if isinstance(self.parts.runner.batches, PreferenceBatches):  # before a checkpoint is restored
-            self.parts.runner.batches.compute_reference(lambda micro: self.parts.runner.evaluate(micro, 0),
-                                                        dist.all_reduce)
+            for source in (self.parts.runner.batches, self.parts.held_out):
+                if source is not None:
+                    source.compute_reference(lambda micro: self.parts.runner.evaluate(micro, 0), dist.all_reduce)
             self.parts.runner.reload_resident()
 
     def step(self, step: int) -> StepMetrics:
@@ -99,12 +100,12 @@ class PipelineWorker:
                            preference=step_metrics(stats[6:], self.parts.runner.micro[0].layout.pairs.step_pairs)
                            if pairs else None)
 
-    def evaluate(self, done: int) -> float:
+    def evaluate(self, done: int) -> Evaluation:
         held_out = self.parts.held_out
         local = sum(self.parts.runner.evaluate(held_out.pass_batches(k), done) for k in range(held_out.passes))
-        total = torch.tensor([local], dtype=torch.float64)
+        total = torch.tensor([local, *held_out_sums(held_out)], dtype=torch.float64)
         dist.all_reduce(total)  # the last stage's worker computed it
-        return total.item()
+        return evaluation_of(total.tolist(), held_out)
 
     def drain(self) -> None:
         self.parts.runner.drain()
