@@ -79,7 +79,12 @@ def trl_history(cfg: RunConfig, records: list[dict], out_dir) -> list[dict]:
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    if cfg.lora.rank:  # PEFT's adapters starting from ours (B = 0: the reference is the base, adapters off)
+        from test_lora import initial_adapters, peft_model
+
+        model = peft_model(cfg.model, cfg, initial_adapters(cfg))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model)
     o = cfg.objective
     args = trl.DPOConfig(output_dir=str(out_dir), per_device_train_batch_size=cfg.batch.micro_batch_size,
@@ -94,10 +99,13 @@ def trl_history(cfg: RunConfig, records: list[dict], out_dir) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("data,loss_type", [("chat", "sigmoid"), ("chat", "ipo"), ("text", "sigmoid")])
-def test_equal_to_trl_dpo_trainer(setup, tmp_path, data, loss_type):
-    """Per-step loss and reward accuracy equal to TRL's over 20 steps (1e-4), and its other metrics."""
-    cfg = config(setup, data, loss_type=loss_type)
+@pytest.mark.slow
+@pytest.mark.parametrize("data,loss_type,lora", [("chat", "sigmoid", 0), ("chat", "ipo", 0), ("text", "sigmoid", 0),
+                                                 ("chat", "sigmoid", 4)])
+def test_equal_to_trl_dpo_trainer(setup, tmp_path, data, loss_type, lora):
+    """Per-step loss and reward accuracy equal to TRL's over 20 steps (1e-4), and its other metrics;
+    with LoRA, TRL's reference is the base with the adapters off, ours the initial weights."""
+    cfg = config(setup, data, loss_type=loss_type, lora_rank=lora)
     records = [json.loads(line) for line in open(setup[data])]
     history, _ = ours(cfg)
     theirs = trl_history(cfg, records, tmp_path)
