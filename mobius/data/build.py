@@ -120,7 +120,9 @@ def preference_batches(records: list[Pair], data, batch, seed: int, objective: P
                 f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
                 + (f", {out.truncated} cut to --seq-len / 2 a side" if out.truncated else "")
                 + (f", {lost} left out (truncation cut an answer away)" if lost else "")
-                + f"; chat template {pairs_renderer.template_source}"
+                + f"; chat template {pairs_renderer.template_source}; {objective.describe()}, against the "
+                f"reference log-probabilities of one forward-only pass over these {out.tokens.shape[0]:,} sequences "
+                "before training"
                 + (f"; {len(skipped)} bad records skipped (the first: {skipped[0]})" if skipped else ""))
     if evaluation:
         return PreferenceEvalBatches(out, batch.micro_batch_size, batch.micro_batches, objective, describe)

@@ -35,6 +35,11 @@ class PreferenceObjective:
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
 
+    def describe(self) -> str:
+        name = "IPO" if self.loss_type == "ipo" else "DPO"
+        smoothing = f", label smoothing {self.label_smoothing:g}" if self.label_smoothing else ""
+        return f"{name} loss (--loss-type {self.loss_type}, beta {self.beta:g}{smoothing})"
+
 
 @dataclass
 class PairLayout:
