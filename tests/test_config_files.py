@@ -30,8 +30,23 @@ def test_config_file_equals_flags_and_the_command_line_wins(tmp_path):
 def test_resume_alone_continues_the_run_exactly(tmp_path):
     train_main(RUN + ["--metrics", str(tmp_path / "straight.jsonl")])
     train_main(RUN + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
-    train_main(["--resume", str(tmp_path / "ck")])  # every setting, --save and --metrics too, from the checkpoint
+    # Every setting from the checkpoint, and --save into it; where to write metrics is named again.
+    train_main(["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
     assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")  # bitwise, 6 steps
+
+
+def test_a_resume_writes_only_where_the_user_names(tmp_path):
+    """A checkpoint records where its run wrote metrics and a trace; --resume alone writes neither
+    (a checkpoint could name any path), and saves only into itself."""
+    ck = tmp_path / "ck"
+    outputs = {"--metrics": tmp_path / "m.jsonl", "--trace": tmp_path / "t.json"}
+    train_main(RUN + ["--stop-after", "3", "--save", str(ck)] + [str(x) for kv in outputs.items() for x in kv])
+    written = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p != ck}
+    manifest = (ck / "manifest.json").read_bytes()
+    train_main(["--resume", str(ck)])
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p != ck} == written
+    assert len(losses(outputs["--metrics"])) == 3
+    assert (ck / "manifest.json").read_bytes() != manifest  # the continued run saved into its checkpoint
 
 
 def test_resume_with_a_changed_setting_is_refused_unless_asked(tmp_path, capsys):
@@ -140,7 +155,7 @@ def test_lists_of_names_are_lists_in_yaml_and_comma_separated_on_the_command_lin
 def test_resume_in_a_config_file_inherits_the_checkpoints_settings(tmp_path):
     train_main(RUN + ["--metrics", str(tmp_path / "straight.jsonl")])
     train_main(RUN + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
-    (tmp_path / "resume.yaml").write_text(f"resume: {tmp_path / 'ck'}\n")
+    (tmp_path / "resume.yaml").write_text(f"resume: {tmp_path / 'ck'}\nmetrics: {tmp_path / 'r.jsonl'}\n")
     train_main(["--config", str(tmp_path / "resume.yaml")])
     assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "straight.jsonl")
 
@@ -155,7 +170,7 @@ def test_a_resume_reads_only_the_files_the_user_names(tmp_path, capsys):
     train_main(run + ["--stop-after", "3", "--save", str(tmp_path / "ck"), "--metrics", str(tmp_path / "r.jsonl")])
     message = one_line_exit_2(train_main, ["--resume", str(tmp_path / "ck")], capsys)
     assert f"its run read --data {data}; name it (--data PATH) to read it again" in message
-    train_main(["--resume", str(tmp_path / "ck"), "--data", str(data)])
+    train_main(["--resume", str(tmp_path / "ck"), "--data", str(data), "--metrics", str(tmp_path / "r.jsonl")])
     assert len(losses(tmp_path / "r.jsonl")) == 6
 
 

@@ -21,6 +21,9 @@ NOT_INHERITED = ("resume", "resume_with_changes", "stop_after", "config", "print
                  "offload_dir", "host_mem_gb", "drive_gbps")
 # Settings that name files the run reads: a resume takes them from the user, never from the checkpoint.
 READ_PATHS = ("model", "data", "eval_data", "chat_template", "topology")
+# Settings that name where the run writes: a resume writes only where the user names again (a tampered
+# checkpoint must not choose the paths), except --save of the very checkpoint it continues (ours).
+WRITE_PATHS = ("metrics", "tensorboard", "report_to", "report_dir", "trace", "save", "export", "export_merged")
 # Settings that name files: stored resolved, so a resume from another directory finds them.
 PATH_SETTINGS = ("data", "eval_data", "chat_template", "metrics", "tensorboard", "report_dir", "offload_dir", "trace",
                  "save", "export", "export_merged", "topology", "model")
@@ -159,7 +162,10 @@ def layered_argv(parser: argparse.ArgumentParser, argv: list[str], checkpoint_se
     resume, backend = known.resume or from_file.resume, known.backend or from_file.backend
     layers: list[str] = []
     if resume and checkpoint_settings is not None:
-        inherited = {k: v for k, v in checkpoint_settings(resume).items() if k not in NOT_INHERITED}
+        stored = checkpoint_settings(resume)
+        in_place = bool(stored.get("save")) and Path(str(stored["save"])).resolve() == Path(resume).resolve()
+        inherited = {k: v for k, v in stored.items() if k not in NOT_INHERITED
+                     and (k not in WRITE_PATHS or (k == "save" and in_place))}
         if backend not in (None, inherited.get("backend")):  # another backend: none of its options
             inherited = {k: v for k, v in inherited.items() if k not in backend_options}
         for name in READ_PATHS:  # a file the run reads is one the user names, not one a checkpoint does
