@@ -643,3 +643,20 @@ def test_stage_weights_on_disk_give_the_bits_they_give_in_memory(tmp_path, preci
     assert all(n > 4 and n % 3 == 1 for n in writes.values()), writes  # several blocks an update
     assert max(writes.values()) == 1 + 3 * BLOCKS_PER_STAGE  # the worker's largest stage in its blocks
     assert all(list(d.iterdir()) == [] for d in drives)
+
+
+def test_timing_a_drive_is_refused_before_writing_where_space_is_short(tmp_path, monkeypatch):
+    """The timing file is never written into a drive's last bytes: with less than twice its size
+    free, the timing is refused in one line and nothing is created."""
+    from mobius.swap import disk
+
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, fs):
+            self.f_frsize, self.f_bavail = fs.f_frsize, (3 * 2**20) // fs.f_frsize  # 3 MiB free
+
+    monkeypatch.setattr(disk.os, "statvfs", lambda d: Full(real(d)))
+    with pytest.raises(InputError, match="GB free"):
+        disk.measure_drive(tmp_path, 2 * 2**20)
+    assert list(tmp_path.iterdir()) == []

@@ -524,6 +524,12 @@ def measure_drive(directory: str | os.PathLike, nbytes: int, block: int = 64 * 2
     name = f".mobius-drive-{os.getpid()}"
     buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
     remove_orphans(directory)  # a timing file left by a process that was killed
+    fs = os.statvfs(directory)
+    free = fs.f_bavail * fs.f_frsize
+    if nbytes > free // 2:  # the timing file never takes the drive's last bytes (nor half of what is left)
+        raise InputError(f"{shown(directory)}: timing the drive writes a {nbytes / 1e9:.2f} GB file there, but its "
+                         f"file system has {free / 1e9:.2f} GB free; free some space, or time less "
+                         "(mobius.rates --drive-gb)")
     try:
         ledger = FileLedger(directory, "drive")
         fd = ledger.create(name)
