@@ -30,7 +30,7 @@ def reference_logits(path, tokens):
         return model(tokens).logits
 
 
-FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"]
+FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -74,7 +74,8 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral",
+                                  "qwen3_moe"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
@@ -95,7 +96,7 @@ def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
 def test_single_and_pipeline_fine_tune_alike(hf_dirs, arch):
     """Full fine-tuning (fp32): the reference and pipelines of 2 and 4 workers (threads), at a
     sequence longer than the sliding window, give the same per-step losses and final weights."""

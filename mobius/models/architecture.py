@@ -53,6 +53,15 @@ class GPTConfig:
     proj_bias: bool | None = None
     mlp_bias: bool | None = None
     norm_bias: bool | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): each MoE block's MLP is ``experts`` gated MLPs of width
+    # ``expert_intermediate``, ``experts_per_token`` of them per token, picked by a linear router's
+    # softmax (renormalised over the picked ones where ``norm_topk``); the blocks in ``dense_blocks``
+    # (0-based) keep a dense MLP.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int | None = None
+    norm_topk: bool = False
+    dense_blocks: tuple = ()
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
     # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3)
     hf_arch: str | None = None
@@ -107,6 +116,14 @@ class GPTConfig:
     def gated_mlp(self) -> bool:
         """The MLP's input projection is gate | up (SwiGLU, GeGLU)."""
         return self.mlp in ("swiglu", "geglu")
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) has a mixture of experts for its MLP."""
+        return self.experts > 0 and block not in self.dense_blocks
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_intermediate or self.ffn
 
     def is_sliding(self, block: int) -> bool:
         """Whether block ``block`` (0-based) attends through the sliding window."""

@@ -210,7 +210,9 @@ class Block(GPTLayer):
     MLP's gate and up projections share ``fc`` (gate first).  With ``qk_norm`` each head's queries
     and keys are normalised (``q_norm``, ``k_norm``) before the rotation.  Block ``index`` of the
     layer list (1-based: the embedding is layer 0) knows whether it attends through the sliding
-    window."""
+    window, and whether its MLP is a mixture of experts: a ``router`` and every expert's gate | up
+    (``experts_fc``) and down (``experts_out``) projections, each stacked into one flat tensor (a
+    stage streams them as one buffer), computed as transformers computes Mixtral's and Qwen3-MoE's."""
 
     kind = "block"
 
@@ -227,8 +229,15 @@ class Block(GPTLayer):
             self.k_norm = make_norm(config, config.head_dim)
         self.proj = nn.Linear(q_width, h, bias=config.flag("proj_bias"))
         self.ln2 = make_norm(config)
-        self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
-        self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
+        self.moe = config.is_moe(index - 1)
+        if self.moe:
+            e, width = config.experts, config.expert_ffn
+            self.router = nn.Linear(h, e, bias=False)
+            self.experts_fc = nn.Parameter(torch.empty(e * 2 * width, h))
+            self.experts_out = nn.Parameter(torch.empty(e * h, width))
+        else:
+            self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
+            self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
         if config.sandwich_norm:
             self.ln1_post = make_norm(config)
             self.ln2_post = make_norm(config)
@@ -258,8 +267,29 @@ class Block(GPTLayer):
         y = attention(q, k, v, layout, c, self.window)
         y = self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
         x = x + (self.ln1_post(y) if c.sandwich_norm else y)
-        y = self.fc_out(self._activation(self.fc(self.ln2(x))))
+        y = self._experts(self.ln2(x)) if self.moe else self.fc_out(self._activation(self.fc(self.ln2(x))))
         return x + (self.ln2_post(y) if c.sandwich_norm else y)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixture of experts: each token's top-k experts by the router's softmax (in fp32),
+        their outputs weighted by those probabilities (renormalised where ``norm_topk``) and summed,
+        expert by expert in transformers' order."""
+        c = self.config
+        e, width, h = c.experts, c.expert_ffn, c.hidden
+        flat = x.reshape(-1, h)
+        logits = self.router(flat)
+        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), c.experts_per_token, dim=-1)
+        if c.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        fc, out = self.experts_fc.view(e, 2 * width, h), self.experts_out.view(e, h, width)
+        y = torch.zeros_like(flat)
+        for j in torch.unique(chosen).tolist():
+            token, slot = torch.where(chosen == j)
+            gate, up = F.linear(flat[token], fc[j]).chunk(2, dim=-1)
+            part = F.linear(self._activation(torch.cat([gate, up], dim=-1)), out[j]) * weights[token, slot, None]
+            y.index_add_(0, token, part.to(y.dtype))
+        return y.view_as(x)
 
     def _activation(self, z: torch.Tensor) -> torch.Tensor:
         kind = self.config.mlp
@@ -274,24 +304,36 @@ class Block(GPTLayer):
         return F.gelu(z, approximate="tanh" if kind == "gelu_tanh" else "none")
 
     def forward_flops(self, batch: int, seq: int) -> int:
-        weights = sum(m.weight.numel() for m in (self.qkv, self.proj, self.fc, self.fc_out))
-        # 2 FLOPs per weight per token; QK^T and AV: 2 * 2 b t^2 h.
+        # 2 FLOPs per weight a token computes with (of the experts, the k it is routed to); QK^T and
+        # AV: 2 * 2 b t^2 h.
+        weights = sum(m.weight.numel() for m in (self.qkv, self.proj))
+        if self.moe:
+            c = self.config
+            weights += self.router.weight.numel() + 3 * c.experts_per_token * c.hidden * c.expert_ffn
+        else:
+            weights += self.fc.weight.numel() + self.fc_out.weight.numel()
         return 2 * batch * seq * weights + 4 * batch * seq * seq * self.config.attention_width
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
         # Saved tensors of one block with fused attention: about 17 b*t*h elements for a 4h MLP
         # (inputs of ln1, qkv, attention out, proj, ln2, fc, gelu (4h each), fc_out).
-        h = self.config.hidden
-        return (9 * h + 2 * self.fc.out_features) * batch * seq * dtype.itemsize
+        c = self.config
+        h = c.hidden
+        # A mixture saves its k experts' gate | up of each token, and the router's fp32 softmax.
+        mlp = 2 * c.experts_per_token * 2 * c.expert_ffn + 4 * c.experts if self.moe else 2 * self.fc.out_features
+        return (9 * h + mlp) * batch * seq * dtype.itemsize
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        for lin in (self.qkv, self.fc):
-            nn.init.normal_(lin.weight, std=0.02, generator=generator)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
+        # In this order (a preset's weights are the draws' sequence): the inputs' projections, then
+        # the residual ones, scaled by 1/sqrt(2 * n_layer) as GPT-2's.
         std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for lin in (self.proj, self.fc_out):
-            nn.init.normal_(lin.weight, std=std, generator=generator)
-        for lin in (self.qkv, self.proj, self.fc, self.fc_out):
+        mlp_in, mlp_out = ((self.router.weight, self.experts_fc), (self.experts_out,)) if self.moe else \
+            ((self.fc.weight,), (self.fc_out.weight,))
+        for w in (self.qkv.weight, *mlp_in):
+            nn.init.normal_(w, std=0.02, generator=generator)
+        for w in (self.proj.weight, *mlp_out):
+            nn.init.normal_(w, std=std, generator=generator)
+        for lin in (self.qkv, self.proj) + (() if self.moe else (self.fc, self.fc_out)):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
         for ln in self.norms():

@@ -36,7 +36,8 @@ from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 
 # Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+MIXTURES = ("mixtral", "qwen3_moe")  # their MLPs mixtures of experts
 GEMMA = ("gemma2", "gemma3_text")
 SUPPORTED = ("gpt2", "opt", *LLAMA_FAMILY, "gemma3")
 # Gemma 3 with its vision tower stores only what differs from these in its text_config
@@ -158,6 +159,7 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
     if c.get("use_bidirectional_attention", "bool", False):
         _unsupported(path, "bidirectional attention (use_bidirectional_attention)")
     attn_bias = c.get("attention_bias", "bool", False)
+    moe = _mixture(c, path, kind, n_layer, size) if kind in MIXTURES else {}
     query_scalar = c.get("query_pre_attn_scalar", "number", None, minimum=1e-9) if gemma else None
     return GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"), n_layer=n_layer,
                      hidden=hidden, heads=heads, kv_heads=size("num_key_value_heads", heads),
@@ -168,13 +170,38 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
                      rotary_dims=rotary_dims if rotary_dims != head_dim else None,
                      tie_embeddings=c.get("tie_word_embeddings", "bool", gemma),
                      head_size=head_size if head_size != hidden // heads else None,
-                     qk_norm=kind in ("qwen3", "gemma3_text"),
+                     qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
                      qkv_bias=True if kind == "qwen2" else attn_bias, proj_bias=attn_bias,
                      mlp_bias=c.get("mlp_bias", "bool", False), embed_scale=gemma, sandwich_norm=gemma,
                      query_scale=query_scalar ** -0.5 if query_scalar else None,
                      attn_softcap=c.get("attn_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
                      logit_softcap=c.get("final_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
-                     sliding_window=window, sliding_layers=sliding, **common)
+                     sliding_window=window, sliding_layers=sliding, **moe, **common)
+
+
+def _mixture(c: Fields, path: str, kind: str, n_layer: int, size) -> dict:
+    """The mixture of experts of Mixtral and Qwen3-MoE: how many experts, how many a token uses, their
+    width, whether the picked ones' weights are renormalised, and Qwen3-MoE's dense blocks."""
+    if c.get("output_router_logits", "bool", False):
+        raise InputError(f"--model {path}: config.json turns on the router's load-balancing loss "
+                         "(output_router_logits), which is not built yet: set it to false to fine-tune without it")
+    # Each family's key, or the other (transformers writes Qwen3-MoE's count under Mixtral's name).
+    own, other = ("num_local_experts", "num_experts") if kind == "mixtral" else ("num_experts", "num_local_experts")
+    experts = size(own, None) or size(other)
+    if kind == "mixtral":
+        out = {"expert_intermediate": None, "norm_topk": True, "dense_blocks": ()}
+    else:
+        every = c.get("decoder_sparse_step", "int", 1, minimum=1)
+        only = c.get("mlp_only_layers", "list", [])
+        if not all(isinstance(i, int) for i in only):
+            raise InputError(f"--model {path}: config.json mlp_only_layers must list block numbers")
+        out = {"expert_intermediate": size("moe_intermediate_size"),
+               "norm_topk": c.get("norm_topk_prob", "bool", False),
+               "dense_blocks": tuple(i for i in range(n_layer) if i in only or (i + 1) % every)}
+    k = size("num_experts_per_tok")
+    if k > experts:
+        raise InputError(f"--model {path}: config.json num_experts_per_tok {k} is more than the {experts} experts")
+    return {"experts": experts, "experts_per_token": k, **out}
 
 
 def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int | None, tuple]:
@@ -185,7 +212,9 @@ def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int 
         if c.get("use_sliding_window", "bool", False):
             _unsupported(path, f"sliding-window attention (use_sliding_window) for {kind}")
         return None, ()
-    if kind not in ("mistral", "phi3", *GEMMA):
+    if kind == "qwen3_moe" and c.get("use_sliding_window", "bool", False):
+        _unsupported(path, f"sliding-window attention (use_sliding_window) for {kind}")
+    if kind not in ("mistral", "mixtral", "phi3", *GEMMA):
         return None, ()
     window = c.get("sliding_window", "int", 4096 if kind in GEMMA else None, minimum=1)
     if window is None:
@@ -369,8 +398,21 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
     else:
         qkv = tuple(f"{b}self_attn.{x}_proj.weight" for x in "qkv")
         fc = (f"{b}mlp.gate_proj.weight", f"{b}mlp.up_proj.weight")
-    out = norms + [Piece("qkv.weight", qkv), Piece("proj.weight", (f"{b}self_attn.o_proj.weight",)),
-                   Piece("fc.weight", fc), Piece("fc_out.weight", (f"{b}mlp.down_proj.weight",))]
+    out = norms + [Piece("qkv.weight", qkv), Piece("proj.weight", (f"{b}self_attn.o_proj.weight",))]
+    if config.is_moe(j):  # every expert's tensors stacked in expert order (gate then up, each)
+        e = range(config.experts)
+        if arch == "mixtral":
+            m = f"{b}block_sparse_moe."
+            names = (f"{m}gate.weight", [(f"{m}experts.{i}.w1.weight", f"{m}experts.{i}.w3.weight") for i in e],
+                     [f"{m}experts.{i}.w2.weight" for i in e])
+        else:
+            m = f"{b}mlp."
+            names = (f"{m}gate.weight", [(f"{m}experts.{i}.gate_proj.weight", f"{m}experts.{i}.up_proj.weight")
+                                         for i in e], [f"{m}experts.{i}.down_proj.weight" for i in e])
+        out += [Piece("router.weight", (names[0],)), Piece("experts_fc", tuple(n for pair in names[1] for n in pair)),
+                Piece("experts_out", tuple(names[2]))]
+    else:
+        out += [Piece("fc.weight", fc), Piece("fc_out.weight", (f"{b}mlp.down_proj.weight",))]
     if config.qk_norm:
         out += [Piece("q_norm.weight", (f"{b}self_attn.q_norm.weight",)),
                 Piece("k_norm.weight", (f"{b}self_attn.k_norm.weight",))]
@@ -378,7 +420,7 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
         out.append(Piece("qkv.bias", tuple(f"{b}self_attn.{x}_proj.bias" for x in "qkv")))
     if config.flag("proj_bias"):
         out.append(Piece("proj.bias", (f"{b}self_attn.o_proj.bias",)))
-    if config.flag("mlp_bias"):
+    if config.flag("mlp_bias") and not config.is_moe(j):
         out += [Piece("fc.bias", (f"{b}mlp.gate_proj.bias", f"{b}mlp.up_proj.bias")),
                 Piece("fc_out.bias", (f"{b}mlp.down_proj.bias",))]
     return out
