@@ -25,6 +25,24 @@ CONFIGS = {
         "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
         "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "hidden_act": "silu"},
+    # Mixtures of experts (each config.json's values as published).
+    "Mixtral-8x7B": {
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "sliding_window": None, "output_router_logits": False, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "output_router_logits": False, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "Qwen3-235B-A22B": {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "output_router_logits": False, "tie_word_embeddings": False, "hidden_act": "silu"},
 }
 
 

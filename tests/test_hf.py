@@ -224,3 +224,22 @@ def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     for m, k in zip(history, range(3)):
         r = ref.step(k).loss
         assert abs(m.loss - r) / r < 1e-5
+
+
+@pytest.mark.slow
+def test_chunked_fine_tunes_a_mixture_of_experts_like_single(hf_dirs):
+    """Mixtral on the chunked engine's 2 processes (its chunks traced on the meta device, where
+    nothing can be routed) gives the single backend's losses."""
+    from topology import cpu_topology
+
+    from mobius.backends.chunked import launch_chunked
+    from mobius.reference import ReferenceTrainer
+    from mobius.runtime.inputs import make_batches, make_data
+
+    cfg = RunConfig.of(model=hf_dirs["mixtral"], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
+                       precision="fp32", progress=False, topology="cpu", cpu_workers=2, backend="chunked")
+    config = get_config(cfg.model)
+    ref = ReferenceTrainer(cfg.changed(backend="single"), config, make_batches(cfg, config), torch.device("cpu"))
+    want = [ref.step(k).loss for k in range(3)]
+    history = launch_chunked(cfg, config, cpu_topology(2), data=make_data(cfg, config))
+    assert [m.loss for m in history] == pytest.approx(want, rel=1e-5)

@@ -47,7 +47,7 @@ def lora_targets(config: GPTConfig, names: tuple[str, ...]) -> tuple[str, ...]:
     peft: dict[str, list[tuple[str, int]]] = {}  # a module's last path component -> (our module, its part)
     if config.hf_arch:
         for module in LORA_MODULES:
-            for part, path in enumerate(module_paths(config, 1, module)):
+            for part, path in enumerate(module_paths(config, first_block_with(config, module), module)):
                 peft.setdefault(path.rsplit(".", 1)[-1], []).append((module, part))
     chosen: dict[str, set[int]] = {}
     for name in names:
@@ -58,17 +58,27 @@ def lora_targets(config: GPTConfig, names: tuple[str, ...]) -> tuple[str, ...]:
         raise InputError(f"--lora-targets {','.join(names)!r}: give distinct names among {', '.join(LORA_MODULES)}"
                          + (f" or {config.hf_arch}'s {', '.join(peft)}" if peft else ""))
     targets: list[str] = []
-    for module in (m for m in LORA_MODULES if m in chosen):
+    for module in (m for m in LORA_MODULES if m in chosen and first_block_with(config, m)):
         every = len(chosen[module]) == len(parts(config, module))
         targets += [module] if every else [f"{module}.{part}" for part in sorted(chosen[module])]
     return tuple(targets)
 
 
-def module_paths(config: GPTConfig, index: int, module: str) -> list[str]:
-    """The Hugging Face module paths of our projection ``module`` in layer ``index`` (one per part)."""
+def module_paths(config: GPTConfig, index: int | None, module: str) -> list[str]:
+    """The Hugging Face module paths of our projection ``module`` in layer ``index`` (one per part;
+    none where the layer has no such projection: a mixture of experts' block has no ``fc``)."""
     root = MODULE_ROOT.get(config.hf_arch, "model.")
-    piece = next(p for p in _layer_map(config, index, root) if p.ours == f"{module}.weight")
-    return [name.removesuffix(".weight") for name in piece.names]
+    piece = next((p for p in _layer_map(config, index, root) if p.ours == f"{module}.weight"), None) \
+        if index is not None else None
+    return [] if piece is None else [name.removesuffix(".weight") for name in piece.names]
+
+
+def first_block_with(config: GPTConfig, module: str) -> int | None:
+    """The first block (a layer index) that has our projection ``module``, None where none has (the
+    MLP's of a model whose every block is a mixture of experts)."""
+    if module in ("fc", "fc_out"):
+        return next((j + 1 for j in range(config.n_layer) if not config.is_moe(j)), None)
+    return 1
 
 
 def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -115,7 +125,8 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
 def adapter_config(config: GPTConfig) -> dict:
     """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
     targets = sorted({".".join(path.split(".")[-2:]) for module, chosen in adapted_parts(config).items()
-                      for part, path in enumerate(module_paths(config, 1, module)) if part in chosen})
+                      for part, path in enumerate(module_paths(config, first_block_with(config, module), module))
+                      if part in chosen})
     if config.hf_arch == "gemma3":
         # Its vision tower has modules of the same names: name the language model's alone (PEFT
         # matches a string target as a regular expression over the whole module name).

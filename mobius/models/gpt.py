@@ -278,6 +278,8 @@ class Block(GPTLayer):
         e, width, h = c.experts, c.expert_ffn, c.hidden
         flat = x.reshape(-1, h)
         logits = self.router(flat)
+        if flat.is_meta:  # tracing which weights a layer reads (no values to route by): all of them, as a whole
+            return F.linear(F.linear(flat, self.experts_fc)[:, :width], self.experts_out)[:, :h].view_as(x)
         weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), c.experts_per_token, dim=-1)
         if c.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)

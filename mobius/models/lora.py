@@ -175,7 +175,9 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
     for name, chosen in adapted_parts(config).items():
-        lin = getattr(block, name)
+        lin = getattr(block, name, None)
+        if lin is None:  # a mixture of experts' block: no dense MLP (the experts and router stay frozen)
+            continue
         lin.__class__ = LoRALinear4bit if isinstance(lin, Linear4bit) else LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
                          (index, LORA_MODULES.index(name)), config.lora_dora, chosen)
