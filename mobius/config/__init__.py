@@ -433,7 +433,7 @@ class RunConfig:
     backend: str = setting("auto", "auto: chunked on NVLink topologies, else pipeline; single: plain PyTorch "
                                    "reference", choices=BACKENDS)
     model: str = setting("small", "a preset (tiny, small, mobius-3b, gpt2, ...) or a Hugging Face directory (GPT-2, "
-                                  "OPT, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3)", plans=True)
+                                  "OPT, Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Gemma 2/3)", plans=True)
     gpu_mem_gb: float | None = setting(
         None, "cap each device's memory (on CPU workers: the budget the runtime enforces)", plans=True)
     host_adam_gbps: float | None = setting(

@@ -17,7 +17,8 @@ class GPTConfig:
     RMSNorm of each head's queries and keys), Phi-3 (rotation of part of each head, LongRoPE) and
     Gemma 2 and 3 (scaled embeddings, (1 + w) RMSNorms before and after attention and MLP, GeGLU,
     a query scale of their own, soft-capped scores and logits, local sliding-window layers between
-    global ones, each kind with its own rotary base).
+    global ones, each kind with its own rotary base); Mixtral and Qwen3-MoE are Mistral and Qwen3 whose
+    MLPs are mixtures of experts.
     """
 
     vocab_size: int
