@@ -26,6 +26,7 @@ if __name__ == "__main__":
     quiet_interrupts_while_importing()
 
 # ruff: noqa: E402
+import json
 import math
 import multiprocessing
 import os
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mobius.boundary.cache import Cache, key_of
+from mobius.boundary.ownership import check_output_file, output_locks, write_output_file
 from mobius.boundary.errors import InputError, exits_cleanly, shown
 from mobius.config import OneLineParser
 from mobius.models import PRESETS, build_layer
@@ -243,9 +245,15 @@ def main(argv: list[str] | None = None) -> None:
     except TopologyError as err:
         raise InputError(str(err)) from None
     if args.write:
-        from mobius.boundary.ownership import check_output_file
-
         check_output_file("--write", args.write)
+    # The file to write is ours to write from the check to the write: no other run of ours writes it
+    # meanwhile, and one that appeared there is left alone (write_output_file).
+    with output_locks({"--write": args.write} if args.write else {}):
+        _measure(args, topo)
+
+
+def _measure(args, topo: Topology) -> None:
+    """The rates measured (or cached), the drives timed, and ``--write``'s topology file written."""
     on_gpus = cuda_available() and not topo.virtual
     precision = args.precision or ("bf16" if on_gpus else "fp32")
     config = PRESETS[args.model]
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         measured = measured_topology(topo, rates, args.micro_batch_size, args.seq_len)
         measured.drives = drives or measured.drives
-        measured.save(args.write)
+        write_output_file("--write", args.write, json.dumps(measured.to_dict(), indent=2) + "\n")
         print(f"wrote {shown(args.write)}")
 
 

@@ -549,3 +549,33 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_allocate
     code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--resume-with-changes"],
                         capsys)
     assert code == 2 and len(err) == 1 and said in err[0], (what, err)
+
+
+def test_an_output_file_is_created_only_where_absent_and_replaced_only_while_ours(tmp_path):
+    """``mobius.rates --write FILE``'s write: a file that appears at FILE while the rates are
+    measured, or replaces ours there, is left as it is and the write refused in one line."""
+    from mobius.boundary.errors import InputError
+    from mobius.boundary.ownership import is_our_file, write_output_file
+
+    target = tmp_path / "box.json"
+    write_output_file("--write", target, "one")
+    assert target.read_text() == "one" and is_our_file(target)
+    write_output_file("--write", target, "two")  # ours: replaced
+    assert target.read_text() == "two" and is_our_file(target)
+    target.write_text("the user's")  # replaced by the user's own file since
+    with pytest.raises(InputError, match="not ours appeared there"):
+        write_output_file("--write", target, "three")
+    assert target.read_text() == "the user's"
+    fresh = tmp_path / "new.json"
+
+    def appears(src, dst):  # a file of the user's lands there between the check and the write
+        fresh.write_text("theirs")
+        return real_link(src, dst)
+
+    real_link = os.link
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "link", appears)
+        with pytest.raises(InputError, match="appeared there"):
+            write_output_file("--write", fresh, "ours")
+    assert fresh.read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["box.json", "new.json"]

@@ -421,6 +421,37 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def write_output_file(option: str, path: str | os.PathLike, text: str) -> None:
+    """Write the output file ``path`` (checked by :func:`check_output_file` before the work that
+    made ``text``): created only where nothing is there now, replaced only where what is there is
+    still a file we wrote; recorded as ours before it lands.  A file that appeared, or changed, in
+    the meantime is left as it is and the write refused in one line."""
+    import tempfile
+
+    path = Path(path)
+    data = text.encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".mobius-partial", dir=path.resolve().parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        exists = path.exists() or path.is_symlink()
+        if exists and not is_our_file(path):
+            raise InputError(f"{option} {path}: a file that is not ours appeared there (or ours changed) while it "
+                             "was being made; left as it is, nothing written")
+        record_file(path, hashlib.sha256(data).hexdigest(), previous=sha256_of(path) if exists else None)
+        if exists:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # created only if still absent, atomically
+            except FileExistsError:
+                raise InputError(f"{option} {path}: a file appeared there while it was being made; left as it "
+                                 "is, nothing written") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 @contextlib.contextmanager
 def working_dir(option: str, path: str | os.PathLike | None):
     """A directory the run fills with files of its own while it lasts (``--offload-dir``): it must
