@@ -158,3 +158,27 @@ def test_a_missing_package_is_named_with_its_extra(monkeypatch, capsys, tmp_path
     monkeypatch.setattr("mobius.config.installed", lambda name: False)
     assert "--report-to mlflow needs the 'mlflow' package: pip install 'mobius-train[mlflow]'" in one_line_exit_2(
         train_main, SINGLE + ["--report-to", "mlflow", "--report-dir", str(tmp_path / "r")], capsys)
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(tmp_path, monkeypatch, capsys):
+    """``MLFLOW_TRACKING_URI`` naming a server that accepts and never answers: the run stops in one
+    line naming the server (MLflow's own retries would take minutes), and writes nothing."""
+    pytest.importorskip("mlflow")
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as info:
+            train_main(SINGLE + ["--steps", "1", "--report-to", "mlflow", "--report-dir", str(tmp_path / "r")])
+        waited = time.monotonic() - started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and len(err) == 1
+    assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer" in err[0]
+    assert not (tmp_path / "r").exists()
+    print(f"refused after {waited:.1f} s")  # bounded by the timeouts set (2 tries of 5 s), not asserted

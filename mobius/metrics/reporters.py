@@ -119,29 +119,53 @@ class MlflowLog:
         from mlflow.tracking import MlflowClient
 
         self.directory = directory
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or directory.resolve().as_uri()
-        with writing(self.option, directory), environment(MLFLOW_ALLOW_FILE_STORE="true"):
-            # A local store is a directory of files: MLflow 3 keeps it in maintenance mode (its
-            # database store needs SQLAlchemy, which mlflow-skinny leaves out) but reads it still.
-            self.client = MlflowClient(tracking_uri=uri)
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius")
-            found = self.client.get_experiment_by_name(name)
-            experiment = found.experiment_id if found else self.client.create_experiment(name)
-            self.run_id = self.client.create_run(experiment).info.run_id
-            params = [Param(k, str(v)[:6000]) for k, v in settings.items() if v is not None]
-            for i in range(0, len(params), self.PARAMS_PER_BATCH):
-                self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_BATCH])
+        self.uri = uri = os.environ.get("MLFLOW_TRACKING_URI") or directory.resolve().as_uri()
+        # A tracking server that does not answer is said within seconds, naming it, from this
+        # process: MLflow's own retries (7, backing off to minutes) would outlast the other workers'
+        # collectives, whose timeout would then be blamed.  The user's settings win.
+        with contextlib.ExitStack() as settings_here:  # undone if the run does not start
+            settings_here.enter_context(environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES="1",
+                                                    MLFLOW_HTTP_REQUEST_TIMEOUT="5",
+                                                    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1"))
+            with writing(self.option, directory), environment(MLFLOW_ALLOW_FILE_STORE="true"), self._served():
+                # A local store is a directory of files: MLflow 3 keeps it in maintenance mode (its
+                # database store needs SQLAlchemy, which mlflow-skinny leaves out) but reads it still.
+                self.client = MlflowClient(tracking_uri=uri)
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius")
+                found = self.client.get_experiment_by_name(name)
+                experiment = found.experiment_id if found else self.client.create_experiment(name)
+                self.run_id = self.client.create_run(experiment).info.run_id
+                params = [Param(k, str(v)[:6000]) for k, v in settings.items() if v is not None]
+                for i in range(0, len(params), self.PARAMS_PER_BATCH):
+                    self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_BATCH])
+            self._environment = settings_here.pop_all()  # the run's for as long as it lasts: close() ends it
+
+    @contextlib.contextmanager
+    def _served(self):
+        """What the tracking store refuses, said naming it (a remote server's URI)."""
+        try:
+            yield
+        except RunError:
+            raise
+        except Exception as err:  # MLflow raises its own types and requests' for a server that does not answer
+            if self.uri.startswith(("http://", "https://")):
+                raise RunError(f"{self.option}: the MLflow tracking server {self.uri} (MLFLOW_TRACKING_URI) did not "
+                               f"answer: {type(err).__name__}: {first_line(err, 160)}") from None
+            raise
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        with writing(self.option, self.directory):
+        with writing(self.option, self.directory), self._served():
             self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in scalars.items()])
 
     def close(self) -> None:
-        with writing(self.option, self.directory):
-            self.client.set_terminated(self.run_id)
+        try:
+            with writing(self.option, self.directory), self._served():
+                self.client.set_terminated(self.run_id)
+        finally:
+            self._environment.close()
 
 
 # Each reporter and the directory it takes under --report-dir.
