@@ -47,6 +47,8 @@ class FakeWandb(types.ModuleType):
         fake = self
 
         class Run:
+            id = kwargs.get("id") or f"w{len(fake.inits)}"
+
             def log(self, scalars, step):
                 for tag, value in scalars.items():
                     fake.logged.setdefault(tag, {})[step] = value
@@ -59,7 +61,7 @@ class FakeWandb(types.ModuleType):
 
 def fake_mlflow(monkeypatch) -> dict:
     """mlflow.tracking.MlflowClient and mlflow.entities as a run uses them, recorded."""
-    seen = {"metrics": {}, "params": {}, "terminated": 0, "uri": None}
+    seen = {"metrics": {}, "params": {}, "terminated": 0, "uri": None, "created": 0, "resumed": []}
 
     class Client:
         def __init__(self, tracking_uri):
@@ -72,7 +74,16 @@ def fake_mlflow(monkeypatch) -> dict:
             return "1"
 
         def create_run(self, experiment):
-            return types.SimpleNamespace(info=types.SimpleNamespace(run_id="r"))
+            seen["created"] += 1
+            return types.SimpleNamespace(info=types.SimpleNamespace(run_id=f"r{seen['created']}"))
+
+        def get_run(self, run_id):
+            if run_id not in {f"r{k}" for k in range(1, seen["created"] + 1)}:
+                raise LookupError(run_id)
+            return types.SimpleNamespace(info=types.SimpleNamespace(experiment_id="1", lifecycle_stage="active"))
+
+        def update_run(self, run_id, status):
+            seen["resumed"].append((run_id, status))
 
         def log_batch(self, run_id, metrics=(), params=()):
             for m in metrics:
@@ -182,3 +193,22 @@ def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(tmp_path
     assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer" in err[0]
     assert not (tmp_path / "r").exists()
     print(f"refused after {waited:.1f} s")  # bounded by the timeouts set (2 tries of 5 s), not asserted
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """Stopped after step 2 and resumed: the same wandb run (its id, resume allowed) and the same
+    MLflow run get steps 3 and 4; no second run is started."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    mlflow = fake_mlflow(monkeypatch)
+    monkeypatch.setattr("mobius.config.installed", lambda name: True)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    reports, ck = ["--report-to", "wandb,mlflow", "--report-dir", str(tmp_path / "r")], str(tmp_path / "ck")
+    args = SINGLE + ["--steps", "4", "--seq-len", "16", "--no-progress"]
+    train_main(args + reports + ["--save", ck, "--stop-after", "2"])
+    train_main(["--resume", ck] + reports)
+    assert mlflow["created"] == 1 and mlflow["resumed"] == [("r1", "RUNNING")]
+    assert sorted(mlflow["metrics"]["train/loss"]) == [1, 2, 3, 4] and mlflow["terminated"] == 2
+    first, again = wandb.inits
+    assert "id" not in first and (again["id"], again["resume"]) == ("w1", "allow")
+    assert sorted(wandb.logged["train/loss"]) == [1, 2, 3, 4]

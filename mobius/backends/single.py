@@ -55,7 +55,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
                     if p.requires_grad:
                         p.copy_(ck.lagged_weights(ckpt, name, trainer.lag))
 
-    def save(done: int) -> None:
+    def save(done: int, trackers: dict[str, str]) -> None:
         with trainer.optimizer_state():  # bound (from disk) until saved
             trained = trainer.trained()
             files = {"weights.safetensors": trained,
@@ -64,7 +64,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
                 files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
                                                        if p.requires_grad}
             ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler,
-                                                            inputs))
+                                                            inputs, trackers))
 
     try:
         history = _train(cfg, model_config, trainer, device, held_out, restore, save)
@@ -76,9 +76,11 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
 def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, device: torch.device, held_out,
            restore, save) -> list[StepMetrics]:
     """The run's steps on ``trainer`` (resumed by ``restore``, saved by ``save``), its trace and exports."""
-    start = 0
+    start, tracker_runs = 0, {}
     if cfg.checkpoint.resume:
-        start = ck.resume(ck.open_for_resume(cfg, model_config), restore, trainer.scaler, cfg.optim.precision)
+        resumed = ck.open_for_resume(cfg, model_config)
+        start = ck.resume(resumed, restore, trainer.scaler, cfg.optim.precision)
+        tracker_runs = resumed.tracker_runs
     n = trainer.model.num_parameters()
     on_disk = ("" if trainer.disk is None else
                f"\n  on disk: AdamW's moments{' and the master weights' if trainer.lag else ''} "
@@ -90,7 +92,8 @@ def _train(cfg: RunConfig, model_config: GPTConfig, trainer: ReferenceTrainer, d
     evaluate = (lambda done: evaluation_of([trainer.evaluate(held_out), *held_out_sums(held_out)], held_out)) \
         if held_out is not None else None
     with StopRequest() as stop:
-        history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate)
+        history = run_steps(cfg, trainer.step, header, start_step=start, save_fn=save, stop=stop, eval_fn=evaluate,
+                            tracker_runs=tracker_runs)
     if cfg.outputs.trace:
         write_trace(cfg.outputs.trace, trainer.trace.collect())
     for _, out, merged in cfg.outputs.exports():

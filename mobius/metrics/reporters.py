@@ -79,7 +79,7 @@ class WandbLog:
 
     option = "--report-to wandb"
 
-    def __init__(self, directory: Path, settings: dict):
+    def __init__(self, directory: Path, settings: dict, run_id: str | None = None):
         import wandb
 
         self.directory = directory
@@ -89,11 +89,14 @@ class WandbLog:
             settings_here.enter_context(environment(**{k: str(v) for k, v in own.items()}))
             with writing(self.option, directory):
                 directory.mkdir(parents=True, exist_ok=True)
+                # A resumed run continues its wandb run (its id, resumed where wandb has it).
+                resumed = {"id": run_id, "resume": "allow"} if run_id else {}
                 self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mobius"), dir=str(directory.parent),
                                       mode=os.environ.get("WANDB_MODE", "offline"), config=settings,
                                       settings=wandb.Settings(silent=True, disable_git=True, save_code=False,
-                                                              console="off"))
+                                                              console="off"), **resumed)
             self._environment = settings_here.pop_all()  # the run's for as long as it lasts: close() ends it
+        self.run_id = self.run.id
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         with writing(self.option, self.directory):
@@ -114,7 +117,7 @@ class MlflowLog:
     option = "--report-to mlflow"
     PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
 
-    def __init__(self, directory: Path, settings: dict):
+    def __init__(self, directory: Path, settings: dict, run_id: str | None = None):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -134,11 +137,24 @@ class MlflowLog:
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius")
                 found = self.client.get_experiment_by_name(name)
                 experiment = found.experiment_id if found else self.client.create_experiment(name)
-                self.run_id = self.client.create_run(experiment).info.run_id
-                params = [Param(k, str(v)[:6000]) for k, v in settings.items() if v is not None]
-                for i in range(0, len(params), self.PARAMS_PER_BATCH):
-                    self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_BATCH])
+                if run_id and self._exists(run_id, experiment):  # a resumed run continues its MLflow run
+                    self.run_id = run_id
+                    self.client.update_run(run_id, status="RUNNING")
+                else:
+                    self.run_id = self.client.create_run(experiment).info.run_id
+                    params = [Param(k, str(v)[:6000]) for k, v in settings.items() if v is not None]
+                    for i in range(0, len(params), self.PARAMS_PER_BATCH):
+                        self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_BATCH])
             self._environment = settings_here.pop_all()  # the run's for as long as it lasts: close() ends it
+
+    def _exists(self, run_id: str, experiment: str) -> bool:
+        """The run ``run_id`` is in this store's experiment, and not deleted (another store, or an
+        experiment of another name, starts a new run)."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # MLflow's "not found", whatever its type
+            return False
+        return run.info.experiment_id == experiment and run.info.lifecycle_stage != "deleted"
 
     @contextlib.contextmanager
     def _served(self):
@@ -177,9 +193,14 @@ class Reports:
     """Every reporter the run asked for, given the same scalars after each step.  A reporter whose
     write failed (disk full) is said once, in the training loop's error line, and not written again."""
 
-    def __init__(self, reporters: list):
+    def __init__(self, reporters: list, names: list[str] | None = None):
         self.reporters = reporters
+        self.names = names or [""] * len(reporters)
         self.failed: set[int] = set()
+
+    def runs(self) -> dict[str, str]:
+        """Each tracker's run, by tracker: what a checkpoint keeps for a resume to continue."""
+        return {name: r.run_id for name, r in zip(self.names, self.reporters) if getattr(r, "run_id", None)}
 
     def write(self, m: StepMetrics) -> None:
         scalars = scalars_of(m)
@@ -202,17 +223,22 @@ class Reports:
             raise errors[0]
 
 
-def open_reports(outputs, settings: dict) -> Reports:
+def open_reports(outputs, settings: dict, runs: dict[str, str] | None = None) -> Reports:
     """The reporters of ``outputs`` (an :class:`~mobius.config.OutputConfig`), opened; ``settings``:
-    the run's options, for the reporters that record them."""
-    reporters = []
+    the run's options, for the reporters that record them; ``runs``: the trackers' runs to continue
+    (a resumed checkpoint's, :meth:`Reports.runs`)."""
+    reporters, names = [], []
     try:
         if outputs.tensorboard:
             reporters.append(TensorBoardLog(Path(outputs.tensorboard), settings))
+            names.append("tensorboard")
         for name in outputs.report_to:
             kind, place = REPORTER_CLASSES[name]
             try:
-                reporters.append(kind(Path(outputs.report_dir) / place, settings))
+                directory = Path(outputs.report_dir) / place
+                reporters.append(kind(directory, settings, (runs or {}).get(name)) if name != "tensorboard"
+                                 else kind(directory, settings))
+                names.append(name)
             except RunError:
                 raise
             except Exception as err:  # the package's own refusal (a tracking server that does not answer)
@@ -220,7 +246,7 @@ def open_reports(outputs, settings: dict) -> Reports:
     except BaseException:
         Reports(reporters).close()
         raise
-    return Reports(reporters)
+    return Reports(reporters, names)
 
 
 def _quiet_writer_threads() -> None:

@@ -192,6 +192,13 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def tracker_runs(self) -> dict[str, str]:
+        """The tracker runs (``--report-to``) its run logged into, by tracker: a resume continues them."""
+        runs = self.manifest.get("tracker_runs")
+        return {k: v for k, v in runs.items() if isinstance(k, str) and isinstance(v, str)} \
+            if isinstance(runs, dict) else {}
+
     def names(self) -> set[str]:
         return set(self._index)
 
@@ -398,11 +405,13 @@ def run_config(directory: str) -> dict:
     return dict(load_checkpoint(directory, verify=False).manifest.get("config") or {})
 
 
-def run_meta(cfg, model_config: dict, step: int, scaler, inputs: dict[str, str] | None = None) -> dict:
+def run_meta(cfg, model_config: dict, step: int, scaler, inputs: dict[str, str] | None = None,
+             tracker_runs: dict[str, str] | None = None) -> dict:
     """The manifest's account of the run: its settings (checked on resume), the digests of its
-    inputs (:func:`input_digests`) and its whole resolved configuration (``--resume DIR`` alone
-    continues with it)."""
+    inputs (:func:`input_digests`), its whole resolved configuration (``--resume DIR`` alone
+    continues with it) and the tracker runs it logs into (a resume continues them)."""
     return {"step": step, "model": cfg.model, "model_config": model_config, "backend": cfg.backend,
+            "tracker_runs": tracker_runs or {},
             "inputs": inputs or {},
             **{k: _setting(cfg, k) for k in RUN_SETTINGS}, "lr_schedules": LR_SCHEDULES,
             "config": stored_config(cfg.to_dict()),

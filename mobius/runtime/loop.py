@@ -20,11 +20,11 @@ from mobius.signals import StopRequest
 
 
 def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str, start_step: int = 0,
-              save_fn: Callable[[int], None] | None = None, stop: StopRequest | None = None,
+              save_fn: Callable[[int, dict[str, str]], None] | None = None, stop: StopRequest | None = None,
               agree: Callable[..., tuple[bool, ...]] | None = None, main: bool = True,
               eval_fn: Callable[[int], Evaluation] | None = None, check: PlanCheck | None = None,
-              switch: PlanSwitch | None = None,
-              before: list[StepMetrics] | None = None, started: float | None = None) -> list[StepMetrics]:
+              switch: PlanSwitch | None = None, before: list[StepMetrics] | None = None,
+              started: float | None = None, tracker_runs: dict[str, str] | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
     evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
     (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
@@ -35,12 +35,16 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     ``main`` after each step, ends this call at a step boundary for the caller to continue on
     another plan (``--replan``), every worker with it.  ``before``: the steps of the
     run's earlier plan, which the returned history and the summary include; ``started``: when the
-    first of them began (``time.perf_counter``), so the summary's wall time counts the switch.
+    first of them began (``time.perf_counter``), so the summary's wall time counts the switch;
+    ``tracker_runs``: the runs of ``--report-to``'s trackers to continue (a resumed checkpoint's),
+    updated with the ones logged into, which ``save_fn(done, runs)`` is given for the checkpoint.
     """
     if main:
         print(header, flush=True)
     writer = MetricsWriter(cfg.outputs.metrics if main else None, append=start_step > 0)
-    board = open_reports(cfg.outputs if main else OutputConfig(), cfg.to_dict())
+    board = open_reports(cfg.outputs if main else OutputConfig(), cfg.to_dict(), tracker_runs)
+    if tracker_runs is not None:  # for the caller's next call (after a plan switch) to continue them too
+        tracker_runs.update(board.runs())
     history: list[StepMetrics] = list(before or ())
     t0 = time.perf_counter() if started is None else started
     steps, save, save_every = cfg.optim.steps, cfg.checkpoint.save, cfg.checkpoint.save_every
@@ -82,7 +86,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             if agree is not None:
                 want_stop, want_save, want_switch = agree(want_stop, want_save, want_switch)
             if want_save and save_fn is not None:
-                save_fn(done)
+                save_fn(done, board.runs())  # a resume from it continues the trackers' runs
             if want_stop and done < cfg.optim.steps:
                 stopped_at = done
                 break

@@ -444,10 +444,11 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
     backend = build(WorkerContext(cfg, spec, rank, world, device, trace, data, payload))
     try:
         device.start_steps()
-        start = 0
+        start, tracker_runs = 0, {}
         if cfg.checkpoint.resume:  # the launcher checked it; each file is checked as it is read
-            start = ck.resume(ck.load_checkpoint(cfg.checkpoint.resume, verify=False), backend.restore, backend.scaler,
-                              cfg.optim.precision)
+            resumed = ck.load_checkpoint(cfg.checkpoint.resume, verify=False)
+            start = ck.resume(resumed, backend.restore, backend.scaler, cfg.optim.precision)
+            tracker_runs = resumed.tracker_runs
         inject_fault(rank, None)
         stop = install_stop(payload)
         started = time.perf_counter()
@@ -471,15 +472,15 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             switch = PlanSwitch(check, (lambda step_s, left: payload.replan(spec, step_s, left, setup_s))
                                 if rank == 0 else None, last)
 
-        def save(done: int) -> None:
+        def save(done: int, trackers: dict[str, str]) -> None:
             backend.drain()
-            meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.inputs)
+            meta = ck.run_meta(cfg, model_config_for(cfg).to_dict(), done, backend.scaler, payload.inputs, trackers)
             ck.save(cfg.checkpoint.save, backend.checkpoint_files(done), meta, rank, dist.barrier)
 
         header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None, check=check,
-                            switch=switch, started=started)
+                            switch=switch, started=started, tracker_runs=tracker_runs)
         if switch is not None and switch.at is not None:
             shared = [switch.spec]
             dist.broadcast_object_list(shared, src=0)  # rank 0 planned it
@@ -493,7 +494,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
                                 f"{seconds_text(spec.plan.predicted_step_s)}/step",
                                 start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
                                 eval_fn=backend.evaluate if backend.evaluates else None, check=check,
-                                before=history, started=started)
+                                before=history, started=started, tracker_runs=tracker_runs)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
         if spec.profile_key and any(c is not None and c.stale_profile for c in checks):
             PROFILES.path(spec.profile_key).unlink(missing_ok=True)  # the next run measures the layers again
