@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                 "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by}
             out["schedule"] = {"runs": "dispatched" if choice.shape is not None else "bound", "why": choice.why,
                                "bound_step_s": choice.bound_step_s, "bound_how": choice.bound_how}
+            if choice.shape is not None:  # the step of the schedule that runs; the bound plan's beside it
+                out["bound_predicted_step_s"], out["predicted_step_s"] = out["predicted_step_s"], dispatched.step_s
         out["planning_s"] = time.perf_counter() - started
         print(json.dumps(out, indent=1))
         return
