@@ -71,10 +71,17 @@ def pack(examples: list[Example], seq_len: int, packing: bool, seed: int, trunca
         used += inputs.size
     if not rows:
         raise InputError("the data has no example of at least 2 tokens")
+    return packed_rows(rows, seq_len, sum(len(r) for r in rows), truncated, lost_answers, pad_id)
+
+
+def packed_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, examples: int, truncated: int,
+                lost_answers: int = 0, pad_id: int = 0) -> Packed:
+    """``rows`` of (inputs, targets) examples laid end to end in ``seq_len`` sequences, each example
+    a segment of its row with positions from 0; padding after them."""
     n = len(rows)
     out = Packed(np.full((n, seq_len), pad_id, dtype=np.int64), np.full((n, seq_len), IGNORE, dtype=np.int64),
                  np.zeros((n, seq_len), dtype=np.int64), np.full((n, seq_len), -1, dtype=np.int64),
-                 sum(len(r) for r in rows), truncated, lost_answers)
+                 examples, truncated, lost_answers)
     for r, row in enumerate(rows):
         at = 0
         for e, (inputs, targets) in enumerate(row):

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from mobius.boundary.errors import InputError
-from mobius.data.corpus import Batch, smallest_ids
+from mobius.data.corpus import Batch
 from mobius.data.examples import ByteRenderer, ChatRenderer, Example, _common_prefix
-from mobius.data.packing import ExampleBatches, Packed
+from mobius.data.packing import ExampleBatches, Packed, packed_rows
 from mobius.data.records import Pair
-from mobius.models.layout import IGNORE, TokenLayout
 from mobius.metrics import Evaluation
+from mobius.models.layout import IGNORE
 from mobius.models.preference import PairLayout, PreferenceObjective, metric_sums, step_metrics
 
 
@@ -109,20 +109,7 @@ def pack_pairs(pairs: list[tuple[Example, Example]], seq_len: int, packing: bool
     if not rows:
         raise InputError(f"every one of the {len(pairs)} pairs lost its answers to truncation at --seq-len "
                          f"{seq_len} (half of it a side); raise --seq-len")
-    n = len(rows)
-    out = Packed(np.full((n, seq_len), pad_id, dtype=np.int64), np.full((n, seq_len), IGNORE, dtype=np.int64),
-                 np.zeros((n, seq_len), dtype=np.int64), np.full((n, seq_len), -1, dtype=np.int64),
-                 sum(len(r) // 2 for r in rows), truncated, lost)
-    for r, row in enumerate(rows):
-        at = 0
-        for e, (inputs, targets) in enumerate(row):
-            span = slice(at, at + inputs.size)
-            out.tokens[r, span], out.targets[r, span] = inputs, targets
-            out.positions[r, span], out.segments[r, span] = np.arange(inputs.size), e
-            at += inputs.size
-    for a in Packed.ARRAYS:
-        setattr(out, a, smallest_ids(getattr(out, a)))
-    return out, lost
+    return packed_rows(rows, seq_len, sum(len(r) // 2 for r in rows), truncated, lost, pad_id), lost
 
 
 class PreferenceBatches(ExampleBatches):

@@ -30,7 +30,8 @@ from mobius.boundary.errors import InputError, RunError, first_line, shown
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.metrics import StepMetrics, Trace, seconds_text, write_trace
+from mobius.metrics import Evaluation, StepMetrics, Trace, seconds_text, write_trace
+from mobius.models.precision import use_fp16_accumulation
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.device import Device, cpu_threads_per_worker, open_device
 from mobius.runtime.emulation import EmulatedLinks
