@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
-from mobius.data.preference import PreferenceBatches
+from mobius.data.preference import compute_references
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
@@ -36,10 +36,8 @@ class ChunkedWorker:
         self.batches, self.held_out = ctx.data
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here
         self.evaluates = self.held_out is not None
-        if isinstance(self.batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
-            for source in (self.batches, self.held_out):
-                if source is not None:
-                    source.compute_reference(self.engine.forward_only, dist.all_reduce)
+        # A preference run's reference pass, before a checkpoint is restored: the initial weights.
+        compute_references(self.batches, self.held_out, self.engine.forward_only, dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
         return self.engine.step(step, self.batches)

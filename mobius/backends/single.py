@@ -43,7 +43,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
     batches, held_out = data
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
-    if isinstance(held_out, PreferenceBatches):  # with the initial weights, as the training pairs'
+    if isinstance(held_out, PreferenceBatches):  # with the initial weights, as the training pairs' (the trainer's)
         trainer.compute_reference(held_out)
 
     def restore(ckpt: ck.Checkpoint) -> None:

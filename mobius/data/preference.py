@@ -230,6 +230,16 @@ class PreferenceEvalBatches(PreferenceBatches):
         return sums
 
 
+def compute_references(train, held_out, forward: Callable[[list[Batch]], object],
+                       all_reduce: Callable[[torch.Tensor], object] | None = None) -> bool:
+    """A preference run's reference pass (:meth:`PreferenceBatches.compute_reference`) over its
+    training and held-out pairs; whether there was one (no other run has)."""
+    sources = [s for s in (train, held_out) if isinstance(s, PreferenceBatches)]
+    for source in sources:
+        source.compute_reference(forward, all_reduce)
+    return bool(sources)
+
+
 def held_out_sums(held_out) -> list[float]:
     """What a backend's evaluation reduces beside its loss: the held-out pairs' metric sums found
     here (none for held-out examples)."""

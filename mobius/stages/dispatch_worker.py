@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
-from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
+from mobius.data.preference import PreferenceBatches, compute_references, evaluation_of, held_out_sums
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
@@ -68,11 +68,9 @@ class DispatchedWorker:
         self.scaler = self.runner.updates.scaler  # fp16's: the steps' votes update it, a checkpoint keeps it
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
-        if isinstance(batches, PreferenceBatches):  # before a checkpoint is restored: the initial weights
-            for source in (batches, self.held_out):
-                if source is not None:
-                    source.compute_reference(lambda micro: self.runner.evaluate(micro, 0),
-                                             dist.all_reduce if self.layout.count > 1 else None)
+        # A preference run's reference pass, before a checkpoint is restored: the initial weights.
+        compute_references(batches, self.held_out, lambda micro: self.runner.evaluate(micro, 0),
+                           dist.all_reduce if self.layout.count > 1 else None)
 
     def step(self, step: int) -> StepMetrics:
         """The step's loss as soon as the head has it (every replica's share summed); its traffic

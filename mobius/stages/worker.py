@@ -22,7 +22,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
+from mobius.data.preference import PreferenceBatches, compute_references, evaluation_of, held_out_sums
 from mobius.metrics import Evaluation, StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
@@ -68,11 +68,10 @@ class PipelineWorker:
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
-        if isinstance(self.parts.runner.batches, PreferenceBatches):  # before a checkpoint is restored
-            for source in (self.parts.runner.batches, self.parts.held_out):
-                if source is not None:
-                    source.compute_reference(lambda micro: self.parts.runner.evaluate(micro, 0), dist.all_reduce)
-            self.parts.runner.reload_resident()
+        runner = self.parts.runner  # a preference run's reference pass, before a checkpoint is restored
+        if compute_references(runner.batches, self.parts.held_out, lambda micro: runner.evaluate(micro, 0),
+                              dist.all_reduce):
+            runner.reload_resident()
 
     def step(self, step: int) -> StepMetrics:
         cfg, memory, traffic = self.cfg, self.parts.memory, self.parts.traffic
