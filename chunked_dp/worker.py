@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
-from mobius.data.preference import compute_references
+from mobius.data.preference import compute_references, reference_files, use_kept_references
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
@@ -37,6 +37,7 @@ class ChunkedWorker:
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here
         self.evaluates = self.held_out is not None
         # A preference run's reference pass, before a checkpoint is restored: the initial weights.
+        use_kept_references(self.batches, self.held_out, ck.resumed_checkpoint(cfg))
         compute_references(self.batches, self.held_out, self.engine.forward_only, dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
@@ -54,7 +55,8 @@ class ChunkedWorker:
         weights, optim = self.engine.state_dict(), self.engine.optimizer_state()
         if self.ctx.rank != 0:
             return {}
-        return {"weights.safetensors": weights, "optimizer.safetensors": optim}
+        return {"weights.safetensors": weights, "optimizer.safetensors": optim,
+                **reference_files(self.batches, self.held_out)}
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         self.engine.load(ckpt)

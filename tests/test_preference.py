@@ -275,3 +275,34 @@ def test_a_learnable_preference_is_learned_on_held_out_pairs(tmp_path):
     final = single_history(cfg)[-1]
     assert final.eval_preference["rewards/accuracies"] >= 0.9
     assert final.eval_loss < 0.6  # below log 2, where it started
+
+
+def test_a_resume_reads_the_reference_the_checkpoint_kept(setup, tmp_path, monkeypatch, capsys):
+    """A preference run's checkpoint keeps its reference tables: the resumed run reads them (its
+    reference pass does not run again) and continues as the straight run; a table of other rows
+    (the same checkpoint resumed on changed data) is computed again, never used."""
+    from mobius.data.preference import PreferenceBatches
+    from mobius.train import main as train_main
+
+    args = ["--model", setup["model"], "--data", setup["chat"], "--objective", "dpo", "--steps", "4", "--seq-len",
+            "96", "--micro-batch-size", "2", "--micro-batches", "2", "--lr", "5e-3", "--backend", "single",
+            "--no-progress", "--eval-split", "0.25"]
+    train_main(args + ["--metrics", str(tmp_path / "straight.jsonl")])
+    train_main(args + ["--save", str(tmp_path / "ck"), "--stop-after", "2"])
+    passes = []
+    real = PreferenceBatches.reference_passes
+    monkeypatch.setattr(PreferenceBatches, "reference_passes", lambda self: passes.append(1) or real(self))
+    train_main(args + ["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "resumed.jsonl")])
+    assert passes == []  # both tables (training and held-out pairs) read from the checkpoint
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in open(tmp_path / name)]
+    assert losses("resumed.jsonl") == losses("straight.jsonl")[2:]
+    other = tmp_path / "other.jsonl"  # the same records, one answer changed: other rows
+    records = [json.loads(line) for line in open(setup["chat"])]
+    records[0]["rejected"][-1]["content"] += " no"
+    other.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    train_main(args[:2] + ["--data", str(other)] + args[4:] + ["--resume", str(tmp_path / "ck"),
+                                                               "--resume-with-changes"])
+    assert len(passes) == 1  # the table of the pairs whose rows changed computed again; the other's still read

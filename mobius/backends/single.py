@@ -7,7 +7,13 @@ import torch
 
 from mobius.boundary.errors import InputError, shown
 from mobius.config import RunConfig
-from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums
+from mobius.data.preference import (
+    PreferenceBatches,
+    evaluation_of,
+    held_out_sums,
+    reference_files,
+    use_kept_references,
+)
 from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
@@ -42,6 +48,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
     precision is the command's decision (:func:`mobius.backends.resolve`)."""
     batches, held_out = data
     device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
+    use_kept_references(batches, held_out, ck.resumed_checkpoint(cfg))  # a preference run's: not computed again
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
     if isinstance(held_out, PreferenceBatches):  # with the initial weights, as the training pairs' (the trainer's)
         trainer.compute_reference(held_out)
@@ -63,6 +70,7 @@ def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None,
             if trainer.lag:
                 files["lagged-weights.safetensors"] = {ck.LAGGED + n: p for n, p in trainer.model.named_parameters()
                                                        if p.requires_grad}
+            files.update(reference_files(batches, held_out))
             ck.save(cfg.checkpoint.save, files, ck.run_meta(cfg, model_config.to_dict(), done, trainer.scaler,
                                                             inputs, trackers))
 

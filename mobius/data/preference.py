@@ -16,11 +16,13 @@ it), and with ``--no-truncate`` any cut is refused.
 
 The reference model's log-probabilities of each row's pairs are a table beside the rows
 (:meth:`PreferenceBatches.set_reference`), computed once, before training, in passes over every
-row (:meth:`PreferenceBatches.reference_passes`).
+row (:meth:`PreferenceBatches.reference_passes`), and kept by every checkpoint with the digest of
+the rows it is of: a resume reads it (:func:`use_kept_references`) instead of computing it again.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -163,6 +165,8 @@ class PreferenceBatches(ExampleBatches):
         """The reference pass: ``forward`` runs each pass's micro-batches forward only with the
         initial weights; the rows whose heads ran in this process fill its table, and
         ``all_reduce`` (where several processes share the heads) sums the processes' tables."""
+        if self.reference is not None:  # kept by the checkpoint this run resumes (use_kept_references)
+            return
         logps = {}
         for rows, micro in self.reference_passes():
             forward(micro)
@@ -171,6 +175,13 @@ class PreferenceBatches(ExampleBatches):
         if all_reduce is not None:
             all_reduce(table)
         self.set_reference(table.numpy())
+
+    def data_key(self) -> torch.Tensor:
+        """The SHA-256 of the rows (tokens, targets, segments): which data a kept reference table is of."""
+        digest = hashlib.sha256()
+        for a in (self.packed.tokens, self.packed.targets, self.packed.segments):
+            digest.update(np.ascontiguousarray(a).tobytes())
+        return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
 
     def rows_of(self, rows: np.ndarray, micro: list[Batch]) -> dict[int, np.ndarray]:
         """Each of ``rows``' pairs' log-probabilities, from its pass's micro-batches whose heads ran
@@ -196,13 +207,18 @@ class PreferenceBatches(ExampleBatches):
             table[r, :values.shape[0]] = values
         return table
 
-    def set_reference(self, table: np.ndarray) -> None:
-        """The reference's log-probabilities of every row's pairs (:meth:`table_of`).  A sum of
-        log-probabilities is below zero: a zero is a pair the pass did not reach."""
+    def missing(self, table: np.ndarray) -> int:
+        """How many pairs ``table`` (:meth:`table_of`'s shape) holds no log-probabilities of: a sum of
+        log-probabilities is below zero, so a zero (or anything else) is a pair no pass reached."""
+        if table.shape != (self.sequences, max(1, int(self.row_pairs.max())), 2):
+            return self.pairs
         filled = np.arange(table.shape[1])[None, :] < self.row_pairs[:, None]
-        if not (table[filled] < 0).all():
-            raise RuntimeError(f"the reference pass left {int((table[filled] >= 0).any(-1).sum())} pairs without "
-                               "log-probabilities")
+        return int((~(table[filled] < 0)).any(-1).sum())
+
+    def set_reference(self, table: np.ndarray) -> None:
+        """The reference's log-probabilities of every row's pairs (:meth:`table_of`)."""
+        if missing := self.missing(table):
+            raise RuntimeError(f"the reference pass left {missing} pairs without log-probabilities")
         self.reference = np.asarray(table, dtype=np.float32)
 
 
@@ -230,10 +246,39 @@ class PreferenceEvalBatches(PreferenceBatches):
         return sums
 
 
+REFERENCE_FILE = "reference.safetensors"  # a preference run's checkpoint file of its reference tables
+
+
+def reference_files(train, held_out) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's file of a preference run's reference tables and the data each is of (nothing
+    for other runs): a resume reads them instead of computing them again."""
+    out = {}
+    for name, source in (("train", train), ("held_out", held_out)):
+        if isinstance(source, PreferenceBatches) and source.reference is not None:
+            out[f"reference/{name}"] = torch.from_numpy(source.reference)
+            out[f"reference/{name}.data"] = source.data_key()
+    return {REFERENCE_FILE: out} if out else {}
+
+
+def use_kept_references(train, held_out, checkpoint) -> None:
+    """The reference tables ``checkpoint`` (a resumed one, or None) kept, where they are of this
+    run's rows: their reference pass is not run again.  Every process reads the same checkpoint, so
+    every one skips the same passes."""
+    if checkpoint is None:
+        return
+    for name, source in (("train", train), ("held_out", held_out)):
+        if not isinstance(source, PreferenceBatches) or f"reference/{name}" not in checkpoint.names():
+            continue
+        table = checkpoint.get(f"reference/{name}").float().numpy()
+        if torch.equal(checkpoint.get(f"reference/{name}.data"), source.data_key()) and not source.missing(table):
+            source.set_reference(table)  # else (other rows, or a table that is not one) computed again
+
+
 def compute_references(train, held_out, forward: Callable[[list[Batch]], object],
                        all_reduce: Callable[[torch.Tensor], object] | None = None) -> bool:
     """A preference run's reference pass (:meth:`PreferenceBatches.compute_reference`) over its
-    training and held-out pairs; whether there was one (no other run has)."""
+    training and held-out pairs (those a resumed checkpoint did not keep); whether the run has
+    pairs (no other run has)."""
     sources = [s for s in (train, held_out) if isinstance(s, PreferenceBatches)]
     for source in sources:
         source.compute_reference(forward, all_reduce)

@@ -346,6 +346,12 @@ def check_compatible(ckpt: Checkpoint, model_config: dict, cfg, param_names: set
                               f"beyond --steps {cfg.optim.steps}")
 
 
+def resumed_checkpoint(cfg) -> "Checkpoint | None":
+    """The checkpoint ``--resume`` names (the launcher checked it; each file is checked as it is
+    read), or None."""
+    return load_checkpoint(cfg.checkpoint.resume, verify=False) if cfg.checkpoint.resume else None
+
+
 def open_for_resume(cfg, model_config) -> Checkpoint:
     """``--resume``: the verified checkpoint, checked against this run (model, tensors, settings)."""
     ckpt = load_checkpoint(cfg.checkpoint.resume)

@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
-from mobius.data.preference import PreferenceBatches, compute_references, evaluation_of, held_out_sums
+from mobius.data.preference import (
+    PreferenceBatches,
+    compute_references,
+    evaluation_of,
+    held_out_sums,
+    reference_files,
+    use_kept_references,
+)
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
@@ -69,6 +76,7 @@ class DispatchedWorker:
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
         # A preference run's reference pass, before a checkpoint is restored: the initial weights.
+        use_kept_references(batches, self.held_out, ck.resumed_checkpoint(ctx.cfg))
         compute_references(batches, self.held_out, lambda micro: self.runner.evaluate(micro, 0),
                            dist.all_reduce if self.layout.count > 1 else None)
 
@@ -113,7 +121,8 @@ class DispatchedWorker:
         self.runner.drain()
 
     def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
-        return checkpoint_files(self.store, done, layout=self.layout)
+        kept = reference_files(self.runner.batches, self.held_out) if self.ctx.rank == 0 else {}
+        return {**checkpoint_files(self.store, done, layout=self.layout), **kept}
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         restore(self.store, ckpt)

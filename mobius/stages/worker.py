@@ -22,7 +22,14 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.data.preference import PreferenceBatches, compute_references, evaluation_of, held_out_sums
+from mobius.data.preference import (
+    PreferenceBatches,
+    compute_references,
+    evaluation_of,
+    held_out_sums,
+    reference_files,
+    use_kept_references,
+)
 from mobius.metrics import Evaluation, StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
@@ -69,6 +76,7 @@ class PipelineWorker:
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
         runner = self.parts.runner  # a preference run's reference pass, before a checkpoint is restored
+        use_kept_references(runner.batches, self.parts.held_out, ck.resumed_checkpoint(ctx.cfg))
         if compute_references(runner.batches, self.parts.held_out, lambda micro: runner.evaluate(micro, 0),
                               dist.all_reduce):
             runner.reload_resident()
@@ -110,7 +118,9 @@ class PipelineWorker:
         self.parts.runner.drain()
 
     def checkpoint_files(self, done: int) -> dict[str, dict[str, torch.Tensor]]:
-        return checkpoint_files(self.store, done, self.parts.present, self.layout)
+        files = checkpoint_files(self.store, done, self.parts.present, self.layout)
+        kept = reference_files(self.parts.runner.batches, self.parts.held_out) if self.ctx.rank == 0 else {}
+        return {**files, **kept}
 
     def restore(self, ckpt: ck.Checkpoint) -> None:
         restore(self.store, ckpt, self.parts.runner.optimizer.disk)
