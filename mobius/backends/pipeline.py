@@ -9,12 +9,14 @@ from pathlib import Path
 
 from mobius.boundary.errors import InputError, shown
 from mobius.config import RunConfig
+from mobius.data.preference import PreferenceBatches
 from mobius.launcher import devices_text, launch_workers, start_worker_server
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
 from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
 from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.planner import pcie_bps
 from mobius.planning.prepare import resolve_topology
 from mobius.planning.replan import Replanner
 from mobius.runtime.inputs import check_model_input
@@ -34,7 +36,7 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     ``data``: the run's training and held-out batches, made here and shared with the workers (None:
     each worker makes them)."""
     spec, plan = prepare_pipeline(cfg, topo, model_config, profiled=start_worker_server)
-    header = pipeline_header(cfg, model_config, topo, spec)
+    header = pipeline_header(cfg, model_config, topo, spec) + reference_pass_text(plan, topo, data)
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.outputs.exports()
     exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
@@ -91,6 +93,21 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             + (f"\n  schedule: {spec.schedule}" if cfg.pipeline.schedule != "bound" else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}"
             + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.offload_dir else ""))
+
+
+def reference_pass_text(plan: Plan, topo: Topology, data: tuple | None) -> str:
+    """A preference run's reference pass (forward only, over every training and held-out row,
+    before training) in the header, with the least it can take on this plan: its forward compute
+    spread over the GPUs, or every stage loaded once per pass at the host's PCIe bandwidth."""
+    sources = [s for s in (data or ()) if isinstance(s, PreferenceBatches)]
+    if not sources:
+        return ""
+    per_pass = plan.micro_batches * plan.data_parallel * plan.micro_batch_size  # each replica its share
+    passes = sum(-(-s.sequences // per_pass) for s in sources)
+    compute = plan.micro_batches * sum(st.fwd_ms for st in plan.stages) / 1e3 / topo.n
+    loads = sum(st.param_bytes for st in plan.stages) / pcie_bps(topo)
+    return (f"\n  reference pass: {passes} forward-only passes of {per_pass} sequences before training, at least {seconds_text(passes * max(compute, loads))} (predicted: the "
+            "plan's forward compute over the GPUs, or its stage loads at the host's PCIe rate)")
 
 
 def disk_text(plan: Plan, topo: Topology) -> str:
