@@ -126,7 +126,7 @@ class ChunkedEngine:
         dist.all_reduce(stats)  # the loss (and a preference run's metrics) over the workers' shares
         blocks = self.gathers.blocks
         return StepMetrics(step=step, loss=stats[0].item(), lr=self.reduction.lr,
-                           tokens=len(micro) * micro[0].tokens.numel(), step_time_s=time.perf_counter() - t0,
+                           tokens=batches.step_tokens(step), step_time_s=time.perf_counter() - t0,
                            h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]), peer_bytes=int(stats[3]),
                            peak_device_bytes=len(blocks) * blocks[0].numel() * blocks[0].element_size(),
                            grad_norm=grad_norm,

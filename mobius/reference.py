@@ -183,7 +183,7 @@ class ReferenceTrainer:
         self.scaler.update(overflow)
         for p in params:
             p.grad = None
-        tokens = len(micro) * micro[0].tokens.numel()
+        tokens = self.batches.step_tokens(step)
         peak = peak_memory(self.device)
         return StepMetrics(step=step, loss=total, lr=lr, tokens=tokens,
                            step_time_s=time.perf_counter() - t0, peak_device_bytes=peak,

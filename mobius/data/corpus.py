@@ -113,6 +113,10 @@ class BatchSource:
         self.seed = seed
         self.tokenizer_name = tokenizer_name
 
+    def step_tokens(self, step: int) -> int:
+        """The tokens step ``step`` computes (windows hold no padding: every one)."""
+        return self.micro_batches * self.micro_batch_size * self.seq_len
+
     def step(self, step: int) -> list[Batch]:
         """The ``micro_batches`` micro-batches of optimizer step ``step``."""
         rng = np.random.default_rng([self.seed, step])

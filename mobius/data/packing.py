@@ -128,6 +128,11 @@ class ExampleBatches:
             self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch, 0xe90c]).permutation(self.sequences))
         return self._epoch_order[1]
 
+    def step_tokens(self, step: int) -> int:
+        """The tokens of examples step ``step`` computes, its padding left out (tokens/s counts these,
+        as TRL's num_tokens counts the attention mask's)."""
+        return int((self.packed.segments[self.step_sequences(step)] >= 0).sum())
+
     def step(self, step: int) -> list[Batch]:
         idx = self.step_sequences(step)
         return self._micro_batches(idx, int((self.packed.targets[idx] != IGNORE).sum()))

@@ -21,7 +21,7 @@ class StepMetrics:
     step: int
     loss: float
     lr: float
-    tokens: int
+    tokens: int  # the step's tokens, its examples' padding left out
     step_time_s: float
     h2d_bytes: int = 0
     d2h_bytes: int = 0

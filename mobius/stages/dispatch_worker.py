@@ -98,7 +98,7 @@ class DispatchedWorker:
         peak = int(self._summed([max(w.memory.peak for w in workers)], dist.ReduceOp.MAX)[0])
         self.peak_bytes_max = max(self.peak_bytes_max, peak)
         return StepMetrics(step=step, loss=stats[0], lr=UpdateRule.of(cfg.optim).lr_at(step),
-                           tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
+                           tokens=self.runner.batches.step_tokens(step),
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm,
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,

@@ -97,7 +97,7 @@ class PipelineWorker:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.peak_bytes_max = max(self.peak_bytes_max, int(most[0].item()))
         return StepMetrics(step=step, loss=stats[0].item(), lr=UpdateRule.of(cfg.optim).lr_at(step),
-                           tokens=cfg.batch.micro_batches * cfg.batch.micro_batch_size * cfg.batch.seq_len,
+                           tokens=self.parts.runner.batches.step_tokens(step),
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
                            peer_bytes=int(stats[3]), peak_device_bytes=int(most[0].item()),
                            loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
