@@ -26,6 +26,7 @@ from mobius.metrics import StepMetrics
 from mobius.models import GPTConfig, build_model
 from mobius.models.hf import check_export_target
 from mobius.planning.planner import available_host_memory, check_host_memory
+from mobius.data.preference import use_kept_references
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
 from topology import Topology
@@ -122,6 +123,13 @@ def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: T
           flush=True)
     if held_out is not None:
         print(f"held out: {held_out.describe()}", flush=True)
+    if cfg.objective.preference is not None and cfg.checkpoint.resume:  # what the resumed checkpoint spares
+        kept = use_kept_references(batches, held_out, ck.resumed_checkpoint(cfg))
+        said = {True: "kept by the checkpoint, not computed again",
+                False: "computed again (the checkpoint keeps no table of these rows)"}
+        print("reference log-probabilities: " + "; ".join(
+            f"of the {what} pairs {said[name in kept]}" for what, name, source in
+            (("training", "train", batches), ("held-out", "held_out", held_out)) if source is not None), flush=True)
     # This process holds the data; the workers map one copy of it (the page cache's, shared).
     holders = 2 if backend.in_workers else 1
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)

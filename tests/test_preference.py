@@ -292,8 +292,11 @@ def test_a_resume_reads_the_reference_the_checkpoint_kept(setup, tmp_path, monke
     passes = []
     real = PreferenceBatches.reference_passes
     monkeypatch.setattr(PreferenceBatches, "reference_passes", lambda self: passes.append(1) or real(self))
+    capsys.readouterr()
     train_main(args + ["--resume", str(tmp_path / "ck"), "--metrics", str(tmp_path / "resumed.jsonl")])
     assert passes == []  # both tables (training and held-out pairs) read from the checkpoint
+    assert ("reference log-probabilities: of the training pairs kept by the checkpoint, not computed again; of the "
+            "held-out pairs kept by the checkpoint, not computed again") in capsys.readouterr().out
 
     def losses(name):
         return [json.loads(line)["loss"] for line in open(tmp_path / name)]
@@ -306,3 +309,23 @@ def test_a_resume_reads_the_reference_the_checkpoint_kept(setup, tmp_path, monke
     train_main(args[:2] + ["--data", str(other)] + args[4:] + ["--resume", str(tmp_path / "ck"),
                                                                "--resume-with-changes"])
     assert len(passes) == 1  # the table of the pairs whose rows changed computed again; the other's still read
+    assert capsys.readouterr().out.count("computed again (the checkpoint keeps no table of these rows)") == 1
+
+
+@pytest.mark.parametrize("record,said", [
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "'chosen' and 'rejected' are the same answer"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "'chosen' is an empty answer"),
+    ({"prompt": "p", "chosen": "a"}, "is of no known shape; accepted: text; "),  # a missing side: no shape
+])
+def test_a_bad_pair_in_a_file_is_one_line_naming_its_line(setup, tmp_path, capsys, record, said):
+    """A bad pair on line 3 of the data: one line naming the file and the line, exit 2, nothing written."""
+    from mobius.train import main as train_main
+
+    good = text_pairs(4)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + [record] + good[2:]))
+    message = one_line_exit_2(train_main, ["--model", setup["model"], "--data", str(data), "--objective", "dpo",
+                                           "--backend", "single", "--steps", "1", "--metrics",
+                                           str(tmp_path / "m.jsonl")], capsys)
+    assert f"{data} line 3" in message and said in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl"]

@@ -260,18 +260,20 @@ def reference_files(train, held_out) -> dict[str, dict[str, torch.Tensor]]:
     return {REFERENCE_FILE: out} if out else {}
 
 
-def use_kept_references(train, held_out, checkpoint) -> None:
+def use_kept_references(train, held_out, checkpoint) -> list[str]:
     """The reference tables ``checkpoint`` (a resumed one, or None) kept, where they are of this
     run's rows: their reference pass is not run again.  Every process reads the same checkpoint, so
-    every one skips the same passes."""
-    if checkpoint is None:
-        return
+    every one skips the same passes.  Returns which were kept ("train", "held_out")."""
+    kept = []
     for name, source in (("train", train), ("held_out", held_out)):
-        if not isinstance(source, PreferenceBatches) or f"reference/{name}" not in checkpoint.names():
+        if checkpoint is None or not isinstance(source, PreferenceBatches) or \
+                f"reference/{name}" not in checkpoint.names():
             continue
         table = checkpoint.get(f"reference/{name}").float().numpy()
         if torch.equal(checkpoint.get(f"reference/{name}.data"), source.data_key()) and not source.missing(table):
             source.set_reference(table)  # else (other rows, or a table that is not one) computed again
+            kept.append(name)
+    return kept
 
 
 def compute_references(train, held_out, forward: Callable[[list[Batch]], object],
