@@ -215,8 +215,8 @@ def test_dpo_refusals_are_one_line(setup, capsys):
 @pytest.mark.slow
 def test_pipeline_and_chunked_equal_single(setup):
     """The workers as processes, each deriving its pairs and the reference pass's share: the bound
-    pipeline on 4 CPU workers (with LoRA on 2), the dispatched schedule on 2 and the chunked engine
-    on 2 equal the single backend's losses and metrics (1e-5)."""
+    pipeline on 4 CPU workers (with LoRA on 2), the dispatched schedule on 2 and 4 and the chunked
+    engine on 2 equal the single backend's losses, metrics and evaluations (1e-5)."""
     from mobius.backends.chunked import launch_chunked
     from mobius.backends.pipeline import launch_pipeline
     from mobius.models import get_config
@@ -227,6 +227,7 @@ def test_pipeline_and_chunked_equal_single(setup):
     for launch, changes in ((launch_pipeline, {"backend": "pipeline", "cpu_workers": 4, "stages": 4}),
                             (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "lora_rank": 4}),
                             (launch_pipeline, {"backend": "pipeline", "cpu_workers": 2, "schedule": "dispatched"}),
+                            (launch_pipeline, {"backend": "pipeline", "cpu_workers": 4, "schedule": "dispatched"}),
                             (launch_chunked, {"backend": "chunked", "cpu_workers": 2})):
         run_cfg = RunConfig.from_dict({**cfg.to_dict(), **changes})
         want = single_history(run_cfg.changed(backend="single"))
