@@ -55,6 +55,10 @@ def make_dirs(root):
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                image_size=28, patch_size=14),
             mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)),
+    }
+    noisy_norms(models, root, ("phi3", "gemma2", "gemma3", "gemma3mm"))
+    # Made after the others, whose weights stay the draws they were before these were added.
+    mixtures = {
         # Mixtures of experts: Mixtral (4 experts, 2 a token, renormalised; Mistral's attention) and
         # Qwen3-MoE (experts narrower than the dense MLP of block 1, not renormalised, q/k norms).
         "mixtral": T.MixtralForCausalLM(T.MixtralConfig(vocab_size=300, max_position_embeddings=64, hidden_size=32,
@@ -67,11 +71,16 @@ def make_dirs(root):
                                                             moe_intermediate_size=24, num_experts=4,
                                                             num_experts_per_tok=2, mlp_only_layers=[1])),
     }
+    noisy_norms(mixtures, root, ("qwen3_moe",))
+    return {name: str(root / name) for name in {**models, **mixtures}}
+
+
+def noisy_norms(models: dict, root, noisy: tuple[str, ...]) -> None:
+    """Each model saved under ``root``; those ``noisy`` names with norms not all ones (Gemma's: not all zeros)."""
     for name, m in models.items():
-        if name in ("phi3", "gemma2", "gemma3", "gemma3mm", "qwen3_moe"):  # norms not all ones (Gemma's: not all zeros)
+        if name in noisy:
             with torch.no_grad():
                 for param_name, p in m.named_parameters():
                     if "norm" in param_name:
                         p.add_(torch.randn_like(p) * 0.1)
         save_hf_model(m, root / name)
-    return {name: str(root / name) for name in models}
