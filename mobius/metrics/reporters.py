@@ -166,7 +166,7 @@ class MlflowLog:
         except Exception as err:  # MLflow raises its own types and requests' for a server that does not answer
             if self.uri.startswith(("http://", "https://")):
                 raise RunError(f"{self.option}: the MLflow tracking server {self.uri} (MLFLOW_TRACKING_URI) did not "
-                               f"answer: {type(err).__name__}: {first_line(err, 160)}") from None
+                               f"answer, or refused: {type(err).__name__}: {first_line(err, 160)}") from None
             raise
 
     def log(self, scalars: dict[str, float], step: int) -> None:
