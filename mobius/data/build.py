@@ -43,16 +43,7 @@ def build_batches(data, batch, seed: int, model: str, vocab_size: int, objective
         """Examples rendered with the model's template and packed (or padded) into sequences
         (``source``: where they come from, in messages)."""
         packing = data.packing != "off"
-        examples = []
-        for r in records:
-            try:
-                examples.append(rendered(renderer, r))
-            except InputError as err:
-                if not data.skip_bad_records:
-                    raise
-                skipped.append(str(err))
-        if not examples:
-            raise InputError(f"every one of the {len(skipped)} examples is bad (the first: {skipped[0]})")
+        examples = rendered_all(records, lambda r: rendered(renderer, r), data.skip_bad_records, skipped, "examples")
         out = pack(examples, batch.seq_len, packing, seed, data.truncate)
         checked(max(int(out.tokens.max()), int(out.targets.max())))  # a target past the inputs: the last EOS
         trained = int((out.targets >= 0).sum())
@@ -103,23 +94,15 @@ def preference_batches(records: list[Pair], data, batch, seed: int, objective: P
                        skipped: list[str], checked, evaluation: bool = False) -> PreferenceBatches:
     """Preference pairs rendered as TRL renders them and packed (or padded) two sides to a row
     (:mod:`mobius.data.preference`); a bad pair refused, or with ``--skip-bad-records`` left out."""
-    pairs_renderer, pairs = PairRenderer(renderer), []
-    for r in records:
-        try:
-            pairs.append(pairs_renderer.render(r))
-        except InputError as err:
-            if not data.skip_bad_records:
-                raise
-            skipped.append(str(err))
-    if not pairs:
-        raise InputError(f"every one of the {len(skipped)} pairs is bad (the first: {skipped[0]})")
+    pairs_renderer = PairRenderer(renderer)
+    pairs = rendered_all(records, pairs_renderer.render, data.skip_bad_records, skipped, "pairs")
     packing = data.packing == "on"
-    out, lost = pack_pairs(pairs, batch.seq_len, packing, seed, data.truncate)
+    out = pack_pairs(pairs, batch.seq_len, packing, seed, data.truncate)
     checked(max(int(out.tokens.max()), int(out.targets.max())))
     describe = (f"{out.examples:,} preference pairs ({int((out.targets >= 0).sum()):,} trained tokens) "
                 f"{'packed into' if packing else 'padded to'} {out.tokens.shape[0]:,} sequences"
                 + (f", {out.truncated} cut to --seq-len / 2 a side" if out.truncated else "")
-                + (f", {lost} left out (truncation cut an answer away)" if lost else "")
+                + (f", {out.lost_answers} left out (truncation cut an answer away)" if out.lost_answers else "")
                 + f"; chat template {pairs_renderer.template_source}; {objective.describe()}, against the "
                 f"reference log-probabilities of one forward-only pass over these {out.tokens.shape[0]:,} sequences "
                 "before training"
@@ -127,6 +110,22 @@ def preference_batches(records: list[Pair], data, batch, seed: int, objective: P
     if evaluation:
         return PreferenceEvalBatches(out, batch.micro_batch_size, batch.micro_batches, objective, describe)
     return PreferenceBatches(out, batch.micro_batch_size, batch.micro_batches, seed, objective, describe)
+
+
+def rendered_all(records: list, render, skip_bad: bool, skipped: list[str], what: str) -> list:
+    """``render`` of each record; a bad one refused, or with ``--skip-bad-records`` (``skip_bad``)
+    left out into ``skipped``; refused when none is left."""
+    out = []
+    for r in records:
+        try:
+            out.append(render(r))
+        except InputError as err:
+            if not skip_bad:
+                raise
+            skipped.append(str(err))
+    if not out:
+        raise InputError(f"every one of the {len(skipped)} {what} is bad (the first: {skipped[0]})")
+    return out
 
 
 def rendered(renderer, record: Record):

@@ -22,6 +22,7 @@ the rows it is of: a resume reads it (:func:`use_kept_references`) instead of co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 
@@ -79,9 +80,9 @@ class PairRenderer:
 
 
 def pack_pairs(pairs: list[tuple[Example, Example]], seq_len: int, packing: bool, seed: int,
-               truncate: bool = True, pad_id: int = 0) -> tuple[Packed, int]:
-    """Rows of whole pairs (see the module's docstring) and how many pairs were left out because
-    truncation cut an answer away."""
+               truncate: bool = True, pad_id: int = 0) -> Packed:
+    """Rows of whole pairs (see the module's docstring); ``lost_answers`` counts the pairs left out
+    because truncation cut an answer away."""
     side_len = seq_len // 2
     order = np.random.default_rng([seed, 0x9a1]).permutation(len(pairs)) if packing else range(len(pairs))
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -111,7 +112,7 @@ def pack_pairs(pairs: list[tuple[Example, Example]], seq_len: int, packing: bool
     if not rows:
         raise InputError(f"every one of the {len(pairs)} pairs lost its answers to truncation at --seq-len "
                          f"{seq_len} (half of it a side); raise --seq-len")
-    return packed_rows(rows, seq_len, sum(len(r) // 2 for r in rows), truncated, lost, pad_id), lost
+    return packed_rows(rows, seq_len, sum(len(r) // 2 for r in rows), truncated, lost, pad_id)
 
 
 class PreferenceBatches(ExampleBatches):
@@ -176,12 +177,16 @@ class PreferenceBatches(ExampleBatches):
             all_reduce(table)
         self.set_reference(table.numpy())
 
-    def data_key(self) -> torch.Tensor:
-        """The SHA-256 of the rows (tokens, targets, segments): which data a kept reference table is of."""
-        digest = hashlib.sha256()
+    @functools.cached_property
+    def _data_digest(self) -> bytes:
+        digest = hashlib.sha256()  # the rows never change: hashed once, not at every checkpoint
         for a in (self.packed.tokens, self.packed.targets, self.packed.segments):
             digest.update(np.ascontiguousarray(a).tobytes())
-        return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+        return digest.digest()
+
+    def data_key(self) -> torch.Tensor:
+        """The SHA-256 of the rows (tokens, targets, segments): which data a kept reference table is of."""
+        return torch.frombuffer(bytearray(self._data_digest), dtype=torch.uint8)
 
     def rows_of(self, rows: np.ndarray, micro: list[Batch]) -> dict[int, np.ndarray]:
         """Each of ``rows``' pairs' log-probabilities, from its pass's micro-batches whose heads ran
@@ -268,6 +273,9 @@ def use_kept_references(train, held_out, checkpoint) -> list[str]:
     for name, source in (("train", train), ("held_out", held_out)):
         if checkpoint is None or not isinstance(source, PreferenceBatches) or \
                 f"reference/{name}" not in checkpoint.names():
+            continue
+        if source.reference is not None:  # already read from it (the launcher's call, in its process)
+            kept.append(name)
             continue
         table = checkpoint.get(f"reference/{name}").float().numpy()
         if torch.equal(checkpoint.get(f"reference/{name}.data"), source.data_key()) and not source.missing(table):
