@@ -288,8 +288,7 @@ class Block(GPTLayer):
         y = torch.zeros_like(flat)
         for j in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == j)
-            gate, up = F.linear(flat[token], fc[j]).chunk(2, dim=-1)
-            part = F.linear(self._activation(torch.cat([gate, up], dim=-1)), out[j]) * weights[token, slot, None]
+            part = F.linear(self._activation(F.linear(flat[token], fc[j])), out[j]) * weights[token, slot, None]
             y.index_add_(0, token, part.to(y.dtype))
         return y.view_as(x)
 
