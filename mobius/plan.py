@@ -18,6 +18,7 @@ import time
 
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
+from mobius.partition.highs import SAFETY_TIME_LIMIT_S
 from mobius.planning.pipeline import ScheduleChoice, choose_schedule, plan_on
 from mobius.models.precision import use_fp16_accumulation
 from mobius.planning.prepare import resolve_topology
@@ -32,7 +33,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--profile", choices=("auto", "measure", "analytic"), default="auto",
                    help="measure layers on this machine or compute them from the topology's GPUs "
                         "(auto: measure when the topology is this machine)")
-    p.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit in seconds")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="how far the partition MIP searches, in HiGHS's limit checks (a count of its own "
+                        "progress, so one command gives one plan on a quiet or a busy machine); more finds "
+                        "plans as good or better, in longer (default: 100 for small models down to 4 for the "
+                        "largest, a search of seconds)")
+    p.add_argument("--time-limit", type=float, default=SAFETY_TIME_LIMIT_S,
+                   help="a safety net for each MIP, in seconds: a solve it stops says so, and that plan can "
+                        "differ with the machine's load")
     p.add_argument("--baselines", action="store_true", help="also print the baselines' predicted step times")
     p.add_argument("--no-cache", action="store_true",
                    help="measure the layers and solve the partition again, replacing what is cached")
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.from_dict(vars(args))
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
+    if args.mip_effort is not None and args.mip_effort < 1:
+        raise InputError(f"--mip-effort must be at least 1, got {args.mip_effort}")
     started = time.perf_counter()
     dispatching = cfg.pipeline.schedule != "bound"
     if cfg.pipeline.schedule == "dispatched":  # what it does not run, refused before anything is planned
@@ -58,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         topo = resolve_topology(cfg)
         if cfg.optim.fp16_accumulation:  # a profile measured here is measured so
             use_fp16_accumulation(cuda_available())  # (CPU workers were refused by resolve_topology)
-        plan = plan_on(cfg, model_config, topo, profile_how=args.profile, time_limit_s=args.time_limit,
+        plan = plan_on(cfg, model_config, topo, profile_how=args.profile, effort=args.mip_effort,
+                       time_limit_s=args.time_limit,
                        use_cache=not args.no_cache, with_baselines=args.baselines)
         if dispatching:
             print(f"predicting the dispatched schedule on {topo.n} workers", flush=True)

@@ -4,7 +4,7 @@ Prints, per (model, topology): MIP solve time, stage count and predicted step ti
 minimum-stage, maximum-stage and time-balanced baselines (analytic profile, fp16, Table 3
 micro-batch sizes, M = number of GPUs micro-batches, cross mapping).  Writes the rows as JSON.
 
-    python scripts/bench_partition.py [--json out.json] [--time-limit 8] [--smoke]
+    python scripts/bench_partition.py [--json out.json] [--mip-effort N] [--smoke]
 
 ``--smoke``: mobius-3b on topo2+2 alone, the MIP stopped at 1 s.
 """
@@ -28,7 +28,7 @@ MODELS = ["mobius-3b", "mobius-8b", "mobius-15b", "mobius-51b"]
 TOPOLOGIES = ["topo2+2", "8x3090-4+4"]
 
 
-def run(time_limit: float, models: list[str] = MODELS, topologies: list[str] = TOPOLOGIES) -> list[dict]:
+def run(effort: int | None, models: list[str] = MODELS, topologies: list[str] = TOPOLOGIES) -> list[dict]:
     rows = []
     for topo_name in topologies:
         topo = load_preset(topo_name)
@@ -45,7 +45,7 @@ def run(time_limit: float, models: list[str] = MODELS, topologies: list[str] = T
                 if t < best_t:
                     best_name, best_bounds, best_t = name, bounds, t
             t0 = time.perf_counter()
-            r = solve_partition(profile, machine, m, time_limit_s=time_limit, warm_start=best_bounds)
+            r = solve_partition(profile, machine, m, effort=effort, warm_start=best_bounds)
             row.update(mip_wall_s=time.perf_counter() - t0, mip_solve_s=r.solve_s, mip_status=r.status,
                        mip_gap=r.gap, mip_stages=len(r.bounds), mip_step_s=r.objective_s, best_baseline=best_name,
                        mip_le_best_baseline=r.objective_s <= best_t * (1 + 1e-9))
@@ -60,14 +60,15 @@ def run(time_limit: float, models: list[str] = MODELS, topologies: list[str] = T
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench_partition.json")
-    p.add_argument("--time-limit", type=float, default=8.0)
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="HiGHS's limit checks per solve (default: by the model's size)")
     p.add_argument("--smoke", action="store_true", help="one model on one topology")
     args = p.parse_args(argv)
     print(f"{'model':>10} {'topology':>11} | MIP: solve time, stages, predicted step | baselines: stages, step")
     if args.smoke:
-        rows = run(min(args.time_limit, 1.0), MODELS[:1], TOPOLOGIES[:1])
+        rows = run(4, MODELS[:1], TOPOLOGIES[:1])
     else:
-        rows = run(args.time_limit)
+        rows = run(args.mip_effort)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
     slowest = max(r["mip_wall_s"] for r in rows)

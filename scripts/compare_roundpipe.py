@@ -61,7 +61,7 @@ def predict(model: str, box: str, args, lag: int) -> dict:
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
         topo = resolve_topology(cfg)
-        plan = plan_on(cfg, model_config, topo, profile_how="analytic", time_limit_s=args.time_limit)
+        plan = plan_on(cfg, model_config, topo, profile_how="analytic", effort=args.mip_effort)
         choice = choose_schedule(cfg, model_config, topo, plan, "analytic")
     step = choice.dispatched.step_s if choice.shape is not None else (choice.bound_step_s or plan.predicted_step_s)
     floor = max(plan.lane_floor_s.values())
@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--fraction", type=float, default=None, help="the 4090's block efficiency (default: calibrated)")
     p.add_argument("--calibration-rounds", type=int, default=4)
-    p.add_argument("--time-limit", type=float, default=8.0, help="the partition MIP's limit per plan, seconds")
+    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.gpus, args.micro_batches, args.seq_len = "gpt2", [1, 2], 8, 256
-        args.time_limit, args.calibration_rounds = 1.0, 1
+        args.mip_effort, args.calibration_rounds = 4, 1
     with scratch_dir("mobius-roundpipe-") as directory, (model_dir(args.model) if args.model in CONFIGS
                                                          else contextlib.nullcontext(args.model)) as model:
         fraction = args.fraction if args.fraction is not None else calibrated(model, directory, args)

@@ -30,21 +30,21 @@ TOPOLOGIES = ["4x4090", "8x3090-4+4"]
 STEP = 1024
 
 
-def plans(model_dir: str, topology: str, seq_len: int, time_limit_s: float):
+def plans(model_dir: str, topology: str, seq_len: int, effort: int | None):
     cfg = RunConfig.of(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
     try:
         topo = resolve_topology(cfg)
-        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", time_limit_s=time_limit_s, use_cache=False)
+        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", effort=effort, use_cache=False)
     except InputError:
         return None
 
 
-def longest(model_dir: str, topology: str, context: int, time_limit_s: float = 4.0):
+def longest(model_dir: str, topology: str, context: int, effort: int | None = None):
     """Binary search over multiples of STEP: (longest seq that plans, its plan) or (0, None)."""
     lo, hi, best = 0, context // STEP, None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        plan = plans(model_dir, topology, mid * STEP, time_limit_s)
+        plan = plans(model_dir, topology, mid * STEP, effort)
         if plan is not None:
             lo, best = mid, plan
         else:

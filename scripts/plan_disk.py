@@ -44,7 +44,7 @@ def row(name: str, topology: str, host_gb: float, drives: tuple[str, ...], args)
         model_config = model_config_for(cfg)
         topo = resolve_topology(cfg)
         with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
-            plan = plan_on(cfg, model_config, topo, profile_how="analytic", time_limit_s=args.time_limit)
+            plan = plan_on(cfg, model_config, topo, profile_how="analytic", effort=args.mip_effort)
         profile = get_profile(cfg.model, model_config, reserve_cuda_memory(topo), 1, args.seq_len, "bf16", "analytic")
     zero = simulate_zero_infinity(profile, topo, args.micro_batches, plan.disk_gbps, host_gb * 1e9, recompute=True,
                                   adam_params_per_s=profile.host.adam_params_per_s)
@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--micro-batches", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--time-limit", type=float, default=8.0, help="the MIP's limit per plan, seconds")
+    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--plans", action="store_true", help="also print each plan in full")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     boxes = BOXES
     if args.smoke:
-        boxes, args.micro_batches, args.seq_len, args.time_limit = [("mobius-3b", "4x4090", 40.0, ("7",))], 8, 1024, 1.0
+        boxes, args.micro_batches, args.seq_len, args.mip_effort = [("mobius-3b", "4x4090", 40.0, ("7",))], 8, 1024, 4
     rows = [row(*box, args) for box in boxes]
     print(f"full fine-tuning, bf16, {args.micro_batches} micro-batches of 1x{args.seq_len} (predictions, "
           "not measurements)")

@@ -64,7 +64,7 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     model_config = model_config_for(cfg)
     topo = resolve_topology(cfg)
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
-        plan = plan_on(cfg, model_config, topo, profile_how="analytic", time_limit_s=args.time_limit)
+        plan = plan_on(cfg, model_config, topo, profile_how="analytic", effort=args.mip_effort)
     reserved = reserve_cuda_memory(topo)
     profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic")
     bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute,
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a published config (scripts/published_models.py) or a preset")
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--time-limit", type=float, default=8.0, help="the MIP's limit per plan, seconds")
+    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: each step's host AdamW runs on while the next step computes, in both schedules")
     p.add_argument("--json", help="also write the rows here")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     counts = (1, 2, 4, 8)
     if args.smoke:
-        args.model, args.micro_batches, args.seq_len, args.time_limit, counts = "gpt2", 4, 128, 1.0, (1, 2)
+        args.model, args.micro_batches, args.seq_len, args.mip_effort, counts = "gpt2", 4, 128, 4, (1, 2)
     with scratch_dir("mobius-boxes-") as directory, (model_dir(args.model) if args.model in CONFIGS
                                                     else contextlib.nullcontext(args.model)) as model:
         rows = [row(model, g, directory, args) for g in counts]

@@ -40,7 +40,7 @@ def row(model_dir: str, topology: str, rank: int, args) -> dict:
            "trained_params": sum(p.numel() for p in params if p.requires_grad),
            "host_gb_needed": host_bytes_needed(config, "bf16") / GB, "host_gb_preset": topo.host_memory_gb}
     try:
-        plan = plan_on(cfg, config, topo, profile_how="analytic", time_limit_s=args.time_limit, use_cache=False)
+        plan = plan_on(cfg, config, topo, profile_how="analytic", effort=args.mip_effort, use_cache=False)
     except InputError as err:
         return {**out, "plan": None, "why": str(err)}
     return {**out, "plan": {"stages": len(plan.bounds), "recompute": plan.recompute, "partitioner": plan.partitioner,
@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
+    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--json", default="plan_lora.json")
     p.add_argument("--smoke", action="store_true", help="one topology, 1 s per MIP")
     args = p.parse_args(argv)
     if args.smoke:
-        args.time_limit = min(args.time_limit, 1.0)
+        args.mip_effort = 4
     with model_dir("Llama-3.1-70B") as tmp:
         rows = [row(tmp, t, r, args) for t in TOPOLOGIES[:1 if args.smoke else None] for r in (0, args.rank)]
     print(f"Llama-3.1-70B (config.json only), bf16, {args.micro_batches} micro-batches of 1x{args.seq_len}; "

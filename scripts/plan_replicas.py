@@ -38,7 +38,7 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
     cfg = RunConfig.of(model=model_dir, topology=TOPOLOGY, micro_batch_size=1, micro_batches=args.micro_batches,
                        seq_len=args.seq_len, precision="bf16", data_parallel=boxes, network=network)
     topo = resolve_topology(cfg)
-    plan = plan_on(cfg, model_config_for(cfg), topo, profile_how="analytic", time_limit_s=args.time_limit)
+    plan = plan_on(cfg, model_config_for(cfg), topo, profile_how="analytic", effort=args.mip_effort)
     profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic")
     sim = simulate_mobius(replica_profile(profile, topo, boxes), plan.bounds, topo, plan.order, plan.micro_batches,
                           plan.recompute)
@@ -54,14 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batches", type=int, default=64, help="micro-batches of one sequence per step, all boxes")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--time-limit", type=float, default=8.0, help="MIP time limit per plan, seconds")
+    ap.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="1 and 2 boxes over one network, 8 micro-batches")
     args = ap.parse_args(argv)
     networks, boxes_of = NETWORKS, (1, 2, 4)
     if args.smoke:
         networks, boxes_of = NETWORKS[-1:], (1, 2)
-        args.micro_batches, args.time_limit = 8, min(args.time_limit, 1.0)
+        args.micro_batches, args.mip_effort = 8, 4
     with model_dir("Llama-3.1-8B") as tmp:
         rows = [row(tmp, boxes, network, args) for network in networks for boxes in boxes_of]
     tokens = args.micro_batches * args.seq_len

@@ -16,7 +16,7 @@ Profiles are analytic (fp16 on RTX 3090 Ti: 40 TFLOPS at 50% MFU), micro-batch s
 Table 3, M = number of GPUs micro-batches per step, recomputation on (as in the paper); each plan
 is the one ``mobius.plan`` makes for those settings (with the memory CUDA itself takes reserved).
 
-    python scripts/reproduce_paper.py [--out paper_repro] [--time-limit 3] [--smoke]
+    python scripts/reproduce_paper.py [--out paper_repro] [--mip-effort N] [--smoke]
 
 ``--smoke``: every figure for mobius-3b alone, on one 4-GPU topology and 2 and 4 GPUs (seconds).
 """
@@ -51,11 +51,11 @@ def fp32_model_bytes(profile) -> float:
     return sum(l.param_bytes for l in profile.layers) * 2  # fp16 profile -> fp32 bytes
 
 
-def plan_for(model: str, topo: Topology, profile, time_limit: float):
+def plan_for(model: str, topo: Topology, profile, effort: int | None):
     """The plan ``mobius.plan`` prints for the paper's settings (its profile, fp16, recomputation)."""
     cfg = RunConfig.of(model=model, micro_batch_size=PAPER_MICRO_BATCH[model], micro_batches=topo.n, seq_len=512,
                        precision="fp16", recompute="on")
-    return plan_on(cfg, get_config(model), topo, profile=profile, use_cache=True, time_limit_s=time_limit)
+    return plan_on(cfg, get_config(model), topo, profile=profile, use_cache=True, effort=effort)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -99,7 +99,7 @@ def subset_topology(base: Topology, k: int) -> Topology:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="paper_repro")
-    p.add_argument("--time-limit", type=float, default=3.0, help="MIP time limit per plan (s)")
+    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--smoke", action="store_true", help="one model, one topology, 2 and 4 GPUs: seconds")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         topo = load_preset(topo_name)
         for model in models:
             prof = profiles[model]
-            plan = plan_for(model, topo, prof, args.time_limit)
+            plan = plan_for(model, topo, prof, args.mip_effort)
             mo = simulate_mobius(prof, plan.bounds, topo, plan.order, topo.n)
             ds = simulate_zero3_offload(prof, topo, topo.n)
             gp = simulate_gpipe(prof, topo, topo.n)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     topo = load_preset("topo2+2")
     for model in models:
         prof = profiles[model]
-        plan = plan_for(model, topo, prof, args.time_limit)
+        plan = plan_for(model, topo, prof, args.mip_effort)
         machine = machine_for(topo, cross_map(topo, 2 * topo.n))
         row = {"model": model}
         for name, bounds in (("mip", plan.bounds), ("min_stage", min_stage(prof, machine, topo.n)),
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     topo = load_preset("8x3090-4+4")
     for model in models:
         prof = profiles[model]
-        plan = plan_for(model, topo, prof, args.time_limit)
+        plan = plan_for(model, topo, prof, args.mip_effort)
         cross = simulate_mobius(prof, plan.bounds, topo, list(cross_map(topo, len(plan.bounds)).order), topo.n)
         seq = simulate_mobius(prof, plan.bounds, topo, list(sequential_map(topo, len(plan.bounds)).order), topo.n)
         fig10.append({"model": model, "stages": len(plan.bounds), "cross_s": cross.step_s, "sequential_s": seq.step_s,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     prof = profiles[scaled]
     for k in (2, 4) if args.smoke else (2, 4, 6, 8):
         topo = subset_topology(base, k)
-        plan = plan_for(scaled, topo, prof, args.time_limit)
+        plan = plan_for(scaled, topo, prof, args.mip_effort)
         mo = simulate_mobius(prof, plan.bounds, topo, plan.order, topo.n)
         ds = simulate_zero3_offload(prof, topo, topo.n)
         tokens = topo.n * PAPER_MICRO_BATCH[scaled] * 512

@@ -121,6 +121,7 @@ PLAN_OPTIONS = [
     (["--stages", "0"], "--stages must be positive"),
     (["--cpu-workers", "-1"], "--cpu-workers must be positive"),
     (["--time-limit", "nan"], "--time-limit must be a positive finite number"),
+    (["--mip-effort", "0"], "--mip-effort must be at least 1, got 0"),
     (["--model", "tiny", "--seq-len", "9999"], "exceeds tiny's context of 128"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--schedule", "dispatched", "--offload-dir", "never-made"], "--schedule dispatched does not run --offload-dir"),
@@ -583,7 +584,7 @@ def test_cpu_workers_that_would_hold_more_than_the_machine_has_are_refused_befor
     cfg = RunConfig.of(model="tiny", backend="pipeline", topology="cpu", gpu_mem_gb=64.0, seq_len=32)
     config, topo = get_config("tiny"), cpu_topology(2, memory_gb=64.0)
     profile = analytic_profile("tiny", config, 4, 32, 0.05, "fp32")
-    plan = make_plan("tiny", config, topo, 4, 4, 32, "fp32", profile=profile, use_cache=False, time_limit_s=1)
+    plan = make_plan("tiny", config, topo, 4, 4, 32, "fp32", profile=profile, use_cache=False, effort=4)
     held = [planned_device_bytes(plan, k) for k in range(2)]
     assert all(0 < h < 64e9 for h in held)  # what the plan uses, not the budget
     need = sum(held) + 2 * CPU_WORKER_PROCESS_BYTES

@@ -298,7 +298,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     plans = {}
     for name, host in (("all", 0), ("half", need * 0.75), ("fits", need * 2), ("masters", need * 0.5)):
         cfg = RunConfig.of(**base, host_mem_gb=host)
-        plans[name] = plan_on(cfg, config, resolve_topology(cfg), time_limit_s=2)
+        plans[name] = plan_on(cfg, config, resolve_topology(cfg))
     host_stages = [j for j in range(len(plans["all"].bounds)) if j not in plans["all"].resident]
     assert plans["all"].disk_stages == host_stages and plans["fits"].disk_stages == []
     assert 0 < len(plans["half"].disk_stages) < len(host_stages)
@@ -356,7 +356,7 @@ def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
         with pytest.raises(InputError, match="needs [0-9.]* GB of host memory"):
             plan_on(moments_only, model_config_for(moments_only), resolve_topology(moments_only))
         cfg = RunConfig.of(**base, host_mem_gb=64)
-        plan = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), time_limit_s=2)
+        plan = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg))
     assert plan.disk_masters and set(plan.disk_masters) <= set(plan.disk_stages)
     assert "tokens/s" in plan.render()
 
@@ -375,7 +375,7 @@ def test_llama_70b_full_fine_tuning_plans_on_256_gb_and_two_drives_beside_zero_i
 
     from mobius.runtime.spec import Lane
 
-    args = argparse.Namespace(micro_batches=16, seq_len=2048, time_limit=2.0)
+    args = argparse.Namespace(micro_batches=16, seq_len=2048, mip_effort=4)
     r = row("Llama-3.1-70B", "8x3090-4+4", 256, ("7", "7"), args)
     host = r["host_stages"]
     assert r["moments_on_disk"] == r["masters_on_disk"] == host and 0 < r["weights_on_disk"] < host
@@ -477,7 +477,7 @@ def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monke
     (drive,) = topo.drives
     assert not drive.assumed and drive.read_gbps > 0 and drive.write_gbps > 0 and list(tmp_path.iterdir()) == []
     assert drive.name == (disk.drive_name(tmp_path.stat().st_dev) or "drive0")
-    plan = plan_on(cfg, get_config("small"), topo, time_limit_s=2)
+    plan = plan_on(cfg, get_config("small"), topo)
     assert plan.disk_gbps == (drive.read_gbps, drive.write_gbps)
 
 
@@ -518,7 +518,7 @@ def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
     base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
                 precision="bf16", progress=False, device_optimizer="off", host_mem_gb=0)
     floors = [plan_on(RunConfig.of(**base, offload_dir=dirs), get_config("small"),
-                      resolve_topology(RunConfig.of(**base, offload_dir=dirs)), time_limit_s=2).lane_floor_s[Lane.DISK]
+                      resolve_topology(RunConfig.of(**base, offload_dir=dirs))).lane_floor_s[Lane.DISK]
               for dirs in (("a",), ("a", "b"))]
     assert floors[1] == pytest.approx(floors[0] / 2)
 

@@ -200,8 +200,7 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
         config = get_config(str(d))
         topo = load_preset(topology)
         profile = get_profile(str(d), config, topo, 1, 1024, "bf16", "analytic")
-        plan = make_plan(str(d), config, topo, 1, topo.n, 1024, "bf16", profile=profile, use_cache=False,
-                         time_limit_s=2)
+        plan = make_plan(str(d), config, topo, 1, topo.n, 1024, "bf16", profile=profile, use_cache=False, effort=4)
         assert plan.predicted_step_s > 0
         assert plan.bounds[-1][1] == cfg["num_hidden_layers"] + 2
 

@@ -138,10 +138,18 @@ def test_single_and_pipeline_threads_equal_transformers_on_each_example(chat_set
 
 
 def test_padding_without_packing_equals_transformers(chat_setup):
-    """--packing off: one example per padded sequence, plain causal attention, pads untrained."""
+    """--packing off: one example per padded sequence, plain causal attention, pads untrained; each
+    micro-batch padded to its longest example (as Hugging Face's collators pad), not --seq-len."""
     cfg = config(chat_setup, packing="off")
     batches = make_batches(cfg, model_config_for(cfg))
     assert batches.sequences == 24 and batches.step(0)[0].layout.segments is None
+    lengths = (batches.packed.segments >= 0).sum(axis=1)
+    b = cfg.batch.micro_batch_size
+    for k in range(cfg.optim.steps):
+        idx = batches.step_sequences(k)
+        widths = [mb.tokens.shape[1] for mb in batches.step(k)]
+        assert widths == [lengths[idx[a:a + b]].max() for a in range(0, idx.size, b)]
+    assert min(widths) < cfg.batch.seq_len
     want = transformers_losses(cfg)
     assert close(single_losses(cfg), want)
     got, _ = run_in_threads(RunConfig.from_dict({**cfg.to_dict(), "backend": "pipeline", "cpu_workers": 2,
@@ -161,9 +169,10 @@ def test_micro_batch_split_does_not_change_the_step(chat_setup):
     for losses, weights in runs[1:]:
         assert close(losses, runs[0][0])
         for name, w in weights.items():
-            # The split changes the order of the gradient's sums; AdamW's g / sqrt(v) turns that
-            # last-bit difference into ~1e-6 where a gradient is near zero (seen on AVX-512 hosts).
-            torch.testing.assert_close(w, runs[0][1][name], rtol=1e-5, atol=1e-5)
+            # The split changes the order of the gradient's sums (and the widths its micro-batches
+            # are padded to); AdamW's g / sqrt(v) turns that last-bit difference into up to ~1e-5
+            # where a gradient is near zero (1.1e-5 measured in one of 8,288 weights).
+            torch.testing.assert_close(w, runs[0][1][name], rtol=1e-5, atol=3e-5)
 
 
 @pytest.mark.slow
@@ -214,7 +223,9 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
           "--metrics", str(tmp_path / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")])
     evals = [json.loads(line)["eval_loss"] for line in open(tmp_path / "m.jsonl")]
     evals = [e for e in evals if e is not None]
-    assert len(evals) == 3 and evals[0] > evals[1] > evals[2]
+    # (between steps 50 and 100 the held-out loss sits on a plateau, the format learnt and parity
+    # not yet, where float rounding decides which way it moves; then parity is learnt)
+    assert len(evals) == 3 and evals[2] < 0.25 * min(evals[:2])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(tmp_path / "tb"))

@@ -63,7 +63,7 @@ def test_mip_equals_exhaustive_optimum(seed):
         profile.layers[-1].held_bytes = int(rng.uniform(0.1, 0.5) * 1e9)
         machine = replace(machine, memory=tuple(int(m * rng.uniform(1.5, 3.0)) for m in memory))
     best, _ = exhaustive_optimum(profile, machine, micro_batches, recompute)
-    result = solve_partition(profile, machine, micro_batches, recompute, time_limit_s=60, gap=GAP)
+    result = solve_partition(profile, machine, micro_batches, recompute, effort=10**6, gap=GAP)
     if best == float("inf"):  # no partition fits
         assert not result.bounds
         return
@@ -108,7 +108,7 @@ def test_the_warm_start_reaches_highs_and_bounds_the_answer(public_pulp_only, mo
     profile = random_profile(random.Random(4), 12)
     machine = Machine((10e9,) * 2, (6e9,) * 2)
     worst = BASELINES["max"](profile, machine, 2)
-    result = solve_partition(profile, machine, 2, time_limit_s=60, warm_start=worst)
+    result = solve_partition(profile, machine, 2, effort=10**6, warm_start=worst)
     expected = _integer_start(worst, profile.runs(), profile.n)
     assert len(starts) == 1 and starts[0][0] == len(expected) and sorted(starts[0][2]) == sorted(expected.values())
     assert result.objective_s <= evaluate(profile, worst, machine, 2).step_s
@@ -121,9 +121,9 @@ def test_mip_never_worse_than_baselines_and_beats_max_stage():
     machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)
     bounds = {k: f(prof, machine, 4) for k, f in BASELINES.items()}
     times = {k: evaluate(prof, b, machine, 4).step_s for k, b in bounds.items()}
-    # As the planner does: the best baseline is HiGHS's first incumbent, so a time-limited solve
+    # As the planner does: the best baseline is HiGHS's first incumbent, so a solve stopped early
     # never returns worse.
-    r = solve_partition(prof, machine, 4, time_limit_s=8, warm_start=bounds[min(times, key=times.get)])
+    r = solve_partition(prof, machine, 4, warm_start=bounds[min(times, key=times.get)])
     assert r.objective_s <= min(times.values()) * (1 + 1e-9)
     assert r.objective_s < times["max"]
 
@@ -173,7 +173,7 @@ def test_plan_command_rejects_bad_input_with_one_line():
                         "--gpu-mem-gb", "1", "--no-cache"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "budget" in r.stderr
     r = subprocess.run([sys.executable, "-m", "mobius.plan", "--model", "mobius-51b", "--topology", "topo4",
-                        "--micro-batch-size", "1", "--seq-len", "512", "--json", "--no-cache", "--time-limit", "2"],
+                        "--micro-batch-size", "1", "--seq-len", "512", "--json", "--no-cache", "--mip-effort", "4"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     import json
@@ -426,7 +426,7 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
     def plan(partitioner):
         cfg = parse_train_args(["--model", "mobius-3b", "--topology", str(path), "--partitioner", partitioner,
                                 "--recompute", "off", *setting])
-        return plan_on(cfg, check_model_input(cfg), resolve_topology(cfg), time_limit_s=1, use_cache=False,
+        return plan_on(cfg, check_model_input(cfg), resolve_topology(cfg), effort=4, use_cache=False,
                        with_baselines=True)
 
     mip = plan("mip")
@@ -447,3 +447,46 @@ def test_the_host_update_is_charged_at_what_it_moves():
     rates = {p: get_profile("small", get_config("small"), topo, 1, 128, p, "analytic").host.adam_params_per_s
              for p in ("fp32", "bf16", "fp16")}
     assert rates["bf16"] == rates["fp16"] == pytest.approx(rates["fp32"] * 28 / 40, rel=1e-12)
+
+
+def test_a_solve_stops_at_its_effort():
+    """HiGHS is interrupted at its ``effort``-th limit check, and says so; a larger effort never
+    answers worse from the same incumbent."""
+    prof = analytic_profile("mobius-8b", get_config("mobius-8b"), 2, 512, 40.0)
+    machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)
+    start = balanced_bounds([l.fwd_s + l.bwd_s for l in prof.layers], 8)
+    one = solve_partition(prof, machine, 4, effort=1, warm_start=start)
+    assert one.status == "Effort limit reached (1 limit checks)"
+    more = solve_partition(prof, machine, 4, effort=40, warm_start=start)
+    assert more.objective_s <= one.objective_s * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_one_command_gives_one_plan_on_a_quiet_or_a_busy_machine():
+    """The MIP stops at a count of its own progress, not at seconds: the same plan (the disk-tier
+    case whose stage count once changed with the machine's load) with both cores kept busy."""
+    from mobius.config import RunConfig
+    from mobius.planning.pipeline import plan_on
+    from mobius.planning.planner import host_bytes_needed
+    from mobius.planning.prepare import resolve_topology
+
+    config = get_config("small")
+    cfg = RunConfig.of(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
+                       precision="bf16", progress=False, device_optimizer="off", offload_dir="unused",
+                       drive_gbps=("2",), host_mem_gb=host_bytes_needed(config, "bf16") / 1e9 * 0.75)
+
+    def planned() -> dict:
+        plan = plan_on(cfg, config, resolve_topology(cfg), use_cache=False).to_dict()
+        plan["solver"].pop("solve_s")  # (how long it took is the one thing the load may change)
+        return plan
+
+    quiet = planned()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        busy = planned()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert quiet["solver"]["status"].startswith("Effort limit reached") or quiet["solver"]["status"] == "Optimal"
+    assert json.dumps(busy, sort_keys=True) == json.dumps(quiet, sort_keys=True)

@@ -173,9 +173,9 @@ def test_a_plan_for_two_boxes_puts_the_network_in_the_floor_and_says_so():
     topo = load_preset("4x4090")
     topo.network = network_of("25gbe")
     profile = get_profile("mobius-3b", get_config("mobius-3b"), topo, 2, 512, "bf16", "analytic")
-    one = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 8, 512, "bf16", profile=profile, time_limit_s=1,
+    one = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 8, 512, "bf16", profile=profile, effort=4,
                     use_cache=False, device_optimizer=False)
-    two = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 4, 512, "bf16", profile=profile, time_limit_s=1,
+    two = make_plan("mobius-3b", get_config("mobius-3b"), topo, 2, 4, 512, "bf16", profile=profile, effort=4,
                     use_cache=False, data_parallel=2)
     params = sum(p.numel() for p in _params(get_config("mobius-3b")))
     assert "network" not in one.lane_floor_s and not two.resident
@@ -210,7 +210,7 @@ def test_cost_model_and_simulator_share_the_network_alike():
     for g in topo.gpus:
         g.memory_gb = 0.05
     profile = get_profile("tiny8", get_config("tiny8"), topo, 4, 128, "fp32", "analytic")
-    plan = make_plan("tiny8", get_config("tiny8"), topo, 4, 2, 128, "fp32", profile=profile, time_limit_s=1,
+    plan = make_plan("tiny8", get_config("tiny8"), topo, 4, 2, 128, "fp32", profile=profile, effort=4,
                      use_cache=False, data_parallel=2)
     replica = replica_profile(profile, topo, 2)
     sim = simulate_mobius(replica, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute).step_s

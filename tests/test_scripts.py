@@ -50,7 +50,7 @@ def test_make_tiny_chat_model(tmp_path):
 
 @pytest.mark.slow
 def test_reproduce_paper(tmp_path, capsys):
-    run_script("reproduce_paper", ["--smoke", "--out", "repro", "--time-limit", "1"])
+    run_script("reproduce_paper", ["--smoke", "--out", "repro", "--mip-effort", "4"])
     fig5 = (tmp_path / "repro" / "fig5_fig6_fig8.csv").read_text().splitlines()
     assert fig5[0].startswith("topology,model,stages,mobius_s,deepspeed_s") and len(fig5) == 2
     summary = read(tmp_path / "repro" / "summary.json")

@@ -100,7 +100,7 @@ def test_the_mip_gives_a_heavy_embedding_a_stage_of_its_own_and_the_step_is_shor
     assert forward[0] == (0, 4)
     tasks = step_tasks(forward, backward, 0, 1, order, 2 * M)
     cut = solve_dispatched(profile, topo, tasks, 0, 4, 6, memory, profile.host.adam_params_per_s,
-                           warm=(forward, backward), time_limit_s=10)
+                           warm=(forward, backward), effort=10**6)
     assert cut.status == "Optimal" and valid_partitions(cut.forward, cut.backward)
     assert (len(cut.forward), len(cut.backward)) == (5, 7) and cut.forward[0] == (0, 1)
     balanced = simulate_dispatched(profile, forward, backward, topo, order, 2 * M, memory)
@@ -347,7 +347,7 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
     from mobius.planning.prepare import get_profile, reserve_cuda_memory
 
     args = ["--model", "small", "--topology", "topo2+2", "--micro-batches", "16", "--seq-len", "128",
-            "--time-limit", "1", "--schedule", "auto", "--optimizer-lag", "1"]
+            "--mip-effort", "4", "--schedule", "auto", "--optimizer-lag", "1"]
     main([*args, "--json"])
     out = json.loads(capsys.readouterr().out)
     found = out["dispatched"]
@@ -394,7 +394,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
     from plan_dispatched import row
     from published_models import model_dir
 
-    args = argparse.Namespace(micro_batches=16, seq_len=2048, time_limit=2.0, optimizer_lag=1)
+    args = argparse.Namespace(micro_batches=16, seq_len=2048, mip_effort=4, optimizer_lag=1)
     with model_dir("Llama-3.1-8B") as model:
         one, eight = [row(model, gpus, str(tmp_path), args, without_mip=False) for gpus in (1, 8)]
     fastest_one = min(one["bound_predicted_s"], one["bound_simulated_s"], one["dispatched_simulated_s"])

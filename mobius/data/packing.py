@@ -94,6 +94,11 @@ def packed_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, e
     return out
 
 
+def _columns(array: np.ndarray, rows: np.ndarray, width: int) -> torch.Tensor:
+    """``array``'s ``rows``, their first ``width`` columns: a copy, never the mapping."""
+    return torch.from_numpy(array[rows, :width].astype(np.int64))
+
+
 class ExampleBatches:
     """The batches of a run on examples (instruction, chat, prompt/completion, or documents).
 
@@ -138,18 +143,21 @@ class ExampleBatches:
         return self._micro_batches(idx, int((self.packed.targets[idx] != IGNORE).sum()))
 
     def _micro_batches(self, idx: np.ndarray, loss_tokens: int) -> list[Batch]:
-        """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding)."""
-        def take(array: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array[rows].astype(np.int64))  # a copy, never the mapping
-
+        """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding).  Each
+        micro-batch is as wide as its longest sequence, as Hugging Face's collators pad: the columns
+        of padding every sequence ends with are left out (exact: padding comes last, and no token
+        attends to it or trains on it)."""
         p, b, out = self.packed, self.micro_batch_size, []
         for a in range(0, idx.size, b):
             rows, blank = np.maximum(idx[a:a + b], 0), torch.from_numpy(idx[a:a + b] < 0)[:, None]
-            layout = TokenLayout(targets=take(p.targets, rows).masked_fill(blank, IGNORE),
+            used = (p.segments[rows] >= 0) & ~blank.numpy()
+            width = max(1, int(used.any(axis=0).nonzero()[0].max(initial=-1)) + 1)
+            layout = TokenLayout(targets=_columns(p.targets, rows, width).masked_fill(blank, IGNORE),
                                  loss_tokens=max(1, loss_tokens))
             if self.packing:
-                layout.positions, layout.segments = take(p.positions, rows), take(p.segments, rows)
-            out.append(Batch(take(p.tokens, rows), layout))
+                layout.positions = _columns(p.positions, rows, width)
+                layout.segments = _columns(p.segments, rows, width)
+            out.append(Batch(_columns(p.tokens, rows, width), layout))
         return out
 
     def epochs(self, steps: int) -> float:

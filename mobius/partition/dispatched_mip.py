@@ -43,6 +43,10 @@ from mobius.partition import highs
 from mobius.partition.cost import GB, stage_costs
 from mobius.partition.profile import Profile
 
+# HiGHS's limit checks a dispatched solve may take: its root LP is large, and its first checks come
+# seconds apart (8B at 64 micro-batches: the 5th after 3 s on 2 cores, the 20th after 15 s).
+DISPATCHED_EFFORT = 5
+
 
 @dataclass
 class DispatchedCut:
@@ -232,18 +236,19 @@ class _Model:
 def solve_dispatched(profile: Profile, topo, tasks: list, kept: int, stages_fwd: int, stages_bwd: int,
                      memory_bytes: list[int], adam_params_per_s: float, optimizer_lag: int = 0,
                      whole_step: bool = False, warm: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None = None,
-                     time_limit_s: float = 2.0, gap: float = 1e-3) -> DispatchedCut | None:
+                     effort: int = DISPATCHED_EFFORT, gap: float = 1e-3,
+                     time_limit_s: float = highs.SAFETY_TIME_LIMIT_S) -> DispatchedCut | None:
     """The forward and backward partitions of the shape (``stages_fwd`` / ``stages_bwd`` stages
     before the ``kept`` tail; ``tasks``, one step's, as :func:`mobius.stages.tasks.step_tasks` gives
-    them for the shape) that the MIP finds fastest within ``time_limit_s``, from ``warm`` (a known
-    pair of partitions of the whole model); None where it finds none."""
+    them for the shape) that the MIP finds fastest within ``effort`` (HiGHS's limit checks), from
+    ``warm`` (a known pair of partitions of the whole model); None where it finds none."""
     if stages_fwd < 1 or stages_bwd < 1 or profile.n - 1 - kept < max(stages_fwd, stages_bwd):
         return None
     model = _Model(profile, topo, tasks, kept, stages_fwd, stages_bwd, memory_bytes, adam_params_per_s,
                    optimizer_lag, whole_step)
     model.build()
     t0 = time.perf_counter()
-    solved = highs.solve(model.prob, model.warm_start(*warm) if warm else {}, time_limit_s, gap)
+    solved = highs.solve(model.prob, model.warm_start(*warm) if warm else {}, effort, gap, time_limit_s)
     if solved.values is None:
         return None
     forward = _bounds_of(solved.values, model.runs, stages_fwd, "yf") + model.rest

@@ -3,11 +3,17 @@
 PuLP builds the model (variables, expressions, constraints); its documented export,
 ``LpProblem.toDataclass()`` (or ``toDict()``, the same fields as a dict, where a PuLP lacks the
 first: converting the dataclasses to dicts took a tenth of a large plan's time), is handed to
-``highspy.Highs`` column by column and row by row.  We own the solver object, so the warm start (``setSolution`` with the
-integer variables of a known partition), the status HiGHS reached and its MIP gap are asked of
-HiGHS itself.  PuLP's own HiGHS interface is not used: in PuLP 3 it takes no warm start, and the
-solver model and column indices it keeps are private (PuLP 4 removed the ``index`` the first
-version of this code read).
+``highspy.Highs`` column by column and row by row.  We own the solver object, so the warm start
+(``setSolution`` with the integer variables of a known partition), the status HiGHS reached and
+its MIP gap are asked of HiGHS itself.  PuLP's own HiGHS interface is not used: in PuLP 3 it takes
+no warm start, and the solver model and column indices it keeps are private (PuLP 4 removed the
+``index`` the first version of this code read).
+
+A solve is bounded by *effort*, not seconds: HiGHS checks its limits at points of its own
+progress (``checkLimits``: in the root's cut loop, between nodes), and the solve is interrupted at
+its ``effort``-th check through HiGHS's MIP-interrupt callback.  Where it stops is then a fact of
+the model, not of the machine's load, so one command on one machine gives one plan, quiet or busy.
+The wall-clock limit stays as a safety net far above that; a solve it stops says so.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import highspy  # noqa: E402,I001
 @dataclass
 class Solved:
     values: dict[str, float] | None  # by variable name; None where HiGHS found no feasible point
-    status: str  # HiGHS's own words: "Optimal", "Time limit reached", "Infeasible", ...
+    status: str  # HiGHS's own words ("Optimal", "Infeasible", ...), or where its effort or time stopped it
     gap: float  # the relative MIP gap HiGHS reached
     n_variables: int
     n_constraints: int
+    nodes: int = 0  # branch-and-bound nodes HiGHS explored
 
 
 @contextlib.contextmanager
@@ -54,14 +61,19 @@ with _native_stdout_silenced():
     highspy.Highs()
 
 
+# Far above what a solve's effort takes on a busy machine: it stops only a solve gone wrong.
+SAFETY_TIME_LIMIT_S = 600.0
+
+
 def _get(record, field: str):
     """A field of PuLP's export, as a dataclass or as a dict."""
     return record[field] if isinstance(record, dict) else getattr(record, field)
 
 
-def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float, gap: float) -> Solved:
+def solve(problem: pulp.LpProblem, start: dict[str, float], effort: int, gap: float, time_limit_s: float) -> Solved:
     """Minimise ``problem`` from the incumbent ``start`` (values of some of its variables, by name;
-    HiGHS completes the rest or drops it if it is infeasible)."""
+    HiGHS completes the rest or drops it if it is infeasible), stopping at the relative ``gap``, at
+    HiGHS's ``effort``-th limit check, or at ``time_limit_s`` (the safety net), whichever first."""
     model = problem.toDataclass() if hasattr(problem, "toDataclass") else problem.toDict()
     if _get(_get(model, "parameters"), "sense") != pulp.LpMinimize:
         raise ValueError("solve minimises; the problem maximises")
@@ -96,6 +108,15 @@ def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float,
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(gap))
+    checks = 0
+
+    def at_limit_check(event):
+        nonlocal checks
+        checks += 1
+        if checks >= effort:
+            event.interrupt()
+
+    highs.cbMipInterrupt += at_limit_check
     highs.addCols(n, cost, lower, upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
     if len(integer):
         highs.changeColsIntegrality(len(integer), integer,
@@ -110,4 +131,8 @@ def solve(problem: pulp.LpProblem, start: dict[str, float], time_limit_s: float,
     info = highs.getInfo()
     found = int(info.primal_solution_status) == int(highspy.SolutionStatus.kSolutionStatusFeasible)
     values = dict(zip(column, highs.getSolution().col_value)) if found else None
-    return Solved(values, highs.modelStatusToString(highs.getModelStatus()), info.mip_gap, n, len(constraints))
+    status = highs.getModelStatus()
+    words = {highspy.HighsModelStatus.kInterrupt: f"Effort limit reached ({effort} limit checks)",
+             highspy.HighsModelStatus.kTimeLimit: "Time limit reached (the safety net: on another load, another "
+                                                  "answer)"}.get(status) or highs.modelStatusToString(status)
+    return Solved(values, words, info.mip_gap, n, len(constraints), int(info.mip_node_count))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import StageCost, exchanged_bytes, stage_costs
-from mobius.partition.dispatched_mip import solve_dispatched
+from mobius.partition.dispatched_mip import DISPATCHED_EFFORT, solve_dispatched
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
 from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
@@ -382,14 +382,14 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, simul
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
                     optimizer_lag: int = 0, tied: bool = False, whole_step: bool = False,
-                    mip_shapes: int = MIP_SHAPES, mip_time_limit_s: float = 2.0) -> DispatchedPlan | None:
+                    mip_shapes: int = MIP_SHAPES, mip_effort: int = DISPATCHED_EFFORT) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail (one layer a stage where those do not fit); then, for the
     :data:`REFINED` best of those, the two partitions' stage counts (each partition time-balanced,
     exactly, for its count), all as single steps; then, for the ``mip_shapes`` best of all, the
     MIP's partitions with their stage counts (:mod:`mobius.partition.dispatched_mip`, each solve
-    stopped at ``mip_time_limit_s``).  With ``optimizer_lag`` the steady state of the
+    stopped at ``mip_effort`` limit checks).  With ``optimizer_lag`` the steady state of the
     :data:`STEADY_CANDIDATES` fastest time-balanced plans and the MIP's decides.  Without it (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
     (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs, at any
@@ -452,7 +452,7 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
         found = solve_dispatched(profile, topo, tasks, p.kept, len(p.forward) - 1 - p.kept,
                                  len(p.backward) - 1 - p.kept, memory,
                                  adam_params_per_s or profile.host.adam_params_per_s, optimizer_lag, whole_step,
-                                 warm=(p.forward, p.backward), time_limit_s=mip_time_limit_s)
+                                 warm=(p.forward, p.backward), effort=mip_effort)
         if found and (found.forward, found.backward) != (p.forward, p.backward) and \
                 (q := simulated(p.kept, p.head_gpus, found.forward, found.backward, by=MIP)):
             seen.append(q)

@@ -323,8 +323,9 @@ class _DeviceWorker:
     def _input(self, st: _Step, kind: int, b: int, m: int, src: int, what: str) -> torch.Tensor:
         """The tensor at boundary ``b`` of micro-batch ``m``, on this device (at 0: the tokens)."""
         r = self.runner
-        host = st.micro[m].tokens if b == 0 else \
-            self.links.recv(src, (kind, st.step, st.training, b, m), r.hidden_shape, r.dtype)
+        tokens = st.micro[m].tokens  # (a micro-batch is as wide as its longest sequence)
+        host = tokens if b == 0 else \
+            self.links.recv(src, (kind, st.step, st.training, b, m), (*tokens.shape, r.hidden), r.dtype)
         return self.links.to_device(host, what)
 
     def _send_hidden(self, st: _Step, routes: _Routes, h: torch.Tensor, b: int, m: int) -> None:
@@ -489,7 +490,7 @@ class DispatchedRunner:
             raise ValueError(f"the host store's stages are not the pieces {self.pieces}")
         self.replica = replicas.layout if replicas is not None else ReplicaLayout()
         self.M = batches.micro_batches // self.replica.count  # this replica's share of a step
-        self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
+        self.hidden = store.config.hidden
         self.dtype = store.compute_dtype
         self.board = Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])

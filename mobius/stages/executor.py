@@ -109,7 +109,7 @@ class StageRunner:
         self.eval_ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, forward_only=True,
                                    resident=self.resident)
         self._resident_handles: dict[int, DeviceStage] = {}  # loaded once, never released
-        self.hidden_shape = (batches.micro_batch_size, batches.seq_len, store.config.hidden)
+        self.hidden = store.config.hidden
         self.dtype = store.compute_dtype
         # Streams: compute, and this thread's host-side work (so the checker sees every hand-over);
         # the links and the optimizer bring their own copy streams.
@@ -210,12 +210,11 @@ class StageRunner:
 
     def _op_recv(self, op: Op, st: _StepState) -> None:
         s, m = op.stage, op.mb
+        shape = (*st.micro[m].tokens.shape, self.hidden)  # (a micro-batch is as wide as its longest sequence)
         if op.backward:  # the output gradient, from the next stage's worker
-            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s + 1), (s, m, True), self.hidden_shape,
-                                               self.dtype)
+            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s + 1), (s, m, True), shape, self.dtype)
         else:
-            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s - 1), (s - 1, m, False), self.hidden_shape,
-                                               self.dtype)
+            st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s - 1), (s - 1, m, False), shape, self.dtype)
 
     def _tag(self, key: tuple[int, int, bool]) -> int:
         """A message's number for the transport: (sending stage, micro-batch, backward)."""
