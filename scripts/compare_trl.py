@@ -5,11 +5,17 @@ clipped to 1.0), answers only trained; then both models judged by one evaluator 
 records: the mean loss of each answer's tokens, and greedy exact match.
 
     python scripts/compare_trl.py [--steps 600] [--seeds 0 1 2] [--json compare_trl.json] [--smoke]
+    python scripts/compare_trl.py --speed [--steps 60]   # per-example step time, 1 thread, no packing
 
 Mobius trains through its command (``mobius.train``, the single backend) and exports a Hugging
 Face directory; TRL trains the model ``transformers`` loads from the same directory.  The records
 are ``examples/parity.jsonl`` (is a number even or odd), the last ``--held-out`` of them held out.
 Needs ``trl`` (``pip install trl``).  ``--smoke``: 5 steps, one seed, 8 held-out records.
+
+``--speed``: the time of a step's own work per example, both trainers on one thread, without
+packing (each batch padded to its longest example, as TRL's collator pads): the median over the
+steps after the first five of Mobius's ``step_time_s`` (the step's batch made, forward, backward,
+AdamW) and of TRL's ``on_step_begin`` to ``on_step_end`` (the batch already loaded).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,8 +47,8 @@ def settings(steps: int, lr: float, batch: int, seq_len: int) -> dict:
             "warmup_steps": max(1, steps // 10), "min_lr_ratio": 0.1, "max_grad_norm": 1.0}
 
 
-def train_mobius(model_dir: Path, data: Path, out: Path, s: dict, seed: int) -> Path:
-    mobius_train(["--model", str(model_dir), "--data", str(data), "--backend", "single", "--steps", str(s["steps"]),
+def train_mobius(model_dir: Path, data: Path, out: Path, s: dict, seed: int, *extra: str) -> Path:
+    mobius_train([*extra, "--model", str(model_dir), "--data", str(data), "--backend", "single", "--steps", str(s["steps"]),
                   "--lr", str(s["lr"]), "--micro-batch-size", str(s["batch"]), "--micro-batches", "1",
                   "--seq-len", str(s["seq_len"]), "--adam-beta1", str(s["betas"][0]), "--adam-beta2",
                   str(s["betas"][1]), "--weight-decay", str(s["weight_decay"]), "--lr-scheduler", "cosine_with_min_lr",
@@ -51,7 +58,8 @@ def train_mobius(model_dir: Path, data: Path, out: Path, s: dict, seed: int) -> 
     return out
 
 
-def train_trl(model_dir: Path, records: list[dict], work: Path, s: dict, seed: int):
+def train_trl(model_dir: Path, records: list[dict], work: Path, s: dict, seed: int, packing: bool = True,
+              callbacks: list | None = None):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -65,10 +73,11 @@ def train_trl(model_dir: Path, records: list[dict], work: Path, s: dict, seed: i
                        learning_rate=s["lr"], adam_beta1=s["betas"][0], adam_beta2=s["betas"][1],
                        weight_decay=s["weight_decay"], warmup_steps=s["warmup_steps"],
                        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]},
-                       max_grad_norm=s["max_grad_norm"], max_length=s["seq_len"], packing=True, seed=seed,
+                       max_grad_norm=s["max_grad_norm"], max_length=s["seq_len"], packing=packing, seed=seed,
                        data_seed=seed, report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True,
                        disable_tqdm=True, dataloader_num_workers=0)
-    SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer).train()
+    SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+               callbacks=callbacks).train()
     return model.eval()
 
 
@@ -93,6 +102,30 @@ def judge(model, tokenizer, held_out: list[dict]) -> dict:
     return {"answer_loss": statistics.fmean(losses), "exact_match": right / len(held_out)}
 
 
+def step_times(model_dir: Path, data: Path, train: list[dict], tmp: Path, s: dict) -> dict:
+    """Per-example step time (ms, median after the first five steps) of each trainer, 1 thread, no packing."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.began = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.began)
+
+    metrics = tmp / "speed.jsonl"
+    train_mobius(model_dir, data, tmp / "mobius-speed", s, 0, "--packing", "off", "--metrics", str(metrics))
+    ours = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+    clock = Clock()
+    train_trl(model_dir, train, tmp / "trl-speed", s, 0, packing=False, callbacks=[clock])
+    per_example = {who: 1e3 * statistics.median(times[5:]) / s["batch"] for who, times in
+                   (("mobius", ours), ("trl", clock.times))}
+    return {**per_example, "steps": s["steps"], "batch": s["batch"], "seq_len": s["seq_len"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600)
@@ -103,15 +136,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--held-out", type=int, default=100)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--speed", action="store_true", help="per-example step time on one thread, no packing")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.seeds, args.held_out = 5, [0], 8
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1 if args.speed else max(1, torch.get_num_threads()))
     records = [json.loads(line) for line in RECORDS.read_text().splitlines() if line.strip()]
     train, held_out = records[:-args.held_out], records[-args.held_out:]
     s = settings(args.steps, args.lr, args.batch, args.seq_len)
+    if args.speed:
+        with tempfile.TemporaryDirectory(prefix="compare-trl-") as tmp:
+            tmp = Path(tmp)
+            data = tmp / "train.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in train))
+            speed = step_times(make_tiny_chat_model(tmp / "base", hidden=64, layers=2, seed=0), data, train, tmp, s)
+        print(f"per-example step time, 1 thread, no packing ({s['steps']} steps of {s['batch']} examples, "
+              f"median after 5): mobius {speed['mobius']:.2f} ms, trl {speed['trl']:.2f} ms, "
+              f"ratio {speed['mobius'] / speed['trl']:.2f}")
+        if args.json:
+            args.json.write_text(json.dumps(speed, indent=1))
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="compare-trl-") as tmp:
         tmp = Path(tmp)
