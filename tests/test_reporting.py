@@ -70,7 +70,8 @@ def fake_mlflow(monkeypatch) -> dict:
         def get_experiment_by_name(self, name):
             seen["experiment"] = name
 
-        def create_experiment(self, name):
+        def create_experiment(self, name, artifact_location=None):
+            seen["artifacts"] = artifact_location
             return "1"
 
         def create_run(self, experiment):
@@ -126,31 +127,43 @@ def test_every_reporter_gets_the_same_scalars_at_the_same_steps(tmp_path, monkey
     (init,) = wandb.inits
     assert init["mode"] == "offline" and init["dir"] == str(reports) and init["config"]["steps"] == 3
     assert wandb.finished == 1 and mlflow["terminated"] == 1
-    assert mlflow["uri"] == (reports / "mlruns").resolve().as_uri() and mlflow["params"]["lr"] == "0.001"
+    assert mlflow["uri"] == f"sqlite:///{(reports / 'mlruns' / 'mlflow.db').resolve()}"
+    assert mlflow["artifacts"] == (reports / "mlruns" / "artifacts").resolve().as_uri()
+    assert mlflow["params"]["lr"] == "0.001"
     assert "WANDB_CACHE_DIR" not in __import__("os").environ  # the run's own settings, given back
 
 
 def test_the_real_packages_write_offline_under_the_report_dir_only(tmp_path, monkeypatch):
-    """wandb and MLflow themselves, where installed: an offline wandb run and an MLflow run whose
-    loss history is the metrics file's, both under --report-dir; nothing in the user's home."""
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
+    """wandb and MLflow themselves, each where installed: an offline wandb run and an MLflow run
+    whose loss history is the metrics file's, both under --report-dir, MLflow's read back by its
+    own client with no switch; nothing in the user's home, nothing in the working directory."""
+    from mobius.config import installed
 
+    names = [n for n in ("wandb", "mlflow", "sqlalchemy", "alembic") if installed(n)]
+    names = [n for n in ("wandb", "mlflow") if n in names and (n != "mlflow" or len(names) >= 3)]
+    if not names:
+        pytest.skip("neither wandb nor mlflow (with SQLAlchemy and Alembic) is installed")
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for name in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "WANDB_MODE", "MLFLOW_TRACKING_URI"):
+    for name in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(name, raising=False)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
     reports = tmp_path / "reports"
-    train_main(run_args(tmp_path) + ["--report-to", "wandb,mlflow", "--report-dir", str(reports)])
-    assert len(list((reports / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(tracking_uri=(reports / "mlruns").resolve().as_uri())
-    (run,) = client.search_runs([client.get_experiment_by_name("mobius").experiment_id])
-    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    assert history == pytest.approx(losses_of(tmp_path / "m.jsonl"), rel=1e-6)
+    train_main(run_args(tmp_path) + ["--report-to", ",".join(names), "--report-dir", str(reports)])
+    if "wandb" in names:
+        assert len(list((reports / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    if "mlflow" in names:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{(reports / 'mlruns' / 'mlflow.db').resolve()}")
+        (run,) = client.search_runs([client.get_experiment_by_name("mobius").experiment_id])
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+        assert history == pytest.approx(losses_of(tmp_path / "m.jsonl"), rel=1e-6)
     assert not any(home.iterdir()), list(home.rglob("*"))
+    assert not any(work.iterdir()), list(work.rglob("*"))
 
 
 @pytest.mark.parametrize("args,message", [

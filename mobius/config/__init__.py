@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -632,8 +633,13 @@ def check_paths(cfg: RunConfig) -> None:
     if cfg.outputs.tensorboard is not None and not installed("tensorboard"):
         raise InputError("--tensorboard needs the 'tensorboard' package: pip install tensorboard")
     for name in cfg.outputs.report_to:
-        if not installed(name):
-            raise InputError(f"--report-to {name} needs the '{name}' package: pip install 'mobius-train[{name}]'")
+        # MLflow's local store is its SQLite database, which needs SQLAlchemy and Alembic
+        # (mlflow-skinny leaves them out); a tracking server does not.
+        local = name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI")
+        for package in (name, "sqlalchemy", "alembic") if local else (name,):
+            if not installed(package):
+                raise InputError(f"--report-to {name} needs the '{package}' package: "
+                                 f"pip install 'mobius-train[{name}]'")
 
 
 def resolve_max_grad_norm(args: argparse.Namespace) -> None:

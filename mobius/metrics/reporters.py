@@ -110,9 +110,28 @@ class WandbLog:
             self._environment.close()
 
 
+@contextlib.contextmanager
+def _database_setup_quiet():
+    """MLflow says at INFO, on stderr, each step of making its database's tables: not the run's news."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 class MlflowLog:
     """An MLflow run in experiment ``MLFLOW_EXPERIMENT_NAME`` (``mobius``), in a local store under
-    ``directory`` unless ``MLFLOW_TRACKING_URI`` is set; the run's settings as its parameters."""
+    ``directory`` unless ``MLFLOW_TRACKING_URI`` is set; the run's settings as its parameters.
+    The local store is MLflow's SQLite database, ``directory/mlflow.db`` (``mlflow ui
+    --backend-store-uri sqlite:///DIR/mlflow.db``): MLflow 3 keeps its store of plain files in
+    maintenance mode, read only with ``MLFLOW_ALLOW_FILE_STORE``."""
 
     option = "--report-to mlflow"
     PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
@@ -122,7 +141,8 @@ class MlflowLog:
         from mlflow.tracking import MlflowClient
 
         self.directory = directory
-        self.uri = uri = os.environ.get("MLFLOW_TRACKING_URI") or directory.resolve().as_uri()
+        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        self.uri = uri = f"sqlite:///{directory.resolve() / 'mlflow.db'}" if local else os.environ["MLFLOW_TRACKING_URI"]
         # A tracking server that does not answer is said within seconds, naming it, from this
         # process: MLflow's own retries (7, backing off to minutes) would outlast the other workers'
         # collectives, whose timeout would then be blamed.  The user's settings win.
@@ -130,13 +150,16 @@ class MlflowLog:
             settings_here.enter_context(environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES="1",
                                                     MLFLOW_HTTP_REQUEST_TIMEOUT="5",
                                                     MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1"))
-            with writing(self.option, directory), environment(MLFLOW_ALLOW_FILE_STORE="true"), self._served():
-                # A local store is a directory of files: MLflow 3 keeps it in maintenance mode (its
-                # database store needs SQLAlchemy, which mlflow-skinny leaves out) but reads it still.
+            with writing(self.option, directory), self._served(), _database_setup_quiet():
+                if local:
+                    directory.mkdir(parents=True, exist_ok=True)
                 self.client = MlflowClient(tracking_uri=uri)
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius")
                 found = self.client.get_experiment_by_name(name)
-                experiment = found.experiment_id if found else self.client.create_experiment(name)
+                # (a local store's artifacts beside its database: MLflow's default is ./mlruns, in
+                # whatever directory the run was started from)
+                experiment = found.experiment_id if found else self.client.create_experiment(
+                    name, artifact_location=(directory.resolve() / "artifacts").as_uri() if local else None)
                 if run_id and self._exists(run_id, experiment):  # a resumed run continues its MLflow run
                     self.run_id = run_id
                     self.client.update_run(run_id, status="RUNNING")

@@ -161,9 +161,10 @@ def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimi
 def available_host_memory() -> int | None:
     """MemAvailable from /proc/meminfo (bytes), or None where it cannot be read."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return None
