@@ -165,6 +165,55 @@ def test_files_a_dead_worker_left_are_removed_by_their_identity_never_by_name(tm
     assert list(killed.iterdir()) == []
 
 
+# A process that makes files in DIR through its ledger, without end, until it is killed.
+MAKER = """
+import os, sys
+from mobius.boundary.ledger import FileLedger
+ledger = FileLedger(sys.argv[1], "rank000")
+for i in range(10**9):
+    try:
+        fd = ledger.create(f"rank000-stage{i % 10000:04d}.adam")
+    except FileExistsError:  # the user's, or ours not yet removed: never opened
+        continue
+    os.write(fd, b"moments" * 100)
+    os.close(fd)
+    if i % 3 == 0:
+        ledger.remove(f"rank000-stage{i % 10000:04d}.adam")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_killed_at_any_instant_leaves_nothing_and_changes_nothing_of_the_users(tmp_path):
+    """SIGKILL, at a random instant in each of 20 tries, of a process making files in a directory the
+    user named: its watcher removes what it made, ledger included; the user's files stay as they
+    were.  (Files appear under their names only once recorded, the ledger only once locked.)"""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    where = tmp_path / "nvme"
+    where.mkdir()
+    (where / "notes.txt").write_text("the user's")
+    (where / "rank000-stage0009.adam").write_text("the user's, named like ours")
+    mine = {p.name: p.read_bytes() for p in where.iterdir()}
+    rng = random.Random(0)
+    root = str(Path(__file__).parents[1])
+    for _ in range(20):
+        maker = subprocess.Popen([sys.executable, "-c", MAKER, str(where)], env={**os.environ, "PYTHONPATH": root})
+        try:
+            time.sleep(rng.uniform(0.0, 0.4))  # from before the ledger exists to deep into making files
+        finally:
+            maker.send_signal(signal.SIGKILL)
+            maker.wait()
+        for _ in range(600):  # the watcher polls for its parent's death every 0.2 s
+            if {p.name for p in where.iterdir()} == set(mine):
+                break
+            time.sleep(0.05)
+        assert {p.name: p.read_bytes() for p in where.iterdir()} == mine
+
+
 def test_a_file_that_is_there_is_never_opened(tmp_path):
     (tmp_path / "nvme0").mkdir()
     (tmp_path / "nvme0" / "rank000-stage0001.adam").write_text("the user's")

@@ -5,7 +5,8 @@ Each file is created exclusively and its identity (device and inode) is written 
 ledger, a hidden file beside it, before the file holds a byte.  The process holds a lock on its
 ledger (``flock``) for as long as it lives; the kernel lets go of it when the process dies, however
 it dies.  So whoever finds a ledger unlocked knows its files are orphaned (:func:`remove_orphans`:
-a run's janitor at its start and end, a later run on the same directory), and removes each one
+a run's janitor at its start and end, a later run on the same directory, and the watcher each
+ledger starts, which outlives a process killed outright: :mod:`mobius.boundary.janitor`), and removes each one
 only if the name still leads to that very file: a file of the user's put there since, renamed
 over ours or named like it, is left alone.
 """
@@ -26,21 +27,30 @@ class FileLedger:
     """The files this process makes in ``directory``, each recorded as it is made."""
 
     def __init__(self, directory: str | os.PathLike, tag: str):
+        # The watcher first: a process killed at any instant after this line has its files removed.
+        # (Imported here: the watcher loads this module on its own, with the standard library only.)
+        from mobius.boundary.janitor import watcher
+
         self.directory = Path(directory)
+        self.watcher = watcher(str(self.directory), ledgers=True)
         self.path = self.directory / f"{PREFIX}{tag}-{os.getpid()}"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        os.write(self.fd, HEADER)
+        # The ledger appears under its name locked and with its header, or not at all.
+        self.fd = _made(self.path, os.O_APPEND, lambda fd: (fcntl.flock(fd, fcntl.LOCK_EX), os.write(fd, HEADER)))
         self.made: dict[str, tuple[int, int]] = {}  # name -> (device, inode)
 
     def create(self, name: str) -> int:
-        """``name`` in the directory, created exclusively (never a file that was there) and recorded;
-        its descriptor, open for reading and writing."""
-        fd = os.open(self.directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        st = os.fstat(fd)
-        os.write(self.fd, f"{st.st_dev} {st.st_ino} {name}\n".encode())
-        self.made[name] = (st.st_dev, st.st_ino)
-        return fd
+        """``name`` in the directory, created exclusively (never a file that was there) and recorded
+        before it appears under that name; its descriptor, open for reading and writing."""
+        def record(fd: int) -> None:
+            st = os.fstat(fd)
+            os.write(self.fd, f"{st.st_dev} {st.st_ino} {name}\n".encode())
+            self.made[name] = (st.st_dev, st.st_ino)
+
+        try:
+            return _made(self.directory / name, 0, record)
+        except BaseException:
+            self.made.pop(name, None)
+            raise
 
     def remove(self, name: str) -> None:
         """``name`` unlinked if it is still the file this ledger made."""
@@ -48,10 +58,13 @@ class FileLedger:
 
     def close(self) -> None:
         """Every file still recorded removed (as :meth:`remove`), then the ledger itself."""
+        from mobius.boundary.janitor import dismiss
+
         for name in list(self.made):
             self.remove(name)
         _unlink_if_same(self.path, _identity(os.fstat(self.fd)))
         os.close(self.fd)
+        dismiss(self.watcher)
 
 
 def remove_orphans(directory: str | os.PathLike) -> list[str]:
@@ -84,6 +97,32 @@ def remove_orphans(directory: str | os.PathLike) -> list[str]:
             finally:
                 os.close(fd)
     return held
+
+
+def _made(path: Path, flags: int, prepare) -> int:
+    """A new file at ``path`` (never one that was there), ``prepare``d (given its descriptor)
+    before it has a name: made anonymous in its directory (``O_TMPFILE``) and linked into place,
+    so a process killed at any instant leaves either nothing or the prepared file.  A file system
+    without anonymous files gets it created exclusively under its name, then prepared."""
+    try:
+        fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR | flags, 0o600)
+    except (AttributeError, OSError):  # no O_TMPFILE here (not Linux, or not this file system)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | flags, 0o600)
+        prepare(fd)
+        return fd
+    try:
+        prepare(fd)
+        # linkat(2) following /proc's link to the file itself (a directory descriptor given, so
+        # Python calls linkat, not link); it never replaces what has the name.
+        proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+        finally:
+            os.close(proc)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
