@@ -355,9 +355,10 @@ class _Search:
         profile, topo = self.profile, self.topo
         best = min(self.runnable(baselines), key=times.get)
         modelled = min(self.micro_batches, MIP_MICRO_BATCHES)
+        # (one write, line and newline: the plans with recompute on and off are made on two threads)
         print(f"planning: the partition MIP over {profile.n} layers for {topo.n} workers and {modelled} "
               f"micro-batches, recompute {'on' if self.recompute else 'off'} (effort {effort or 'by its size'}; "
-              "cached)", flush=True)
+              "cached)\n", end="", flush=True)
         result = solve_partition(profile, settled_of[best][0], modelled, self.recompute, effort=effort,
                                  warm_start=baselines[best], time_limit_s=time_limit_s)
         solver = SolverReport(result.status, result.solve_s, result.gap, result.n_variables, result.n_constraints)
