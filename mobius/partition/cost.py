@@ -644,21 +644,48 @@ def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro
         rates = copy_rates(machine, est)
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates, clip=clip)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
+    # A root complex whose slots' copies of a step, together, outlast the step carries them at its
+    # full bandwidth all along: its links are busy the whole step (duty 1), however little of the
+    # step each would be busy alone at its own link's speed.  (Duties from the links alone let four
+    # GPUs that each copy for a quarter of the step share a root complex as if a quarter busy, and a
+    # plan mostly of swapping stages came out below its own PCIe floor.)
+    if est.feasible and (saturated := _saturated_slots(profile, bounds, machine, micro_batches, recompute,
+                                                       est.step_s, resident)):
+        duty = tuple(1.0 if k in saturated else d for k, d in
+                     enumerate(link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident)))
+        machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=copy_rates(machine, est),
+                              clip=clip)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     return machine, est
+
+
+def _saturated_slots(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
+                     recompute: bool, step_s: float, resident: tuple[int, ...]) -> set[int]:
+    """The slots under a root complex that cannot carry its slots' host -> device bytes within ``step_s``."""
+    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
+    return {k for k in range(machine.n)
+            if sum(carried[p] for p in machine.root_complex_slots(k)) > step_s * machine.rc_bps(k)}
 
 
 def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
               recompute: bool, step_s: float, resident: tuple[int, ...] = ()) -> tuple[float, ...]:
     """Per slot: the fraction of a ``step_s`` step its link carries host -> device copies (stage loads,
-    inputs, output gradients, recompute inputs) of the partition ``bounds``."""
-    n = machine.n
-    busy = [0.0] * n
+    inputs, output gradients, recompute inputs) of the partition ``bounds``, at its link's speed."""
+    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
+    return tuple(min(1.0, b / (machine.link[k] if machine.link else machine.bandwidth[k]) / max(step_s, 1e-12))
+                 for k, b in enumerate(carried))
+
+
+def link_bytes(profile: Profile, bounds: list[tuple[int, int]], n: int, micro_batches: int, recompute: bool,
+               resident: tuple[int, ...] = ()) -> list[float]:
+    """Per slot of ``n``: the host -> device bytes of a step of the partition ``bounds``."""
+    carried = [0.0] * n
     st = stage_costs(profile, bounds, recompute, resident)
     for j, c in enumerate(st):
         loads = c.loaded_bytes * (1 if j >= len(st) - n else 2)  # the last stages stay for backward
         acts = micro_batches * (c.in_bytes + c.out_bytes + (c.in_bytes if c.recomputed else 0))
-        busy[j % n] += (loads + acts) / (machine.link[j % n] if machine.link else machine.bandwidth[j % n])
-    return tuple(min(1.0, b / max(step_s, 1e-12)) for b in busy)
+        carried[j % n] += loads + acts
+    return carried
 
 
 def machine_for(topo, mapping, prefetch: bool = True, host: "HostCosts | None" = None,
