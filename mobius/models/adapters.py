@@ -73,12 +73,18 @@ def module_paths(config: GPTConfig, index: int | None, module: str) -> list[str]
     return [] if piece is None else [name.removesuffix(".weight") for name in piece.names]
 
 
+def blocks_with(config: GPTConfig, module: str) -> list[int]:
+    """The blocks (layer indices) that have our projection ``module``: every one, but for the MLP's,
+    those that are not mixtures of experts."""
+    if module in ("fc", "fc_out"):
+        return [j + 1 for j in range(config.n_layer) if not config.is_moe(j)]
+    return [j + 1 for j in range(config.n_layer)]
+
+
 def first_block_with(config: GPTConfig, module: str) -> int | None:
     """The first block (a layer index) that has our projection ``module``, None where none has (the
     MLP's of a model whose every block is a mixture of experts)."""
-    if module in ("fc", "fc_out"):
-        return next((j + 1 for j in range(config.n_layer) if not config.is_moe(j)), None)
-    return 1
+    return next(iter(blocks_with(config, module)), None)
 
 
 def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -157,6 +163,14 @@ def write_export_shard(config: GPTConfig, staging: Path, name: str, layers: dict
             save_file(tensors, str(staging / f"{name}.adapter.safetensors"), metadata={"format": "pt"})
 
 
+def adapter_tensor_count(config: GPTConfig) -> int:
+    """The tensors of a whole model's adapter export: A and B (and DoRA's magnitude) of each part
+    adapted, in each block that has its module."""
+    per_part = 3 if config.lora_dora else 2
+    return sum(per_part * len(chosen) * len(blocks_with(config, module))
+               for module, chosen in adapted_parts(config).items())
+
+
 def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) -> None:
     """Complete the export assembled in ``staging`` and rename it into place."""
     if merged or not config.lora_rank:
@@ -169,9 +183,7 @@ def finish_export(config: GPTConfig, staging: Path, out_dir: str, merged: bool) 
         for shard in sorted(staging.glob("*.adapter.safetensors")):
             tensors.update(load_file(str(shard)))
             shard.unlink()
-        per_part = 3 if config.lora_dora else 2  # A, B (and DoRA's magnitude)
-        expected = sum(per_part * len(chosen) for chosen in adapted_parts(config).values()) * config.n_layer
-        if len(tensors) != expected:
+        if len(tensors) != (expected := adapter_tensor_count(config)):
             raise RuntimeError(f"the export holds {len(tensors)} adapter tensors, expected {expected}")
         save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
         (staging / "adapter_config.json").write_text(json.dumps(adapter_config(config), indent=2))
