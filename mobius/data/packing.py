@@ -94,6 +94,12 @@ def packed_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, e
     return out
 
 
+def _longest(segments: np.ndarray) -> int:
+    """The columns up to the last that holds a token in any of these rows (at least one)."""
+    used = (segments >= 0).any(axis=0).nonzero()[0]
+    return int(used[-1]) + 1 if used.size else 1
+
+
 def _columns(array: np.ndarray, rows: np.ndarray, width: int) -> torch.Tensor:
     """``array``'s ``rows``, their first ``width`` columns: a copy, never the mapping."""
     return torch.from_numpy(array[rows, :width].astype(np.int64))
@@ -143,15 +149,15 @@ class ExampleBatches:
         return self._micro_batches(idx, int((self.packed.targets[idx] != IGNORE).sum()))
 
     def _micro_batches(self, idx: np.ndarray, loss_tokens: int) -> list[Batch]:
-        """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding).  Each
-        micro-batch is as wide as its longest sequence, as Hugging Face's collators pad: the columns
-        of padding every sequence ends with are left out (exact: padding comes last, and no token
-        attends to it or trains on it)."""
+        """Sequences ``idx`` as micro-batches; index -1 is an empty sequence (all padding).  Without
+        packing each micro-batch is as wide as its longest example, as Hugging Face's collators pad:
+        the columns of padding every sequence ends with are left out (exact: padding comes last, and
+        no token attends to it or trains on it).  Packed rows keep ``--seq-len``: they are nearly
+        full, and every micro-batch of a run then has one shape."""
         p, b, out = self.packed, self.micro_batch_size, []
         for a in range(0, idx.size, b):
             rows, blank = np.maximum(idx[a:a + b], 0), torch.from_numpy(idx[a:a + b] < 0)[:, None]
-            used = (p.segments[rows] >= 0) & ~blank.numpy()
-            width = max(1, int(used.any(axis=0).nonzero()[0].max(initial=-1)) + 1)
+            width = p.tokens.shape[1] if self.packing else _longest(p.segments[rows][~blank.numpy()[:, 0]])
             layout = TokenLayout(targets=_columns(p.targets, rows, width).masked_fill(blank, IGNORE),
                                  loss_tokens=max(1, loss_tokens))
             if self.packing:
