@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--fraction", type=float, default=None, help="the 4090's block efficiency (default: calibrated)")
     p.add_argument("--calibration-rounds", type=int, default=4)
-    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)

@@ -48,8 +48,8 @@ def settings(steps: int, lr: float, batch: int, seq_len: int) -> dict:
 
 
 def train_mobius(model_dir: Path, data: Path, out: Path, s: dict, seed: int, *extra: str) -> Path:
-    mobius_train([*extra, "--model", str(model_dir), "--data", str(data), "--backend", "single", "--steps", str(s["steps"]),
-                  "--lr", str(s["lr"]), "--micro-batch-size", str(s["batch"]), "--micro-batches", "1",
+    mobius_train([*extra, "--model", str(model_dir), "--data", str(data), "--backend", "single",
+                  "--steps", str(s["steps"]), "--lr", str(s["lr"]), "--micro-batch-size", str(s["batch"]), "--micro-batches", "1",
                   "--seq-len", str(s["seq_len"]), "--adam-beta1", str(s["betas"][0]), "--adam-beta2",
                   str(s["betas"][1]), "--weight-decay", str(s["weight_decay"]), "--lr-scheduler", "cosine_with_min_lr",
                   "--warmup-steps", str(s["warmup_steps"]), "--min-lr-ratio", str(s["min_lr_ratio"]),

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--micro-batches", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--plans", action="store_true", help="also print each plan in full")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")

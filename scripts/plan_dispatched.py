@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="a published config (scripts/published_models.py) or a preset")
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: each step's host AdamW runs on while the next step computes, in both schedules")
     p.add_argument("--json", help="also write the rows here")

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--json", default="plan_lora.json")
     p.add_argument("--smoke", action="store_true", help="one topology, 1 s per MIP")
     args = p.parse_args(argv)

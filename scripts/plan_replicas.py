@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batches", type=int, default=64, help="micro-batches of one sequence per step, all boxes")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    ap.add_argument("--mip-effort", type=int, default=None,
+                    help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="1 and 2 boxes over one network, 8 micro-batches")
     args = ap.parse_args(argv)

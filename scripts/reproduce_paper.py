@@ -99,7 +99,8 @@ def subset_topology(base: Topology, k: int) -> Topology:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="paper_repro")
-    p.add_argument("--mip-effort", type=int, default=None, help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
+    p.add_argument("--mip-effort", type=int, default=None,
+                   help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--smoke", action="store_true", help="one model, one topology, 2 and 4 GPUs: seconds")
     args = p.parse_args(argv)
     out = Path(args.out)
