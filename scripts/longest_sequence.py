@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         context = 8192 if args.smoke else CONFIGS[name]["max_position_embeddings"]
         with model_dir(name) as d:
             for topology in TOPOLOGIES[:1] if args.smoke else TOPOLOGIES:
-                seq, plan = longest(d, topology, context, 1.0 if args.smoke else 4.0)
+                seq, plan = longest(d, topology, context, 4 if args.smoke else None)
                 rows.append({"model": name, "topology": topology, "longest_seq_len": seq, "context": context,
                              "stages": len(plan.bounds) if plan else 0,
                              "recompute": plan.recompute if plan else None,

@@ -72,7 +72,7 @@ def test_plan_scripts():
     assert lora["trained_params"] < full["trained_params"] / 100 and lora["plan"]["predicted_step_s"] > 0
     run_script("plan_replicas", ["--smoke", "--json", "replicas.json"])
     one, two = read("replicas.json")["rows"]
-    # The plans' quality depends on what a 1 s MIP finds on a busy machine: the rows are checked, not the speed-up.
+    # A MIP of 4 limit checks finds what it finds: the rows are checked, not the speed-up.
     assert (one["boxes"], two["boxes"]) == (1, 2) and two["network_s"] > 0 and two["speedup"] > 0
     run_script("plan_dispatched", ["--smoke", "--json", "dispatched.json"])
     one, two = read("dispatched.json")
