@@ -18,6 +18,8 @@ from mobius.runtime import checkpoint as ck
 from mobius.train import main as train_main
 from topology.__main__ import main as topology_main
 
+pytestmark = pytest.mark.adversarial  # the reliability rounds' cases, kept as one set
+
 
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (the user's world, for before/after comparisons)."""

@@ -134,6 +134,7 @@ def _killed_after_making(where, names) -> None:
     os.waitpid(pid, 0)
 
 
+@pytest.mark.adversarial
 def test_files_a_dead_worker_left_are_removed_by_their_identity_never_by_name(tmp_path):
     """A worker killed before it closed its tier leaves its files: the run's janitor removes each
     one its ledger recorded while the name still leads to it; a file of the user's renamed over one
@@ -183,6 +184,7 @@ for i in range(10**9):
 
 
 @pytest.mark.slow
+@pytest.mark.adversarial
 def test_a_process_killed_at_any_instant_leaves_nothing_and_changes_nothing_of_the_users(tmp_path):
     """SIGKILL, at a random instant in each of 20 tries, of a process making files in a directory the
     user named: its watcher removes what it made, ledger included; the user's files stay as they

@@ -20,6 +20,8 @@ from mobius.runtime.worker import parent_of
 from mobius.train import main
 from conftest import none_left, tagged
 
+pytestmark = pytest.mark.adversarial  # the reliability rounds' cases, kept as one set
+
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress"]
 
 
