@@ -254,6 +254,13 @@ def test_every_worker_gets_a_stage_even_where_one_stage_would_be_fastest(tmp_pat
     # Every stage but the head's recomputes: the header says how much of the compute floor that is.
     assert plan.recomputation_s == pytest.approx(2 * sum(la.fwd_s for la in profile.layers[:plan.bounds[-1][0]]) / 2)
     assert f"of which recomputation {plan.recomputation_s:.3g} s" in plan.bound_summary()
+    # Bound by the host's AdamW: the lag is suggested only to a plan without it.
+    from mobius.runtime.spec import Lane
+
+    for lag, suggested in ((0, True), (1, False)):
+        host_bound = replace(plan, optimizer_lag=lag, lane_floor_s={Lane.HOST_ADAM: 9.0, Lane.COMPUTE: 1.0})
+        assert ("--optimizer-lag 1" in host_bound.bound_summary()) is suggested
+        assert host_bound.bound_summary().endswith("more tokens per step amortise it")
     machine = Machine((5e9, 5e9), (10**9, 10**9), handoff_s=10.0, micro_batch_s=1.0)
     assert len(exhaustive_optimum(profile, machine, 2)[1]) == 2
 

@@ -138,7 +138,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 18
+COST_MODEL_VERSION = 19
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -487,4 +487,4 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
                 recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,
-                network=network.name if data_parallel > 1 else "", **fields)
+                network=network.name if data_parallel > 1 else "", optimizer_lag=search.optimizer_lag, **fields)

@@ -34,7 +34,7 @@ class Lane(str, Enum):
 
 
 # What to do about a step bound by each lane.
-HELPS = {Lane.HOST_ADAM: "--optimizer-lag 1 takes it off the critical path; more tokens per step amortise it",
+HELPS = {Lane.HOST_ADAM: "more tokens per step amortise it",  # (without the lag, the lag too: bound_summary)
          Lane.PCIE: "more micro-batches per step amortise the stage loads",
          Lane.COMPUTE: "the GPUs themselves are the limit",
          Lane.NETWORK: "a faster network between the nodes, or fewer replicas with more micro-batches each",
@@ -109,6 +109,7 @@ class Plan:
     # Data-parallel replicas of this plan (one per node), and the network between them.
     data_parallel: int = 1
     network: str = ""
+    optimizer_lag: int = 0  # the host's updates overlap the next step's passes (--optimizer-lag)
     # The disk tier (--offload-dir): the stages whose AdamW moments wait on disk, their bytes, and
     # the drives' bandwidth the prediction assumed (GB/s, read and write, all drives).
     disk_stages: list[int] = field(default_factory=list)
@@ -142,6 +143,8 @@ class Plan:
                           for k, v in sorted(self.lane_floor_s.items(), key=lambda kv: -kv[1]))
         helps = HELPS[lane] + (", and the recomputation their memory forces"
                                if lane is Lane.COMPUTE and self.recomputation_s else "")
+        if lane is Lane.HOST_ADAM and not self.optimizer_lag:
+            helps = f"--optimizer-lag 1 takes it off the critical path; {helps}"
         return (f"first-principles floor: {floor:.3g} s/step ({lanes}); predicted {self.predicted_step_s / floor:.2f}x "
                 f"the floor; bound by {lane} ({floor:.3g} of {self.predicted_step_s:.3g} s): {helps}")
 
