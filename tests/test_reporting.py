@@ -179,9 +179,18 @@ def test_bad_report_options_are_one_line(args, message, capsys):
 
 
 def test_a_missing_package_is_named_with_its_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr("mobius.config.installed", lambda name: False)
     assert "--report-to mlflow needs the 'mlflow' package: pip install 'mobius-train[mlflow]'" in one_line_exit_2(
         train_main, SINGLE + ["--report-to", "mlflow", "--report-dir", str(tmp_path / "r")], capsys)
+    # MLflow's local store is SQLite: without SQLAlchemy, refused naming it; a server needs none.
+    monkeypatch.setattr("mobius.config.installed", lambda name: name != "sqlalchemy")
+    assert "--report-to mlflow needs the 'sqlalchemy' package: pip install 'mobius-train[mlflow]'" in one_line_exit_2(
+        train_main, SINGLE + ["--report-to", "mlflow", "--report-dir", str(tmp_path / "r")], capsys)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    from mobius.config import check_paths, parse_train_args
+
+    check_paths(parse_train_args(SINGLE + ["--report-to", "mlflow", "--report-dir", str(tmp_path / "r")]))
 
 
 @pytest.mark.slow
