@@ -142,8 +142,8 @@ class MlflowLog:
 
         self.directory = directory
         local = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.uri = uri = os.environ["MLFLOW_TRACKING_URI"] if not local else \
-            f"sqlite:///{directory.resolve() / 'mlflow.db'}"
+        database = directory.resolve() / "mlflow.db"
+        self.uri = uri = f"sqlite:///{database}" if local else os.environ["MLFLOW_TRACKING_URI"]
         # A tracking server that does not answer is said within seconds, naming it, from this
         # process: MLflow's own retries (7, backing off to minutes) would outlast the other workers'
         # collectives, whose timeout would then be blamed.  The user's settings win.

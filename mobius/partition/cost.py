@@ -649,31 +649,29 @@ def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro
     # step each would be busy alone at its own link's speed.  (Duties from the links alone let four
     # GPUs that each copy for a quarter of the step share a root complex as if a quarter busy, and a
     # plan mostly of swapping stages came out below its own PCIe floor.)
-    if est.feasible and (saturated := _saturated_slots(profile, bounds, machine, micro_batches, recompute,
-                                                       est.step_s, resident)):
-        duty = tuple(1.0 if k in saturated else d for k, d in
-                     enumerate(link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident)))
+    if not est.feasible:
+        return machine, est
+    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
+    saturated = [sum(carried[p] for p in machine.root_complex_slots(k)) > est.step_s * machine.rc_bps(k)
+                 for k in range(machine.n)]
+    if any(saturated):
+        duty = tuple(1.0 if full else d for full, d in zip(saturated, _duty(carried, machine, est.step_s)))
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=copy_rates(machine, est),
                               clip=clip)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
     return machine, est
 
 
-def _saturated_slots(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
-                     recompute: bool, step_s: float, resident: tuple[int, ...]) -> set[int]:
-    """The slots under a root complex that cannot carry its slots' host -> device bytes within ``step_s``."""
-    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
-    return {k for k in range(machine.n)
-            if sum(carried[p] for p in machine.root_complex_slots(k)) > step_s * machine.rc_bps(k)}
-
-
 def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
               recompute: bool, step_s: float, resident: tuple[int, ...] = ()) -> tuple[float, ...]:
     """Per slot: the fraction of a ``step_s`` step its link carries host -> device copies (stage loads,
     inputs, output gradients, recompute inputs) of the partition ``bounds``, at its link's speed."""
-    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
-    return tuple(min(1.0, b / (machine.link[k] if machine.link else machine.bandwidth[k]) / max(step_s, 1e-12))
-                 for k, b in enumerate(carried))
+    return _duty(link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident), machine, step_s)
+
+
+def _duty(carried: list[float], machine: Machine, step_s: float) -> tuple[float, ...]:
+    """Per slot: the fraction of ``step_s`` its link takes to carry ``carried`` bytes at its own speed."""
+    return tuple(min(1.0, b / machine.link_bps(k) / max(step_s, 1e-12)) for k, b in enumerate(carried))
 
 
 def link_bytes(profile: Profile, bounds: list[tuple[int, int]], n: int, micro_batches: int, recompute: bool,

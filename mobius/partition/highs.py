@@ -36,7 +36,6 @@ class Solved:
     gap: float  # the relative MIP gap HiGHS reached
     n_variables: int
     n_constraints: int
-    nodes: int = 0  # branch-and-bound nodes HiGHS explored
 
 
 @contextlib.contextmanager
@@ -135,4 +134,4 @@ def solve(problem: pulp.LpProblem, start: dict[str, float], effort: int, gap: fl
     words = {highspy.HighsModelStatus.kInterrupt: f"Effort limit reached ({effort} limit checks)",
              highspy.HighsModelStatus.kTimeLimit: "Time limit reached (the safety net: on another load, another "
                                                   "answer)"}.get(status) or highs.modelStatusToString(status)
-    return Solved(values, words, info.mip_gap, n, len(constraints), int(info.mip_node_count))
+    return Solved(values, words, info.mip_gap, n, len(constraints))
