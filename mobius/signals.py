@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
+import warnings
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
@@ -28,11 +30,16 @@ from pathlib import Path
 SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
+_tracker_watched = False
+
+
 def start_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (once) before any process is spawned.  It ignores
     SIGINT and SIGTERM by itself; a closing terminal's SIGHUP (and SIGQUIT) reach the whole process
     group, so it is started ignoring those too (the setting survives its exec), or it would die of
-    them and print a traceback for every shared-memory block it then loses track of."""
+    them and print a traceback for every shared-memory block it then loses track of.  A tracker
+    killed all the same is replaced by a quiet one (:func:`watch_resource_tracker`)."""
+    global _tracker_watched
     # (A worker killed mid-run leaves a semaphore the tracker cleans up; its warning about that
     # would follow our one-line report.)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
@@ -42,6 +49,46 @@ def start_resource_tracker() -> None:
     finally:
         for sig, handler in ignored.items():
             signal.signal(sig, handler)
+    if not _tracker_watched:
+        _tracker_watched = True
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # the watcher never takes our signals
+        try:
+            threading.Thread(target=watch_resource_tracker, name="mobius-resource-tracker", daemon=True).start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def watch_resource_tracker() -> None:
+    """Replace the resource tracker as soon as it dies (a user's ``pkill python``, say).  Left
+    dead, it is relaunched by the next semaphore finalized (torch's agent finalizes its own as the
+    workers end) and the new tracker, which never saw the run's semaphores registered, prints a
+    ``KeyError`` traceback for each one it is told to forget.  Its pipe's write end, which we hold,
+    reports an error once no tracker holds the read end."""
+    while True:
+        poller = select.poll()
+        poller.register(resource_tracker.getfd(), 0)  # errors and hang-ups are always reported
+        poller.poll()
+        quiet_resource_tracker()
+
+
+def quiet_resource_tracker() -> None:
+    """Relaunch the resource tracker if it died, with its stderr on /dev/null (see
+    :func:`watch_resource_tracker`); while it is alive this does nothing.  A worker calls it as it
+    ends, before its own semaphores are finalized."""
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    # A new tracker inherits our stderr and our signal mask: it writes nowhere, and a terminal's
+    # hang-up (which it leaves blocked) does not end it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        os.dup2(devnull, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "process died unexpectedly, relaunching"
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(saved)
+        os.close(devnull)
 
 
 def start_fork_server() -> None:

@@ -226,23 +226,45 @@ def _workers(tag: str) -> list[str]:
 PATIENCE_S = 600
 
 
-def _wait_for_step(metrics: Path, step: int, timeout: float = PATIENCE_S) -> None:
+def _wait_for_step(run: subprocess.Popen, metrics: Path, step: int, timeout: float = PATIENCE_S) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if metrics.exists() and sum(1 for _ in open(metrics)) > step:
             return
+        if run.poll() is not None:
+            raise AssertionError(f"the run ended ({run.returncode}) before the step: {run.communicate()[1][-2000:]}")
         time.sleep(0.2)
     raise AssertionError("the run did not reach the step")
 
 
+def _resource_trackers(launcher: int) -> list[int]:
+    return [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent_of(int(pid)) == launcher
+            and b"resource_tracker" in _read(f"/proc/{pid}/cmdline")]
+
+
+def _read(path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
+    """SIGTERM: the step finishes, is saved, exit 0.  multiprocessing's resource tracker was killed
+    mid-run (a user's ``pkill``): it is replaced, and nothing of it reaches stderr."""
     p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "2", "--stages", "4", "--steps", "1000",
                        "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
-    _wait_for_step(tmp_path / "m.jsonl", 2)
+    _wait_for_step(p, tmp_path / "m.jsonl", 1)
+    (tracker,) = _resource_trackers(p.pid)
+    os.kill(tracker, signal.SIGKILL)
+    _wait_for_step(p, tmp_path / "m.jsonl", 3)
+    assert _resource_trackers(p.pid) not in ([], [tracker])  # replaced
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=PATIENCE_S)
     assert p.returncode == 0, err[-2000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "SIGTERM: finishing the current step, then saving (send it again to exit at once)"], err
     step = ck.load_checkpoint(tmp_path / "ck").step
     assert f"stopped after step {step} of 1000: checkpoint saved to ck" in out
     assert step == sum(1 for _ in open(tmp_path / "m.jsonl"))
@@ -254,7 +276,7 @@ def test_a_closing_terminals_sighup_stops_the_run_as_sigterm_does(tmp_path):
     saved, exit 0, and the one line saying so is all of stderr (no agent traceback, no resource
     tracker dying of it)."""
     p = _spawn(PIPELINE + ["--save", "ck", "--metrics", "m.jsonl"], tmp_path, start_new_session=True)
-    _wait_for_step(tmp_path / "m.jsonl", 1)
+    _wait_for_step(p, tmp_path / "m.jsonl", 1)
     os.killpg(p.pid, signal.SIGHUP)
     out, err = p.communicate(timeout=PATIENCE_S)
     assert p.returncode == 0, err[-2000:]
@@ -269,7 +291,7 @@ def test_second_signal_exits_at_once(tmp_path):
     # `small` steps take about a second, so the second signal lands while the first is being honoured.
     p = _spawn(["--model", "small", "--no-progress", "--backend", "single", "--steps", "1000", "--save", "ck",
                 "--save-every", "1000", "--metrics", "m.jsonl"], tmp_path)
-    _wait_for_step(tmp_path / "m.jsonl", 1)
+    _wait_for_step(p, tmp_path / "m.jsonl", 1)
     p.send_signal(signal.SIGINT)
     # The second Ctrl-C once the first is being honoured (the run said so), not one the kernel
     # merges with the first; the step it finishes and the save take far longer than this reply.
@@ -354,7 +376,7 @@ def test_sigkill_of_the_launcher_leaves_no_workers(tmp_path):
     """Killed while training: the workers remove the launcher's temporary directories and die."""
     tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
     p = _spawn(PIPELINE + ["--metrics", "m.jsonl"], tmp_path, env=_scratch(tmp_path, tag))
-    _wait_for_step(tmp_path / "m.jsonl", 1)
+    _wait_for_step(p, tmp_path / "m.jsonl", 1)
     assert len(_workers(tag)) >= 2 and any(scratch.iterdir())  # two workers; the run's directories
     p.kill()
     p.communicate()
@@ -402,7 +424,7 @@ def test_a_second_run_on_the_same_outputs_is_refused_before_it_trains(tmp_path):
     the first carries on and saves."""
     a = _spawn(TINY + ["--backend", "single", "--steps", "1000", "--save", "ck", "--metrics", "m.jsonl"], tmp_path)
     try:
-        _wait_for_step(tmp_path / "m.jsonl", 1)
+        _wait_for_step(a, tmp_path / "m.jsonl", 1)
         b = subprocess.run([sys.executable, "-m", "mobius.train"] + TINY +
                            ["--backend", "single", "--steps", "3", "--save", "ck", "--metrics", "other.jsonl"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE_S)

@@ -40,7 +40,7 @@ from mobius.runtime.loop import run_steps
 from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, PlanCheck, PlanSwitch
 from mobius.runtime.spec import RunSpec
-from mobius.signals import StopRequest
+from mobius.signals import StopRequest, quiet_resource_tracker
 
 COLLECTIVE_TIMEOUT_S = 60
 # Under torchrun the others wait while rank 0 decides: profiling a model never seen on this machine
@@ -278,6 +278,7 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
             raise RunError(f"worker {rank}: another worker of the run stopped ({lost})") from None
         finally:
             dist.destroy_process_group()
+            quiet_resource_tracker()
 
 
 RENDEZVOUS_TIMEOUT_S = 20.0  # every refusal within 30 s of the command, imports included
