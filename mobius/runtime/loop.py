@@ -76,7 +76,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
             board.write(m)
             bar.set_postfix(postfix(history))
             want_stop = (stop is not None and stop.check()) or (
-                cfg.checkpoint.stop_after is not None and done - start_step >= cfg.checkpoint.stop_after)
+                cfg.checkpoint.stop_after is not None and len(history) >= cfg.checkpoint.stop_after)  # a switch's too
             want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
             want_switch = False
             if main and switch is not None and done < steps:
