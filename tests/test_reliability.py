@@ -239,7 +239,7 @@ def _wait_for_step(run: subprocess.Popen, metrics: Path, step: int, timeout: flo
 
 def _resource_trackers(launcher: int) -> list[int]:
     return [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent_of(int(pid)) == launcher
-            and b"resource_tracker" in _read(f"/proc/{pid}/cmdline")]
+            and b"from multiprocessing.resource_tracker import main" in _read(f"/proc/{pid}/cmdline")]
 
 
 def _read(path) -> bytes:
