@@ -16,7 +16,7 @@ not a measurement.
     python scripts/plan_dispatched.py [--micro-batches 16] [--seq-len 2048] [--optimizer-lag 1]
                                       [--json out.json] [--smoke]
 
-``--smoke``: 1 and 2 GPUs, GPT-2, 4 micro-batches of 128, the MIP stopped at 1 s.
+``--smoke``: 1 and 2 GPUs, GPT-2, 4 micro-batches of 128, the MIP stopped at 4 of HiGHS's limit checks.
 """
 
 from __future__ import annotations

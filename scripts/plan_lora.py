@@ -7,7 +7,7 @@ predicted step time.  Everything here is a planner prediction, not a measurement
 
     python scripts/plan_lora.py [--rank 16] [--seq-len 4096] [--micro-batches 8] [--json out.json] [--smoke]
 
-``--smoke``: one topology, the MIP stopped at 1 s.
+``--smoke``: one topology, 2 micro-batches, the MIP stopped at 4 of HiGHS's limit checks.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mip-effort", type=int, default=None,
                    help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--json", default="plan_lora.json")
-    p.add_argument("--smoke", action="store_true", help="one topology, 1 s per MIP")
+    p.add_argument("--smoke", action="store_true", help="one topology, 2 micro-batches, 4 limit checks per MIP")
     args = p.parse_args(argv)
     if args.smoke:
-        args.mip_effort = 4
+        args.mip_effort, args.micro_batches = 4, 2
     with model_dir("Llama-3.1-70B") as tmp:
         rows = [row(tmp, t, r, args) for t in TOPOLOGIES[:1 if args.smoke else None] for r in (0, args.rank)]
     print(f"Llama-3.1-70B (config.json only), bf16, {args.micro_batches} micro-batches of 1x{args.seq_len}; "

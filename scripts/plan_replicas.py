@@ -10,7 +10,7 @@ Everything here is a prediction from config.json alone (analytic profile, bf16),
 
     python scripts/plan_replicas.py [--micro-batches 64] [--seq-len 2048] [--json out.json] [--smoke]
 
-``--smoke``: 1 and 2 boxes over one network, 8 micro-batches, the MIP stopped at 1 s.
+``--smoke``: 1 and 2 boxes over one network, 8 micro-batches, the MIP stopped at 4 of HiGHS's limit checks.
 """
 
 from __future__ import annotations
