@@ -124,16 +124,24 @@ def test_truncated_manifest_is_refused(saved):
         ck.load_checkpoint(saved)
 
 
-@pytest.mark.parametrize("step", [2.5, -1, "2", True])
-def test_a_checkpoint_step_that_is_no_step_count_is_refused(saved, step):
-    """Even with the manifest's digest recomputed (it proves integrity, not origin)."""
+@pytest.mark.parametrize("field,value,said", [
+    *[("step", v, "step must be a non-negative integer") for v in (2.5, -1, "2", True)],
+    *[("loss_scale", v, "loss_scale must be a positive finite number") for v in (0, -1.0, float("inf"), "x", True)],
+    ("loss_scale_clean_steps", -3, "loss_scale_clean_steps must be a non-negative integer"),
+    ("skipped_steps", 1.5, "skipped_steps must be a non-negative integer"),
+])
+def test_a_checkpoint_number_that_is_no_such_number_is_refused(saved, capsys, field, value, said):
+    """The numbers a resume continues from, even with the manifest's digest recomputed (it proves
+    integrity, not origin): refused in one line, exit 2, before training."""
     m = saved / "manifest.json"
     manifest = json.loads(m.read_text())
-    manifest["step"] = step
+    manifest[field] = value
     manifest["digest"] = ck.manifest_digest(manifest)
     m.write_text(json.dumps(manifest))
-    with pytest.raises(ck.CheckpointError, match="step must be a non-negative integer"):
+    with pytest.raises(ck.CheckpointError, match=said):
         ck.load_checkpoint(saved)
+    code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved)], capsys)
+    assert code == 2 and len(err) == 1 and said in err[0], err
 
 
 def test_checkpoint_of_another_model_is_refused(saved, capsys):
@@ -566,10 +574,13 @@ def ownership_sha256(path):
     ("a negative second moment", lambda t: t.__setitem__(next(k for k in t if k.startswith("exp_avg_sq/")),
                                                          -torch.ones_like(t[next(k for k in t if k.startswith("exp_avg_sq/"))])),
      "holds negative values"),
+    ("a short generator state", lambda t: t.__setitem__("rng/torch_cpu", t["rng/torch_cpu"][:16].clone()),
+     "a random generator's state is U8 of shape"),
 ])
 def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_allocated(saved, capsys, what, change, said):
     files = {f.name for f in saved.iterdir()}
-    target = "optimizer.safetensors" if what != "int32 weights" else "weights.safetensors"
+    target = {"int32 weights": "weights.safetensors", "a short generator state": "rng.safetensors"}.get(
+        what, "optimizer.safetensors")
     assert target in files
     _rewrite(saved, target, change)
     code, err = run_cli(TINY + ["--backend", "single", "--steps", "4", "--resume", str(saved), "--resume-with-changes"],

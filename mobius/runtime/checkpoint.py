@@ -226,7 +226,7 @@ class Checkpoint:
         """Every tensor a resume reads of the ``trained`` parameters (name -> shape) has the
         parameter's shape and a floating dtype (AdamW's moments fp32, its step one number), before
         anything is allocated from it: a crafted checkpoint's short moment would have the fused
-        AdamW write past its tensor."""
+        AdamW write past its tensor.  The random generators' states have this build's size."""
         kinds = ["", "exp_avg/", "exp_avg_sq/"] + ([LAGGED] if self.manifest.get("optimizer_lag") else [])
         for param, shape in trained.items():
             for kind in kinds + ["step/"]:
@@ -239,6 +239,19 @@ class Checkpoint:
                 if (math.prod(got) != 1 if kind == "step/" else got != want) or dtype not in floats:
                     raise CheckpointError(f"--resume {self.directory}: tensor {name!r} is {dtype} of shape "
                                           f"{list(got)}; the model's is {'/'.join(floats)} of shape {list(want)}")
+        for name, state in rng_states().items():  # the generators' states have this build's size
+            if name in self._shapes and self._shapes[name] != ((state.numel(),), "U8"):
+                got, dtype = self._shapes[name]
+                raise CheckpointError(f"--resume {self.directory}: tensor {name!r} is {dtype} of shape {list(got)}; "
+                                      f"a random generator's state is U8 of shape [{state.numel()}]")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkpoint:
@@ -268,10 +281,15 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Checkp
     for key in ("step", "model_config", *RUN_SETTINGS):
         if key not in manifest:
             raise CheckpointError(f"--resume {directory}: {d / MANIFEST} lacks {key!r}")
-    step = manifest["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # 2.5 would resume with the wrong data
-        raise CheckpointError(f"--resume {directory}: {d / MANIFEST}: step must be a non-negative integer, got "
-                              f"{str(step)[:40]!r}")
+    # The numbers a resume continues from (2.5 steps would resume with the wrong data; a loss
+    # scale of 0 or "x" would fail at the first step with raw exception text).
+    for key, valid, what in (("step", _count, "a non-negative integer"),
+                             ("loss_scale_clean_steps", _count, "a non-negative integer"),
+                             ("skipped_steps", _count, "a non-negative integer"),
+                             ("loss_scale", _positive_number, "a positive finite number")):
+        if key in manifest and not valid(manifest[key]):
+            raise CheckpointError(f"--resume {directory}: {d / MANIFEST}: {key} must be {what}, got "
+                                  f"{str(manifest[key])[:40]!r}")
     index: dict[str, Path] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     verified: set = set()
