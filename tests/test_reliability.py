@@ -218,14 +218,16 @@ def _spawn(args, tmp_path, env=None, **kwargs):
 def _workers(tag: str) -> list[str]:
     """The worker processes among ``tagged(tag)`` (the calibration's and the run's): forked by
     multiprocessing's fork server (the server itself is none), or started by its spawn."""
-    def cmdline(pid) -> bytes:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return b""
+    return [pid for pid in tagged(tag) if b"spawn_main" in _cmdline(pid)
+            or b"forkserver" in _cmdline(pid) and b"forkserver" in _cmdline(parent_of(int(pid)))]
 
-    return [pid for pid in tagged(tag) if b"spawn_main" in cmdline(pid)
-            or b"forkserver" in cmdline(pid) and b"forkserver" in cmdline(parent_of(int(pid)))]
+
+def _cmdline(pid) -> bytes:
+    """A process's command line; nothing once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 
@@ -247,14 +249,7 @@ def _wait_for_step(run: subprocess.Popen, metrics: Path, step: int, timeout: flo
 
 def _resource_trackers(launcher: int) -> list[int]:
     return [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent_of(int(pid)) == launcher
-            and b"from multiprocessing.resource_tracker import main" in _read(f"/proc/{pid}/cmdline")]
-
-
-def _read(path) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError:
-        return b""
+            and b"from multiprocessing.resource_tracker import main" in _cmdline(pid)]
 
 
 @pytest.mark.slow
