@@ -273,7 +273,9 @@ HF_CASES = [
     ("llama", _config(intermediate_size=None), "config.json lacks 'intermediate_size'"),
     ("llama", _config(rope_scaling={"rope_type": "llama3"}), "rope_scaling lacks 'factor'"),
     ("llama", _config(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-     "rope scaling 'yarn' is not supported for llama (llama3, linear)"),
+     "rope_scaling lacks 'original_max_position_embeddings'"),
+    ("llama", _config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "rope scaling 'dynamic' is not supported for llama (llama3, linear, yarn)"),
     ("llama", _config(model_type="gemma3", text_config=5), "config.json: 'text_config' must be"),
     ("llama", _config(model_type="phi3", partial_rotary_factor=0.1), "gives 0 rotated dims, not an even number in 2..8"),
     ("llama", _config(model_type="phi3", original_max_position_embeddings=16,
@@ -284,8 +286,11 @@ HF_CASES = [
     ("llama", _config(model_type="gemma2", hidden_activation="relu"), "hidden_act 'relu' for gemma2 is not supported"),
     ("llama", _config(model_type="qwen2", use_sliding_window=True), "sliding-window attention (use_sliding_window)"),
     ("llama", _config(rope_theta="big"), "'rope_theta' must be a finite number"),
-    ("llama", _config(model_type="gpt_oss"), "model_type 'gpt_oss' is not supported (supported: gpt2, opt, llama, "
-                                             "mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen3_moe"),
+    ("llama", _config(model_type="deepseek_v3"), "model_type 'deepseek_v3' is not supported (supported: gpt2, opt, "
+                                                 "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, "
+                                                 "qwen3_moe, gpt_oss, gemma3)"),
+    ("llama", _config(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+     "turns on the router's load-balancing loss (output_router_logits), which is not built yet"),
     ("llama", _config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
      "turns on the router's load-balancing loss (output_router_logits), which is not built yet"),
     ("llama", _config(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3),

@@ -30,7 +30,7 @@ def reference_logits(path, tokens):
         return model(tokens).logits
 
 
-FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral", "qwen3_moe"]
+FAMILIES = ["gpt2", "opt", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -75,7 +75,7 @@ def test_export_without_training_reproduces_the_input_exactly(hf_dirs, arch, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "gpt_oss"])
 def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
@@ -96,7 +96,7 @@ def test_fine_tune_then_export_loads_in_transformers(hf_dirs, arch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_single_and_pipeline_fine_tune_alike(hf_dirs, arch):
     """Full fine-tuning (fp32): the reference and pipelines of 2 and 4 workers (threads), at a
     sequence longer than the sliding window, give the same per-step losses and final weights."""
@@ -226,19 +226,70 @@ def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
 
 
 @pytest.mark.slow
-def test_chunked_fine_tunes_a_mixture_of_experts_like_single(hf_dirs):
-    """Mixtral on the chunked engine's 2 processes (its chunks traced on the meta device, where
-    nothing can be routed) gives the single backend's losses."""
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_chunked_fine_tunes_a_mixture_of_experts_like_single(hf_dirs, arch):
+    """Mixtral and GPT-OSS on the chunked engine's 2 processes (their chunks traced on the meta
+    device, where nothing can be routed) give the single backend's losses."""
     from topology import cpu_topology
 
     from mobius.backends.chunked import launch_chunked
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches, make_data
 
-    cfg = RunConfig.of(model=hf_dirs["mixtral"], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
+    cfg = RunConfig.of(model=hf_dirs[arch], steps=3, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2,
                        precision="fp32", progress=False, topology="cpu", cpu_workers=2, backend="chunked")
     config = get_config(cfg.model)
     ref = ReferenceTrainer(cfg.changed(backend="single"), config, make_batches(cfg, config), torch.device("cpu"))
     want = [ref.step(k).loss for k in range(3)]
     history = launch_chunked(cfg, config, cpu_topology(2), data=make_data(cfg, config))
     assert [m.loss for m in history] == pytest.approx(want, rel=1e-5)
+
+
+def test_mxfp4_experts_are_read_as_transformers_dequantizes_them_and_export_in_bf16(tmp_path):
+    """GPT-OSS as published: its experts' weights MXFP4 (``*_blocks`` + ``*_scales``, config.json's
+    quantization_config).  Read, they are transformers' own dequantization (its
+    ``convert_moe_packed_tensors``): our logits equal transformers' on a directory holding those bf16
+    tensors; an export writes them under transformers' bf16 names with no quantization_config, and
+    transformers loads it to the same logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from conftest import save_hf_model
+
+    torch.manual_seed(1)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=300, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8))
+    plain, packed = tmp_path / "plain", tmp_path / "mxfp4"
+    save_hf_model(model, plain)
+    save_hf_model(model, packed)
+    tensors, quantized = load_file(str(plain / "model.safetensors")), {}
+    g = torch.Generator().manual_seed(0)
+    for name in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        e, fan_in, fan_out = tensors[name].shape
+        blocks = torch.randint(0, 256, (e, fan_out, fan_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 124, (e, fan_out, fan_in // 32), dtype=torch.uint8, generator=g)
+        quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+        tensors[name] = convert_moe_packed_tensors(blocks, scales)  # bf16, (E, in, out)
+    save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    save_file({**{k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}, **quantized},
+              str(packed / "model.safetensors"), metadata={"format": "pt"})
+    settings = json.loads((packed / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (packed / "config.json").write_text(json.dumps(settings))
+
+    config = get_config(str(packed))
+    ours = build_model(config)
+    tokens = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        want = reference_logits(str(plain), tokens)
+        torch.testing.assert_close(ours.logits(tokens), want, rtol=1e-5, atol=1e-5)
+    export_model(config, ours, str(tmp_path / "out"))
+    exported = load_all(str(tmp_path / "out"))
+    assert set(exported) == set(tensors)
+    for k, v in tensors.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    with torch.no_grad():
+        torch.testing.assert_close(reference_logits(str(tmp_path / "out"), tokens), want, rtol=1e-5, atol=1e-5)

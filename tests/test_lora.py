@@ -88,7 +88,7 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gemma3", "gemma3mm", "mixtral",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "gpt_oss"])
 def test_single_and_pipeline_equal_peft(hf_dirs, arch):
     from conftest import run_in_threads
 
@@ -139,7 +139,7 @@ def test_peft_module_names_adapt_those_modules_alone_as_peft_does(hf_dirs, arch,
 
 
 @pytest.mark.parametrize("arch,dora", [("llama", False), ("mixtral", False), ("qwen3_moe", False),
-                                       ("qwen3_moe", True)])
+                                       ("qwen3_moe", True), ("gpt_oss", False)])
 def test_an_adapter_export_holds_each_adapted_part_of_each_block_that_has_it(hf_dirs, arch, dora):
     """Qwen3-MoE's dense block has an MLP to adapt, its mixtures do not: the export's count (what
     a finished export is checked against) is what the model's adapters give."""
@@ -221,7 +221,7 @@ def test_a_dora_export_loads_in_peft_and_merges(hf_dirs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path, arch):
     """A pipeline run (2 workers) exports the adapter and the merged model; PEFT's model with our
     adapter, the merged model and ours give the same logits; untouched tensors are the input's

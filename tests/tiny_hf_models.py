@@ -72,7 +72,20 @@ def make_dirs(root):
                                                             num_experts_per_tok=2, mlp_only_layers=[1])),
     }
     noisy_norms(mixtures, root, ("qwen3_moe",))
-    return {name: str(root / name) for name in {**models, **mixtures}}
+    # GPT-OSS: sinks, biased router and experts (drawn, where transformers starts them at zero), a
+    # SwiGLU clamp low enough to bend, alternating sliding (8) and full blocks, YaRN past 16 tokens.
+    gpt_oss = T.GptOssForCausalLM(T.GptOssConfig(
+        vocab_size=300, max_position_embeddings=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, swiglu_limit=0.1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}))
+    with torch.no_grad():
+        for name, p in gpt_oss.named_parameters():
+            if name.endswith(("bias", "sinks", "norm.weight", "layernorm.weight")):
+                p.add_(torch.randn_like(p) * 0.5)
+    save_hf_model(gpt_oss, root / "gpt_oss")
+    return {name: str(root / name) for name in {**models, **mixtures, "gpt_oss": None}}
 
 
 def noisy_norms(models: dict, root, noisy: tuple[str, ...]) -> None:

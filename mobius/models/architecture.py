@@ -18,7 +18,8 @@ class GPTConfig:
     Gemma 2 and 3 (scaled embeddings, (1 + w) RMSNorms before and after attention and MLP, GeGLU,
     a query scale of their own, soft-capped scores and logits, local sliding-window layers between
     global ones, each kind with its own rotary base); Mixtral and Qwen3-MoE are Mistral and Qwen3 whose
-    MLPs are mixtures of experts.
+    MLPs are mixtures of experts; GPT-OSS adds attention sinks, biased experts behind a top-k-then-softmax
+    router, a clamped SwiGLU and YaRN-scaled rotary positions.
     """
 
     vocab_size: int
@@ -39,7 +40,8 @@ class GPTConfig:
     position_offset: int = 0  # OPT's learned positions start at index 2
     rope_theta: float = 10000.0
     # ("llama3", factor, low_freq_factor, high_freq_factor, original_context) | ("linear", factor) |
-    # ("longrope", short_factors, long_factors, original_context, attention_factor)
+    # ("longrope", short_factors, long_factors, original_context, attention_factor) |
+    # ("yarn", factor, beta_fast, beta_slow, original_context, truncate, attention_factor)
     rope_scaling: tuple | None = None
     rotary_dims: int | None = None  # the leading dims of each head that rotate (default: all; Phi-4-mini 3/4)
     embed_scale: bool = False  # token embeddings times sqrt(hidden), in the weights' dtype (Gemma)
@@ -50,6 +52,9 @@ class GPTConfig:
     sliding_window: int | None = None  # a sliding layer's query sees the last `sliding_window` tokens
     sliding_layers: tuple = ()  # the blocks (0-based) with sliding-window attention
     local_rope_theta: float | None = None  # the sliding blocks' rotary base, without scaling (Gemma 3)
+    # A learned logit per head that joins every query's softmax and is then dropped, so a query may
+    # attend to nothing (GPT-OSS's sinks).
+    attn_sinks: bool = False
     qkv_bias: bool | None = None
     proj_bias: bool | None = None
     mlp_bias: bool | None = None
@@ -63,8 +68,16 @@ class GPTConfig:
     expert_intermediate: int | None = None
     norm_topk: bool = False
     dense_blocks: tuple = ()
+    # GPT-OSS's mixture: the router has a bias and softmaxes only the top-k logits it picked; every
+    # expert's projections have biases; its SwiGLU clamps the gate above and the up projection both
+    # ways at ``swiglu_limit`` and computes gate * sigmoid(alpha * gate) * (up + 1).
+    topk_then_softmax: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
-    # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3)
+    # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3, mixtral,
+    # qwen3_moe, gpt_oss)
     hf_arch: str | None = None
     # LoRA (mobius.models.lora): rank 0 trains every weight; else only adapters on the projections
     # named in lora_targets train, the base weights are frozen.

@@ -142,6 +142,8 @@ def rotary_tables(config: GPTConfig, positions: torch.Tensor, dtype,
         inv_freq = _llama3_scaled(inv_freq, *scaling[1:])
     elif scaling is not None and scaling[0] == "linear":
         inv_freq = inv_freq / scaling[1]
+    elif scaling is not None and scaling[0] == "yarn":
+        inv_freq, attention = _yarn_scaled(inv_freq, theta, d, *scaling[1:])
     elif scaling is not None:  # LongRoPE (Phi-3): per-frequency factors, the long ones past the original context
         short, long, original, attention = scaling[1:]
         factors = long if positions.shape[-1] > original else short
@@ -166,6 +168,25 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: floa
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_scaled(inv_freq: torch.Tensor, theta: float, dims: int, factor: float, beta_fast: float, beta_slow: float,
+                 original: int, truncate: bool, attention: float) -> tuple[torch.Tensor, float]:
+    """YaRN (GPT-OSS): the frequencies that turn fewer than ``beta_slow`` times over the original
+    context are slowed by ``factor``, those turning more than ``beta_fast`` times kept, a linear ramp
+    between (over the dims those turn counts fall on, as transformers computes it)."""
+    def dim_of(turns: float) -> float:
+        return dims * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dims // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left unscaled
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, attention
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -180,25 +201,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
+def eager_attention(config: GPTConfig) -> bool:
+    """Whether attention runs as Hugging Face's eager attention (its scores held whole) instead of SDPA."""
+    return config.attn_softcap is not None or config.attn_sinks
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout | None, config: GPTConfig,
-              window: int | None) -> torch.Tensor:
+              window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of (B, heads, T, d) queries, keys and values, each example of a packed row
-    alone, through a sliding ``window`` when given.  Soft-capped scores (Gemma 2) are computed
-    as Hugging Face's eager attention does them; everything else goes through SDPA."""
+    alone, through a sliding ``window`` when given.  Soft-capped scores (Gemma 2) and ``sinks``
+    (GPT-OSS: one logit per head in each query's softmax, then dropped) are computed as Hugging
+    Face's eager attention does them; everything else goes through SDPA."""
     t = q.shape[2]
     if layout is not None and layout.packed:  # examples packed in a row see only themselves
         mask = layout.attention_mask(window)
     else:
         mask = causal_mask(t, window, q.device) if window is not None and window < t else None
-    if config.attn_softcap is None:
+    if not eager_attention(config):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=config.query_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=config.query_scale)
-    cap = config.attn_softcap
     scores = (q @ k.transpose(-1, -2)) * (config.query_scale or q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / cap) * cap
+    if config.attn_softcap is not None:
+        cap = config.attn_softcap
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~(causal_mask(t, None, q.device) if mask is None else mask), float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    b, heads = scores.shape[:2]
+    scores = torch.cat([scores, sinks.to(scores.dtype).view(1, heads, 1, 1).expand(b, heads, t, 1)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values  # as transformers: no overflow in 16 bits
+    return torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
 
 
 class Block(GPTLayer):
@@ -228,13 +261,18 @@ class Block(GPTLayer):
             self.q_norm = make_norm(config, config.head_dim)
             self.k_norm = make_norm(config, config.head_dim)
         self.proj = nn.Linear(q_width, h, bias=config.flag("proj_bias"))
+        if config.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(config.heads))
         self.ln2 = make_norm(config)
         self.moe = config.is_moe(index - 1)
         if self.moe:
             e, width = config.experts, config.expert_ffn
-            self.router = nn.Linear(h, e, bias=False)
+            self.router = nn.Linear(h, e, bias=config.expert_bias)
             self.experts_fc = nn.Parameter(torch.empty(e * 2 * width, h))
             self.experts_out = nn.Parameter(torch.empty(e * h, width))
+            if config.expert_bias:
+                self.experts_fc_bias = nn.Parameter(torch.empty(e * 2 * width))
+                self.experts_out_bias = nn.Parameter(torch.empty(e * h))
         else:
             self.fc = nn.Linear(h, mlp_out, bias=config.flag("mlp_bias"))
             self.fc_out = nn.Linear(config.ffn, h, bias=config.flag("mlp_bias"))
@@ -264,7 +302,7 @@ class Block(GPTLayer):
         if kv != heads:
             k = k.repeat_interleave(heads // kv, dim=1)
             v = v.repeat_interleave(heads // kv, dim=1)
-        y = attention(q, k, v, layout, c, self.window)
+        y = attention(q, k, v, layout, c, self.window, self.sinks if c.attn_sinks else None)
         y = self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
         x = x + (self.ln1_post(y) if c.sandwich_norm else y)
         y = self._experts(self.ln2(x)) if self.moe else self.fc_out(self._activation(self.fc(self.ln2(x))))
@@ -273,27 +311,42 @@ class Block(GPTLayer):
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         """The mixture of experts: each token's top-k experts by the router's softmax (in fp32),
         their outputs weighted by those probabilities (renormalised where ``norm_topk``) and summed,
-        expert by expert in transformers' order."""
+        expert by expert in transformers' order.  GPT-OSS softmaxes the k picked logits alone (in
+        their dtype) and its experts add biases."""
         c = self.config
         e, width, h = c.experts, c.expert_ffn, c.hidden
         flat = x.reshape(-1, h)
         logits = self.router(flat)
+        fc_bias, out_bias = (self.experts_fc_bias.view(e, 2 * width), self.experts_out_bias.view(e, h)) \
+            if c.expert_bias else (None, None)
         if flat.is_meta:  # tracing which weights a layer reads (no values to route by): all of them, as a whole
-            return F.linear(F.linear(flat, self.experts_fc)[:, :width], self.experts_out)[:, :h].view_as(x)
-        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), c.experts_per_token, dim=-1)
-        if c.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
+            z = F.linear(flat, self.experts_fc)[:, :width]
+            y = F.linear(z if fc_bias is None else z + fc_bias.sum(), self.experts_out)[:, :h]
+            return (y if out_bias is None else y + out_bias.sum()).view_as(x)
+        if c.topk_then_softmax:
+            weights, chosen = torch.topk(logits, c.experts_per_token, dim=-1)
+            weights = torch.softmax(weights, dim=-1, dtype=weights.dtype)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), c.experts_per_token, dim=-1)
+            if c.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights.to(logits.dtype)
         fc, out = self.experts_fc.view(e, 2 * width, h), self.experts_out.view(e, h, width)
         y = torch.zeros_like(flat)
         for j in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == j)
-            part = F.linear(self._activation(F.linear(flat[token], fc[j])), out[j]) * weights[token, slot, None]
-            y.index_add_(0, token, part.to(y.dtype))
+            z = F.linear(flat[token], fc[j], None if fc_bias is None else fc_bias[j])
+            part = F.linear(self._activation(z), out[j], None if out_bias is None else out_bias[j])
+            y.index_add_(0, token, (part * weights[token, slot, None]).to(y.dtype))
         return y.view_as(x)
 
     def _activation(self, z: torch.Tensor) -> torch.Tensor:
         kind = self.config.mlp
+        if kind == "swiglu" and self.config.swiglu_limit is not None:  # GPT-OSS's clamped SwiGLU
+            gate, up = z.chunk(2, dim=-1)
+            limit = self.config.swiglu_limit
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return gate * torch.sigmoid(gate * self.config.swiglu_alpha) * (up + 1)
         if kind == "swiglu":
             gate, up = z.chunk(2, dim=-1)
             return F.silu(gate) * up
@@ -322,7 +375,9 @@ class Block(GPTLayer):
         h = c.hidden
         # A mixture saves its k experts' gate | up of each token, and the router's fp32 softmax.
         mlp = 2 * c.experts_per_token * 2 * c.expert_ffn + 4 * c.experts if self.moe else 2 * self.fc.out_features
-        return (9 * h + mlp) * batch * seq * dtype.itemsize
+        # Eager attention keeps its scores and their softmax (fp32 without sinks), every head's T x T.
+        scores = c.heads * seq * (2 if c.attn_sinks else 3) if eager_attention(c) else 0
+        return (9 * h + mlp + scores) * batch * seq * dtype.itemsize
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         # In this order (a preset's weights are the draws' sequence): the inputs' projections, then
@@ -334,9 +389,14 @@ class Block(GPTLayer):
             nn.init.normal_(w, std=0.02, generator=generator)
         for w in (self.proj.weight, *mlp_out):
             nn.init.normal_(w, std=std, generator=generator)
-        for lin in (self.qkv, self.proj) + (() if self.moe else (self.fc, self.fc_out)):
+        for lin in (self.qkv, self.proj) + ((self.router,) if self.moe else (self.fc, self.fc_out)):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+        if self.moe and self.config.expert_bias:
+            nn.init.zeros_(self.experts_fc_bias)
+            nn.init.zeros_(self.experts_out_bias)
+        if self.config.attn_sinks:
+            nn.init.zeros_(self.sinks)
         for ln in self.norms():
             ln.reset_parameters()
 

@@ -36,9 +36,13 @@ from mobius.boundary.errors import InputError
 from mobius.models.architecture import GPTConfig, layer_count
 
 # Rotary positions, RMSNorm, a gated MLP and grouped-query attention, each with a twist or two.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
-MIXTURES = ("mixtral", "qwen3_moe")  # their MLPs mixtures of experts
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                "gpt_oss")
+MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")  # their MLPs mixtures of experts
 GEMMA = ("gemma2", "gemma3_text")
+# What a family's config.json may leave out, as transformers' config classes default it.
+DEFAULT_THETA = {"gemma3_text": 1e6, "gpt_oss": 150000.0}
+DEFAULT_WINDOW = {"gemma2": 4096, "gemma3_text": 4096, "gpt_oss": 128}
 SUPPORTED = ("gpt2", "opt", *LLAMA_FAMILY, "gemma3")
 # Gemma 3 with its vision tower stores only what differs from these in its text_config
 # (transformers' Gemma3TextConfig defaults: the 4B model's shape).
@@ -150,7 +154,7 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
             local_theta = local.get("rope_theta", "number", 10000.0, minimum=1e-9)
         else:
             local_theta = c.get("rope_local_base_freq", "number", 10000.0, minimum=1e-9)
-    theta = c.get("rope_theta", "number", rope.get("rope_theta", "number", 1e6 if kind == "gemma3_text" else 10000.0),
+    theta = c.get("rope_theta", "number", rope.get("rope_theta", "number", DEFAULT_THETA.get(kind, 10000.0)),
                   minimum=1e-9)
     scaling = c.get("rope_scaling", "dict", None)
     if scaling is None and rope.get("rope_type", "str", "default") != "default":
@@ -158,7 +162,7 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
     window, sliding = _sliding_layers(c, path, kind, n_layer)
     if c.get("use_bidirectional_attention", "bool", False):
         _unsupported(path, "bidirectional attention (use_bidirectional_attention)")
-    attn_bias = c.get("attention_bias", "bool", False)
+    attn_bias = c.get("attention_bias", "bool", kind == "gpt_oss")
     moe = _mixture(c, path, kind, n_layer, size) if kind in MIXTURES else {}
     query_scalar = c.get("query_pre_attn_scalar", "number", None, minimum=1e-9) if gemma else None
     return GPTConfig(vocab_size=size("vocab_size"), context=size("max_position_embeddings"), n_layer=n_layer,
@@ -176,20 +180,25 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
                      query_scale=query_scalar ** -0.5 if query_scalar else None,
                      attn_softcap=c.get("attn_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
                      logit_softcap=c.get("final_logit_softcapping", "number", None, minimum=1e-9) if gemma else None,
-                     sliding_window=window, sliding_layers=sliding, **moe, **common)
+                     sliding_window=window, sliding_layers=sliding, attn_sinks=kind == "gpt_oss", **moe, **common)
 
 
 def _mixture(c: Fields, path: str, kind: str, n_layer: int, size) -> dict:
-    """The mixture of experts of Mixtral and Qwen3-MoE: how many experts, how many a token uses, their
-    width, whether the picked ones' weights are renormalised, and Qwen3-MoE's dense blocks."""
+    """The mixture of experts of Mixtral, Qwen3-MoE and GPT-OSS: how many experts, how many a token
+    uses, their width, how the picked ones are weighted, Qwen3-MoE's dense blocks and GPT-OSS's
+    biases and clamped SwiGLU."""
     if c.get("output_router_logits", "bool", False):
         raise InputError(f"--model {path}: config.json turns on the router's load-balancing loss "
                          "(output_router_logits), which is not built yet: set it to false to fine-tune without it")
     # Each family's key, or the other (transformers writes Qwen3-MoE's count under Mixtral's name).
-    own, other = ("num_local_experts", "num_experts") if kind == "mixtral" else ("num_experts", "num_local_experts")
+    own, other = ("num_experts", "num_local_experts") if kind == "qwen3_moe" else ("num_local_experts", "num_experts")
     experts = size(own, None) or size(other)
     if kind == "mixtral":
         out = {"expert_intermediate": None, "norm_topk": True, "dense_blocks": ()}
+    elif kind == "gpt_oss":
+        out = {"expert_intermediate": None, "dense_blocks": (), "topk_then_softmax": True, "expert_bias": True,
+               "swiglu_limit": c.get("swiglu_limit", "number", 7.0, minimum=1e-9),
+               "swiglu_alpha": c.get("swiglu_alpha", "number", 1.702, minimum=1e-9)}
     else:
         every = c.get("decoder_sparse_step", "int", 1, minimum=1)
         only = c.get("mlp_only_layers", "list", [])
@@ -206,24 +215,24 @@ def _mixture(c: Fields, path: str, kind: str, n_layer: int, size) -> dict:
 
 def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int | None, tuple]:
     """The sliding window and the blocks that use it: every block (Mistral, Phi-3), the blocks
-    ``layer_types`` names, or Gemma's pattern (every other block local in Gemma 2, five of each
-    six in Gemma 3)."""
+    ``layer_types`` names, or the family's pattern (every other block local in Gemma 2 and GPT-OSS,
+    five of each six in Gemma 3)."""
     if kind in ("qwen2", "qwen3"):
         if c.get("use_sliding_window", "bool", False):
             _unsupported(path, f"sliding-window attention (use_sliding_window) for {kind}")
         return None, ()
     if kind == "qwen3_moe" and c.get("use_sliding_window", "bool", False):
         _unsupported(path, f"sliding-window attention (use_sliding_window) for {kind}")
-    if kind not in ("mistral", "mixtral", "phi3", *GEMMA):
+    if kind not in ("mistral", "mixtral", "phi3", "gpt_oss", *GEMMA):
         return None, ()
-    window = c.get("sliding_window", "int", 4096 if kind in GEMMA else None, minimum=1)
+    window = c.get("sliding_window", "int", DEFAULT_WINDOW.get(kind), minimum=1)
     if window is None:
         return None, ()
-    if kind not in GEMMA:
+    if kind not in (*GEMMA, "gpt_oss"):
         return window, tuple(range(n_layer))
     types = c.get("layer_types", "list", None)
     if types is None:
-        every = 2 if kind == "gemma2" else c.get("sliding_window_pattern", "int", 6, minimum=1)
+        every = 2 if kind in ("gemma2", "gpt_oss") else c.get("sliding_window_pattern", "int", 6, minimum=1)
         return window, tuple(i for i in range(n_layer) if (i + 1) % every)
     if len(types) != n_layer or not set(types) <= {"sliding_attention", "full_attention"}:
         raise InputError(f"--model {path}: config.json layer_types must name 'sliding_attention' or "
@@ -241,6 +250,8 @@ def _rope_scaling(c: Fields, path: str, kind: str, scaling: dict, rotary_dims: i
                 s.get("original_max_position_embeddings", "int", minimum=1))
     if rtype == "linear":
         return ("linear", s.get("factor", "number", minimum=1e-9))
+    if rtype == "yarn" and kind != "phi3":
+        return _yarn(c, s)
     if kind == "phi3" and rtype in ("longrope", "su", "yarn"):  # transformers reads all three as LongRoPE
         original = (s.get("original_max_position_embeddings", "int", None, minimum=1)
                     or c.get("original_max_position_embeddings", "int", minimum=1))
@@ -258,7 +269,24 @@ def _rope_scaling(c: Fields, path: str, kind: str, scaling: dict, rotary_dims: i
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return ("longrope", *factors, original, attention)
     raise InputError(f"--model {path}: rope scaling {rtype!r} is not supported for {kind} "
-                     f"(llama3, linear{', longrope' if kind == 'phi3' else ''})")
+                     f"(llama3, linear, {'longrope' if kind == 'phi3' else 'yarn'})")
+
+
+def _yarn(c: Fields, s: Fields) -> tuple:
+    """YaRN's settings as transformers reads them (GPT-OSS): the attention factor, where not given,
+    from the scaling factor (and DeepSeek's ``mscale`` pair where both are)."""
+    original = s.get("original_max_position_embeddings", "int", minimum=1)
+    factor = s.get("factor", "number", None, minimum=1e-9) or c.get("max_position_embeddings", "int") / original
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = s.get("attention_factor", "number", None, minimum=1e-9)
+    if attention is None:
+        pair = s.get("mscale", "number", None), s.get("mscale_all_dim", "number", None)
+        attention = mscale(pair[0]) / mscale(pair[1]) if all(pair) else mscale()
+    return ("yarn", factor, s.get("beta_fast", "number", None) or 32.0, s.get("beta_slow", "number", None) or 1.0,
+            original, s.get("truncate", "bool", True), attention)
 
 
 def _gpt2_activation(c: Fields, path: str) -> str:
@@ -298,16 +326,57 @@ class HFWeights:
                         self.meta[k] = (_DTYPES[dtype], tuple(h.get_slice(k).get_shape()))
             except (OSError, SafetensorError) as err:
                 raise InputError(f"--model {path}: {f.name} is not a readable safetensors file ({err})") from None
+        self.packed = self._mxfp4_pairs()
         keys = set(self.where)
         self.prefix = _detect_prefix(keys)
+
+    def _mxfp4_pairs(self) -> dict[str, tuple[str, Path, str, Path]]:
+        """MXFP4 tensors (GPT-OSS's experts as published: ``X_blocks`` of packed 4-bit values and
+        ``X_scales`` of their blocks' exponents) stand as the bf16 tensor ``X`` they dequantize to,
+        of the shape transformers gives it, (experts, in, out): {X: (blocks, its file, scales, its file)}."""
+        pairs = {}
+        for blocks in [k for k in self.where if k.endswith("_blocks")]:
+            name = blocks[:-len("_blocks")]
+            scales = name + "_scales"
+            shape, scale_shape = self.meta[blocks][1], self.meta.get(scales, (None, None))[1]
+            if scale_shape is None or len(shape) != 4 or shape[3] != 16 or tuple(shape[:3]) != tuple(scale_shape) or \
+                    self.meta[blocks][0] != torch.uint8 or self.meta[scales][0] != torch.uint8:
+                raise InputError(f"--model {self.path}: {blocks} and {scales} are not an MXFP4 pair "
+                                 "(U8 blocks (E, out, groups, 16) and U8 scales (E, out, groups))")
+            experts, rows, groups, width = shape
+            pairs[name] = (blocks, self.where.pop(blocks), scales, self.where.pop(scales))
+            del self.meta[blocks], self.meta[scales]
+            self.where[name] = pairs[name][1]
+            self.meta[name] = (torch.bfloat16, (experts, groups * width * 2, rows))
+        return pairs
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
         if name not in self.where:
             raise InputError(f"--model {self.path}: tensor {name!r} is missing from the safetensors files")
+        if name in self.packed:
+            blocks, blocks_file, scales, scales_file = self.packed[name]
+            with safe_open(str(blocks_file), framework="pt") as h:
+                packed = h.get_tensor(blocks)
+            with safe_open(str(scales_file), framework="pt") as h:
+                return dequantize_mxfp4(packed, h.get_tensor(scales))
         with safe_open(str(self.where[name]), framework="pt") as h:
             return h.get_tensor(name)
+
+
+# The 16 values of an FP4 (e2m1) code, by its 4 bits.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 to bf16: each byte of ``blocks`` (E, out, groups, 16) holds two 4-bit codes (the low
+    nibble first), each group of 32 shares the power of two ``scales - 127``; the result is (E, in,
+    out), as transformers lays out GPT-OSS's expert weights.  Every value is exact in bf16."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.bfloat16)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # (E, out, G, 16, 2)
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127)[..., None])  # (E, out, G, 32)
+    return values.flatten(-2).transpose(1, 2).contiguous()
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -337,11 +406,36 @@ def open_weights(path: str) -> HFWeights:
 @dataclass
 class Piece:
     """Our parameter ``ours`` is built from the HF tensors ``names`` (concatenated on dim 0),
-    transposed first when ``transpose`` (GPT-2's Conv1D)."""
+    transposed first when ``transpose`` (GPT-2's Conv1D).  ``experts`` names a tensor that stacks
+    every expert's projection on dim 0 as (in, out) matrices (GPT-OSS): ``"gate_up"``, whose outputs
+    alternate gate and up, or ``"down"``; a bias is a vector per expert."""
 
     ours: str
     names: tuple[str, ...]
     transpose: bool = False
+    experts: str | None = None
+
+    def to_ours(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.experts:
+            (t,) = tensors
+            t = t.transpose(1, 2) if t.dim() == 3 else t  # to (out, in) per expert
+            if self.experts == "gate_up":  # outputs in our order: every gate, then every up
+                t = torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+            return t.flatten(0, 1)
+        parts = [t.t() if self.transpose else t for t in tensors]
+        return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+
+    def to_hf(self, value: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+        """``value`` (ours) split back into the tensors ``names`` of ``shapes``."""
+        if self.experts:
+            (shape,) = shapes
+            t = value.view(shape[0], -1, *value.shape[1:])  # (experts, out[, in])
+            if self.experts == "gate_up":
+                gate, up = t.chunk(2, dim=1)
+                t = torch.stack((gate, up), dim=2).flatten(1, 2)
+            return [t.transpose(1, 2) if t.dim() == 3 else t]
+        parts = value.split([s[0] for s in shapes], dim=0) if len(shapes) > 1 else [value]  # never transposed
+        return [t.t() if self.transpose else t for t in parts]
 
 
 def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None = None) -> list[Piece]:
@@ -399,7 +493,14 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
         qkv = tuple(f"{b}self_attn.{x}_proj.weight" for x in "qkv")
         fc = (f"{b}mlp.gate_proj.weight", f"{b}mlp.up_proj.weight")
     out = norms + [Piece("qkv.weight", qkv), Piece("proj.weight", (f"{b}self_attn.o_proj.weight",))]
-    if config.is_moe(j):  # every expert's tensors stacked in expert order (gate then up, each)
+    if config.is_moe(j) and arch == "gpt_oss":  # stored stacked already, biases beside
+        m = f"{b}mlp."
+        out += [Piece("router.weight", (f"{m}router.weight",)), Piece("router.bias", (f"{m}router.bias",)),
+                Piece("experts_fc", (f"{m}experts.gate_up_proj",), experts="gate_up"),
+                Piece("experts_fc_bias", (f"{m}experts.gate_up_proj_bias",), experts="gate_up"),
+                Piece("experts_out", (f"{m}experts.down_proj",), experts="down"),
+                Piece("experts_out_bias", (f"{m}experts.down_proj_bias",), experts="down")]
+    elif config.is_moe(j):  # every expert's tensors stacked in expert order (gate then up, each)
         e = range(config.experts)
         if arch == "mixtral":
             m = f"{b}block_sparse_moe."
@@ -420,6 +521,8 @@ def _layer_map(config: GPTConfig, index: int, prefix: str, keys: set[str] | None
         out.append(Piece("qkv.bias", tuple(f"{b}self_attn.{x}_proj.bias" for x in "qkv")))
     if config.flag("proj_bias"):
         out.append(Piece("proj.bias", (f"{b}self_attn.o_proj.bias",)))
+    if config.attn_sinks:
+        out.append(Piece("sinks", (f"{b}self_attn.sinks",)))
     if config.flag("mlp_bias") and not config.is_moe(j):
         out += [Piece("fc.bias", (f"{b}mlp.gate_proj.bias", f"{b}mlp.up_proj.bias")),
                 Piece("fc_out.bias", (f"{b}mlp.down_proj.bias",))]
@@ -449,9 +552,7 @@ def load_layer_weights(config: GPTConfig, index: int, layer: torch.nn.Module) ->
     w = open_weights(config.checkpoint)
     params = dict(layer.named_parameters())
     for piece in _layer_map(config, index, w.prefix, set(w.where)):
-        parts = [w.get(name) for name in piece.names]
-        parts = [t.t() if piece.transpose else t for t in parts]
-        value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        value = piece.to_ours([w.get(name) for name in piece.names])
         target = params[piece.ours]
         if tuple(value.shape) != tuple(target.shape):
             raise InputError(f"--model {config.checkpoint}: {piece.names[0]} has shape {tuple(value.shape)}, "
@@ -470,9 +571,7 @@ def export_layer_tensors(config: GPTConfig, index: int, state: dict[str, torch.T
         if index == layer_count(config) - 1 and piece.ours == "lm_head.weight" and "lm_head.weight" not in w.where:
             continue  # tied and not stored: the token table (exported with the embedding) is it
         value = state[piece.ours].detach().cpu()
-        sizes = [w.meta[name][1][0] for name in piece.names]  # concatenated pieces are never transposed
-        for name, part in zip(piece.names, value.split(sizes, dim=0) if len(piece.names) > 1 else [value]):
-            part = part.t() if piece.transpose else part
+        for name, part in zip(piece.names, piece.to_hf(value, [w.meta[name][1] for name in piece.names])):
             out[name] = part.to(w.meta[name][0]).contiguous()
     return out
 
@@ -517,6 +616,10 @@ def _complete_export(config: GPTConfig, staging: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    if open_weights(config.checkpoint).packed:  # experts exported dequantized, so the config says no quantization
+        settings = json.loads(Path(config.checkpoint, "config.json").read_text())
+        settings.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(settings, indent=2) + "\n")
     extra = untrained_tensors(config)
     if extra:
         save_file(extra, str(staging / "extra.safetensors"), metadata={"format": "pt"})
