@@ -1,5 +1,5 @@
-"""Our plans beside RoundPipe's published figures, at RoundPipe's settings: Llama-3.1-8B full
-fine-tuning on 1, 2, 4 and 8 GPUs of ``8x4090-4+4`` (two root complexes of four RTX 4090s),
+"""Our plans beside RoundPipe's published figures, at RoundPipe's settings: Llama-3.1-8B (or
+``--model GPT-OSS-20B``) full fine-tuning on 1, 2, 4 and 8 GPUs of ``8x4090-4+4`` (two root complexes of four RTX 4090s),
 sequences of 2048, 256 micro-batches of 1 a step (524,288 tokens), fp16 with fp16 accumulation,
 the one-step-stale optimizer (``--optimizer-lag 1``), ``--schedule auto``; and without the lag with
 clipping at 1.0 (a Hugging Face model's default), beside RoundPipe's synchronous optimizer.
@@ -12,6 +12,7 @@ ours here is a prediction from config.json (analytic profile), not a measurement
 its artifact's (``exp/raw-data.csv``, 2026).
 
     python scripts/compare_roundpipe.py [--gpus 1 2 4 8] [--micro-batches 256] [--json out.json]
+    python scripts/compare_roundpipe.py --model GPT-OSS-20B --gpus 8 --fraction 0.5607   # Llama's calibration
     python scripts/compare_roundpipe.py --smoke      # GPT-2, 1 and 2 GPUs, 8 micro-batches of 1x256
 """
 
@@ -35,9 +36,10 @@ from mobius.planning.pipeline import choose_schedule, plan_on  # noqa: E402
 from mobius.planning.prepare import resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 
-# RoundPipe (2026), exp/raw-data.csv: Llama-3.1-8B on 8x RTX 4090, sequences of 2048, tok/s.
-ROUNDPIPE = {1: 3142.0, 8: 24275.0}
-ROUNDPIPE_SYNCHRONOUS = {8: 18888.0}  # its optimizer not one step stale
+# RoundPipe (2026), exp/raw-data.csv: full fine-tuning on 8x RTX 4090, sequences of 2048, tok/s by
+# GPU count; with its optimizer one step stale, and (Llama) synchronous.
+ROUNDPIPE = {"Llama-3.1-8B": {1: 3142.0, 8: 24275.0}, "GPT-OSS-20B": {8: 18122.0}}
+ROUNDPIPE_SYNCHRONOUS = {"Llama-3.1-8B": {8: 18888.0}}
 CALIBRATION_TOKENS = 2048  # the block efficiency is stated at one micro-batch of 1x2048
 
 
@@ -71,15 +73,15 @@ def predict(model: str, box: str, args, lag: int) -> dict:
             "planning_s": time.perf_counter() - t0}
 
 
-def calibrated(model: str, directory: str, args) -> float:
-    """The block efficiency at which one GPU's predicted tokens/s is RoundPipe's measured one (a
-    few secant steps on the fraction: compute-bound, tokens/s grows with it)."""
+def calibrated(model: str, directory: str, args, one_gpu: float) -> float:
+    """The block efficiency at which one GPU's predicted tokens/s is RoundPipe's measured
+    ``one_gpu`` (a few secant steps on the fraction: compute-bound, tokens/s grows with it)."""
     fraction = 0.5
     for _ in range(args.calibration_rounds):
         got = predict(model, with_efficiency(box_of(1, directory), fraction), args, lag=1)["tokens_per_s"]
-        if abs(got / ROUNDPIPE[1] - 1) < 0.002:
+        if abs(got / one_gpu - 1) < 0.002:
             break
-        fraction = min(1.0, fraction * ROUNDPIPE[1] / got)
+        fraction = min(1.0, fraction * one_gpu / got)
     return fraction
 
 
@@ -99,9 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.model, args.gpus, args.micro_batches, args.seq_len = "gpt2", [1, 2], 8, 256
         args.mip_effort, args.calibration_rounds = 4, 1
+    figures = "Llama-3.1-8B" if args.smoke else args.model  # the smoke's GPT-2 rows exercise Llama's columns
+    published, synchronous = ROUNDPIPE.get(figures, {}), ROUNDPIPE_SYNCHRONOUS.get(figures, {})
+    one_gpu = published.get(1)
+    if args.fraction is None and one_gpu is None:
+        p.error(f"RoundPipe published no one-GPU figure for {args.model} to calibrate on: give --fraction "
+                "(the 4090's efficiency calibrated on Llama-3.1-8B, say)")
     with scratch_dir("mobius-roundpipe-") as directory, (model_dir(args.model) if args.model in CONFIGS
                                                          else contextlib.nullcontext(args.model)) as model:
-        fraction = args.fraction if args.fraction is not None else calibrated(model, directory, args)
+        fraction = args.fraction if args.fraction is not None else calibrated(model, directory, args, one_gpu)
         rows = [predict(model, with_efficiency(box_of(g, directory), fraction), args, lag)
                 for lag in (1, 0) for g in args.gpus]
     one = {r["lag"]: r["tokens_per_s"] for r in rows if r["gpus"] == 1}
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
           "| RoundPipe tok/s | ours/RoundPipe | planned in s |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        theirs = (ROUNDPIPE if r["lag"] else ROUNDPIPE_SYNCHRONOUS).get(r["gpus"])
+        theirs = (published if r["lag"] else synchronous).get(r["gpus"])
         r["roundpipe_tokens_per_s"] = theirs
         speedup = f"{r['tokens_per_s'] / one[r['lag']]:.2f}x" if r["lag"] in one else "-"
         versus = f"{theirs:,.0f} | {r['tokens_per_s'] / theirs:.3f}" if theirs else "- | -"

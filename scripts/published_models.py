@@ -43,6 +43,20 @@ CONFIGS = {
         "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "output_router_logits": False, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "GPT-OSS-20B": {**(_GPT_OSS := {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "attention_bias": True, "sliding_window": 128,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "num_experts_per_tok": 4, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "output_router_logits": False,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}),
+        "num_hidden_layers": 24, "num_local_experts": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 12},
+    "GPT-OSS-120B": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                     "layer_types": ["sliding_attention", "full_attention"] * 18},
 }
 
 

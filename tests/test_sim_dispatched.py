@@ -17,7 +17,6 @@ from mobius.sim.dispatched import plan_dispatched, simulate_dispatched, valid_pa
 from mobius.sim.engine import COMPUTE
 from mobius.sim.schedules import simulate_mobius
 from mobius.stages.tasks import step_tasks
-from mobius.sim.schedules import simulate_mobius
 from topology import load_topology
 
 M = 4
@@ -209,7 +208,7 @@ def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_updat
     r = simulate_dispatched(profile, forward, backward, topo, order, M, head_gpus=2)
     ends = _ends(r)
     assert [ends[f"F2.{m}"][2] for m in range(M)] == [1, 3, 1, 3]  # the head's task: its parts in turn
-    assert [ends[f"B1.0"][2], ends["B0.0"][2]] == [0, 2]
+    assert [ends["B1.0"][2], ends["B0.0"][2]] == [0, 2]
     heads = [t for t in r.tasks if t.name.startswith("grads") and t.gpu in (1, 3) and t.kind == "d2h"]
     adam = [t for t in r.tasks if t.kind == "cpu"]
     assert len(heads) == 2 and len(adam) == 3  # the head's two gradient copies, one update of its stage
@@ -317,7 +316,6 @@ def test_replicas_sum_and_broadcast_each_stage_in_one_order_over_the_network():
     trained = stage_costs(profile, backward, True)
     params = [c.grad_bytes / 4 for c in trained]
     for r in (slow, fast):
-        ends = _ends(r)
         sums = [t for t in r.tasks if t.kind == NET and t.name.startswith("sum")]
         casts = [t for t in r.tasks if t.kind == NET and t.name.startswith("broadcast")]
         assert sorted(t.work for t in sums) == sorted(t.work for t in casts) == \
