@@ -254,6 +254,15 @@ def _add_tensor(d: Path):
     save_file(t, d / "model.safetensors")
 
 
+def _mxfp4_blocks_alone(d: Path):
+    """An MXFP4 tensor's packed values without its scales."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    t["transformer.h.0.mlp.experts.down_proj_blocks"] = torch.zeros(2, 4, 1, 16, dtype=torch.uint8)
+    save_file(t, d / "model.safetensors")
+
+
 HF_CASES = [
     ("gpt2", _config(n_layer="2"), "'n_layer' must be an integer, got '2'"),
     ("gpt2", _config(n_layer=[2]), "'n_layer' must be an integer, got [2]"),
@@ -309,6 +318,8 @@ HF_CASES = [
     ("gpt2", _retype(torch.float8_e4m3fn), "has dtype F8_E4M3, which Mobius does not load"),
     ("gpt2", _retype(torch.int32), "1 tensors not floating point (transformer.wte.weight)"),
     ("gpt2", _add_tensor, "1 tensors not used by this model (transformer.h.9.attn.c_attn.weight)"),
+    ("gpt2", _mxfp4_blocks_alone, "transformer.h.0.mlp.experts.down_proj_blocks and "
+                                  "transformer.h.0.mlp.experts.down_proj_scales are not an MXFP4 pair"),
     ("gpt2", lambda d: (d / "tokenizer.json").write_text("{not json"), "not a readable tokenizer.json"),
     ("gpt2", lambda d: [f.unlink() for f in d.glob("*.safetensors")], "no *.safetensors weights"),
 ]
