@@ -63,6 +63,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from mobius.boundary.errors import InputError
 from mobius.models.precision import element_bytes
 from mobius.partition.profile import HostCosts, Profile
@@ -589,6 +591,21 @@ class _Overlap:
     def with_(self, a: float, b: float) -> float:
         return self._integral(b) - self._integral(a)
 
+    def with_each(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """:meth:`with_` of every ``[a[i], b[i]]`` at once (the same operations, so the same values)."""
+        return self._integrals(b) - self._integrals(a)
+
+    def _integrals(self, t: np.ndarray) -> np.ndarray:
+        starts, ends = self._arrays()
+        i, j = np.searchsorted(starts[0], t, side="left"), np.searchsorted(ends[0], t, side="left")
+        return (t * i - starts[1][i]) - (t * j - ends[1][j])
+
+    def _arrays(self):
+        if not hasattr(self, "_as_arrays"):
+            self._as_arrays = ((np.asarray(self.starts), np.asarray(self.start_sums)),
+                               (np.asarray(self.ends), np.asarray(self.end_sums)))
+        return self._as_arrays
+
 
 def _prefix(xs: list[float]) -> list[float]:
     out = [0.0]
@@ -617,15 +634,27 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
                           ("activation", "d2h", "d2h_forward"), ("activation gradient", "d2h", "d2h_backward")):
         ideal, slowed = [0.0] * n, [0.0] * n
         mine = STREAM_OF[kind]
+        spans_of: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for slot, _, a, b, k in est.copies:
-            if k != kind or b <= a:
-                continue
-            own = sum(overlap[d, slot, s].with_(a, b) for s in streams[d] if s != mine and (d, slot, s) in overlap)
-            others = sum(overlap[d, s2, s].with_(a, b) for s2 in machine.root_complex_slots(slot) if s2 != slot
-                         for s in streams[d] if (d, s2, s) in overlap)
-            own, rc = own / (b - a), (own + others) / (b - a)
-            ideal[slot] += b - a
-            slowed[slot] += (b - a) * max(1 + own, (1 + rc) * link[slot] / machine.rc_bps(slot), 1.0)
+            if k == kind and b > a:
+                spans_of[slot].append((a, b))
+        for slot, spans in spans_of.items():
+            # Each copy's overlap with the slot's other streams and with its root complex's other
+            # slots, for all of the slot's copies at once (summed in the order the streams come).
+            a, b = (np.array(x, dtype=np.float64) for x in zip(*spans))
+            own, others = np.zeros(len(spans)), np.zeros(len(spans))
+            for s in streams[d]:
+                if s != mine and (d, slot, s) in overlap:
+                    own += overlap[d, slot, s].with_each(a, b)
+            for s2 in machine.root_complex_slots(slot):
+                for s in streams[d]:
+                    if s2 != slot and (d, s2, s) in overlap:
+                        others += overlap[d, s2, s].with_each(a, b)
+            rc = machine.rc_bps(slot)
+            for (a_, b_), o, x in zip(spans, own.tolist(), others.tolist()):
+                span = b_ - a_
+                ideal[slot] += span
+                slowed[slot] += span * max(1 + o / span, (1 + (o + x) / span) * link[slot] / rc, 1.0)
         out[name] = tuple(link[k] * ideal[k] / slowed[k] if slowed[k] else link[k] for k in range(n))
     return out
 
