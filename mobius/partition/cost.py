@@ -57,7 +57,6 @@ other candidate.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from collections import defaultdict
@@ -581,30 +580,17 @@ class _Overlap:
     ends, read off sorted starts and ends and their prefix sums."""
 
     def __init__(self, spans: list[tuple[float, float]]):
-        self.starts, self.ends = sorted(a for a, _ in spans), sorted(b for _, b in spans)
-        self.start_sums, self.end_sums = _prefix(self.starts), _prefix(self.ends)
-
-    def _integral(self, t: float) -> float:
-        i, j = bisect.bisect_left(self.starts, t), bisect.bisect_left(self.ends, t)
-        return (t * i - self.start_sums[i]) - (t * j - self.end_sums[j])
-
-    def with_(self, a: float, b: float) -> float:
-        return self._integral(b) - self._integral(a)
+        starts, ends = sorted(a for a, _ in spans), sorted(b for _, b in spans)
+        self.starts, self.ends = np.asarray(starts), np.asarray(ends)
+        self.start_sums, self.end_sums = np.asarray(_prefix(starts)), np.asarray(_prefix(ends))
 
     def with_each(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """:meth:`with_` of every ``[a[i], b[i]]`` at once (the same operations, so the same values)."""
-        return self._integrals(b) - self._integrals(a)
+        """The overlap with each ``[a[i], b[i]]``, all at once."""
+        return self._integral(b) - self._integral(a)
 
-    def _integrals(self, t: np.ndarray) -> np.ndarray:
-        starts, ends = self._arrays()
-        i, j = np.searchsorted(starts[0], t, side="left"), np.searchsorted(ends[0], t, side="left")
-        return (t * i - starts[1][i]) - (t * j - ends[1][j])
-
-    def _arrays(self):
-        if not hasattr(self, "_as_arrays"):
-            self._as_arrays = ((np.asarray(self.starts), np.asarray(self.start_sums)),
-                               (np.asarray(self.ends), np.asarray(self.end_sums)))
-        return self._as_arrays
+    def _integral(self, t: np.ndarray) -> np.ndarray:
+        i, j = np.searchsorted(self.starts, t, side="left"), np.searchsorted(self.ends, t, side="left")
+        return (t * i - self.start_sums[i]) - (t * j - self.end_sums[j])
 
 
 def _prefix(xs: list[float]) -> list[float]:
