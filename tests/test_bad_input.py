@@ -298,10 +298,10 @@ HF_CASES = [
     ("llama", _config(model_type="deepseek_v3"), "model_type 'deepseek_v3' is not supported (supported: gpt2, opt, "
                                                  "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, "
                                                  "qwen3_moe, gpt_oss, gemma3)"),
-    ("llama", _config(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
-     "turns on the router's load-balancing loss (output_router_logits), which is not built yet"),
-    ("llama", _config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
-     "turns on the router's load-balancing loss (output_router_logits), which is not built yet"),
+    ("llama", _config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                      router_aux_loss_coef=-0.01), "'router_aux_loss_coef' must be"),
+    ("llama", _config(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, output_router_logits="yes"),
+     "'output_router_logits' must be"),
     ("llama", _config(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3),
      "num_experts_per_tok 3 is more than the 2 experts"),
     ("llama", _config(model_type="qwen3_moe", num_experts_per_tok=2, moe_intermediate_size=8),

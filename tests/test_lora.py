@@ -62,7 +62,7 @@ def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
 def peer_losses(path: str, cfg: RunConfig) -> list[float]:
     """``transformers`` + ``peft``, trained as our reference trains: fused AdamW (weight decay on
     matrices: every adapter, not DoRA's magnitudes), warm-up + cosine schedule, loss / M per
-    micro-batch."""
+    micro-batch (with a mixture's load-balancing loss where its config turns it on)."""
     model = peft_model(path, cfg, initial_adapters(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
     rule = UpdateRule.of(cfg.optim)
@@ -77,8 +77,11 @@ def peer_losses(path: str, cfg: RunConfig) -> list[float]:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in batches.step(step):
-            logits = model(mb.tokens).logits
+            out = model(mb.tokens)
+            logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb.targets.reshape(-1))
+            if getattr(out, "aux_loss", None) is not None:
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss
             (loss / M).backward()
             total += loss.item()
         opt.step()

@@ -127,7 +127,7 @@ class BatchSource:
         b = self.micro_batch_size
         return [Batch(windows[i : i + b, :-1].contiguous(),
                       TokenLayout(targets=windows[i : i + b, 1:].contiguous(), loss_tokens=n * self.seq_len,
-                                  every_target_trained=True))
+                                  every_target_trained=True, balance_share=1 / self.micro_batches))
                 for i in range(0, n, b)]
 
     def host_bytes(self) -> int:

@@ -117,6 +117,7 @@ class ExampleBatches:
         self.seq_len = packed.tokens.shape[1]
         self.micro_batch_size, self.micro_batches, self.seed = micro_batch_size, micro_batches, seed
         self.packing = packing
+        self.balance_micro_batches = micro_batches  # a mean over micro-batches (the load-balancing loss) over these
         self._describe = describe
         self._epoch_order: tuple[int, np.ndarray | None] = (-1, None)
 
@@ -158,11 +159,14 @@ class ExampleBatches:
         for a in range(0, idx.size, b):
             rows, blank = np.maximum(idx[a:a + b], 0), torch.from_numpy(idx[a:a + b] < 0)[:, None]
             width = p.tokens.shape[1] if self.packing else _longest(p.segments[rows][~blank.numpy()[:, 0]])
+            segments = _columns(p.segments, rows, width)
+            real = (segments >= 0) & ~blank
             layout = TokenLayout(targets=_columns(p.targets, rows, width).masked_fill(blank, IGNORE),
-                                 loss_tokens=max(1, loss_tokens))
+                                 loss_tokens=max(1, loss_tokens), real=None if bool(real.all()) else real,
+                                 balance_share=1 / self.balance_micro_batches)
             if self.packing:
                 layout.positions = _columns(p.positions, rows, width)
-                layout.segments = _columns(p.segments, rows, width)
+                layout.segments = segments
             out.append(Batch(_columns(p.tokens, rows, width), layout))
         return out
 
@@ -181,6 +185,7 @@ class EvalBatches(ExampleBatches):
     def __init__(self, packed: Packed, micro_batch_size: int, micro_batches: int, packing: bool, describe: str):
         super().__init__(packed, micro_batch_size, micro_batches, 0, packing, describe)
         self.trained = int((packed.targets != IGNORE).sum())
+        self.balance_micro_batches = -(-self.sequences // micro_batch_size)  # every pass's that hold examples
         per_pass = micro_batch_size * micro_batches
         self.passes = -(-self.sequences // per_pass)
         order = np.arange(self.passes * per_pass)

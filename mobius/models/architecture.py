@@ -75,6 +75,9 @@ class GPTConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # The routers' load-balancing loss (transformers' output_router_logits) with this coefficient;
+    # 0: off (mobius.models.router_balance).
+    router_aux_loss_coef: float = 0.0
     checkpoint: str | None = None  # a Hugging Face directory the weights are loaded from
     # its model_type (gpt2, opt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gemma3, mixtral,
     # qwen3_moe, gpt_oss)

@@ -36,6 +36,7 @@ from mobius.models.layout import IGNORE, TokenLayout, as_layout, causal_mask
 from mobius.models.preference import pair_loss
 from mobius.models.lora import LORA_MODULES, add_lora, freeze, parts
 from mobius.models.quant import quantize_projections
+from mobius.models import router_balance as balance
 
 
 class GPTLayer(nn.Module):
@@ -55,7 +56,7 @@ class GPTLayer(nn.Module):
         raise NotImplementedError
 
     def output_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
-        return batch * seq * self.config.hidden * dtype.itemsize
+        return balance.activation_bytes(self.config, batch, seq, dtype)
 
     def working_bytes(self, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> int:
         """Activation memory autograd keeps for one micro-batch while this layer runs forward with
@@ -89,6 +90,8 @@ class Embedding(GPTLayer):
             positions = layout.positions if layout is not None and layout.positions is not None \
                 else torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.wpe(positions + self.config.position_offset)
+        if balance.carries_tally(self.config):  # the routers' tally starts here (mobius.models.router_balance)
+            return balance.pack(self.config, x, balance.empty_tally(self.config, x.device))
         return x
 
     def forward_flops(self, batch: int, seq: int) -> int:
@@ -285,6 +288,17 @@ class Block(GPTLayer):
         return [getattr(self, n) for n in names if hasattr(self, n)]
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        """Hidden states (B, T, hidden) -> the block's; or the wire of hidden states and the routers'
+        tally (:mod:`mobius.models.router_balance`) -> the wire, this block's routing added."""
+        if not balance.is_wire(x):
+            return self._forward(x, layout, tallied=False)[0]
+        h, tally = balance.unpack(self.config, x)
+        y, part = self._forward(h, layout, tallied=True)
+        return balance.pack(self.config, y, tally if part is None else tally + part)
+
+    def _forward(self, x: torch.Tensor, layout: TokenLayout | None, tallied: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's output, and where ``tallied`` its routing's part of the tally (None: no routing)."""
         c = self.config
         b, t, h = x.shape
         heads, kv, d = c.heads, c.n_kv_heads, c.head_dim
@@ -305,14 +319,20 @@ class Block(GPTLayer):
         y = attention(q, k, v, layout, c, self.window, self.sinks if c.attn_sinks else None)
         y = self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
         x = x + (self.ln1_post(y) if c.sandwich_norm else y)
-        y = self._experts(self.ln2(x)) if self.moe else self.fc_out(self._activation(self.fc(self.ln2(x))))
-        return x + (self.ln2_post(y) if c.sandwich_norm else y)
+        part = None
+        if self.moe:
+            y, part = self._experts(self.ln2(x), layout, tallied)
+        else:
+            y = self.fc_out(self._activation(self.fc(self.ln2(x))))
+        return x + (self.ln2_post(y) if c.sandwich_norm else y), part
 
-    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, layout: TokenLayout | None, tallied: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The mixture of experts: each token's top-k experts by the router's softmax (in fp32),
         their outputs weighted by those probabilities (renormalised where ``norm_topk``) and summed,
         expert by expert in transformers' order.  GPT-OSS softmaxes the k picked logits alone (in
-        their dtype) and its experts add biases."""
+        their dtype) and its experts add biases.  Where ``tallied``: the routing's part of the
+        load-balancing tally too (:func:`~mobius.models.router_balance.block_tally`), padding left out."""
         c = self.config
         e, width, h = c.experts, c.expert_ffn, c.hidden
         flat = x.reshape(-1, h)
@@ -322,7 +342,7 @@ class Block(GPTLayer):
         if flat.is_meta:  # tracing which weights a layer reads (no values to route by): all of them, as a whole
             z = F.linear(flat, self.experts_fc)[:, :width]
             y = F.linear(z if fc_bias is None else z + fc_bias.sum(), self.experts_out)[:, :h]
-            return (y if out_bias is None else y + out_bias.sum()).view_as(x)
+            return (y if out_bias is None else y + out_bias.sum()).view_as(x), None
         if c.topk_then_softmax:
             weights, chosen = torch.topk(logits, c.experts_per_token, dim=-1)
             weights = torch.softmax(weights, dim=-1, dtype=weights.dtype)
@@ -338,7 +358,9 @@ class Block(GPTLayer):
             z = F.linear(flat[token], fc[j], None if fc_bias is None else fc_bias[j])
             part = F.linear(self._activation(z), out[j], None if out_bias is None else out_bias[j])
             y.index_add_(0, token, (part * weights[token, slot, None]).to(y.dtype))
-        return y.view_as(x)
+        real = layout.real if layout is not None else None
+        tally = balance.block_tally(c, logits, chosen, real) if tallied else None
+        return y.view_as(x), tally
 
     def _activation(self, z: torch.Tensor) -> torch.Tensor:
         kind = self.config.mlp
@@ -501,8 +523,17 @@ class Head(GPTLayer):
         self.weight_grads = WeightGradSum()
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | torch.Tensor) -> torch.Tensor:
-        """``layout``: the micro-batch's :class:`TokenLayout`, or its targets alone (every token trained)."""
+        """``layout``: the micro-batch's :class:`TokenLayout`, or its targets alone (every token trained).
+        From the wire (:mod:`mobius.models.router_balance`): plus the routers' load-balancing loss,
+        its coefficient times the micro-batch's share of the step's mean."""
         layout = as_layout(layout)
+        if balance.is_wire(x):
+            x, tally = balance.unpack(self.config, x)
+            aux = balance.balance_loss(self.config, tally) * (self.config.router_aux_loss_coef * layout.balance_share)
+            return self._loss(x, layout) + aux
+        return self._loss(x, layout)
+
+    def _loss(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         h = self.ln_f(x).reshape(-1, x.shape[-1])
         targets = layout.targets.reshape(-1)
         sides = None if layout.pairs is None else layout.pairs.sides.reshape(-1)
@@ -527,6 +558,8 @@ class Head(GPTLayer):
             return ChunkedCrossEntropy.apply(h, weight, targets, chunk, need_h, sums, divisor, cap)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if balance.is_wire(x):
+            x = balance.unpack(self.config, x)[0]
         z = self.lm_head(self.ln_f(x))
         cap = self.config.logit_softcap
         return z if cap is None else torch.tanh(z / cap) * cap

@@ -186,10 +186,10 @@ def _llama_family(c: Fields, path: str, kind: str, size, common: dict) -> GPTCon
 def _mixture(c: Fields, path: str, kind: str, n_layer: int, size) -> dict:
     """The mixture of experts of Mixtral, Qwen3-MoE and GPT-OSS: how many experts, how many a token
     uses, their width, how the picked ones are weighted, Qwen3-MoE's dense blocks and GPT-OSS's
-    biases and clamped SwiGLU."""
-    if c.get("output_router_logits", "bool", False):
-        raise InputError(f"--model {path}: config.json turns on the router's load-balancing loss "
-                         "(output_router_logits), which is not built yet: set it to false to fine-tune without it")
+    biases and clamped SwiGLU; the routers' load-balancing loss where ``output_router_logits`` turns it
+    on, with transformers' default coefficient."""
+    balance = c.get("output_router_logits", "bool", False)
+    coef = c.get("router_aux_loss_coef", "number", 0.001, minimum=0) if balance else 0.0
     # Each family's key, or the other (transformers writes Qwen3-MoE's count under Mixtral's name).
     own, other = ("num_experts", "num_local_experts") if kind == "qwen3_moe" else ("num_local_experts", "num_experts")
     experts = size(own, None) or size(other)
@@ -210,7 +210,7 @@ def _mixture(c: Fields, path: str, kind: str, n_layer: int, size) -> dict:
     k = size("num_experts_per_tok")
     if k > experts:
         raise InputError(f"--model {path}: config.json num_experts_per_tok {k} is more than the {experts} experts")
-    return {"experts": experts, "experts_per_token": k, **out}
+    return {"experts": experts, "experts_per_token": k, "router_aux_loss_coef": coef, **out}
 
 
 def _sliding_layers(c: Fields, path: str, kind: str, n_layer: int) -> tuple[int | None, tuple]:

@@ -10,6 +10,9 @@ The loss of a micro-batch is the *sum* of its trained tokens' cross-entropies di
 losses then add up to the step's token mean, whatever the split into micro-batches, and their
 gradients to the gradient of that mean.
 
+A mixture of experts' load-balancing loss is a mean over the step's micro-batches, each over its
+tokens but padding (``real``): ``balance_share`` is the micro-batch's share of that mean.
+
 A micro-batch of preference pairs (DPO) carries :class:`~mobius.models.preference.PairLayout`
 instead: its loss is over pairs of examples, not tokens.
 
@@ -36,6 +39,8 @@ class TokenLayout:
     loss_tokens: int | None = None  # the step's trained tokens; None: this micro-batch's own
     every_target_trained: bool = False  # known to hold no IGNORE (text windows): no selection needed
     pairs: PairLayout | None = None  # preference pairs: the loss is theirs (mobius.models.preference)
+    real: torch.Tensor | None = None  # (B, T) False at padding; None: no padding
+    balance_share: float = 1.0  # of the step's mean load-balancing loss (mobius.models.router_balance)
     _masks: dict = field(default_factory=dict, repr=False)  # attention masks by sliding window
 
     @property
@@ -45,7 +50,17 @@ class TokenLayout:
     def to(self, device: torch.device) -> "TokenLayout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TokenLayout(move(self.targets), move(self.positions), move(self.segments), self.loss_tokens,
-                           self.every_target_trained, None if self.pairs is None else self.pairs.to(device))
+                           self.every_target_trained, None if self.pairs is None else self.pairs.to(device),
+                           move(self.real), self.balance_share)
+
+    def for_blocks(self, padding: bool) -> "TokenLayout | None":
+        """What the layers before the head need: packed examples' positions and segments, and
+        with ``padding`` (a load-balancing loss counts real tokens only) where the padding is;
+        None where that is nothing."""
+        real = self.real if padding else None
+        if not self.packed and real is None:
+            return None
+        return TokenLayout(positions=self.positions, segments=self.segments, real=real)
 
     def attention_mask(self, window: int | None = None) -> torch.Tensor:
         """(B, 1, T, T) booleans: query i may attend key j when both belong to one example and

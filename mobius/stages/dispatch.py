@@ -50,6 +50,7 @@ from mobius.config import RunConfig
 from mobius.data import BatchSource
 from mobius.metrics import Trace
 from mobius.models import GPTConfig, TokenLayout, run_layers, tied_parameter_names
+from mobius.models.router_balance import activation_shape, carries_tally
 from mobius.models.precision import DTYPES
 from mobius.models.lora import dropout_micro_batch
 from mobius.runtime.device import Device
@@ -310,7 +311,7 @@ class _DeviceWorker:
         mask of packed examples, and the targets where they reach the head."""
         layout = st.micro[m].layout
         if hi < self.runner.n_layers:
-            layout = TokenLayout(positions=layout.positions, segments=layout.segments) if layout.packed else None
+            layout = layout.for_blocks(padding=carries_tally(self.runner.config))
         return layout.to(self.device.torch_device) if layout is not None else None
 
     def _dropout(self, st: _Step, m: int):
@@ -325,7 +326,8 @@ class _DeviceWorker:
         r = self.runner
         tokens = st.micro[m].tokens  # (a micro-batch is as wide as its longest sequence)
         host = tokens if b == 0 else \
-            self.links.recv(src, (kind, st.step, st.training, b, m), (*tokens.shape, r.hidden), r.dtype)
+            self.links.recv(src, (kind, st.step, st.training, b, m), activation_shape(r.config, tokens.shape, r.dtype),
+                            r.dtype)
         return self.links.to_device(host, what)
 
     def _send_hidden(self, st: _Step, routes: _Routes, h: torch.Tensor, b: int, m: int) -> None:
@@ -490,7 +492,6 @@ class DispatchedRunner:
             raise ValueError(f"the host store's stages are not the pieces {self.pieces}")
         self.replica = replicas.layout if replicas is not None else ReplicaLayout()
         self.M = batches.micro_batches // self.replica.count  # this replica's share of a step
-        self.hidden = store.config.hidden
         self.dtype = store.compute_dtype
         self.board = Board(len(self.pieces), wait_s)
         head = self.pieces_in(*shape.backward[-1])

@@ -39,6 +39,7 @@ from mobius.data import BatchSource
 from mobius.metrics import Trace
 from mobius.models import TokenLayout, run_layers
 from mobius.models.lora import dropout_micro_batch
+from mobius.models.router_balance import activation_shape, carries_tally
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.spec import Plan
@@ -109,7 +110,6 @@ class StageRunner:
         self.eval_ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, forward_only=True,
                                    resident=self.resident)
         self._resident_handles: dict[int, DeviceStage] = {}  # loaded once, never released
-        self.hidden = store.config.hidden
         self.dtype = store.compute_dtype
         # Streams: compute, and this thread's host-side work (so the checker sees every hand-over);
         # the links and the optimizer bring their own copy streams.
@@ -210,7 +210,8 @@ class StageRunner:
 
     def _op_recv(self, op: Op, st: _StepState) -> None:
         s, m = op.stage, op.mb
-        shape = (*st.micro[m].tokens.shape, self.hidden)  # (a micro-batch is as wide as its longest sequence)
+        # (a micro-batch is as wide as its longest sequence)
+        shape = activation_shape(self.store.config, st.micro[m].tokens.shape, self.dtype)
         if op.backward:  # the output gradient, from the next stage's worker
             st.inbox[(s, m)] = self.links.recv(self.plan.gpu_of_stage(s + 1), (s, m, True), shape, self.dtype)
         else:
@@ -226,7 +227,7 @@ class StageRunner:
         packed examples (every stage), the targets (the last); read from the step's own data."""
         layout = st.micro[m].layout
         if s < self.n_stages - 1:
-            layout = TokenLayout(positions=layout.positions, segments=layout.segments) if layout.packed else None
+            layout = layout.for_blocks(padding=carries_tally(self.store.config))
         return layout.to(self.device.torch_device) if layout is not None else None
 
     def _emulated_s(self, s: int, kind: str) -> float:
