@@ -27,6 +27,14 @@ os.environ["MPLCONFIGDIR"] = os.path.join(_SCRATCH, "matplotlib")
 os.environ.setdefault("MOBIUS_CHECK_STREAMS", "1")
 
 
+def fault_env(fault: str) -> dict[str, str]:
+    """What a run's environment adds so that its workers fail as ``fault`` says (``RANK:STEP``: that
+    worker is killed in that step; ``start``: every worker is held before training starts), by
+    ``tests/faults/sitecustomize.py``: the product has no fault hook."""
+    faults = str(Path(__file__).parent / "faults")
+    return {"MOBIUS_FAULT": fault, "PYTHONPATH": os.pathsep.join(p for p in (faults, os.environ.get("PYTHONPATH")) if p)}
+
+
 # A two-step run of the tiny preset, and the same on the single backend (command-line arguments).
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--no-progress"]
 SINGLE = TINY + ["--backend", "single"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import reference
+from conftest import fault_env, reference
 
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
@@ -94,7 +94,7 @@ def test_budget_below_all_stages_still_trains_within_budget():
 def test_killed_worker_ends_the_run_with_its_rank():
     """Worker 1 is killed in step 1 of a run of a million steps: the run ends there, naming it (a
     launcher that waited for the surviving worker would run for hours and meet the timeout)."""
-    env = {**os.environ, "MOBIUS_FAULT": "1:1"}
+    env = {**os.environ, **fault_env("1:1")}
     r = subprocess.run([sys.executable, "-m", "mobius.train", "--model", "tiny", "--topology", "cpu",
                         "--cpu-workers", "2", "--steps", "1000000", "--seq-len", "32", "--micro-batch-size", "2",
                         "--stages", "4", "--no-progress"], capture_output=True, text=True, env=env, timeout=600)

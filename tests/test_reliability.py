@@ -18,7 +18,7 @@ from mobius.boundary import ownership
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.worker import parent_of
 from mobius.train import main
-from conftest import none_left, tagged
+from conftest import fault_env, none_left, tagged
 
 pytestmark = pytest.mark.adversarial  # the reliability rounds' cases, kept as one set
 
@@ -314,7 +314,7 @@ def test_killed_worker_leaves_no_orphans(tmp_path):
     it, and no process of the run is left."""
     tag = uuid.uuid4().hex
     p = _spawn(TINY + ["--topology", "cpu", "--cpu-workers", "3", "--stages", "3", "--steps", "1000000"], tmp_path,
-               env={"MOBIUS_FAULT": "2:2", "MOBIUS_TEST_TAG": tag})
+               env={**fault_env("2:2"), "MOBIUS_TEST_TAG": tag})
     _, err = p.communicate(timeout=PATIENCE_S)
     assert p.returncode != 0
     assert err.strip().splitlines() == ["error: worker 2 failed: Signal 9 (SIGKILL) received by PID " +
@@ -411,7 +411,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group, workers still starting included (held
     before training starts)."""
     tag, scratch = uuid.uuid4().hex, tmp_path / "tmp"
-    p = _spawn(PIPELINE, tmp_path, env={**_scratch(tmp_path, tag), "MOBIUS_FAULT": "start"}, start_new_session=True)
+    p = _spawn(PIPELINE, tmp_path, env={**_scratch(tmp_path, tag), **fault_env("start")}, start_new_session=True)
     t0 = time.monotonic()
     # The run's workers exist (its directory does: the calibration's workers are gone), and start.
     while not (list(scratch.glob("mobius-run-*")) and len(_workers(tag)) >= 2) and time.monotonic() - t0 < PATIENCE_S:

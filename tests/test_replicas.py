@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, none_left, reference
+from conftest import TINY, fault_env, none_left, reference
 
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig, parse_train_args
@@ -222,7 +222,7 @@ def test_a_worker_killed_on_one_node_ends_every_node_with_one_line_each(tmp_path
     tag = f"mobius-test-{os.getpid()}"
     args = TINY + ["--topology", "cpu", "--cpu-workers", "2", "--steps", "50"]
     ran = _torchrun_nodes(tmp_path, [args, args], ({"MOBIUS_TEST_TAG": tag}, {"MOBIUS_TEST_TAG": tag,
-                                                                             "MOBIUS_FAULT": "3:1"}))
+                                                                             **fault_env("3:1")}))
     assert all(code != 0 for code, _, _ in ran)
     ours = [line for _, _, err in ran for line in err.splitlines() if line.startswith("error: ")]
     # Every surviving worker, on both nodes, says in one line that another one stopped; no traceback of ours.

@@ -235,19 +235,6 @@ def collective_timeout_s(spec: RunSpec | None) -> float:
     return COLLECTIVE_TIMEOUT_S + 3 * spec.emulation.factor * spec.predicted_step_s()
 
 
-def inject_fault(rank: int, step: int | None) -> None:
-    """Fault injection for the dead-worker tests: ``MOBIUS_FAULT=RANK:STEP`` SIGKILLs that worker
-    in that step; ``MOBIUS_FAULT=start`` holds every worker before training starts (the tests of a
-    signal that comes while the workers start, whose start is otherwise a fraction of a second)."""
-    if os.environ.get("MOBIUS_FAULT") == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if step is None and os.environ.get("MOBIUS_FAULT") == "start":
-        time.sleep(PATIENCE_FOR_A_SIGNAL_S)
-
-
-PATIENCE_FOR_A_SIGNAL_S = 600
-
-
 @dataclass
 class Decision:
     """Under torchrun no launcher decided the run: every process describes its node (``node()``),
@@ -412,7 +399,6 @@ def timed_step(backend: WorkerBackend, step: int, rank: int, trace: Trace, emula
                ) -> StepMetrics:
     """One step of ``backend``, a span in the trace (the window its lanes are read in); under
     ``--emulate`` its times on the emulated GPUs too."""
-    inject_fault(rank, step)
     began = time.perf_counter()
     m = backend.step(step)
     trace.span(f"step {step}", "step", began, time.perf_counter())
@@ -451,7 +437,6 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             resumed = ck.load_checkpoint(cfg.checkpoint.resume, verify=False)
             start = ck.resume(resumed, backend.restore, backend.scaler, cfg.optim.precision)
             tracker_runs = resumed.tracker_runs
-        inject_fault(rank, None)
         stop = install_stop(payload)
         started = time.perf_counter()
 
