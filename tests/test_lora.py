@@ -20,7 +20,7 @@ from mobius.models import build_model  # noqa: E402
 from mobius.models.adapters import adapter_tensor_count, adapter_tensors, layer_states  # noqa: E402
 from mobius.reference import ReferenceTrainer  # noqa: E402
 from mobius.runtime import checkpoint as ck  # noqa: E402
-from mobius.runtime.inputs import make_batches, model_config_for  # noqa: E402
+from mobius.runtime.inputs import check_model_input, make_batches, model_config_for  # noqa: E402
 from mobius.runtime.optim import UpdateRule  # noqa: E402
 from mobius.train import main  # noqa: E402
 
@@ -51,7 +51,8 @@ def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     settings = adapter_config(model_config_for(cfg))
     lora = peft.LoraConfig(r=settings["r"], lora_alpha=settings["lora_alpha"], lora_dropout=0.0,
-                           target_modules=settings["target_modules"], fan_in_fan_out=settings["fan_in_fan_out"],
+                           target_modules=settings["target_modules"], target_parameters=settings["target_parameters"],
+                           fan_in_fan_out=settings["fan_in_fan_out"],
                            task_type="CAUSAL_LM", use_dora=settings["use_dora"])
     model = peft.get_peft_model(base, lora)
     result = peft.set_peft_model_state_dict(model, adapters)
@@ -146,7 +147,7 @@ def test_peft_module_names_adapt_those_modules_alone_as_peft_does(hf_dirs, arch,
 def test_an_adapter_export_holds_each_adapted_part_of_each_block_that_has_it(hf_dirs, arch, dora):
     """Qwen3-MoE's dense block has an MLP to adapt, its mixtures do not: the export's count (what
     a finished export is checked against) is what the model's adapters give."""
-    config = model_config_for(lora_cfg(hf_dirs[arch], lora_dora=dora))
+    config = model_config_for(lora_cfg(hf_dirs[arch], use_dora=dora))
     tensors = adapter_tensors(config, layer_states(dict(build_model(config).named_parameters())))
     assert len(tensors) == adapter_tensor_count(config) > 0
 
@@ -161,6 +162,17 @@ def test_lora_targets_are_ours_or_the_familys_peft_names(hf_dirs):
         model_config_for(lora_cfg(hf_dirs["llama"], lora_targets=("query",)))
     with pytest.raises(InputError, match="give distinct names among qkv, proj, fc, fc_out$"):
         model_config_for(RunConfig.of(model="tiny", lora_rank=4, lora_targets=("q_proj",)))
+    with pytest.raises(InputError, match="give distinct names among qkv, proj, fc, fc_out or"):  # not a mixture
+        model_config_for(lora_cfg(hf_dirs["llama"], lora_targets=("router",)))
+    assert model_config_for(lora_cfg(hf_dirs["mixtral"], lora_targets=("experts.down_proj", "gate"))).lora_targets \
+        == ("router", "experts_out")
+    with pytest.raises(InputError, match="router, experts_fc, experts_out or mixtral's q_proj, .*gate, "
+                                         "experts.gate_up_proj, experts.down_proj"):
+        model_config_for(lora_cfg(hf_dirs["mixtral"], lora_targets=("experts",)))
+    for flag in ({"lora_dropout": 0.1}, {"use_dora": True}):
+        with pytest.raises(InputError, match="--lora-targets experts_fc: adapters on a mixture's router and experts "
+                                             "take no --(lora-dropout|use-dora)"):
+            check_model_input(lora_cfg(hf_dirs["mixtral"], lora_targets=("experts_fc",), **flag))
 
 
 def test_adapters_of_some_parts_export_and_merge_as_peft(hf_dirs):
@@ -221,6 +233,64 @@ def test_a_dora_export_loads_in_peft_and_merges(hf_dirs, tmp_path):
     tokens = torch.randint(0, 300, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(tokens).logits, merged_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def routed_targets(arch: str) -> tuple[str, ...]:
+    """A mixture's router (by its module's name), both expert stacks and q, by PEFT's names."""
+    return ("router" if arch == "gpt_oss" else "gate", "experts.gate_up_proj", "experts.down_proj", "q_proj")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_router_and_expert_adapters_export_and_merge_as_peft(hf_dirs, tmp_path, arch):
+    """Adapters on the router, both expert stacks and q, B drawn (as after training): PEFT, given
+    our exported tensors (its target_parameters), computes our logits; our merged export, loaded by
+    transformers, computes them too; GPT-OSS's interleaved gate | up included."""
+    from mobius.models.adapters import finish_export, write_export_shard
+    from mobius.models.hf import start_export
+
+    cfg = lora_cfg(hf_dirs[arch], lora_targets=routed_targets(arch))
+    config = model_config_for(cfg)
+    assert config.lora_targets == ("qkv.0", "router", "experts_fc", "experts_out")
+    model = build_model(config, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    states = layer_states(dict(model.named_parameters()))
+    tensors = adapter_tensors(config, states)
+    assert len(tensors) == adapter_tensor_count(config) == 8 * sum(config.is_moe(j) for j in range(config.n_layer)) \
+        + 2 * sum(not config.is_moe(j) for j in range(config.n_layer))
+    tokens = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        ours = model.logits(tokens)
+        theirs = peft_model(hf_dirs[arch], cfg, tensors).eval()(tokens).logits
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch], dtype=torch.float32)(tokens).logits
+        assert not torch.allclose(base, ours, atol=1e-3)  # the adapters changed it
+    out = tmp_path / "merged"
+    staging = start_export(str(out))
+    write_export_shard(config, staging, "all", states, merged=True)
+    finish_export(config, staging, str(out), merged=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_router_and_expert_adapters_train_as_peft_on_single_and_pipeline(hf_dirs, arch):
+    """The same targets trained: the reference and a 2-worker pipeline give PEFT's losses."""
+    from conftest import run_in_threads
+
+    path = hf_dirs[arch]
+    cfg = lora_cfg(path, lora_targets=routed_targets(arch))
+    want = peer_losses(path, cfg)
+    trainer = ReferenceTrainer(cfg, model_config_for(cfg), make_batches(cfg, model_config_for(cfg)),
+                               torch.device("cpu"))
+    assert [trainer.step(k).loss for k in range(STEPS)] == pytest.approx(want, rel=1e-5)
+    losses, _ = run_in_threads(lora_cfg(path, lora_targets=routed_targets(arch), topology="cpu", cpu_workers=2,
+                                        stages=4, recompute="on"))
+    assert losses == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -366,7 +366,9 @@ class LoraConfig:
         LORA_MODULES, "comma-separated projections that get adapters: qkv (q, k, v), proj (attention output), fc (MLP "
                       "in; gate and up), fc_out (MLP out), or PEFT's module names of a Hugging Face model's family "
                       "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2's c_attn, c_proj, c_fc; "
-                      "OPT's out_proj, fc1, fc2; Phi-3's qkv_proj, gate_up_proj)", plans=True)
+                      "OPT's out_proj, fc1, fc2; Phi-3's qkv_proj, gate_up_proj); a mixture of experts' router "
+                      "(router, or gate) and stacked experts (experts_fc, experts_out, or PEFT's target_parameters "
+                      "experts.gate_up_proj, experts.down_proj), one adapter per expert", plans=True)
     use_dora: bool = setting(
         False, "DoRA (weight-decomposed LoRA, PEFT's use_dora): each output row's magnitude trains apart from the "
                "adapted direction, whose norm is held constant in backward, as PEFT does", plans=True)
@@ -519,7 +521,10 @@ class RunConfig:
     @classmethod
     def of(cls, **options) -> "RunConfig":
         """A configuration from option names (``micro_batch_size=2``, ``lora_rank=8``), the others at
-        their defaults."""
+        their defaults; a name that is no option is an error (not a default silently kept)."""
+        unknown = sorted(set(options) - set(OPTIONS) - ({f.name for f in fields(cls)} - set(SECTIONS)))
+        if unknown:
+            raise TypeError(f"RunConfig.of: no option named {', '.join(unknown)}")
         return cls.from_dict(options)
 
     @classmethod
@@ -548,7 +553,7 @@ class RunConfig:
 
     def changed(self, **options) -> "RunConfig":
         """This configuration with some options given other values (checked again)."""
-        return RunConfig.from_dict({**self.to_dict(), **options})
+        return RunConfig.of(**{**self.to_dict(), **options})
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):

@@ -31,34 +31,40 @@ from mobius.models.hf import (
     finalize_export,
     write_shard,
 )
-from mobius.models.lora import LORA_MODULES, adapted_parts, parts
+from mobius.models.lora import ADAPTABLE, LORA_MODULES, MOE_TARGETS, adapted_parts, parts
 
 # Where each family's decoder sits inside its ``*ForCausalLM`` module tree (PEFT names modules by it).
 # Gemma 3 with its vision tower: the language model is one branch of the tree.
 MODULE_ROOT = {"gpt2": "transformer.", "opt": "model.decoder.", "gemma3": "model.language_model."}  # others: "model."
 ADAPTER_FILE = "adapter_model.safetensors"
+# A mixture's stacked experts, by the name PEFT's target_parameters gives their parameter.
+EXPERT_PARAMETERS = {"experts_fc": "gate_up_proj", "experts_out": "down_proj"}
 
 
 def lora_targets(config: GPTConfig, names: tuple[str, ...]) -> tuple[str, ...]:
     """``--lora-targets`` as the model's targets (:func:`mobius.models.lora.adapted_parts`): our
     projections' names, or, for a Hugging Face model, PEFT's module names of its family (``q_proj``,
     ``v_proj``, ``gate_proj``, GPT-2's ``c_attn``, ...: a name adapts every module whose last path
-    component it is, as PEFT matches it); in one order whatever order they were given in."""
+    component it is, as PEFT matches it; a mixture's router by its module's name, ``gate`` or
+    ``router``, its experts by their parameters', ``experts.gate_up_proj`` and ``experts.down_proj``);
+    in one order whatever order they were given in."""
+    ours = LORA_MODULES + (MOE_TARGETS if config.experts else ())
     peft: dict[str, list[tuple[str, int]]] = {}  # a module's last path component -> (our module, its part)
     if config.hf_arch:
-        for module in LORA_MODULES:
+        for module in ours:
             for part, path in enumerate(module_paths(config, first_block_with(config, module), module)):
-                peft.setdefault(path.rsplit(".", 1)[-1], []).append((module, part))
+                name = f"experts.{EXPERT_PARAMETERS[module]}" if module in EXPERT_PARAMETERS else path.rsplit(".", 1)[-1]
+                peft.setdefault(name, []).append((module, part))
     chosen: dict[str, set[int]] = {}
     for name in names:
-        found = [(name, p) for p in range(len(parts(config, name)))] if name in LORA_MODULES else peft.get(name, [])
+        found = [(name, p) for p in range(len(parts(config, name)))] if name in ours else peft.get(name, [])
         for module, part in found:
             chosen.setdefault(module, set()).add(part)
-    if not names or len(set(names)) != len(names) or any(n not in LORA_MODULES and n not in peft for n in names):
-        raise InputError(f"--lora-targets {','.join(names)!r}: give distinct names among {', '.join(LORA_MODULES)}"
+    if not names or len(set(names)) != len(names) or any(n not in ours and n not in peft for n in names):
+        raise InputError(f"--lora-targets {','.join(names)!r}: give distinct names among {', '.join(ours)}"
                          + (f" or {config.hf_arch}'s {', '.join(peft)}" if peft else ""))
     targets: list[str] = []
-    for module in (m for m in LORA_MODULES if m in chosen and first_block_with(config, m)):
+    for module in (m for m in ADAPTABLE if m in chosen and first_block_with(config, m)):
         every = len(chosen[module]) == len(parts(config, module))
         targets += [module] if every else [f"{module}.{part}" for part in sorted(chosen[module])]
     return tuple(targets)
@@ -68,6 +74,11 @@ def module_paths(config: GPTConfig, index: int | None, module: str) -> list[str]
     """The Hugging Face module paths of our projection ``module`` in layer ``index`` (one per part;
     none where the layer has no such projection: a mixture of experts' block has no ``fc``)."""
     root = MODULE_ROOT.get(config.hf_arch, "model.")
+    if module in MOE_TARGETS:  # named as transformers' model holds them (a checkpoint may store them otherwise)
+        if index is None:
+            return []
+        mlp = f"{root}layers.{index - 1}.mlp."
+        return [mlp + ("experts" if module in EXPERT_PARAMETERS else "router" if config.hf_arch == "gpt_oss" else "gate")]
     piece = next((p for p in _layer_map(config, index, root) if p.ours == f"{module}.weight"), None) \
         if index is not None else None
     return [] if piece is None else [name.removesuffix(".weight") for name in piece.names]
@@ -75,9 +86,11 @@ def module_paths(config: GPTConfig, index: int | None, module: str) -> list[str]
 
 def blocks_with(config: GPTConfig, module: str) -> list[int]:
     """The blocks (layer indices) that have our projection ``module``: every one, but for the MLP's,
-    those that are not mixtures of experts."""
+    those that are not mixtures of experts; a router's and experts', those that are."""
     if module in ("fc", "fc_out"):
         return [j + 1 for j in range(config.n_layer) if not config.is_moe(j)]
+    if module in MOE_TARGETS:
+        return [j + 1 for j in range(config.n_layer) if config.is_moe(j)]
     return [j + 1 for j in range(config.n_layer)]
 
 
@@ -90,8 +103,13 @@ def first_block_with(config: GPTConfig, module: str) -> int | None:
 def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors (fp32) from {layer index: local-name state}."""
     out = {}
+    adapted = adapted_parts(config)
     for index, state in layers.items():
-        for module, chosen in adapted_parts(config).items():
+        for module, chosen in adapted.items():
+            if module in EXPERT_PARAMETERS:
+                if f"{module}_lora.lora_A" in state:
+                    out.update(_expert_adapter_tensors(config, index, module, state, adapted))
+                continue
             if f"{module}.lora_A.{chosen[0]}" not in state:
                 continue
             for part, path in enumerate(module_paths(config, index, module)):
@@ -106,13 +124,42 @@ def adapter_tensors(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]
     return out
 
 
+def _expert_adapter_tensors(config: GPTConfig, index: int, module: str, state: dict[str, torch.Tensor],
+                            adapted: dict) -> dict[str, torch.Tensor]:
+    """The experts' A and B of ``module`` in layer ``index`` under PEFT's names: where both stacks
+    are adapted, the gate | up wrapper is the inner one (``experts.base_layer.lora_A``), as PEFT
+    nests them in the order of the experts' parameters.  GPT-OSS stores gate and up interleaved:
+    B's rows go back to that order."""
+    inner = module == "experts_fc" and "experts_out" in adapted
+    path = module_paths(config, index, module)[0] + (".base_layer" if inner else "")
+    a, b = state[f"{module}_lora.lora_A"], state[f"{module}_lora.lora_B"]
+    if module == "experts_fc" and config.hf_arch == "gpt_oss":
+        width = config.expert_ffn
+        b = torch.stack([b[:width], b[width:]], dim=1).reshape(b.shape)  # rows gate 0, up 0, gate 1, ...
+    return {f"base_model.model.{path}.lora_{ab}.weight": t.detach().float().contiguous().cpu()
+            for ab, t in (("A", a), ("B", b))}
+
+
+def _merged_experts(config: GPTConfig, module: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The stack ``module`` with each expert's adapter merged: ``W_e + s B_e A_e``."""
+    e, r = config.experts, config.lora_rank
+    a, b = state[f"{module}_lora.lora_A"].float(), state[f"{module}_lora.lora_B"].float()
+    w = state[module].float()
+    delta = torch.einsum("ork,kri->koi", b.view(b.shape[0], r, e), a.view(e, r, -1))
+    return (w.view(e, b.shape[0], -1) + delta * (config.lora_alpha / r)).reshape(w.shape)
+
+
 def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
     """The layers' weights with every adapter merged into its base weight (in fp32)."""
     scaling = config.lora_alpha / config.lora_rank
     out = {}
     for index, state in layers.items():
-        merged = {k: v for k, v in state.items() if ".lora_" not in k}
+        merged = {k: v for k, v in state.items() if ".lora_" not in k and "_lora." not in k}
         for module, chosen in adapted_parts(config).items():
+            if module in EXPERT_PARAMETERS:
+                if f"{module}_lora.lora_A" in state:
+                    merged[module] = _merged_experts(config, module, state)
+                continue
             if f"{module}.lora_A.{chosen[0]}" not in state:
                 continue
             rows = []  # each part's rows, merged where it has an adapter
@@ -129,10 +176,14 @@ def merged_layers(config: GPTConfig, layers: dict[int, dict[str, torch.Tensor]])
 
 
 def adapter_config(config: GPTConfig) -> dict:
-    """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model."""
-    targets = sorted({".".join(path.split(".")[-2:]) for module, chosen in adapted_parts(config).items()
+    """``adapter_config.json``: what PEFT needs to rebuild the adapters on the base model (a
+    mixture's router and experts as ``target_parameters``)."""
+    adapted = adapted_parts(config)
+    targets = sorted({".".join(path.split(".")[-2:]) for module, chosen in adapted.items() if module in LORA_MODULES
                       for part, path in enumerate(module_paths(config, first_block_with(config, module), module))
                       if part in chosen})
+    parameters = sorted(".".join(module_paths(config, first_block_with(config, m), m)[0].split(".")[-2:])
+                        + f".{EXPERT_PARAMETERS.get(m, 'weight')}" for m in adapted if m in MOE_TARGETS)
     if config.hf_arch == "gemma3":
         # Its vision tower has modules of the same names: name the language model's alone (PEFT
         # matches a string target as a regular expression over the whole module name).
@@ -140,7 +191,8 @@ def adapter_config(config: GPTConfig) -> dict:
         targets = rf"{root}layers\.\d+\.({'|'.join(re.escape(t) for t in targets)})"
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config.checkpoint,
             "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout, "bias": "none",
-            "target_modules": targets, "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D
+            "target_modules": targets or None, "target_parameters": parameters or None,
+            "fan_in_fan_out": config.hf_arch == "gpt2",  # GPT-2's Conv1D
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
             "use_rslora": False, "use_dora": config.lora_dora}
 

@@ -352,11 +352,18 @@ class Block(GPTLayer):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             weights = weights.to(logits.dtype)
         fc, out = self.experts_fc.view(e, 2 * width, h), self.experts_out.view(e, h, width)
+        fc_lora, out_lora = getattr(self, "experts_fc_lora", None), getattr(self, "experts_out_lora", None)
         y = torch.zeros_like(flat)
         for j in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == j)
-            z = F.linear(flat[token], fc[j], None if fc_bias is None else fc_bias[j])
-            part = F.linear(self._activation(z), out[j], None if out_bias is None else out_bias[j])
+            x_j = flat[token]
+            z = F.linear(x_j, fc[j], None if fc_bias is None else fc_bias[j])
+            if fc_lora is not None:
+                z = z + fc_lora(x_j, j)
+            a = self._activation(z)
+            part = F.linear(a, out[j], None if out_bias is None else out_bias[j])
+            if out_lora is not None:
+                part = part + out_lora(a, j)
             y.index_add_(0, token, (part * weights[token, slot, None]).to(y.dtype))
         real = layout.real if layout is not None else None
         tally = balance.block_tally(c, logits, chosen, real) if tallied else None

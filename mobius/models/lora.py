@@ -18,6 +18,13 @@ one part of it, ``qkv.0`` (q_proj alone: PEFT's ``q_proj``); a part without an a
 Where the checkpoint fuses them too (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``)
 there is one module and one adapter.  Parameter names: ``<module>.lora_A.<part>``,
 ``<module>.lora_B.<part>``.
+
+A mixture of experts' router and stacked experts (:data:`MOE_TARGETS`) take adapters as PEFT puts
+them on parameters (``target_parameters``), without dropout or DoRA: the router one like a
+projection's, the experts' gate | up (``experts_fc``) and down (``experts_out``) one rank-r pair per
+expert, stored as PEFT stores them, ``lora_A`` (r x experts, in) and ``lora_B`` (out, r x experts),
+expert ``e`` the rows ``e r .. e r + r - 1`` of A and the columns ``k experts + e`` of B
+(:class:`ExpertAdapters`; names ``experts_fc_lora.lora_A``, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from mobius.models.quant import Linear4bit
 # Every projection an adapter can sit on (q|k|v, attention output, MLP in, MLP out), numbered for
 # the dropout masks.
 LORA_MODULES = ("qkv", "proj", "fc", "fc_out")
+# A mixture of experts' router and stacked experts: adapted as PEFT adapts parameters.
+MOE_TARGETS = ("router", "experts_fc", "experts_out")
+ADAPTABLE = LORA_MODULES + MOE_TARGETS
 
 # Adapters are initialised from a generator of their own per layer, so adding them changes no
 # base weight of a seeded preset.
@@ -73,7 +83,7 @@ def adapted_parts(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     for target in config.lora_targets:
         module, _, part = target.partition(".")
         chosen.setdefault(module, set()).update([int(part)] if part else range(len(parts(config, module))))
-    return {m: tuple(sorted(chosen[m])) for m in LORA_MODULES if m in chosen}
+    return {m: tuple(sorted(chosen[m])) for m in ADAPTABLE if m in chosen}
 
 
 def parts(config: GPTConfig, module: str) -> list[int]:
@@ -86,7 +96,11 @@ def parts(config: GPTConfig, module: str) -> list[int]:
         return [2 * config.ffn] if fused else [config.ffn, config.ffn]  # gate_proj, up_proj
     if module == "fc":
         return [config.ffn]
-    return [h]  # proj, fc_out
+    if module == "router":
+        return [config.experts]
+    if module == "experts_fc":
+        return [2 * config.expert_ffn]
+    return [h]  # proj, fc_out, experts_out
 
 
 class LoRALinear(nn.Linear):
@@ -168,6 +182,33 @@ class LoRALinear4bit(LoRALinear, Linear4bit):
     """Adapters on a 4-bit base (QLoRA): LoRA's forward, the base weight dequantized."""
 
 
+class ExpertAdapters(nn.Module):
+    """One rank-r adapter per expert on a stack of expert matrices, each ``out x in``, as PEFT's
+    ``ParamWrapper`` holds them (see the module's docstring); computed per expert as LoRA is,
+    ``x W_e^T + s (x A_e^T) B_e^T``."""
+
+    def __init__(self, experts: int, rank: int, in_features: int, out_features: int, scaling: float,
+                 like: torch.Tensor) -> None:
+        super().__init__()
+        self.experts, self.rank, self.scaling = experts, rank, scaling
+        self.lora_A = nn.Parameter(like.new_empty((rank * experts, in_features), dtype=torch.get_default_dtype()))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank * experts, device=like.device))
+
+    def reset_adapters(self, generator: torch.Generator) -> None:
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        nn.init.zeros_(self.lora_B)
+
+    def factors(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s (A, B): r x in, out x r."""
+        a = self.lora_A.view(self.experts, self.rank, -1)[expert]
+        return a, self.lora_B.view(self.lora_B.shape[0], self.rank, self.experts)[:, :, expert]
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """What the adapter of ``expert`` adds to its output for inputs ``x``."""
+        a, b = self.factors(expert)
+        return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scaling
+
+
 def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int = 0) -> None:
     """Freeze every parameter of ``block`` (layer ``index``) and put adapters on its target
     projections, initialised from ``seed`` (None: left uninitialised, e.g. on the meta device)."""
@@ -175,12 +216,22 @@ def add_lora(block: nn.Module, config: GPTConfig, seed: int | None, index: int =
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(SEED_OFFSET + seed) if seed is not None else None
     for name, chosen in adapted_parts(config).items():
+        if name in ("experts_fc", "experts_out"):
+            if getattr(block, "moe", False):
+                out, inputs = parts(config, name)[0], config.hidden if name == "experts_fc" else config.expert_ffn
+                adapters = ExpertAdapters(config.experts, config.lora_rank, inputs, out,
+                                          config.lora_alpha / config.lora_rank, getattr(block, name))
+                setattr(block, f"{name}_lora", adapters)
+                if generator is not None:
+                    with torch.no_grad():
+                        adapters.reset_adapters(generator)
+            continue
         lin = getattr(block, name, None)
-        if lin is None:  # a mixture of experts' block: no dense MLP (the experts and router stay frozen)
+        if lin is None:  # a block without it: a mixture's has no dense MLP, a dense one no router
             continue
         lin.__class__ = LoRALinear4bit if isinstance(lin, Linear4bit) else LoRALinear
         lin.add_adapters(parts(config, name), config.lora_rank, config.lora_alpha, config.lora_dropout,
-                         (index, LORA_MODULES.index(name)), config.lora_dora, chosen)
+                         (index, ADAPTABLE.index(name)), config.lora_dora, chosen)
         if generator is not None:
             with torch.no_grad():
                 lin.reset_adapters(generator)

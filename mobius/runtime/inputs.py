@@ -14,7 +14,7 @@ from mobius.data.shared import open_shared
 from mobius.models import GPTConfig, get_config
 from mobius.models.hf import check_weights
 from mobius.models.adapters import lora_targets
-from mobius.models.lora import adapted_parts, parts
+from mobius.models.lora import MOE_TARGETS, adapted_parts, parts
 
 
 def model_config_for(cfg: RunConfig) -> GPTConfig:
@@ -37,10 +37,17 @@ def check_model_input(cfg: RunConfig) -> GPTConfig:
     model_config = model_config_for(cfg)
     if cfg.lora.rank:
         for module in adapted_parts(model_config):
-            width = min(parts(model_config, module) + [model_config.hidden])
+            width = min(parts(model_config, module) + [model_config.hidden]
+                        + ([model_config.expert_ffn] if module == "experts_out" else []))
             if cfg.lora.rank > width:
                 raise InputError(f"--lora-rank {cfg.lora.rank} exceeds the {width} of {cfg.model}'s smallest "
                                  f"'{module}' projection: a rank above it adds nothing but cost")
+        routed = [m for m in adapted_parts(model_config) if m in MOE_TARGETS]
+        refused = [flag for flag, on in (("--lora-dropout", cfg.lora.dropout), ("--use-dora", cfg.lora.use_dora),
+                                         ("--load-in-4bit", cfg.lora.load_in_4bit)) if on]
+        if routed and refused:
+            raise InputError(f"--lora-targets {','.join(routed)}: adapters on a mixture's router and experts take "
+                             f"no {refused[0]} (as PEFT's target_parameters)")
     check_seq_len(cfg, model_config)
     if model_config.hf_arch and not model_config.checkpoint:
         raise InputError(f"--model {cfg.model} has config.json but no *.safetensors weights: it can be planned "
