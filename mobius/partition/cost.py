@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import defaultdict
+from itertools import repeat
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -499,13 +499,14 @@ class _Schedule:
                 prev = st[j - n]
                 ready = self._load(j, tf[j - n][0], prev.fwd_s + tf[j - n][-1] - tf[j - n][0],
                                    tf[j - n][-1] + prev.fwd_s, prev, backward=False)
+            # The activation: to the host and handed off (its upload is on the compute stream).
+            arrives = st[j - 1].out_bytes / machine.forward_d2h_bps((j - 1) % n) + self.handoff if j else 0.0
             for m in range(self.M):
                 t = ready
                 if m:  # the last stage runs each micro-batch's backward right after its forward
                     t = max(t, tb[j][m - 1] + c.bwd_s if j == last else tf[j][m - 1] + c.fwd_s)
-                if j:  # the activation: to the host and handed off (its upload is on the compute stream)
-                    t = max(t, tf[j - 1][m] + st[j - 1].fwd_s
-                            + (st[j - 1].out_bytes / machine.forward_d2h_bps((j - 1) % n) + self.handoff))
+                if j:
+                    t = max(t, tf[j - 1][m] + st[j - 1].fwd_s + arrives)
                 tf[j][m] = t
                 if j == last:
                     tb[j][m] = t + c.fwd_s
@@ -520,13 +521,13 @@ class _Schedule:
                 nxt = st[j + n]
                 ready = self._load(j, tb[j + n][0], nxt.bwd_s + tb[j + n][-1] - tb[j + n][0],
                                    tb[j + n][-1] + nxt.bwd_s + self.device_adam[j + n], nxt, backward=True)
+            returns = c.out_bytes / machine.backward_d2h_bps((j + 1) % n) if j < count - 1 else 0.0
             for m in range(self.M):
                 t = ready
                 if m:
                     t = max(t, tb[j][m - 1] + c.bwd_s)
                 if j < count - 1:
-                    t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + c.out_bytes / machine.backward_d2h_bps((j + 1) % n)
-                            + self.handoff)
+                    t = max(t, tb[j + 1][m] + st[j + 1].bwd_s + returns + self.handoff)
                 tb[j][m] = t
 
     def gradients_home(self) -> list[float]:
@@ -547,24 +548,26 @@ class _Schedule:
 
     def pass_copies(self, compute_only: list[StageCost], home: list[float]) -> None:
         """The copies each micro-batch's passes issue (uploads, activations and their gradients),
-        and each stage's gradients home."""
-        machine, tf, tb, st = self.machine, self.tf, self.tb, self.st
+        and each stage's gradients home: a stage's copies of one kind for all its micro-batches at
+        once (a kind's copies of a slot stay in stage, then micro-batch, order)."""
+        machine, st = self.machine, self.st
         for j, c in enumerate(compute_only):
             k = j % self.n
             up_f, up_b = c.in_bytes, c.out_bytes + (c.in_bytes if c.recomputed else 0)
-            for m in range(self.M):
-                if up_f:
-                    self.copies.append((k, "h2d", tf[j][m], tf[j][m] + up_f / machine.upload_bps(k), "upload"))
-                if up_b:
-                    self.copies.append((k, "h2d", tb[j][m], tb[j][m] + up_b / machine.upload_backward_bps(k),
-                                        "upload backward"))
-                if j + 1 < self.count:
-                    a = tf[j][m] + st[j].fwd_s
-                    self.copies.append((k, "d2h", a, a + c.out_bytes / machine.forward_d2h_bps(k), "activation"))
-                if j and c.in_bytes:
-                    a = tb[j][m] + st[j].bwd_s
-                    self.copies.append((k, "d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k),
-                                        "activation gradient"))
+            tf, tb = np.asarray(self.tf[j]), np.asarray(self.tb[j])
+            runs = []
+            if up_f:
+                runs.append(("h2d", tf, tf + up_f / machine.upload_bps(k), "upload"))
+            if up_b:
+                runs.append(("h2d", tb, tb + up_b / machine.upload_backward_bps(k), "upload backward"))
+            if j + 1 < self.count:
+                a = tf + st[j].fwd_s
+                runs.append(("d2h", a, a + c.out_bytes / machine.forward_d2h_bps(k), "activation"))
+            if j and c.in_bytes:
+                a = tb + st[j].bwd_s
+                runs.append(("d2h", a, a + c.in_bytes / machine.backward_d2h_bps(k), "activation gradient"))
+            for d, starts, ends, kind in runs:
+                self.copies.extend(zip(repeat(k), repeat(d), starts.tolist(), ends.tolist(), repeat(kind)))
             self.copies.append((k, "d2h", home[j] - c.offloaded_bytes / machine.link_bps(k), home[j], "gradients"))
 
 
@@ -577,12 +580,11 @@ STREAM_OF = {"upload": "compute", "upload backward": "compute", "load": "params"
 class _Overlap:
     """Sum over a set of intervals of their overlap with any ``[a, b]``, in O(log n): the integral of
     how many intervals cover t is F(t) = sum over starts before t of (t - start) less the same over
-    ends, read off sorted starts and ends and their prefix sums."""
+    ends, read off sorted starts and ends and their prefix sums (summed in order)."""
 
-    def __init__(self, spans: list[tuple[float, float]]):
-        starts, ends = sorted(a for a, _ in spans), sorted(b for _, b in spans)
-        self.starts, self.ends = np.asarray(starts), np.asarray(ends)
-        self.start_sums, self.end_sums = np.asarray(_prefix(starts)), np.asarray(_prefix(ends))
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        self.starts, self.ends = np.sort(starts), np.sort(ends)
+        self.start_sums, self.end_sums = _prefix(self.starts), _prefix(self.ends)
 
     def with_each(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """The overlap with each ``[a[i], b[i]]``, all at once."""
@@ -593,11 +595,9 @@ class _Overlap:
         return (t * i - self.start_sums[i]) - (t * j - self.end_sums[j])
 
 
-def _prefix(xs: list[float]) -> list[float]:
-    out = [0.0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
+def _prefix(xs: np.ndarray) -> np.ndarray:
+    """0 and the running sums of ``xs``, each the sum of those before it in order."""
+    return np.concatenate([[0.0], np.cumsum(xs)])
 
 
 def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ...]]:
@@ -606,41 +606,51 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
     --emulate) shares a link fairly among its copies of one direction, and a root complex among
     the copies of all its GPUs.  A copy counts each other copy of its direction by the fraction of
     its span they overlap (those on its own stream queue instead); a slot's rate is the mean over
-    its copies, by time."""
+    its copies, by time (their sums taken in the schedule's order)."""
     n = machine.n
     link = [machine.link_bps(k) for k in range(n)]
-    by_stream: dict[tuple[str, int, str], list[tuple[float, float]]] = defaultdict(list)
-    for slot, d, a, b, kind in est.copies:
-        if b > a:
-            by_stream[d, slot, STREAM_OF[kind]].append((a, b))
-    overlap = {key: _Overlap(spans) for key, spans in by_stream.items()}
-    streams = {d: sorted({stream for d2, _, stream in by_stream if d2 == d}) for d in ("h2d", "d2h")}
+    names = ("upload", "upload_backward", "d2h_forward", "d2h_backward")
+    if not est.copies:
+        return {name: tuple(link) for name in names}
+    slot_of, direction, start, end, kind_of = (np.asarray(x) for x in zip(*est.copies))
+    real = end > start
+    kinds, inverse = np.unique(kind_of, return_inverse=True)
+    stream_of = np.asarray([STREAM_OF[k] for k in kinds.tolist()])[inverse]
+    overlap, streams = {}, {"h2d": set(), "d2h": set()}
+    for d in ("h2d", "d2h"):
+        mine = real & (direction == d)
+        for slot in range(n):
+            here = mine & (slot_of == slot)
+            for s in sorted(set(stream_of[here].tolist())):
+                group = here & (stream_of == s)
+                overlap[d, slot, s] = _Overlap(start[group], end[group])
+                streams[d].add(s)
     out = {}
-    for kind, d, name in (("upload", "h2d", "upload"), ("upload backward", "h2d", "upload_backward"),
-                          ("activation", "d2h", "d2h_forward"), ("activation gradient", "d2h", "d2h_backward")):
+    for kind, d, name in zip(("upload", "upload backward", "activation", "activation gradient"),
+                             ("h2d", "h2d", "d2h", "d2h"), names):
         ideal, slowed = [0.0] * n, [0.0] * n
         mine = STREAM_OF[kind]
-        spans_of: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for slot, _, a, b, k in est.copies:
-            if k == kind and b > a:
-                spans_of[slot].append((a, b))
-        for slot, spans in spans_of.items():
+        of_kind = real & (kind_of == kind)
+        for slot in range(n):
+            here = of_kind & (slot_of == slot)
+            if not here.any():
+                continue
+            a, b = start[here], end[here]
             # Each copy's overlap with the slot's other streams and with its root complex's other
-            # slots, for all of the slot's copies at once (summed in the order the streams come).
-            a, b = (np.array(x, dtype=np.float64) for x in zip(*spans))
-            own, others = np.zeros(len(spans)), np.zeros(len(spans))
-            for s in streams[d]:
+            # slots (summed in the order the streams come).
+            own, others = np.zeros(len(a)), np.zeros(len(a))
+            for s in sorted(streams[d]):
                 if s != mine and (d, slot, s) in overlap:
                     own += overlap[d, slot, s].with_each(a, b)
             for s2 in machine.root_complex_slots(slot):
-                for s in streams[d]:
+                for s in sorted(streams[d]):
                     if s2 != slot and (d, s2, s) in overlap:
                         others += overlap[d, s2, s].with_each(a, b)
-            rc = machine.rc_bps(slot)
-            for (a_, b_), o, x in zip(spans, own.tolist(), others.tolist()):
-                span = b_ - a_
-                ideal[slot] += span
-                slowed[slot] += span * max(1 + o / span, (1 + (o + x) / span) * link[slot] / rc, 1.0)
+            span = b - a
+            shared = (1 + (own + others) / span) * link[slot] / machine.rc_bps(slot)
+            slowdown = np.maximum(np.maximum(1 + own / span, shared), 1.0)
+            ideal[slot] = float(np.cumsum(span)[-1])
+            slowed[slot] = float(np.cumsum(span * slowdown)[-1])
         out[name] = tuple(link[k] * ideal[k] / slowed[k] if slowed[k] else link[k] for k in range(n))
     return out
 
