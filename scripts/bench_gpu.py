@@ -354,19 +354,24 @@ def checkpoint_blocks(model) -> None:
 
 # ---- the plans raced ---------------------------------------------------------------------------
 
-def plan_variants(cfg: RunConfig, plan) -> dict[str, dict]:
-    """The alternatives to the MIP's plan that matter, as option changes: other partitions, the
-    other recompute choice, the stage count +-50%, residency off, and the optimizer lag."""
+VARIANTS = ("mip", "balanced", "uniform", "recompute", "fewer-stages", "more-stages", "lag", "no-resident")
+
+
+def plan_variants(cfg: RunConfig, plan, keys: tuple[str, ...] = VARIANTS) -> dict[str, dict]:
+    """The alternatives to the MIP's plan that matter, as option changes by name: other partitions,
+    the other recompute choice, the stage count +-50%, residency off, and the optimizer lag (those
+    of ``keys``, :data:`VARIANTS`)."""
     stages = len(plan.bounds)
-    variants = {"mip (the plan)": {}, "balanced partition": {"partitioner": "balanced"},
-                "uniform partition": {"partitioner": "uniform"},
-                f"recompute {'off' if plan.recompute else 'on'}": {"recompute": "off" if plan.recompute else "on"},
-                f"{max(1, stages // 2)} stages (-50%)": {"stages": max(1, stages // 2)},
-                f"{stages + (stages + 1) // 2} stages (+50%)": {"stages": stages + (stages + 1) // 2},
-                "--optimizer-lag 1": {"optimizer_lag": 1}}
+    variants = {"mip": ("mip (the plan)", {}), "balanced": ("balanced partition", {"partitioner": "balanced"}),
+                "uniform": ("uniform partition", {"partitioner": "uniform"}),
+                "recompute": (f"recompute {'off' if plan.recompute else 'on'}",
+                              {"recompute": "off" if plan.recompute else "on"}),
+                "fewer-stages": (f"{max(1, stages // 2)} stages (-50%)", {"stages": max(1, stages // 2)}),
+                "more-stages": (f"{stages + (stages + 1) // 2} stages (+50%)", {"stages": stages + (stages + 1) // 2}),
+                "lag": ("--optimizer-lag 1", {"optimizer_lag": 1})}
     if plan.resident:
-        variants["no resident stages"] = {"device_optimizer": "off"}
-    return variants
+        variants["no-resident"] = ("no resident stages", {"device_optimizer": "off"})
+    return dict(variants[k] for k in keys if k in variants)
 
 
 def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
@@ -389,22 +394,23 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
     _, mip = prepare_pipeline(RunConfig.of(**base), topo, config)
-    specs = {}
-    for name, change in plan_variants(RunConfig.of(**base), mip).items():
+    variants = plan_variants(RunConfig.of(**base), mip, tuple(args.variants.split(",")))
+    prepared = {}  # each variant planned once: its spec and plan, or why it cannot run
+    for name, change in variants.items():
         try:
-            specs[name] = prepare_pipeline(RunConfig.of(**base, **change), topo, config)[0]
+            prepared[name] = prepare_pipeline(RunConfig.of(**base, **change), topo, config)
         except InputError as err:  # e.g. recompute off where no partition fits
-            specs[name] = str(err)
+            prepared[name] = str(err)
     if args.emulate:  # one clock for every plan: the slowest any of them needs
-        dilation = max(spec.emulation.factor for spec in specs.values() if not isinstance(spec, str))
+        dilation = max(p[0].emulation.factor for p in prepared.values() if not isinstance(p, str))
         base["dilation"] = dilation
     rows, runs = [], {}
-    for name, change in plan_variants(RunConfig.of(**base), mip).items():
-        if isinstance(specs[name], str):
-            rows.append({"plan": name, "skipped": specs[name]})
+    for name, change in variants.items():
+        if isinstance(prepared[name], str):
+            rows.append({"plan": name, "skipped": prepared[name]})
             continue
         cfg = RunConfig.of(**base, **change)
-        _, plan = prepare_pipeline(cfg, topo, config)
+        plan = prepared[name][1]  # (the dilation changes the clock the run keeps, not its plan)
         same = (tuple(map(tuple, plan.bounds)), tuple(plan.resident), plan.recompute, cfg.optim.optimizer_lag)
         if same in runs:  # another variant gave this very plan: one run, named by both
             runs[same]["plan"] += f" = {name}"
@@ -428,7 +434,7 @@ def print_plans(args, rows: list[dict]) -> None:
     where = f"emulated {args.emulate}" if args.emulate else "this machine"
     print(f"\n{datetime.date.today()} plans raced on {where}: {args.model}, {args.precision}, cap {args.gpu_mem_gb:g} "
           f"GB, {args.micro_batches}x{args.micro_batch_size}x{args.seq_len} tokens a step, "
-          f"median of steps 2-{args.steps}")
+          f"median of steps {'2-' if args.steps > 2 else ''}{args.steps}")
     print(f"{'plan':<44} {'stages':>6} {'resident':>8} {'recompute':>9} {'predicted ms':>12} {'measured ms':>11} "
           f"{'error':>7} {'rank pred':>9} {'rank meas':>9}")
     for r in rows:
@@ -440,8 +446,10 @@ def print_plans(args, rows: list[dict]) -> None:
               f"{r['predicted_step_s'] * 1e3:>12.3f} {r['measured_step_s'] * 1e3:>11.3f} {error:>+7.1%} "
               f"{r['predicted_rank']:>9} {r['measured_rank']:>9}")
     ranked = [r for r in rows if "measured_step_s" in r]
+    mip = next((r for r in ranked if r["plan"].startswith("mip")), None)
+    if mip is None:  # not among --variants
+        return
     fastest = min(ranked, key=lambda r: r["measured_step_s"])
-    mip = next(r for r in ranked if r["plan"].startswith("mip"))
     print(f"the MIP's plan measured {mip['measured_step_s'] / fastest['measured_step_s'] - 1:+.1%} against the "
           f"fastest measured ({fastest['plan']})")
 
@@ -474,6 +482,8 @@ def main() -> None:
     p.add_argument("--plans", action="store_true",
                    help="race the MIP's plan against the alternatives (other partitions, recompute, the stage count "
                         "+-50%%, residency, --optimizer-lag 1): predicted beside measured, both rankings")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"--plans: the plans raced, a comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--emulate", default=None, metavar="TOPOLOGY",
                    help="--plans on CPU workers emulating this topology's GPUs (mobius.train --emulate)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
@@ -483,6 +493,10 @@ def main() -> None:
     if not set(wanted) <= set(SYSTEMS):
         print(f"error: --systems: unknown {sorted(set(wanted) - set(SYSTEMS))}; pick from {list(SYSTEMS)}",
               file=sys.stderr)
+        raise SystemExit(2)
+    if not set(args.variants.split(",")) <= set(VARIANTS):
+        print(f"error: --variants: unknown {sorted(set(args.variants.split(',')) - set(VARIANTS))}; pick from "
+              f"{list(VARIANTS)}", file=sys.stderr)
         raise SystemExit(2)
     cuda = torch.cuda.is_available() and not args.smoke and not args.emulate
     if args.emulate and not args.plans:
