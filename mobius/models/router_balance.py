@@ -25,6 +25,8 @@ micro-batch the loss is transformers' ``loss`` with ``router_aux_loss_coef``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mobius.models.architecture import GPTConfig
@@ -54,11 +56,7 @@ def activation_shape(config: GPTConfig, tokens_shape, dtype: torch.dtype) -> tup
 
 
 def activation_bytes(config: GPTConfig, batch: int, seq: int, dtype: torch.dtype) -> int:
-    shape = activation_shape(config, (batch, seq), dtype)
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
+    return math.prod(activation_shape(config, (batch, seq), dtype)) * dtype.itemsize
 
 
 def _bits(tally: torch.Tensor, dtype: torch.dtype, extra: int) -> torch.Tensor:
