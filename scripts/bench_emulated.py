@@ -118,11 +118,12 @@ def predict(options: str, steps: int) -> dict:
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                          optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
+                          optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept)).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
-                    plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag)
+                    plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag, resident=tuple(plan.resident),
+                    kept=tuple(plan.kept))
     return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
             "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
 

@@ -68,7 +68,7 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     reserved = reserve_cuda_memory(topo)
     profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic")
     bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute,
-                            optimizer_lag=args.optimizer_lag)
+                            optimizer_lag=args.optimizer_lag, kept=tuple(plan.kept))
     dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)
     balanced = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag,
                                mip_shapes=0) if without_mip else None

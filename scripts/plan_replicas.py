@@ -41,7 +41,7 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
     plan = plan_on(cfg, model_config_for(cfg), topo, profile_how="analytic", effort=args.mip_effort)
     profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic")
     sim = simulate_mobius(replica_profile(profile, topo, boxes), plan.bounds, topo, plan.order, plan.micro_batches,
-                          plan.recompute)
+                          plan.recompute, kept=tuple(plan.kept))
     tokens = args.micro_batches * args.seq_len
     network_s = plan.lane_floor_s.get("network", 0.0)
     return {"boxes": boxes, "network": topo.network.name, "micro_batches_per_box": plan.micro_batches,

@@ -11,7 +11,8 @@ import pytest
 
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import get_config
-from mobius.partition.cost import Machine, StepEstimate, copy_rates, evaluate, settle
+from mobius.partition.cost import Machine, StepEstimate, copy_rates, evaluate, settle, stage_costs
+from mobius.planning.planner import kept_stages
 from mobius.partition.profile import LayerProfile, Profile, analytic_profile
 from mobius.runtime.device import CpuDevice
 from mobius.runtime.emulation import EmulatedLinks, EmulationSpec, create_counters
@@ -303,3 +304,40 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
         spec_of(["--dilation", "1"])
     with pytest.raises(InputError, match=r"--emulate: 1000000 steps at 1/.* speed would take about .* h of wall time"):
         spec_of(["--steps", "1000000"])
+
+
+def test_a_stage_that_keeps_its_activations_is_spared_its_recomputation_and_holds_them():
+    """Recomputation per stage in the cost model (the two one-layer stages by hand): S0 kept takes
+    the step of recompute off (24 s) where recomputing it costs more; and its one micro-batch's
+    saved activation (2 B) is held beside the slot's largest backward pass (10 B): 11 B do not
+    hold them, 12 B do, and without keeping 11 B are enough."""
+    prof, bounds = two_blocks(), [(0, 1), (1, 2)]
+
+    def est(memory: int = 100, **kw):
+        return evaluate(prof, bounds, Machine((1.0,), (memory,), prefetch=False), 1, **kw)
+
+    assert est(recompute=True, kept=(0,)).step_s == pytest.approx(est(recompute=False).step_s) == pytest.approx(24.0)
+    assert est(recompute=True).step_s > 24.0
+    assert [c.recomputed for c in stage_costs(prof, bounds, True, kept=(0,))] == [False, False]
+    assert not est(11, recompute=True, kept=(0,)).feasible and "saved activations" in est(11, recompute=True,
+                                                                                             kept=(0,)).reason
+    assert est(11, recompute=True).feasible and est(12, recompute=True, kept=(0,)).feasible
+
+
+def test_the_planner_keeps_the_longest_forwards_that_fit_and_help():
+    """kept_stages: greedily, the longest forward first, a stage kept where the step is feasible and
+    faster with it; the head is never a candidate."""
+    layer = dict(kind="block", similarity_class=0, bwd_s=2.0, param_bytes=4, out_bytes=1, fwd_work_bytes=0,
+                 bwd_work_bytes=0)
+    prof = Profile("t", 1, 1, "fp32", "synthetic", [LayerProfile(name=f"l{i}", fwd_s=f, **layer)
+                                                    for i, f in enumerate([1.0, 3.0, 2.0, 5.0])])
+    bounds = [(i, i + 1) for i in range(4)]
+    tried = []
+
+    def step_of(kept):
+        tried.append(kept)
+        feasible = 2 not in kept  # stage 2's activations do not fit
+        return StepEstimate(10.0 - sum(prof.layers[j].fwd_s for j in kept), feasible, [], [], [])
+
+    assert kept_stages(prof, bounds, step_of) == (0, 1)
+    assert tried == [(), (1,), (1, 2), (0, 1)]  # by forward time: 1 (3 s), 2 (2 s), 0 (1 s); not 3, the head

@@ -5,6 +5,7 @@ overflow vote) in seconds, without starting processes."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from conftest import reference, run_in_threads, save_hf_model
 
 from mobius.config import RunConfig
 from mobius.models import get_config
+from mobius.runtime.spec import runs
+from mobius.stages.executor import StageRunner
 
 SEQ, MBS, M = 32, 2, 3
 
@@ -98,3 +101,34 @@ def test_lora_dropout_masks_are_the_references(recompute):
     assert_same(got, reference(cfg))
     plain = reference(RunConfig.of(**{**cfg.to_dict(), "lora_dropout": 0.0}))
     assert abs(got[0][1] - plain[0][1]) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,stages,kept,options", [
+    (2, 4, [1], {}),
+    (4, 8, [0, 3, 5], {"optimizer_lag": 1}),
+    (2, 5, [0, 2], {"lora_rank": 4, "lora_dropout": 0.3}),
+])
+def test_recomputation_per_stage_equals_the_reference(workers, stages, kept, options, monkeypatch):
+    """Stages that keep their activations beside stages that recompute (the plan's per-stage
+    choice), with and without the optimizer lag, and under LoRA with dropout (whose masks a
+    recomputation must draw again): the reference's losses and weights, and only the stages that
+    do not keep their activations recompute."""
+    cfg = config(workers, stages, steps=3, recompute="on", precision="fp32", **options)
+    plan_of, recomputed = {}, set()
+    run_op = StageRunner._op_recompute
+    monkeypatch.setattr(StageRunner, "_op_recompute", lambda self, op, st: (recomputed.add(op.stage),
+                                                                            run_op(self, op, st)))
+
+    def keeping(plan):
+        plan_of["run"] = dataclasses.replace(plan, kept=kept)
+        return plan_of["run"]
+
+    assert_same(run_in_threads(cfg, plan_change=keeping), reference(cfg))
+    assert recomputed == set(range(stages - 1)) - set(kept)
+    plan = plan_of["run"]
+    assert [plan.recomputes(s) for s in range(stages)] == [s not in kept for s in range(stages - 1)] + [False]
+    again = [s for s in range(stages - 1) if s not in kept]
+    assert f"recompute on for stages {runs(again)}, activations kept by stages {runs(kept)}" in plan.render()
+    assert [plan.activations_of(s) for s in range(stages)] == \
+        ["kept" if s in kept else "recomputed" for s in range(stages - 1)] + ["1F1B"]

@@ -1,5 +1,7 @@
 """The schedule as data: one worker's operations for a step (Mobius §3.1), checked in-process."""
 
+from dataclasses import replace
+
 import pytest
 
 from mobius.stages.ops import COMPUTE, END, LOAD, OFFLOAD, RECOMPUTE, RECV, RELEASE, SEND, WAIT, worker_ops
@@ -82,3 +84,24 @@ def test_load_priorities_follow_execution_order():
     forward = [op.priority for op in ops if op.kind == LOAD and not op.backward]
     backward = [op.priority for op in ops if op.kind == LOAD and op.backward]
     assert forward == sorted(forward) and backward == sorted(backward)
+
+
+def test_stages_that_keep_their_activations_are_not_recomputed():
+    """Recomputation per stage: a kept stage's forward keeps its graph (no host input saved for a
+    recomputation) and its backward starts from it; the other stages recompute as before."""
+    n_stages, M, kept = 8, 3, frozenset({2, 3})
+    for w in range(2):
+        mine = [s for s in range(n_stages) if s % 2 == w]
+        ops = worker_ops(n_stages, mine, M, recompute=True, kept=kept)
+        plain = worker_ops(n_stages, mine, M, recompute=True)
+        for s in mine:
+            forwards = [op for op in ops if op.kind == COMPUTE and op.stage == s and not op.backward]
+            recomputes = [op.mb for op in ops if op.kind == RECOMPUTE and op.stage == s]
+            if s in kept:
+                assert not any(op.recompute for op in forwards) and recomputes == []
+            elif s < n_stages - 1:
+                assert all(op.recompute for op in forwards) and recomputes == list(range(M))
+        # Nothing else changes: the same operations, but for the kept stages' recomputations.
+        assert [op for op in plain if not (op.kind == RECOMPUTE and op.stage in kept)] == \
+            [replace(op, recompute=True) if op.stage in kept and op.kind == COMPUTE and not op.backward else op
+             for op in ops]

@@ -88,7 +88,7 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
                  f"mapping {plan.order}, ")
     return (f"mobius: backend pipeline on {topo.n} {devices_text(spec)}{replicas}{emulating} ({topo.name}), "
             f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {shape}{cfg.batch.describe()}, "
-            f"{spec.precision}, recompute {'on' if spec.dispatched is not None or plan.recompute else 'off'}, "
+            f"{spec.precision}, recompute {'on' if spec.dispatched is not None else plan.recompute_text()}, "
             f"predicted {seconds_text(spec.predicted_step_s())}/step" + (" (emulated)" if spec.emulation else "")
             + (f"\n  schedule: {spec.schedule}" if cfg.pipeline.schedule != "bound" else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}"

@@ -301,14 +301,15 @@ def host_updates(home: list[float], adam: list[float], exchange: list[float], n:
 
 
 def stage_costs(profile: Profile, bounds: list[tuple[int, int]], recompute: bool = True,
-                resident: tuple[int, ...] = ()) -> list[StageCost]:
+                resident: tuple[int, ...] = (), kept: tuple[int, ...] = ()) -> list[StageCost]:
     """The stages of ``bounds``; those in ``resident`` stay on their device, updated there.  With
-    ``recompute`` every stage but the last recomputes its forward in backward: the last (the head
-    and its loss) runs each micro-batch's backward right after its forward
-    (:mod:`mobius.stages.ops`), so it has nothing to recompute."""
+    ``recompute`` every stage but the last and those ``kept`` recomputes its forward in backward: the
+    last (the head and its loss) runs each micro-batch's backward right after its forward
+    (:mod:`mobius.stages.ops`), so it has nothing to recompute; a kept stage leaves every
+    micro-batch's activations on its device for its backward, as every stage does without ``recompute``."""
     out = []
     for j, (lo, hi) in enumerate(bounds):
-        recomputed = recompute and j < len(bounds) - 1
+        recomputed = recompute and j < len(bounds) - 1 and j not in kept
         ls = profile.layers[lo:hi]
         s = sum(l.param_bytes for l in ls)
         g = sum(l.trained_bytes for l in ls)
@@ -332,17 +333,33 @@ def resident_by_slot(stages: list[StageCost], slots: int, element_bytes: int) ->
     return out
 
 
-def activations_overflow(stages: list[StageCost], memory: list[float], micro_batches: int) -> tuple[int, int] | None:
-    """Without recomputation a slot holds what every forward of its stages left for backward, for
-    all micro-batches, beside its largest stage: (slot, bytes needed) where that exceeds the slot's
-    ``memory`` (what its resident stages leave), else None."""
+def activations_overflow(stages: list[StageCost], memory: list[float], micro_batches: int,
+                         holding: list[int]) -> tuple[int, int] | None:
+    """A slot holds what every forward of its ``holding`` stages (those that do not recompute) left
+    for backward, for all micro-batches, beside its largest stage: (slot, bytes needed) where that
+    exceeds the slot's ``memory`` (what its resident stages leave), else None."""
     n = len(memory)
+    held = held_activations(stages, n, micro_batches, holding)
     for slot in range(min(n, len(stages))):
-        mine = stages[slot::n]
-        need = max(c.pass_bytes(True) for c in mine) + micro_batches * sum(c.kept_bytes for c in mine)
+        need = max(c.pass_bytes(True) for c in stages[slot::n]) + held[slot]
         if need > memory[slot]:
             return slot, need
     return None
+
+
+def held_activations(stages: list[StageCost], n: int, micro_batches: int, holding: list[int]) -> list[int]:
+    """Per slot: the activations its ``holding`` stages keep for their backward, every micro-batch's
+    (at the turn from forward to backward, all at once)."""
+    out = [0] * n
+    for j in holding:
+        out[j % n] += micro_batches * stages[j].kept_bytes
+    return out
+
+
+def holding_stages(recompute: bool, kept: tuple[int, ...], count: int) -> list[int]:
+    """The stages whose activations stay on their device from forward to backward: every stage
+    without recomputation (the head's too: a bound), else the ``kept`` ones."""
+    return list(range(count)) if not recompute else sorted(kept)
 
 
 def host_traffic_bytes(stages: list[StageCost], micro_batches: int, slots: int) -> float:
@@ -401,21 +418,25 @@ def check_layers_fit(profile: Profile, machine: Machine) -> None:
 
 
 def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
-             recompute: bool = True, resident: tuple[int, ...] = ()) -> StepEstimate:
+             recompute: bool = True, resident: tuple[int, ...] = (), kept: tuple[int, ...] = ()) -> StepEstimate:
     """Step time of the partition ``bounds`` (``[start, end)`` layer ranges, in order), with the
     stages ``resident`` kept on their devices and updated there: never loaded or offloaded, their
     weights, gradients and AdamW state taking their slot's memory for good, their update on the
-    device (``g_j / (e · R_device)``) delaying the slot's next backward pass."""
+    device (``g_j / (e · R_device)``) delaying the slot's next backward pass; with ``recompute``,
+    the stages ``kept`` keep their activations instead.  Activations kept take their slot's memory
+    from the prefetches as well."""
     n = machine.n
     elt = element_bytes(profile.dtype)
-    compute_only = stage_costs(profile, bounds, recompute, resident)
+    compute_only = stage_costs(profile, bounds, recompute, resident, kept)
     st = on_device(compute_only, machine)
     held = resident_by_slot(st, n, elt)
     free = [machine.memory[k] - held[k] for k in range(n)]  # what the swapped stages share
-    reason = _does_not_fit(st, held, free, n, micro_batches, recompute)
+    holding = holding_stages(recompute, kept, len(st))
+    reason = _does_not_fit(st, held, free, n, micro_batches, holding)
     if reason:
         return StepEstimate(float("inf"), False, st, [], [], reason=reason)
-    s = _Schedule(st, machine, micro_batches, [free[j % n] for j in range(len(st))], elt)
+    acts = held_activations(st, n, micro_batches, holding)
+    s = _Schedule(st, machine, micro_batches, [free[j % n] - acts[j % n] for j in range(len(st))], elt)
     s.forward()
     s.backward()
     home = s.gradients_home()
@@ -435,15 +456,15 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
 
 
 def _does_not_fit(st: list[StageCost], held: list[int], free: list[int], n: int, micro_batches: int,
-                  recompute: bool) -> str:
-    """Why the stages do not fit their slots' memory (each pass beside the resident stages; without
-    recomputation, every micro-batch's saved activations too), or ``""``."""
+                  holding: list[int]) -> str:
+    """Why the stages do not fit their slots' memory (each pass beside the resident stages and
+    every micro-batch's saved activations of the ``holding`` stages), or ``""``."""
     for j, c in enumerate(st):
         need = max(c.pass_bytes(False), c.pass_bytes(True))
         if need > free[j % n]:
             beside = f" beside {human_bytes(held[j % n])} of resident stages" if held[j % n] else ""
             return f"stage {j} needs {human_bytes(need)} > {human_bytes(free[j % n])}{beside}"
-    overflow = None if recompute else activations_overflow(st, free, micro_batches)
+    overflow = activations_overflow(st, free, micro_batches, holding) if holding else None
     if overflow:
         slot, need = overflow
         return (f"worker {slot} would hold {need / 2**20:.0f} MiB (its stages' saved activations for all "
@@ -657,18 +678,20 @@ def copy_rates(machine: Machine, est: StepEstimate) -> dict[str, tuple[float, ..
 
 def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro_batches: int, recompute: bool,
            prefetch: bool = True, host: HostCosts | None = None, optimizer_lag: int = 0,
-           rounds: int = 2, resident: tuple[int, ...] = (), clip: bool = False) -> tuple[Machine, StepEstimate]:
-    """The machine and step of ``bounds`` (with ``resident`` stages) under the contention of their
-    own schedule: the schedule's copies decide the rates its copies get, ``rounds`` times."""
+           rounds: int = 2, resident: tuple[int, ...] = (), clip: bool = False,
+           kept: tuple[int, ...] = ()) -> tuple[Machine, StepEstimate]:
+    """The machine and step of ``bounds`` (with ``resident`` stages, and ``kept`` ones) under the
+    contention of their own schedule: the schedule's copies decide the rates its copies get,
+    ``rounds`` times."""
     machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, clip=clip)
-    est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
+    est = evaluate(profile, bounds, machine, micro_batches, recompute, resident, kept)
     for _ in range(rounds):
         if not est.feasible:
             break
-        duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident)
+        duty = link_duty(profile, bounds, machine, micro_batches, recompute, est.step_s, resident, kept)
         rates = copy_rates(machine, est)
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=rates, clip=clip)
-        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident, kept)
     # A root complex whose slots' copies of a step, together, outlast the step carries them at its
     # full bandwidth all along: its links are busy the whole step (duty 1), however little of the
     # step each would be busy alone at its own link's speed.  (Duties from the links alone let four
@@ -676,22 +699,23 @@ def settle(profile: Profile, bounds: list[tuple[int, int]], topo, mapping, micro
     # plan mostly of swapping stages came out below its own PCIe floor.)
     if not est.feasible:
         return machine, est
-    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident)
+    carried = link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident, kept)
     saturated = [sum(carried[p] for p in machine.root_complex_slots(k)) > est.step_s * machine.rc_bps(k)
                  for k in range(machine.n)]
     if any(saturated):
         duty = tuple(1.0 if full else d for full, d in zip(saturated, _duty(carried, machine, est.step_s)))
         machine = machine_for(topo, mapping, prefetch, host, optimizer_lag, duty, rates=copy_rates(machine, est),
                               clip=clip)
-        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident, kept)
     return machine, est
 
 
 def link_duty(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, micro_batches: int,
-              recompute: bool, step_s: float, resident: tuple[int, ...] = ()) -> tuple[float, ...]:
+              recompute: bool, step_s: float, resident: tuple[int, ...] = (),
+              kept: tuple[int, ...] = ()) -> tuple[float, ...]:
     """Per slot: the fraction of a ``step_s`` step its link carries host -> device copies (stage loads,
     inputs, output gradients, recompute inputs) of the partition ``bounds``, at its link's speed."""
-    return _duty(link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident), machine, step_s)
+    return _duty(link_bytes(profile, bounds, machine.n, micro_batches, recompute, resident, kept), machine, step_s)
 
 
 def _duty(carried: list[float], machine: Machine, step_s: float) -> tuple[float, ...]:
@@ -700,10 +724,10 @@ def _duty(carried: list[float], machine: Machine, step_s: float) -> tuple[float,
 
 
 def link_bytes(profile: Profile, bounds: list[tuple[int, int]], n: int, micro_batches: int, recompute: bool,
-               resident: tuple[int, ...] = ()) -> list[float]:
+               resident: tuple[int, ...] = (), kept: tuple[int, ...] = ()) -> list[float]:
     """Per slot of ``n``: the host -> device bytes of a step of the partition ``bounds``."""
     carried = [0.0] * n
-    st = stage_costs(profile, bounds, recompute, resident)
+    st = stage_costs(profile, bounds, recompute, resident, kept)
     for j, c in enumerate(st):
         loads = c.loaded_bytes * (1 if j >= len(st) - n else 2)  # the last stages stay for backward
         acts = micro_batches * (c.in_bytes + c.out_bytes + (c.in_bytes if c.recomputed else 0))

@@ -56,8 +56,10 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction:
     activations kept on the device, where some partition lets every worker hold all of its stages'
     saved activations for all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
-    or recomputed, which leaves the memory to more prefetch and to resident stages
-    (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
+    or recomputed only where memory forces it: the partition made for recomputation, with each stage
+    whose activations still fit beside the resident stages and the prefetches keeping them
+    (:func:`mobius.planning.planner.kept_stages`).  ``--recompute on`` recomputes every stage, which
+    leaves the memory to more prefetch and to resident stages (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts.  ``profile``: plan from this one (a script's own
     figures) instead of the one measured or computed for ``topo``; ``profiled``: called once the
     profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed
@@ -80,6 +82,7 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     def make(recompute: bool) -> Plan:
         return make_plan(cfg.model, model_config, topo, batch.micro_batch_size, batch.micro_batches // replicas,
                          batch.seq_len, precision, profile=profile, partitioner=pipe.partitioner, recompute=recompute,
+                         keep_where_room=pipe.recompute == "auto",
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
                          data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), disk=disk, **plan_options)
@@ -151,7 +154,7 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     bound, how = plan.predicted_step_s, "predicted"
     if not plan.resident and not plan.disk_stages:
         simulated = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                                    adam_params_per_s=adam, optimizer_lag=cfg.optim.optimizer_lag,
+                                    kept=tuple(plan.kept), adam_params_per_s=adam, optimizer_lag=cfg.optim.optimizer_lag,
                                     prefetch=plan.prefetch).step_s
         if math.isfinite(simulated):
             bound, how = simulated, "simulated"
@@ -258,12 +261,12 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     saying what to change."""
     cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
                       plan.precision, "measure")
-    cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute)
+    cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute, kept=tuple(plan.kept))
     gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
     model_ratio = sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)
     work = [0.0] * topo.n  # each worker's CPU work of one step
-    passes = 3 if plan.recompute else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
     for c, st in zip(cpu_stages, plan.stages):
+        passes = 3 if c.recomputed else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
         work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
             + 2 * cpu.host.stage_switch_s
     return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel)

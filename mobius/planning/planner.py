@@ -76,6 +76,22 @@ def resident_stages(profile: Profile, bounds: list[tuple[int, int]], step_of,
     return chosen
 
 
+def kept_stages(profile: Profile, bounds: list[tuple[int, int]], step_of) -> tuple[int, ...]:
+    """With recomputation on: the stages that keep their activations on their GPU instead (the
+    head never recomputes): greedily, the longest forward first (the most recomputation spared),
+    each kept when the step ``step_of(kept)`` is still feasible (every slot holds its kept
+    stages' activations for all micro-batches beside its largest pass) and at least 0.1% faster
+    with it (the memory it takes is the prefetches' too)."""
+    costs = stage_costs(profile, bounds)
+    chosen, best = (), step_of(()).step_s
+    for j in sorted(range(len(costs) - 1), key=lambda j: (-costs[j].fwd_s, j)):
+        trial = tuple(sorted(chosen + (j,)))
+        est = step_of(trial)
+        if est.feasible and est.step_s < best * (1 - 1e-3):
+            chosen, best = trial, est.step_s
+    return chosen
+
+
 class DoesNotFit(InputError):
     """No partition of the kind asked for fits the devices' memory; ``reason`` says where not."""
 
@@ -138,7 +154,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 19
+COST_MODEL_VERSION = 20
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -311,16 +327,17 @@ class _Search:
     micro_batches: int
     precision: str
     recompute: bool
+    keep_where_room: bool  # with recompute: stages whose activations fit their GPU keep them instead
     prefetch: bool
     optimizer_lag: int
     clip: bool
     device_optimizer: bool
     place: Callable
 
-    def settled(self, bounds, placement, resident=()):
+    def settled(self, bounds, placement, resident=(), kept=()):
         """The partition's machine and step with the contention of its own schedule."""
         return settle(self.profile, bounds, self.topo, placement, self.micro_batches, self.recompute, self.prefetch,
-                      self.profile.host, self.optimizer_lag, resident=resident, clip=self.clip)
+                      self.profile.host, self.optimizer_lag, resident=resident, clip=self.clip, kept=kept)
 
     def candidates(self, machine, placement):
         found = {name: fn(self.profile, machine, self.micro_batches, self.recompute) for name, fn in BASELINES.items()}
@@ -332,17 +349,23 @@ class _Search:
 
     def finished(self, bounds):
         """What a partition becomes in the plan: the mapping searched for its stage count, the stages
-        kept resident, and its step under its own schedule's contention."""
+        kept resident, those that keep their activations, and its step under its own schedule's
+        contention: (mapping, resident, machine, step, kept)."""
         placed = self.place(self.topo, len(bounds))
-        resident = ()
+        resident, kept = (), ()
+        # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
+        # would cost a pass over every pair of copies); the choices are then settled once.
+        rates = None
         if self.device_optimizer and not self.optimizer_lag and self.precision != "fp16":
-            # Candidates are timed at the copy rates of the swapping plan's schedule (settling each
-            # would cost a pass over every pair of copies); the choice is then settled once.
             rates, _ = self.settled(bounds, placed)
             resident = resident_stages(self.profile, bounds,
                                        lambda r: evaluate(self.profile, bounds, rates, self.micro_batches,
                                                           self.recompute, r), tied_stages(self.config, bounds))
-        return (placed, resident, *self.settled(bounds, placed, resident))
+        if self.recompute and self.keep_where_room:  # what the resident stages leave may spare recomputation
+            rates = rates or self.settled(bounds, placed)[0]
+            kept = kept_stages(self.profile, bounds,
+                               lambda k: evaluate(self.profile, bounds, rates, self.micro_batches, True, resident, k))
+        return (placed, resident, *self.settled(bounds, placed, resident, kept), kept)
 
     def race(self, baselines: dict, settled_of: dict, times: dict, effort: int | None, time_limit_s: float):
         """The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
@@ -379,7 +402,7 @@ class _Search:
 
 def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, micro_batches: int,
               seq_len: int, precision: str, *, profile: Profile, partitioner: str = "mip", recompute: bool = True,
-              stages: int | None = None, effort: int | None = None,
+              keep_where_room: bool = False, stages: int | None = None, effort: int | None = None,
               time_limit_s: float = SAFETY_TIME_LIMIT_S, use_cache: bool = True,
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
               device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False, disk: str = "off") -> Plan:
@@ -403,13 +426,13 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, clip=clip)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  effort, stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip,
+                  keep_where_room, effort, stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip,
                   disk, [asdict(d) for d in topo.drives]])  # (assumed drives too, which the topology's dict leaves out)
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached
-    search = _Search(profile, config, topo, micro_batches, precision, recompute, prefetch, optimizer_lag, clip,
-                     device_optimizer, place)
+    search = _Search(profile, config, topo, micro_batches, precision, recompute, keep_where_room, prefetch,
+                     optimizer_lag, clip, device_optimizer, place)
     # The baselines choose their stage counts on the contention of the best one's schedule; each
     # is then timed under its own.
     baselines, settled_of = search.candidates(machine, assumed)
@@ -429,10 +452,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     est = evaluate(profile, bounds, machine, micro_batches, recompute)
     if not est.feasible:
         raise DoesNotFit(f"the {partitioner} partition does not fit: {est.reason}", est.reason)
-    placed, resident, machine, est = done[solver.chosen] if solver is not None else search.finished(bounds)
+    placed, resident, machine, est, kept = done[solver.chosen] if solver is not None else search.finished(bounds)
     on_disk, masters, weights, drives = [], [], [], (0.0, 0.0)
     if disk != "off":
-        costs = stage_costs(profile, bounds, recompute, resident)
+        costs = stage_costs(profile, bounds, recompute, resident, kept)
         # The stages resident on their GPUs keep their AdamW state there: the host never makes theirs.
         need = host_bytes_needed(config, precision, optimizer_lag, data_parallel, data_parallel) - sum(
             c.grad_bytes // element_bytes(profile.dtype) * ADAM_STATE_BYTES for c in costs if c.resident)
@@ -445,8 +468,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
         machine = replace(machine, on_disk=tuple(on_disk), masters_on_disk=tuple(masters),
                           disk_s_per_byte=topo.n * max(1 / drives[0], 1 / drives[1]) / GB,
                           weights_on_disk=tuple(weights), disk_read_s_per_byte=topo.n / drives[0] / GB)
-        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident)
-    plan = _assembled(search, bounds, placed, resident, machine, est, host_adam, data_parallel,
+        est = evaluate(profile, bounds, machine, micro_batches, recompute, resident, kept)
+    plan = _assembled(search, bounds, placed, resident, kept, machine, est, host_adam, data_parallel,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
                       micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
@@ -457,7 +480,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     return plan
 
 
-def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est, host_adam: float,
+def _assembled(search: _Search, bounds, placed, resident, kept, machine: Machine, est, host_adam: float,
                data_parallel: int, model_name: str, **fields) -> Plan:
     """The plan of the chosen partition, as its finished candidate made it: the stage table, the
     lanes' floors (with the network's between replicas) and what the prediction assumed."""
@@ -466,7 +489,7 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
                              c.grad_bytes)
                    for j, c in enumerate(est.stages)]
-    costs = stage_costs(profile, bounds, search.recompute, resident)
+    costs = stage_costs(profile, bounds, search.recompute, resident, kept)
     floor = step_bounds(costs, micro_batches, topo.n, pcie_bps(topo), host_adam * data_parallel,
                         element_bytes(profile.dtype))
     network = assumed_network(topo)
@@ -484,7 +507,7 @@ def _assembled(search: _Search, bounds, placed, resident, machine: Machine, est,
         floor[Lane.DISK] = max((state + loads) / (read * GB), disk_bytes / (write * GB))
     return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
                 disk_bytes=disk_bytes, predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
-                host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident),
+                host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident), kept=list(kept),
                 recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,
                 network=network.name if data_parallel > 1 else "", optimizer_lag=search.optimizer_lag, **fields)

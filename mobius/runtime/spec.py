@@ -106,6 +106,8 @@ class Plan:
     # rate that AdamW runs at there (mobius.stages.device_optimizer).
     resident: list[int] = field(default_factory=list)
     device_adam_params_per_s: float = 1e12
+    # With recompute on: the stages whose activations stay on their GPU anyway (memory has room).
+    kept: list[int] = field(default_factory=list)
     # Data-parallel replicas of this plan (one per node), and the network between them.
     data_parallel: int = 1
     network: str = ""
@@ -118,6 +120,19 @@ class Plan:
     disk_bytes: int = 0
     disk_gbps: tuple[float, float] = (0.0, 0.0)
 
+    def recomputes(self, stage: int) -> bool:
+        """Whether stage ``stage``'s backward redoes its forward (the head never does: it runs each
+        micro-batch's backward right after its forward)."""
+        return self.recompute and stage < len(self.bounds) - 1 and stage not in self.kept
+
+    def recompute_text(self) -> str:
+        """``on``, ``off``, or which stages recompute and which keep their activations."""
+        if not self.recompute or not self.kept:
+            return "on" if self.recompute else "off"
+        again = [s for s in range(len(self.bounds)) if self.recomputes(s)]
+        return (f"on for stages {runs(again)}, activations kept by stages {runs(self.kept)}" if again
+                else f"off (activations kept by stages {runs(self.kept)})")
+
     def gpu_of_stage(self, stage: int) -> int:
         return self.order[stage % len(self.order)]
 
@@ -128,12 +143,12 @@ class Plan:
         """The plan's choices in a few words (a run's header, a switch of plans)."""
         resident = f"; {len(self.resident)} resident" if self.resident else ""
         return (f"{len(self.bounds)} stages ({self.partitioner}{resident}), mapping {self.order}, "
-                f"recompute {'on' if self.recompute else 'off'}")
+                f"recompute {self.recompute_text()}")
 
     def same_choices(self, other: "Plan") -> bool:
         """Whether ``other`` runs the same partition, mapping, residency and recomputation."""
-        return (self.bounds, self.order, sorted(self.resident), self.recompute) == \
-            (other.bounds, other.order, sorted(other.resident), other.recompute)
+        return (self.bounds, self.order, sorted(self.resident), self.recompute, sorted(self.kept)) == \
+            (other.bounds, other.order, sorted(other.resident), other.recompute, sorted(other.kept))
 
     def bound_summary(self) -> str:
         """The first-principles floor beside the prediction, what bounds the step and what would help."""
@@ -178,6 +193,8 @@ class Plan:
             raise ValueError(f"its predicted step {self.predicted_step_s!r} is not a positive time")
         if any(type(s) is not int or not 0 <= s < len(self.bounds) for s in self.resident):
             raise ValueError(f"its resident stages {self.resident} are not stages of it")
+        if any(type(s) is not int or not 0 <= s < len(self.bounds) - 1 for s in self.kept):
+            raise ValueError(f"its stages that keep their activations {self.kept} are not stages of it before the head")
         return self
 
     def on_disk_text(self) -> str:
@@ -198,21 +215,28 @@ class Plan:
             return "disk, disk"
         return "host, disk" if stage in self.disk_stages else "host, host"
 
+    def activations_of(self, stage: int) -> str:
+        """What stage ``stage``'s backward starts from: its forward redone (``recomputed``), every
+        micro-batch's activations kept on the GPU (``kept``), or, the head, its forward just run."""
+        if stage == len(self.bounds) - 1:
+            return "1F1B"
+        return "recomputed" if self.recomputes(stage) else "kept"
+
     def render(self) -> str:
         lines = [f"plan: {self.model} on {self.topology}, {self.micro_batches} micro-batches of "
-                 f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {'on' if self.recompute else 'off'}",
+                 f"{self.micro_batch_size}x{self.seq_len}, {self.precision}, recompute {self.recompute_text()}",
                  f"partitioner {self.partitioner}: {len(self.bounds)} stages; mapping slot->GPU {self.order} "
                  f"(Eq. 13 contention {self.contention:.3f})"]
         if self.solver:
             lines.append(f"solver: {self.solver.status} in {self.solver.solve_s:.2f} s, gap {self.solver.gap:.2e}")
         lines.append(f"{'stage':>5} {'layers':>9} {'GPU':>4} {'params MB':>10} {'fwd ms':>8} {'bwd ms':>8} "
-                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14}  master, AdamW state")
+                     f"{'prefetch MB f/b':>16} {'mem MB f/b':>14} {'activations':>11}  master, AdamW state")
         for s in self.stages:
             lines.append(f"{s.index:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {s.gpu:>4} {s.param_bytes / 1e6:>10.1f} "
                          f"{s.fwd_ms:>8.2f} {s.bwd_ms:>8.2f} "
                          f"{f'{s.prefetch_fwd_bytes / 1e6:.0f}/{s.prefetch_bwd_bytes / 1e6:.0f}':>16} "
-                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14}"
-                         + f"  {self.state_home(s.index)}")
+                         f"{f'{s.mem_fwd_bytes / 1e6:.0f}/{s.mem_bwd_bytes / 1e6:.0f}':>14} "
+                         f"{self.activations_of(s.index):>11}  {self.state_home(s.index)}")
         if self.resident:
             lines.append(f"resident: {len(self.resident)} stages stay on their GPUs and are updated there by AdamW "
                          "(no swap, no gradient offload, no host update)")

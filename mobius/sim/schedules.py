@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import exchanged_bytes, stage_costs
+from mobius.partition.cost import exchanged_bytes, held_activations, holding_stages, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, DISK_READ, DISK_WRITE, H2D, NET, SimResult, Simulator, link_for
 
@@ -50,7 +50,7 @@ class SimOutcome:
 def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
                     recompute: bool = True, adam_params_per_s: float | None = None,
                     memory_bytes: list[int] | None = None, optimizer_lag: int = 0,
-                    prefetch: bool = True) -> SimOutcome:
+                    prefetch: bool = True, kept: tuple[int, ...] = ()) -> SimOutcome:
     """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
     backward its output gradient, and with recomputation its input again) is copied to the device
     on the compute stream, so it occupies the device before the compute, sharing the link and the
@@ -62,10 +62,14 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     (``profile.host.replicas``) on 1/D of each stage, between the sum of its gradients and the
     broadcast of its weights, which share the node's network.  With ``optimizer_lag`` the CPU
     updates of a step run on while the next step computes (:func:`lagged_step_s`).  Without
-    ``prefetch`` a stage's load starts once the previous one is done."""
-    st = stage_costs(profile, bounds, recompute)
+    ``prefetch`` a stage's load starts once the previous one is done.  With ``recompute``, the
+    stages ``kept`` keep their activations instead; kept activations take memory from the prefetches."""
+    st = stage_costs(profile, bounds, recompute, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
-    mem = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
+    mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
+    for slot, held in enumerate(held_activations(st, len(order), micro_batches,
+                                                 holding_stages(recompute, kept, len(st)))):
+        mem[order[slot]] -= held
     for j, c in enumerate(st):
         need = max(c.mem_fwd, c.mem_bwd)
         if need > mem[gpu[j]]:

@@ -16,8 +16,8 @@ device layer (:mod:`mobius.runtime.device`) and gloo:
 
 Boundary activations needed by backward are either *recomputed* (the stage input of every
 micro-batch stays in host memory; backward re-runs the stage forward with autograd on) or *kept*
-on the device (the autograd graph of every micro-batch stays until its backward), per
-``recompute``.  Both give the reference trainer's numbers.
+on the device (the autograd graph of every micro-batch stays until its backward), per stage
+(the plan's ``recompute`` and the stages it ``kept``).  Both give the reference trainer's numbers.
 
 The runner only sequences; each concern is a unit of its own: the links between stages
 (:mod:`~mobius.stages.links` over a :mod:`~mobius.stages.transport`), the working memory of the
@@ -106,7 +106,8 @@ class StageRunner:
         self.replica = replicas.layout if replicas is not None else ReplicaLayout()
         mine = plan.stages_of_gpu(transport.rank)
         self.resident = frozenset(plan.resident) & set(mine)
-        self.ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, resident=self.resident)
+        self.ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, resident=self.resident,
+                              kept=frozenset(plan.kept))
         self.eval_ops = worker_ops(self.n_stages, mine, self.M, plan.recompute, plan.prefetch, forward_only=True,
                                    resident=self.resident)
         self._resident_handles: dict[int, DeviceStage] = {}  # loaded once, never released
@@ -236,7 +237,7 @@ class StageRunner:
         (every stage's but the last's, :mod:`mobius.stages.ops`)."""
         st = self.plan.stages[s]
         if kind == "backward":
-            recomputed = self.plan.recompute and s < self.n_stages - 1
+            recomputed = self.plan.recomputes(s)
             return (st.bwd_ms - (st.fwd_ms if recomputed else 0.0)) / 1e3
         return st.fwd_ms / 1e3
 

@@ -15,7 +15,7 @@ The rules it encodes:
   (1F1B where nothing is gained by waiting: the loss is the only thing the head's backward needs),
   and the head is never recomputed;
 * backward, the same in reverse order (with recomputation, each micro-batch's forward is redone
-  before its output gradient is awaited); after a stage's last micro-batch its gradients leave
+  before its output gradient is awaited, except in the stages the plan lets keep their activations); after a stage's last micro-batch its gradients leave
   for the host (and AdamW), then the stage is evicted;
 * a stage the plan keeps *resident* is loaded once and never evicted: after its backward it is
   updated on the device (``update``) instead of offloading its gradients.
@@ -51,11 +51,12 @@ class Op:
 
 def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, recompute: bool,
                prefetch: bool = True, forward_only: bool = False,
-               resident: frozenset[int] = frozenset()) -> list[Op]:
+               resident: frozenset[int] = frozenset(), kept: frozenset[int] = frozenset()) -> list[Op]:
     """The ordered operations of one worker in one step; ``stages_of_worker`` in pipeline order.
     Without ``prefetch`` a stage's load is issued only once the previous stage is released.
     ``forward_only`` (evaluation): the forward pass without autograd, every stage released after it.
-    ``resident``: stages that stay on the device (their load is a no-op once they are there)."""
+    ``resident``: stages that stay on the device (their load is a no-op once they are there).
+    ``kept``: with ``recompute``, stages that keep their activations instead."""
     mine = list(stages_of_worker)
     last = n_stages - 1
     ops: list[Op] = [Op(LOAD, mine[0], priority=0)] if mine else []
@@ -73,7 +74,7 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
         for m in range(micro_batches):
             if s > 0:
                 ops.append(Op(RECV, s, m))
-            ops.append(Op(COMPUTE, s, m, recompute=recompute))
+            ops.append(Op(COMPUTE, s, m, recompute=recompute and s not in kept))
             if s < last:
                 ops.append(Op(SEND, s, m))
         ops.append(Op(END, s))
@@ -95,7 +96,7 @@ def worker_ops(n_stages: int, stages_of_worker: list[int], micro_batches: int, r
                 if s > 0:
                     ops.append(Op(SEND, s, m, backward=True))
                 continue
-            if recompute:  # before the output gradient is awaited: the recomputation overlaps its arrival
+            if recompute and s not in kept:  # before the output gradient is awaited: it overlaps its arrival
                 ops.append(Op(RECOMPUTE, s, m, backward=True))
             if s < last:
                 ops.append(Op(RECV, s, m, backward=True))
