@@ -60,7 +60,7 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     """One GPU count's predictions; ``without_mip``: the dispatched search without the MIP too."""
     cfg = RunConfig.of(model=model, topology=box_of(gpus, directory), micro_batch_size=1,
                        micro_batches=args.micro_batches, seq_len=args.seq_len, precision="bf16",
-                       optimizer_lag=args.optimizer_lag)
+                       optimizer_lag=args.optimizer_lag, recompute=args.recompute)
     model_config = model_config_for(cfg)
     topo = resolve_topology(cfg)
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the partition MIP's effort per plan, in HiGHS's limit checks (default: by its size)")
     p.add_argument("--optimizer-lag", type=int, choices=(0, 1), default=0,
                    help="1: each step's host AdamW runs on while the next step computes, in both schedules")
+    p.add_argument("--recompute", choices=("auto", "on"), default="auto",
+                   help="the bound plan's recomputation: where memory forces it (auto) or on every stage (on)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)

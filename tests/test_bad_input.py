@@ -112,7 +112,14 @@ TRAIN_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("args,message", TRAIN_OPTIONS, ids=[" ".join(a) for a, _ in TRAIN_OPTIONS])
+# Refused only once a profile is measured and a plan made (seconds): with the slow tests.
+PLANNED_FIRST = {"--backend pipeline --stages 99 --topology cpu",
+                 "--backend pipeline --topology cpu --cpu-workers 1 --recompute off --gpu-mem-gb 0.003"}
+
+
+@pytest.mark.parametrize("args,message", [
+    pytest.param(a, m, id=" ".join(a), marks=[pytest.mark.slow] if " ".join(a) in PLANNED_FIRST else [])
+    for a, m in TRAIN_OPTIONS])
 def test_train_options(args, message, capsys):
     assert message in one_line_exit_2(train_main, SINGLE + args, capsys)
 

@@ -91,6 +91,7 @@ def test_stages_stay_on_the_device_where_the_host_is_slow(slow_host):
     assert prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1].resident
 
 
+@pytest.mark.slow
 def test_the_planner_keeps_on_the_device_what_fits_and_helps():
     """Resident where the memory is there, none where it is not, none with --optimizer-lag, fp16 or
     --device-optimizer off; the host's lanes shrink by what the resident stages no longer move."""

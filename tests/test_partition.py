@@ -456,6 +456,7 @@ def test_the_host_update_is_charged_at_what_it_moves():
     assert rates["bf16"] == rates["fp16"] == pytest.approx(rates["fp32"] * 28 / 40, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_solve_stops_at_its_effort():
     """HiGHS is interrupted at its ``effort``-th limit check, and says so; a larger effort never
     answers worse from the same incumbent."""

@@ -133,6 +133,7 @@ def test_every_reporter_gets_the_same_scalars_at_the_same_steps(tmp_path, monkey
     assert "WANDB_CACHE_DIR" not in __import__("os").environ  # the run's own settings, given back
 
 
+@pytest.mark.slow
 def test_the_real_packages_write_offline_under_the_report_dir_only(tmp_path, monkeypatch):
     """wandb and MLflow themselves, each where installed: an offline wandb run and an MLflow run
     whose loss history is the metrics file's, both under --report-dir, MLflow's read back by its
