@@ -17,7 +17,7 @@ needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
-``--optimizer-lag`` 0/1; the bound schedule against the dispatched one (``--schedule``; its rows'
+``--optimizer-lag`` 0/1; recomputation where memory forces it against on every stage; the bound schedule against the dispatched one (``--schedule``; its rows'
 stages are forward/backward, and its prediction is its simulation); one box of ``8x3090-4+4`` against two as data-parallel replicas over 25
 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
 large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
@@ -50,6 +50,7 @@ from mobius.sim.schedules import simulate_mobius
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
 PAIR = "--topology topo2+2 --model small --gpu-mem-gb 0.05"
+ROOMIER_BOX, ROOMIER_PAIR = (f"--topology {t} --model small --gpu-mem-gb 0.12" for t in ("8x3090-4+4", "topo2+2"))
 SMALL_BLOCKS = "--topology topo2+2 --model small --gpu-mem-gb 0.1 --micro-batch-size 8"
 LARGE_BLOCKS = "--topology topo2+2 --model gpt2 --gpu-mem-gb 0.8 --micro-batch-size 2"
 PARTITIONERS = ("mip", "min", "max", "balanced")
@@ -77,6 +78,12 @@ TABLES: dict[str, list[tuple[str, str]]] = {
                  ("8x3090-4+4 dispatched lag 1", f"{BOX} --optimizer-lag 1 --schedule dispatched"),
                  ("topo2+2 bound lag 1", f"{PAIR} --optimizer-lag 1"),
                  ("topo2+2 dispatched lag 1", f"{PAIR} --optimizer-lag 1 --schedule dispatched")],
+    # Recomputation only where memory forces it (the stages whose activations fit keep them), against
+    # recomputation on every stage: memory enough for some stages' activations, not all.
+    "recompute": [("8x3090-4+4 recompute where forced", f"{ROOMIER_BOX} --recompute auto"),
+                  ("8x3090-4+4 recompute on", f"{ROOMIER_BOX} --recompute on"),
+                  ("topo2+2 recompute where forced", f"{ROOMIER_PAIR} --recompute auto"),
+                  ("topo2+2 recompute on", f"{ROOMIER_PAIR} --recompute on")],
     "partition": [(f"small blocks {p}", f"{SMALL_BLOCKS} --partitioner {p}") for p in PARTITIONERS]
     + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
 }
@@ -87,7 +94,9 @@ GAINS = [("prefetch", "topo2+2 prefetch on", "topo2+2 prefetch off"),
          ("mapping", "topo2+2 cross", "topo2+2 sequential"),
          ("lag", "8x3090-4+4 lag 1", "8x3090-4+4 lag 0"),
          ("schedule", "8x3090-4+4 dispatched lag 1", "8x3090-4+4 bound lag 1"),
-         ("schedule", "topo2+2 dispatched lag 1", "topo2+2 bound lag 1")]
+         ("schedule", "topo2+2 dispatched lag 1", "topo2+2 bound lag 1"),
+         ("recompute", "8x3090-4+4 recompute where forced", "8x3090-4+4 recompute on"),
+         ("recompute", "topo2+2 recompute where forced", "topo2+2 recompute on")]
 
 
 def rehearsal(options: str) -> bool:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import build_model  # noqa: E402
@@ -45,9 +44,15 @@ def initial_adapters(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return adapter_tensors(config, layer_states(dict(model.named_parameters())))
 
 
+def peft_library():
+    """PEFT, imported by the tests that compare with it (seconds of imports: bitsandbytes, inductor)."""
+    return pytest.importorskip("peft")
+
+
 def peft_model(path: str, cfg: RunConfig, adapters: dict[str, torch.Tensor]):
     from mobius.models.adapters import adapter_config
 
+    peft = peft_library()
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     settings = adapter_config(model_config_for(cfg))
     lora = peft.LoraConfig(r=settings["r"], lora_alpha=settings["lora_alpha"], lora_dropout=0.0,
@@ -228,7 +233,7 @@ def test_a_dora_export_loads_in_peft_and_merges(hf_dirs, tmp_path):
           "--export", str(adapter), "--export-merged", str(merged)])
     assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    with_adapter = peft_library().PeftModel.from_pretrained(base, str(adapter)).eval()
     merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 12))
     with torch.no_grad():
@@ -240,6 +245,7 @@ def routed_targets(arch: str) -> tuple[str, ...]:
     return ("router" if arch == "gpt_oss" else "gate", "experts.gate_up_proj", "experts.down_proj", "q_proj")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_router_and_expert_adapters_export_and_merge_as_peft(hf_dirs, tmp_path, arch):
     """Adapters on the router, both expert stacks and q, B drawn (as after training): PEFT, given
@@ -313,7 +319,7 @@ def test_exports_load_in_peft_and_transformers(hf_dirs, tmp_path, arch):
                                                    "tokenizer.json", "generation_config.json"}
     assert {f.name for f in merged.iterdir()} >= {"config.json", "tokenizer.json", "generation_config.json"}
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    with_adapter = peft_library().PeftModel.from_pretrained(base, str(adapter)).eval()
     merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 12))
     with torch.no_grad():
