@@ -16,10 +16,11 @@ Every emulated row of a table runs at one dilation (``--dilation``, the largest 
 needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
-prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``;
-``--optimizer-lag`` 0/1; recomputation where memory forces it against on every stage; the bound schedule against the dispatched one (``--schedule``; its rows'
-stages are forward/backward, and its prediction is its simulation); one box of ``8x3090-4+4`` against two as data-parallel replicas over 25
-GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
+prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``; ``--optimizer-lag``
+0/1; clipping on and off; recomputation where memory forces it against on every stage; the bound
+schedule against the dispatched one (``--schedule``; its rows' stages are forward/backward, and its
+prediction is its simulation); one box of ``8x3090-4+4`` against two as data-parallel replicas over
+25 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
 large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
     python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
@@ -67,6 +68,12 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
                 ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
     "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
+    # Clipping: every host update waits for the step's global norm; they run on while the next
+    # step's first stages compute.
+    "clip": [("8x3090-4+4 no clipping", f"{BOX} --max-grad-norm 0"),
+             ("8x3090-4+4 clipped at 1.0", f"{BOX} --max-grad-norm 1.0"),
+             ("topo2+2 no clipping", f"{PAIR} --max-grad-norm 0"),
+             ("topo2+2 clipped at 1.0", f"{PAIR} --max-grad-norm 1.0")],
     # The step's micro-batches on one box, and on two over 25 GbE, each box updating half of the
     # parameters (the network is most of their step).  A small model: 16 workers share this
     # machine's cores, so the dilation is high and an emulated millisecond lasts 20 wall seconds.
@@ -127,7 +134,8 @@ def predict(options: str, steps: int) -> dict:
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                          optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept)).step_s
+                          optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept),
+                          clip=bool(cfg.optim.max_grad_norm)).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,

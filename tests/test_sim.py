@@ -166,3 +166,17 @@ def test_zero_infinity_by_hand_with_the_drives_shared_by_every_rank():
     # Four micro-batches: two a rank, each its own forward and backward.
     assert simulate_zero_infinity(prof, topo, 4, (0.5, 0.25), 0, adam_params_per_s=1e30).step_s == \
         pytest.approx(2 * 11 + 16.75)
+
+
+def test_clipping_updates_after_the_last_gradient_in_the_order_the_next_step_loads_them():
+    """3 s of AdamW per stage, clipped: every update waits for the global norm (S0's gradients home
+    at 17 s), then each GPU's optimizer takes its stages in forward order: S0 and S1 17-20, S2 and
+    S3 20-23.  The next step starts with S0 and S1 once they are updated (20); S2, loaded whole
+    (1 s) once updated at 23, is ready 4 s after that step's start where its forward starts 3 s in:
+    the step lasts 21 s (the updates in backward order, and the next step after the last: 23)."""
+    prof = unit_profile()
+    kw = dict(micro_batches=2, recompute=False, adam_params_per_s=10**9 / 4 / 3.0)
+    out = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], clip=True, **kw)
+    t = {task.name: (task.start, task.end) for task in out.result.tasks}
+    assert [t[f"AdamW S{j}"] for j in range(4)] == [(17, 20), (17, 20), (20, 23), (20, 23)]
+    assert out.step_s == pytest.approx(21.0)

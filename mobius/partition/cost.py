@@ -272,15 +272,17 @@ def exchange_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
 
 
 def host_updates(home: list[float], adam: list[float], exchange: list[float], n: int,
-                 resident: list[bool]) -> list[float]:
+                 resident: list[bool], forward_order: bool = False) -> list[float]:
     """When each stage's host update is done.  Each worker's optimizer thread takes its stages one at
-    a time in the order their gradients come home (backward order): with replicas, its gradients'
-    sum over the network, AdamW on its share, the weights' broadcast.  The node's network carries
+    a time in the order their gradients come home (backward order; ``forward_order``: in the
+    order of their stages, where every update waits for the step's last gradients): with
+    replicas, its gradients' sum over the network, AdamW on its share, the weights' broadcast.  The node's network carries
     one exchange at a time at its full rate, first come first served (as fair sharing finishes the
     last at the same time); a resident stage is updated on its device, done when "home"."""
     s_count = len(home)
     updated = list(home)
-    mine = [[j for j in range(s_count - 1, -1, -1) if j % n == k and not resident[j]] for k in range(n)]
+    order = range(s_count) if forward_order else range(s_count - 1, -1, -1)
+    mine = [[j for j in order if j % n == k and not resident[j]] for k in range(n)]
     # (ready, order, worker, position in its list, broadcast?) of the exchanges that may start
     waiting = [(home[m[0]], k, k, 0, False) for k, m in enumerate(mine) if m]
     heapq.heapify(waiting)
@@ -451,8 +453,15 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
                             copies=s.copies)
     if machine.clip:  # every update waits for the global norm: the last gradient home, on any worker
         home = [max(home)] * len(st)
-    updated = host_updates(home, adam, exchange, n, [c.resident for c in st])
-    return StepEstimate(max(updated), True, compute_only, s.pf, s.pb, copies=s.copies)
+    # (clipping's, all at once, in the order the next step loads them: each worker's first stage first)
+    updated = host_updates(home, adam, exchange, n, [c.resident for c in st], forward_order=machine.clip)
+    # The next step loads each stage once its host update is done (a slot's first stage, which the
+    # step starts with, once it is updated; a later one whole, from then, before its forward starts
+    # at its time in the step), and its slots once their last gradients are home.  (A resident stage
+    # is updated within the step, on its device.)
+    step = max([max(home)] + [u if j < n else u + c.loaded_bytes / s.bw[j] - s.tf[j][0]
+                              for j, (u, c) in enumerate(zip(updated, st)) if not c.resident])
+    return StepEstimate(step, True, compute_only, s.pf, s.pb, copies=s.copies)
 
 
 def _does_not_fit(st: list[StageCost], held: list[int], free: list[int], n: int, micro_batches: int,

@@ -154,8 +154,8 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     bound, how = plan.predicted_step_s, "predicted"
     if not plan.resident and not plan.disk_stages:
         simulated = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                                    kept=tuple(plan.kept), adam_params_per_s=adam, optimizer_lag=cfg.optim.optimizer_lag,
-                                    prefetch=plan.prefetch).step_s
+                                    kept=tuple(plan.kept), clip=bool(cfg.optim.max_grad_norm), adam_params_per_s=adam,
+                                    optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
         if math.isfinite(simulated):
             bound, how = simulated, "simulated"
     return found, found.shape(profile) if found is not None else None, bound, how

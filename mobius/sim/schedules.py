@@ -50,7 +50,7 @@ class SimOutcome:
 def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
                     recompute: bool = True, adam_params_per_s: float | None = None,
                     memory_bytes: list[int] | None = None, optimizer_lag: int = 0,
-                    prefetch: bool = True, kept: tuple[int, ...] = ()) -> SimOutcome:
+                    prefetch: bool = True, kept: tuple[int, ...] = (), clip: bool = False) -> SimOutcome:
     """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
     backward its output gradient, and with recomputation its input again) is copied to the device
     on the compute stream, so it occupies the device before the compute, sharing the link and the
@@ -63,7 +63,10 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     broadcast of its weights, which share the node's network.  With ``optimizer_lag`` the CPU
     updates of a step run on while the next step computes (:func:`lagged_step_s`).  Without
     ``prefetch`` a stage's load starts once the previous one is done.  With ``recompute``, the
-    stages ``kept`` keep their activations instead; kept activations take memory from the prefetches."""
+    stages ``kept`` keep their activations instead; kept activations take memory from the prefetches.
+    With ``clip`` every update waits for the step's last gradients (the global norm) and they run in
+    the order the next step loads the stages.  Without a lag the next step loads each stage once its
+    own update is done (:func:`next_step_s`)."""
     st = stage_costs(profile, bounds, recompute, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
@@ -75,11 +78,11 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
         if need > mem[gpu[j]]:
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
     step = _BoundStep(profile, st, topo, len(order), gpu, mem, micro_batches,
-                      adam_params_per_s or profile.host.adam_params_per_s, prefetch)
+                      adam_params_per_s or profile.host.adam_params_per_s, prefetch, clip)
     step.forward()
     step.backward()
     r = step.sim.run()
-    return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else r.step_s, result=r)
+    return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else step.next_step_s(r), result=r)
 
 
 def lagged_step_s(r: SimResult, host) -> float:
@@ -114,8 +117,10 @@ class _BoundStep:
     for the whole step, ``n`` GPUs; ``F`` and ``B`` hold each stage's and micro-batch's compute."""
 
     def __init__(self, profile: Profile, st: list, topo, n: int, gpu: list[int], mem: list[int],
-                 micro_batches: int, adam_params_per_s: float, prefetch: bool):
+                 micro_batches: int, adam_params_per_s: float, prefetch: bool, clip: bool = False):
         self.profile, self.st, self.n, self.gpu, self.mem = profile, st, n, gpu, mem
+        self.clip = clip
+        self.updated: dict[int, int] = {}  # stage -> the last task of its update
         self.M, self.S = micro_batches, len(st)
         self.host, self.adam_params_per_s, self.prefetch = profile.host, adam_params_per_s, prefetch
         self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
@@ -202,6 +207,7 @@ class _BoundStep:
         """Every stage's backward, last to first, and its update on the host."""
         st, S, n, M, B, sim = self.st, self.S, self.n, self.M, self.B, self.sim
         load_b: dict[int, list[int]] = {}
+        offloads: dict[int, int] = {}
         for j in range(S - 1, -1, -1):
             prio = S + (S - 1 - j)
             if j + n >= S:
@@ -214,9 +220,25 @@ class _BoundStep:
                 begin = self.switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else self.F[j][M - 1])
                 for m in range(M):
                     self.backward_of(j, m, [*load_b[j], begin], self.grad_in[(j, m)])
-            off = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio,
-                          "gradients")
-            self.update(j, off, prio)
+            offloads[j] = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio,
+                                  "gradients")
+            if not self.clip:
+                self.update(j, offloads[j], prio)
+        if self.clip:  # the global norm needs every gradient; then the first stages the next step loads first
+            norm = sim.add("global norm", DELAY, 0, 0.0, tuple(offloads.values()))
+            for j in range(S):
+                self.update(j, norm, S + (S - 1 - j))
+
+    def next_step_s(self, r: SimResult) -> float:
+        """The step without a lag: the next one loads each stage once that stage's update is done, so
+        it lasts until the GPUs' work and copies are done, each GPU's first stage's update (the step
+        starts with it), and for each later stage its update and then its whole load less when its
+        forward starts in the step."""
+        device_end = max((t.end for t in r.tasks if t.kind not in (CPU, NET)), default=0.0)
+        waits = [r.tasks[done].end + (0.0 if j < self.n else self.st[j].param_bytes / self.link.gpu_bw[self.gpu[j]]
+                                      - r.tasks[self.F[j][0]].start)
+                 for j, done in self.updated.items()]
+        return max([device_end, *waits])
 
     def update(self, j: int, offloaded: int, prio: int) -> None:
         """Stage ``j``'s AdamW on the host once its gradients are there; with replicas, the
@@ -224,12 +246,13 @@ class _BoundStep:
         st, host, sim, g = self.st, self.host, self.sim, self.gpu[j]
         adam = st[j].grad_bytes / element_bytes(self.profile.dtype) / host.replicas / self.adam_params_per_s
         if host.replicas == 1:
-            sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
+            self.updated[j] = sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
             return
         exchanged = exchanged_bytes(st[j].grad_bytes / element_bytes(self.profile.dtype), host.replicas)
         summed = sim.add(f"sum S{j}", NET, g, exchanged, (offloaded, self.optimizer.get(g)), prio, "network")
         updated = sim.add(f"AdamW S{j}", CPU, g, adam, (summed,))
-        self.optimizer[g] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio, "network")
+        self.optimizer[g] = self.updated[j] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio,
+                                                      "network")
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:
