@@ -66,7 +66,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     stages ``kept`` keep their activations instead; kept activations take memory from the prefetches.
     With ``clip`` every update waits for the step's last gradients (the global norm) and they run in
     the order the next step loads the stages.  Without a lag the next step loads each stage once its
-    own update is done (:func:`next_step_s`)."""
+    own update is done (:meth:`_BoundStep.next_step_s`)."""
     st = stage_costs(profile, bounds, recompute, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
