@@ -58,8 +58,9 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     saved activations for all micro-batches beside its largest stage (:func:`mobius.partition.cost.activations_overflow`),
     or recomputed only where memory forces it: the partition made for recomputation, with each stage
     whose activations still fit beside the resident stages and the prefetches, and shorten the step,
-    keeping them (:meth:`mobius.planning.planner._Search.kept`).  ``--recompute on`` recomputes every stage, which
-    leaves the memory to more prefetch and to resident stages (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
+    keeping them (:meth:`mobius.planning.planner._Search.kept`).  ``--recompute on`` recomputes
+    every stage, which leaves the memory to more prefetch and to resident stages
+    (:mod:`mobius.stages.device_optimizer`).  ``--recompute off`` where no partition fits is
     refused here, before any worker starts.  ``profile``: plan from this one (a script's own
     figures) instead of the one measured or computed for ``topo``; ``profiled``: called once the
     profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed

@@ -440,8 +440,9 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     machine = machine_for(topo, assumed, prefetch, profile.host, optimizer_lag, clip=clip)
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
-                  keep_where_room, effort, stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer, data_parallel, clip,
-                  disk, [asdict(d) for d in topo.drives]])  # (assumed drives too, which the topology's dict leaves out)
+                  keep_where_room, effort, stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer,
+                  data_parallel, clip, disk,
+                  [asdict(d) for d in topo.drives]])  # (assumed drives too, which the topology's dict leaves out)
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
         return cached

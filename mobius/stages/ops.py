@@ -15,8 +15,9 @@ The rules it encodes:
   (1F1B where nothing is gained by waiting: the loss is the only thing the head's backward needs),
   and the head is never recomputed;
 * backward, the same in reverse order (with recomputation, each micro-batch's forward is redone
-  before its output gradient is awaited, except in the stages the plan lets keep their activations); after a stage's last micro-batch its gradients leave
-  for the host (and AdamW), then the stage is evicted;
+  before its output gradient is awaited, except in the stages the plan lets keep their
+  activations); after a stage's last micro-batch its gradients leave for the host (and AdamW),
+  then the stage is evicted;
 * a stage the plan keeps *resident* is loaded once and never evicted: after its backward it is
   updated on the device (``update``) instead of offloading its gradients.
 
