@@ -65,8 +65,8 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     ``prefetch`` a stage's load starts once the previous one is done.  With ``recompute``, the
     stages ``kept`` keep their activations instead; kept activations take memory from the prefetches.
     With ``clip`` every update waits for the step's last gradients (the global norm) and they run in
-    the order the next step loads the stages.  Without a lag the next step loads each stage once its
-    own update is done (:meth:`_BoundStep.next_step_s`)."""
+    the order the next step loads the stages; the step ends with the last of them (as the cost
+    model's, :func:`mobius.partition.cost.evaluate`)."""
     st = stage_costs(profile, bounds, recompute, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
@@ -82,7 +82,7 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     step.forward()
     step.backward()
     r = step.sim.run()
-    return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else step.next_step_s(r), result=r)
+    return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else r.step_s, result=r)
 
 
 def lagged_step_s(r: SimResult, host) -> float:
@@ -120,7 +120,6 @@ class _BoundStep:
                  micro_batches: int, adam_params_per_s: float, prefetch: bool, clip: bool = False):
         self.profile, self.st, self.n, self.gpu, self.mem = profile, st, n, gpu, mem
         self.clip = clip
-        self.updated: dict[int, int] = {}  # stage -> the last task of its update
         self.M, self.S = micro_batches, len(st)
         self.host, self.adam_params_per_s, self.prefetch = profile.host, adam_params_per_s, prefetch
         self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
@@ -229,30 +228,18 @@ class _BoundStep:
             for j in range(S):
                 self.update(j, norm, S + (S - 1 - j))
 
-    def next_step_s(self, r: SimResult) -> float:
-        """The step without a lag: the next one loads each stage once that stage's update is done, so
-        it lasts until the GPUs' work and copies are done, each GPU's first stage's update (the step
-        starts with it), and for each later stage its update and then its whole load less when its
-        forward starts in the step."""
-        device_end = max((t.end for t in r.tasks if t.kind not in (CPU, NET)), default=0.0)
-        waits = [r.tasks[done].end + (0.0 if j < self.n else self.st[j].param_bytes / self.link.gpu_bw[self.gpu[j]]
-                                      - r.tasks[self.F[j][0]].start)
-                 for j, done in self.updated.items()]
-        return max([device_end, *waits])
-
     def update(self, j: int, offloaded: int, prio: int) -> None:
         """Stage ``j``'s AdamW on the host once its gradients are there; with replicas, the
         optimizer thread's sum into the owners, AdamW on this host's share, and the broadcast."""
         st, host, sim, g = self.st, self.host, self.sim, self.gpu[j]
         adam = st[j].grad_bytes / element_bytes(self.profile.dtype) / host.replicas / self.adam_params_per_s
         if host.replicas == 1:
-            self.updated[j] = sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
+            sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
             return
         exchanged = exchanged_bytes(st[j].grad_bytes / element_bytes(self.profile.dtype), host.replicas)
         summed = sim.add(f"sum S{j}", NET, g, exchanged, (offloaded, self.optimizer.get(g)), prio, "network")
         updated = sim.add(f"AdamW S{j}", CPU, g, adam, (summed,))
-        self.optimizer[g] = self.updated[j] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio,
-                                                      "network")
+        self.optimizer[g] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio, "network")
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:
