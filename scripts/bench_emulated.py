@@ -68,8 +68,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
                 ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
     "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
-    # Clipping: every host update waits for the step's global norm; they run on while the next
-    # step's first stages compute.
+    # Clipping: every host update waits for the step's global norm.
     "clip": [("8x3090-4+4 no clipping", f"{BOX} --max-grad-norm 0"),
              ("8x3090-4+4 clipped at 1.0", f"{BOX} --max-grad-norm 1.0"),
              ("topo2+2 no clipping", f"{PAIR} --max-grad-norm 0"),

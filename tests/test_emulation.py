@@ -236,8 +236,7 @@ def test_cost_model_terms_by_hand():
     # The optimizer thread updates S1 once its gradients are home (13 + 4), then S0 (home at 24):
     # 17 + 50 + 50, one parameter each at 0.02/s.
     assert step(adam_params_per_s=0.02) == pytest.approx(117.0)
-    # Clipping: both updates wait for the norm (S0's gradients home at 24) and run in the order the
-    # next step loads the stages: S0 24->74, S1 74->124.
+    # Clipping: both updates wait for the norm (S0's gradients home at 24): S1 24->74, S0 74->124.
     assert step(adam_params_per_s=0.02, clip=True) == pytest.approx(124.0)
     # With prefetching S1 loads 1 B while S0 computes (1 s at 1 B/s), S0 2 B during S1's 2 s backward.
     assert evaluate(prof, bounds, Machine((1.0,), (100,)), 1, recompute=False).step_s == pytest.approx(21.0)

@@ -168,13 +168,13 @@ def test_zero_infinity_by_hand_with_the_drives_shared_by_every_rank():
         pytest.approx(2 * 11 + 16.75)
 
 
-def test_clipping_updates_after_the_last_gradient_in_the_order_the_next_step_loads_them():
+def test_clipping_updates_after_the_last_gradient():
     """3 s of AdamW per stage, clipped: every update waits for the global norm (S0's gradients home
-    at 17 s), then each GPU's optimizer takes its stages in forward order: S0 and S1 17-20, S2 and
-    S3 20-23, where the step ends (unclipped, 20: S3's update ran during S1's backward)."""
+    at 17 s), then each GPU's optimizer takes its stages in backward order: S2 and S3 17-20, S0 and
+    S1 20-23, where the step ends (unclipped, 20: S3's update ran during S1's backward)."""
     prof = unit_profile()
     kw = dict(micro_batches=2, recompute=False, adam_params_per_s=10**9 / 4 / 3.0)
     out = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], clip=True, **kw)
     t = {task.name: (task.start, task.end) for task in out.result.tasks}
-    assert [t[f"AdamW S{j}"] for j in range(4)] == [(17, 20), (17, 20), (20, 23), (20, 23)]
+    assert [t[f"AdamW S{j}"] for j in range(4)] == [(20, 23), (20, 23), (17, 20), (17, 20)]
     assert out.step_s == pytest.approx(23.0)

@@ -272,18 +272,16 @@ def exchange_s(c: StageCost, machine: Machine, element_bytes: int) -> float:
 
 
 def host_updates(home: list[float], adam: list[float], exchange: list[float], n: int,
-                 resident: list[bool], forward_order: bool = False) -> list[float]:
+                 resident: list[bool]) -> list[float]:
     """When each stage's host update is done.  Each worker's optimizer thread takes its stages one at
-    a time in the order their gradients come home (backward order; ``forward_order``: in the
-    order of their stages, where every update waits for the step's last gradients): with
-    replicas, its gradients' sum over the network, AdamW on its share, the weights' broadcast.
+    a time in the order their gradients come home (backward order): with replicas, its gradients'
+    sum over the network, AdamW on its share, the weights' broadcast.
     The node's network carries one exchange at a time at its full rate, first come first served
     (as fair sharing finishes the last at the same time); a resident stage is updated on its
     device, done when "home"."""
     s_count = len(home)
     updated = list(home)
-    order = range(s_count) if forward_order else range(s_count - 1, -1, -1)
-    mine = [[j for j in order if j % n == k and not resident[j]] for k in range(n)]
+    mine = [[j for j in range(s_count - 1, -1, -1) if j % n == k and not resident[j]] for k in range(n)]
     # (ready, order, worker, position in its list, broadcast?) of the exchanges that may start
     waiting = [(home[m[0]], k, k, 0, False) for k, m in enumerate(mine) if m]
     heapq.heapify(waiting)
@@ -454,12 +452,7 @@ def evaluate(profile: Profile, bounds: list[tuple[int, int]], machine: Machine, 
                             copies=s.copies)
     if machine.clip:  # every update waits for the global norm: the last gradient home, on any worker
         home = [max(home)] * len(st)
-    # (clipping's, all at once, in the order the next step loads them: each worker's first stage first)
-    updated = host_updates(home, adam, exchange, n, [c.resident for c in st], forward_order=machine.clip)
-    # The step ends with its last update.  (The runtime's next step loads each stage once its own
-    # update is done, so clipping's later updates may overlap its first stages; on an emulated
-    # 8x3090-4+4 clipping still cost what every update after the norm costs, 13-14%: the overlap is
-    # not counted until a measurement shows it.)
+    updated = host_updates(home, adam, exchange, n, [c.resident for c in st])
     return StepEstimate(max(updated), True, compute_only, s.pf, s.pb, copies=s.copies)
 
 

@@ -53,8 +53,7 @@ class UpdateRule:
                  f"cosine to {self.min_lr_ratio:g}x", "constant": "constant", "constant_with_warmup": "constant"}
         warm = f" after {self.warmup} warm-up step{'s' if self.warmup != 1 else ''}" if self.warmup else ""
         clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (every update waits for the "
-                "step's last gradient, then runs on while the next step's first stages compute)"
-                if self.max_grad_norm else "; no gradient clipping")
+                "step's last gradient)" if self.max_grad_norm else "; no gradient clipping")
         return (f"AdamW at lr {self.lr:g} (betas {self.betas[0]:g}/{self.betas[1]:g}, eps {self.eps:g}, weight "
                 f"decay {self.weight_decay:g} on matrices), {decay[self.scheduler]}{warm} (transformers' "
                 f"{self.scheduler!r} schedule){clip}")

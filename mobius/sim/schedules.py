@@ -64,9 +64,8 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     updates of a step run on while the next step computes (:func:`lagged_step_s`).  Without
     ``prefetch`` a stage's load starts once the previous one is done.  With ``recompute``, the
     stages ``kept`` keep their activations instead; kept activations take memory from the prefetches.
-    With ``clip`` every update waits for the step's last gradients (the global norm) and they run in
-    the order the next step loads the stages; the step ends with the last of them (as the cost
-    model's, :func:`mobius.partition.cost.evaluate`)."""
+    With ``clip`` every update waits for the step's last gradients (the global norm); the step ends
+    with the last of them (as the cost model's, :func:`mobius.partition.cost.evaluate`)."""
     st = stage_costs(profile, bounds, recompute, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
@@ -223,9 +222,9 @@ class _BoundStep:
                                   "gradients")
             if not self.clip:
                 self.update(j, offloads[j], prio)
-        if self.clip:  # the global norm needs every gradient; then the first stages the next step loads first
+        if self.clip:  # the global norm needs every gradient; then each thread's stages in backward order
             norm = sim.add("global norm", DELAY, 0, 0.0, tuple(offloads.values()))
-            for j in range(S):
+            for j in range(S - 1, -1, -1):
                 self.update(j, norm, S + (S - 1 - j))
 
     def update(self, j: int, offloaded: int, prio: int) -> None:

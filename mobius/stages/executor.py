@@ -194,9 +194,7 @@ class StageRunner:
         if s in self._resident_handles:  # already on the device, for good
             st.handles[s] = self._resident_handles[s]
             return
-        written = self.optimizer.last_write(s)  # (looked up here: the optimizer's thread changes it)
-        st.handles[s] = self.prefetcher.request(
-            s, op.priority, ready=None if written is None else lambda: self.prefetcher.stream.wait(written.result()))
+        st.handles[s] = self.prefetcher.request(s, op.priority)
         if s in self.resident:
             self._resident_handles[s] = st.handles[s]
 

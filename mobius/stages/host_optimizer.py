@@ -198,11 +198,9 @@ class HostOptimizer:
         """Every offload of step ``step`` has been issued.  The updates that need every stage's
         gradients (the tied sum, fp16's overflow vote, the global norm clipping scales them by) are
         decided here, on ``host`` (the calling thread's stream), ``resident``'s (the stages updated
-        on the device, held back for the norm) with them.  With a lag the compute stream then waits
-        for the previous step's updates, which the next step's loads read (this step's run on
-        during the next); without, each load waits for its own stage's update (:meth:`last_write`),
-        so the updates held back for the whole step run on while the next step's first stages
-        compute.  Returns the step's global gradient norm where it clips."""
+        on the device, held back for the norm) with them; then the compute stream waits for the
+        updates the next step's loads read: this step's, or with a lag the previous step's (this
+        step's run on during the next).  Returns the step's global gradient norm where it clips."""
         norm = None
         if any(self.waits_for_the_step(s) for s in self.store.stages) or self.store.rule.max_grad_norm:
             for job in self._to_master_jobs:
@@ -225,25 +223,16 @@ class HostOptimizer:
                                                + (resident.squares() if resident is not None else 0.0))
                 norm = total ** 0.5
                 clip = clip_coefficient(total, self.store.rule.max_grad_norm)
-            for s in sorted(deferred):  # in the order the next step loads them: its first stages first
+            for s in deferred:
                 self._submit_update(s, step, lr, unscale=unscale, apply=not overflow, clip=clip, reduced=reduced)
             if resident is not None:
                 resident.apply(clip)
             if self.scaler.enabled:
                 self.scaler.update(overflow)
         self._to_master_jobs.clear()
-        if self.lag:
-            for job in self._updates.pop(step - 1, []):
-                self.compute.wait(job.result())
-        else:  # done by now (a load of each stage waited for its own), kept for drain() until then
-            self._updates.pop(step - 1, None)
+        for job in self._updates.pop(step - self.lag, []):
+            self.compute.wait(job.result())
         return norm
-
-    def last_write(self, s: int) -> Future | None:
-        """Without a lag: the job whose event a load of stage ``s`` must follow, the update that last
-        wrote its host weights (None: none in flight, or with a lag, whose loads read the other
-        compute copy, ordered by :meth:`finish_step`)."""
-        return None if self.lag else self._last_job.get(s)
 
     def _squares(self, stages: list[int]) -> float:
         """This process's share of the sum of squares of the step's gradients: those of the
