@@ -275,10 +275,9 @@ def host_updates(home: list[float], adam: list[float], exchange: list[float], n:
                  resident: list[bool]) -> list[float]:
     """When each stage's host update is done.  Each worker's optimizer thread takes its stages one at
     a time in the order their gradients come home (backward order): with replicas, its gradients'
-    sum over the network, AdamW on its share, the weights' broadcast.
-    The node's network carries one exchange at a time at its full rate, first come first served
-    (as fair sharing finishes the last at the same time); a resident stage is updated on its
-    device, done when "home"."""
+    sum over the network, AdamW on its share, the weights' broadcast.  The node's network carries
+    one exchange at a time at its full rate, first come first served (as fair sharing finishes the
+    last at the same time); a resident stage is updated on its device, done when "home"."""
     s_count = len(home)
     updated = list(home)
     mine = [[j for j in range(s_count - 1, -1, -1) if j % n == k and not resident[j]] for k in range(n)]

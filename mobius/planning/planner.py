@@ -67,14 +67,8 @@ def resident_stages(profile: Profile, bounds: list[tuple[int, int]], step_of,
     ``step_of(resident)`` is still feasible and at least 0.1% faster with it.  A stage that trains
     nothing, or whose update waits for the whole step (``exclude``), stays put."""
     costs = stage_costs(profile, bounds)
-    chosen, best = (), step_of(()).step_s
-    for j in sorted((j for j, c in enumerate(costs) if c.grad_bytes and j not in exclude),
-                    key=lambda j: (-costs[j].grad_bytes, j)):
-        trial = tuple(sorted(chosen + (j,)))
-        est = step_of(trial)
-        if est.feasible and est.step_s < best * (1 - 1e-3):
-            chosen, best = trial, est.step_s
-    return chosen
+    return _greedy(sorted((j for j, c in enumerate(costs) if c.grad_bytes and j not in exclude),
+                          key=lambda j: (-costs[j].grad_bytes, j)), step_of)
 
 
 def kept_stages(profile: Profile, bounds: list[tuple[int, int]], step_of) -> tuple[int, ...]:
@@ -84,8 +78,14 @@ def kept_stages(profile: Profile, bounds: list[tuple[int, int]], step_of) -> tup
     stages' activations for all micro-batches beside its largest pass) and at least 0.1% faster
     with it (the memory it takes is the prefetches' too)."""
     costs = stage_costs(profile, bounds)
+    return _greedy(sorted(range(len(costs) - 1), key=lambda j: (-costs[j].fwd_s, j)), step_of)
+
+
+def _greedy(candidates: list[int], step_of) -> tuple[int, ...]:
+    """The stages chosen from ``candidates``, tried in their order: each joins where the step
+    ``step_of(chosen)`` is still feasible and at least 0.1% faster with it."""
     chosen, best = (), step_of(()).step_s
-    for j in sorted(range(len(costs) - 1), key=lambda j: (-costs[j].fwd_s, j)):
+    for j in candidates:
         trial = tuple(sorted(chosen + (j,)))
         est = step_of(trial)
         if est.feasible and est.step_s < best * (1 - 1e-3):
