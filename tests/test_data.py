@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -74,9 +76,9 @@ def test_shared_data_is_mapped_once_and_gives_the_same_batches(tmp_path):
 
 
 def test_a_long_text_is_tokenized_in_bounded_pieces_into_the_same_tokens(tmp_path, monkeypatch):
-    """A subword tokenizer is never handed more than ``ENCODE_CHARS`` characters at once (a 100 MiB
-    single line made it allocate 5 GB and abort); cut at whitespace, the tokens are those of the
-    whole text."""
+    """A subword tokenizer is never handed more than ``ENCODE_CHARS`` characters a piece (a 100 MiB
+    single line made it allocate 5 GB and abort), nor more pieces at once than there are cores;
+    cut at whitespace, the tokens are those of the whole text."""
     import numpy as np
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -92,15 +94,21 @@ def test_a_long_text_is_tokenized_in_bounded_pieces_into_the_same_tokens(tmp_pat
     whole = hf.encode(text)
     assert len(whole) < len(text) / 2  # merges happened: a real subword tokenizer
 
-    calls = []
+    calls, batches = [], []
 
     class Spy:
         def encode(self, piece, add_special_tokens):
             calls.append(len(piece))
             return bpe.encode(piece, add_special_tokens=add_special_tokens)
 
+        def encode_batch(self, batch, add_special_tokens):  # a core a piece
+            calls.extend(len(piece) for piece in batch)
+            batches.append(len(batch))
+            return bpe.encode_batch(batch, add_special_tokens=add_special_tokens)
+
     hf.tokenizer = Spy()
     monkeypatch.setattr(T, "ENCODE_CHARS", 100)
     assert np.array_equal(hf.encode(text), whole)
     assert len(calls) > 100 and max(calls) <= 100
+    assert max(batches) == min(os.cpu_count() or 1, len(calls))
     assert "".join(T.pieces("x" * 250, 100)) == "x" * 250 and T.pieces("x" * 250, 100)[0] == "x" * 100  # no space

@@ -51,6 +51,12 @@ def _stdlib_text(max_bytes: int) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
+# The default corpus of the last tokenizer, by its identity: a process that builds several runs' data
+# (a run and the reference it is checked against, a replan's next plan) tokenizes it once, which
+# through a subword tokenizer takes seconds.
+_DEFAULT_CORPORA: dict[tuple, np.ndarray] = {}
+
+
 def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
                 tokenizer: Tokenizer | None = None) -> np.ndarray:
     """Token ids of the documents of ``data`` (the standard library's sources when None), joined
@@ -59,7 +65,14 @@ def load_corpus(data: str | os.PathLike | None, max_bytes: int | None = None,
     if data is None:
         # Subword tokenizing is ~100x slower than taking bytes: a smaller default sample.
         max_bytes = max_bytes or (DEFAULT_CORPUS_BYTES if isinstance(tokenizer, ByteTokenizer) else 2 * 2**20)
-        return corpus_of([_stdlib_text(max_bytes).decode("utf-8", errors="replace")], tokenizer, "the standard library")
+        key = (tokenizer.identity, max_bytes)
+        if key not in _DEFAULT_CORPORA:
+            corpus = corpus_of([_stdlib_text(max_bytes).decode("utf-8", errors="replace")], tokenizer,
+                               "the standard library")
+            corpus.flags.writeable = False  # shared by every run of this process that reads it
+            _DEFAULT_CORPORA.clear()  # one kept: a process switches tokenizers rarely
+            _DEFAULT_CORPORA[key] = corpus
+        return _DEFAULT_CORPORA[key]
     records, fmt = read_examples(data)
     if fmt != "text":
         raise InputError(f"--data {data}: {fmt} records are examples, not a text corpus")

@@ -24,6 +24,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id: int | None = None
     name = "bytes"
+    identity: tuple = ("bytes",)
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -59,6 +60,13 @@ def _encode_in_pieces(encode_one, text: str) -> np.ndarray:
     return np.concatenate([np.asarray(encode_one(piece), dtype=np.int32) for piece in pieces(text)])
 
 
+def file_identity(path: Path) -> tuple:
+    """What tells one tokenizer file from another, or from itself rewritten (as Python's bytecode
+    cache tells sources): its path, size and modification time."""
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
 class HFTokenizer:
     """A model directory's ``tokenizer.json``, through the ``tokenizers`` library (optional extra)."""
 
@@ -73,10 +81,17 @@ class HFTokenizer:
             raise InputError(f"{path}: not a readable tokenizer.json ({first_line(err, 120)})") from None
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.name = f"{path.name} of {path.parent.name}"
+        self.identity = file_identity(path)
         self.eos_id = _eos_id(path.parent, self.tokenizer.token_to_id, self.vocab_size)
 
     def encode(self, text: str) -> np.ndarray:
-        return _encode_in_pieces(lambda piece: self.tokenizer.encode(piece, add_special_tokens=False).ids, text)
+        if len(text) <= ENCODE_CHARS:
+            return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        # As many pieces at a time as there are cores: `tokenizers` encodes a batch on all of them,
+        # and memory stays bounded by the pieces of one batch.
+        cut, at_once = pieces(text), max(1, os.cpu_count() or 1)
+        return np.concatenate([np.asarray(e.ids, dtype=np.int32) for k in range(0, len(cut), at_once)
+                               for e in self.tokenizer.encode_batch(cut[k:k + at_once], add_special_tokens=False)])
 
     def decode(self, tokens) -> str:
         return self.tokenizer.decode([int(t) for t in tokens])
@@ -89,6 +104,7 @@ class SentencePieceTokenizer:
         self.tokenizer = auto_tokenizer(directory, "its SentencePiece tokenizer.model")
         self.vocab_size = len(self.tokenizer)
         self.name = f"tokenizer.model of {directory.name}"
+        self.identity = file_identity(directory / "tokenizer.model")
         self.eos_id = self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> np.ndarray:
