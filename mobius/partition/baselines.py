@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from mobius.partition.cost import Machine, evaluate, stage_costs
 from mobius.partition.profile import Profile
 
@@ -38,24 +40,28 @@ def uniform_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 def balanced_bounds(costs: list[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous split of ``costs`` into ``stages`` parts minimising the largest part (exact DP)."""
+    """Contiguous split of ``costs`` into ``stages`` parts minimising the largest part (exact DP):
+    ``best[k][i]``, the largest part of the first ``i`` costs in ``k`` parts, is the least over the
+    last cut ``s < i`` of ``max(best[k-1][s], sum(costs[s:i]))``, each row at once; of equal splits,
+    the earliest last cut."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for s in range(k - 1, i):
-                v = max(best[k - 1][s], prefix[i] - prefix[s])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, s
+    ends = np.asarray(prefix)
+    part = ends[:, None] - ends[None, :]  # part[i, s]: the sum of costs[s:i]
+    part[~np.tri(n + 1, k=-1, dtype=bool)] = np.inf  # a part holds at least one cost: s < i
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cuts = []
+    for _ in range(stages):
+        largest = np.maximum(best[None, :], part)
+        cut = largest.argmin(axis=1)  # the first least, as a scan keeping only strictly smaller ones
+        best = largest[np.arange(n + 1), cut]
+        cuts.append(cut)
     bounds, i = [], n
-    for k in range(stages, 0, -1):
-        s = cut[k][i]
+    for cut in reversed(cuts):
+        s = int(cut[i])
         bounds.append((s, i))
         i = s
     return bounds[::-1]
