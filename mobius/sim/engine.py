@@ -195,6 +195,9 @@ class Simulator:
         finished = 0
         by_gpu: dict = defaultdict(float)
         by_rc: dict = defaultdict(float)
+        # The transfers' rates depend on which transfers run alone: shared again only when one
+        # starts or ends (most events are a pass or an update ending).
+        transfers_changed = True
 
         while finished < len(tasks):
             # Start what can start: a transfer queue its best ready transfer (the runtime's transfer
@@ -204,6 +207,7 @@ class Simulator:
                     continue
                 if key[0] in TRANSFERS:
                     pick = heapq.heappop(ready[key])[1] if ready[key] else None
+                    transfers_changed |= pick is not None
                 else:
                     q = queues[key]
                     pick = q.popleft() if q and not waiting_on[q[0]] else None
@@ -215,7 +219,9 @@ class Simulator:
             if not active:
                 stuck = [t.name for t in tasks if not done[t.id]][:5]
                 raise RuntimeError(f"simulation deadlock at t={now:.6f}s; waiting: {stuck}")
-            self._assign_rates([t for t in active if t.kind in TRANSFERS])
+            if transfers_changed:
+                self._assign_rates([t for t in active if t.kind in TRANSFERS])
+                transfers_changed = False
             # Next completion.
             horizon = float("inf")
             for t in active:
@@ -240,6 +246,7 @@ class Simulator:
                 if complete:
                     t.end = now
                     done[t.id] = True
+                    transfers_changed |= t.kind in TRANSFERS
                     finished += 1
                     key = _resource(t)
                     del busy[key]
