@@ -388,8 +388,6 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
             "precision": args.precision, "progress": False, "lr": args.lr}
     if args.emulate:
         base.update(topology=args.emulate, emulate=True)
-        if args.dilation is not None:  # each plan refuses it below what this machine needs for it
-            base["dilation"] = args.dilation
     else:
         base.update(topology="auto" if cuda else "cpu", cpu_workers=1)
     topo = resolve_topology(RunConfig.of(**base))
@@ -403,8 +401,9 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
             prepared[name] = prepare_pipeline(RunConfig.of(**base, **change), topo, config)
         except InputError as err:  # e.g. recompute off where no partition fits
             prepared[name] = str(err)
-    if args.emulate and args.dilation is None:  # one clock for every plan: the slowest any of them needs
-        base["dilation"] = max(p[0].emulation.factor for p in prepared.values() if not isinstance(p, str))
+    if args.emulate:  # one clock for every plan: the slowest any of them needs
+        dilation = max(p[0].emulation.factor for p in prepared.values() if not isinstance(p, str))
+        base["dilation"] = dilation
     rows, runs = [], {}
     for name, change in variants.items():
         if isinstance(prepared[name], str):
@@ -487,9 +486,6 @@ def main() -> None:
                    help=f"--plans: the plans raced, a comma-separated subset of {','.join(VARIANTS)} (default: all)")
     p.add_argument("--emulate", default=None, metavar="TOPOLOGY",
                    help="--plans on CPU workers emulating this topology's GPUs (mobius.train --emulate)")
-    p.add_argument("--dilation", type=float, default=None, metavar="F",
-                   help="--plans --emulate: every plan at 1/F speed (default: the slowest any plan needs, from "
-                        "this machine's measured speed, which a busy machine raises)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
     args = p.parse_args()
@@ -505,9 +501,6 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke and not args.emulate
     if args.emulate and not args.plans:
         print("error: --emulate races --plans; give both", file=sys.stderr)
-        raise SystemExit(2)
-    if args.dilation is not None and not args.emulate:
-        print("error: --dilation F sets the clock of --plans --emulate; give --emulate", file=sys.stderr)
         raise SystemExit(2)
     if not cuda and not args.smoke and not args.emulate:
         print("error: no CUDA GPU: run with --smoke (or --plans --emulate TOPOLOGY) on CPU", file=sys.stderr)

@@ -66,23 +66,24 @@ def test_lanes_are_read_in_the_steps_windows_overlaps_once_and_never_exceed_the_
 
 @pytest.mark.slow
 def test_the_plans_raced_on_an_emulated_h100_are_each_measured(tmp_path):
-    """``bench_gpu.py --plans --emulate 1xh100 --variants mip,no-resident,fewer-stages``: the MIP's
-    plan (its stages resident) and two alternatives, each trained on CPU workers emulating the card
+    """``bench_gpu.py --plans --emulate 1xh100 --variants mip,no-resident``: the MIP's plan (its
+    stages resident) and the same without residency, each trained on CPU workers emulating the card
     at one dilation and measured (from the second of 2 steps: each emulated step is seconds of wall
     time); the script says how the MIP's plan measured against the fastest.  How the measured steps
     rank is the benchmark's result (docs/benchmarks.md), not this test's: a busy machine stretches
-    one run more than another.  The clock is fixed (1/20000, four times what a quiet 2-core machine
-    chooses): chosen from a speed measured beside other tests, it ran one of those 17 times longer."""
+    one run more than another.  Two plans, the shortest: the clock is chosen from this machine's
+    speed, and measured beside another test process it needed 1/100000 where a quiet machine chose
+    1/5000 (a third plan of 4 stages then took minutes of wall time)."""
     out = tmp_path / "plans.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--plans", "--emulate", "1xh100",
                         "--model", "tiny8", "--steps", "2", "--micro-batch-size", "4", "--seq-len", "64",
                         "--micro-batches", "2", "--gpu-mem-gb", "0.01", "--precision", "fp32", "--json", str(out),
-                        "--variants", "mip,no-resident,fewer-stages", "--dilation", "20000"],
+                        "--variants", "mip,no-resident"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["plans"]
     raced = [row for row in rows if "measured_step_s" in row]
-    assert len(raced) == 3 and {row["resident"] == 0 for row in raced} == {True, False}, rows
+    assert len(raced) == 2 and {row["resident"] == 0 for row in raced} == {True, False}, rows
     assert all(row["measured_step_s"] > 0 and row["predicted_step_s"] > 0 for row in raced), raced
     assert any(row["plan"].startswith("mip") for row in raced)
     assert "the MIP's plan measured" in r.stdout
