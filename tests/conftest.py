@@ -30,8 +30,8 @@ os.environ.setdefault("MOBIUS_CHECK_STREAMS", "1")
 def pytest_xdist_auto_num_workers(config) -> int:
     """How many test processes ``-n auto`` (pyproject.toml's default) starts: two for a run with the
     slow tests, which mostly wait (on worker processes starting, emulated GPUs, a solver; the whole
-    suite measured 15.4 minutes on two, 20.2 on one); none beside this one for ``-m "not slow"``,
-    whose tests compute in this process (128 s on two against 104 s here)."""
+    suite measured 12 to 16 minutes on two, 20 on one); none beside this one for ``-m "not slow"``,
+    whose tests compute in this process (128 s on two, 65 s here)."""
     return 0 if "not slow" in (config.option.markexpr or "") else 2
 
 
