@@ -195,8 +195,8 @@ class Simulator:
         finished = 0
         by_gpu: dict = defaultdict(float)
         by_rc: dict = defaultdict(float)
-        # The transfers' rates depend on which transfers run alone: shared again only when one
-        # starts or ends (most events are a pass or an update ending).
+        # The transfers' rates depend only on which transfers run: they are shared out again when
+        # one starts or ends, not at every event (many are a pass or an update ending).
         transfers_changed = True
 
         while finished < len(tasks):
