@@ -378,14 +378,13 @@ def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, simul
     each GPU computes a step.  What a GPU computes is a bound no cycle beats."""
     ends = [0.0] * simulated
     computing: dict[int, float] = {}
+    adam: dict[int, float] = {}
     for t in result.tasks:
         if t.kind not in (CPU, DELAY):
             ends[step_of[t.id]] = max(ends[step_of[t.id]], t.end)
         if t.kind == COMPUTE:
             computing[t.gpu] = computing.get(t.gpu, 0.0) + t.work
-    adam: dict[int, float] = {}
-    for t in result.tasks:
-        if t.kind == CPU:
+        elif t.kind == CPU:
             adam[t.gpu] = adam.get(t.gpu, 0.0) + t.work
     network = sum(t.work for t in result.tasks if t.kind == NET) / network_bps if network_bps else 0.0
     device = ends[0] if steps == 1 else (ends[steps - 1] - ends[0]) / (steps - 1)
