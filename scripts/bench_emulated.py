@@ -43,7 +43,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import parse_train_args
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.pipeline import clipping_waits, prepare_pipeline
 from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
@@ -68,9 +68,12 @@ TABLES: dict[str, list[tuple[str, str]]] = {
     "mapping": [("8x3090-4+4 cross", BOX), ("8x3090-4+4 sequential", f"{BOX} --mapping sequential"),
                 ("topo2+2 cross", PAIR), ("topo2+2 sequential", f"{PAIR} --mapping sequential")],
     "lag": [("8x3090-4+4 lag 0", BOX), ("8x3090-4+4 lag 1", f"{BOX} --optimizer-lag 1")],
-    # Clipping: every host update waits for the step's global norm.
+    # Clipping: without a lag the host updates start before the step's norm (a step that clips is redone).
+    # At 1.0 the small model's steps all clip (after the first, each waits for its norm); at 100 none
+    # does (after the first, the updates start before the norm and are kept).
     "clip": [("8x3090-4+4 no clipping", f"{BOX} --max-grad-norm 0"),
              ("8x3090-4+4 clipped at 1.0", f"{BOX} --max-grad-norm 1.0"),
+             ("8x3090-4+4 clipped at 100", f"{BOX} --max-grad-norm 100"),
              ("topo2+2 no clipping", f"{PAIR} --max-grad-norm 0"),
              ("topo2+2 clipped at 1.0", f"{PAIR} --max-grad-norm 1.0")],
     # The step's micro-batches on one box, and on two over 25 GbE, each box updating half of the
@@ -134,7 +137,7 @@ def predict(options: str, steps: int) -> dict:
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept),
-                          clip=bool(cfg.optim.max_grad_norm)).step_s
+                          clip=clipping_waits(cfg, plan.precision)).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,

@@ -87,10 +87,11 @@ def reference(cfg, device: str = "cpu", **changes):
     return losses, {n: p.detach().clone() for n, p in trainer.master.items()}
 
 
-def run_in_threads(cfg, plan_change=None):
+def run_in_threads(cfg, plan_change=None, workers_out: list | None = None):
     """The pipeline of ``cfg`` in this process, one thread per worker linked by an in-process
     transport, every stream under the order checker: per-step losses and final weights.
-    ``plan_change``: what the plan becomes before it runs (a test's placement)."""
+    ``plan_change``: what the plan becomes before it runs (a test's placement); ``workers_out``
+    gets each worker's parts (closed), by rank."""
     import dataclasses
     import threading
 
@@ -122,6 +123,8 @@ def run_in_threads(cfg, plan_change=None):
         finally:
             parts.close()
         results[rank] = (sums, weights)
+        if workers_out is not None:
+            workers_out.append((rank, parts))
 
     on_threads(worker, range(cfg.cpu_workers))
     losses = [sum(results[r][0][k] for r in results) for k in range(cfg.optim.steps)]  # the last stage's worker has it

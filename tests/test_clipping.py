@@ -17,7 +17,7 @@ from mobius.models import get_config
 from mobius.planning.pipeline import prepare_pipeline
 from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_model_input
-from mobius.runtime.optim import UpdateRule, clip_coefficient, squares
+from mobius.runtime.optim import UpdateRule, adamw, clip_coefficient, squares, undo_adamw_step
 
 CLIP = 0.1  # the tiny model's gradients have a norm of about 1-4: every step is clipped
 
@@ -121,6 +121,44 @@ def test_the_pipeline_clips_the_global_norm_as_the_reference(model, workers, rec
     _, unclipped = reference(cfg, max_grad_norm=0.0)
     assert any(not torch.allclose(w, unclipped[n], rtol=1e-3) for n, w in ref_weights.items())  # it clipped
     close(*run_in_threads(cfg), ref_losses, ref_weights)
+
+
+def test_an_adamw_step_taken_back_and_redone_clipped_is_the_clipped_step():
+    """The rollback a speculative update relies on: AdamW run backwards from what a step left
+    and its gradients gives back the weights, moments and count before it, so a redo with the
+    clipped gradients lands where the clipped step would have, to rounding (weight decay on and off)."""
+    torch.manual_seed(0)
+    for decay in (0.0, 0.1):
+        start = torch.randn(4096) * 0.05
+        mine, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+        rule = UpdateRule(lr=1e-2, weight_decay=decay)
+        a, b = (adamw([{"params": [p], "weight_decay": decay}], rule) for p in (mine, theirs))
+        for _ in range(4):
+            grad = torch.randn(4096)
+            mine.grad, theirs.grad = grad.clone(), grad * 0.5
+            a.step()
+            undo_adamw_step(a)
+            mine.grad.mul_(0.5)
+            a.step()
+            b.step()
+        for got, want in ((mine, theirs), *((a.state[mine][k], b.state[theirs][k]) for k in ("exp_avg", "exp_avg_sq"))):
+            assert ((got - want).norm() / want.norm()).item() < 1e-6
+        assert float(a.state[mine]["step"]) == 4.0
+
+
+@pytest.mark.slow
+def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
+    """Clipping without the barrier (no lag): the first step, and a step after one that clipped,
+    wait for the norm; the others update each stage as its gradients come home and keep it where
+    the norm stays under the limit, or take it back and redo it clipped.  With the limit at 3
+    this run's norms (3.9, 3.2, 2.8, 3.1, 3.1, 2.6, 2.2, 2.8, 2.8, 2.1) clip steps 0, 1, 3 and 4:
+    step 3 is redone, steps 6 to 9 kept; the reference's losses and weights."""
+    cfg = tiny(max_grad_norm=3.0, steps=10, stages=4, lr=3e-3)
+    ref_losses, ref_weights = reference(cfg)
+    workers = []
+    close(*run_in_threads(cfg, workers_out=workers), ref_losses, ref_weights)
+    for _, parts in workers:
+        assert (parts.runner.optimizer.speculated_steps, parts.runner.optimizer.redone_steps) == ([3, 6, 7, 8, 9], [3])
 
 
 @pytest.mark.slow

@@ -105,6 +105,18 @@ def test_lora_with_dropout_and_clipping_equal_the_reference():
 
 
 @pytest.mark.slow
+def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
+    """Clipping without the barrier: after a step under the limit, each piece's update runs as its
+    gradients are summed (the head's two parts too) and the loads wait for the norm, which keeps
+    it, or takes it back and redoes it clipped.  With the limit at 3.1 this run's norms (4.5, 3.4,
+    2.9, 3.2, 3.1, 2.5) clip steps 0, 1 and 3: step 3 is redone, step 5 kept."""
+    cfg = config(2, max_grad_norm=3.1, steps=6)
+    runner = []
+    assert_same(run(cfg, SPLIT_HEAD, runner_out=runner), reference(cfg))
+    assert (runner[0].updates.speculated_steps, runner[0].updates.redone_steps) == ([3, 5], [3])
+
+
+@pytest.mark.slow
 def test_bf16_follows_the_bf16_reference():
     """16-bit compute copies and gradient staging (the GPUs' default), fp32 masters and AdamW: the
     reference's bf16 losses to bf16's precision."""
@@ -116,7 +128,7 @@ def test_bf16_follows_the_bf16_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 1])
 def test_fp16_skips_the_step_that_overflows_as_the_reference_does(monkeypatch, lag):
-    """fp16 loss scaling: every piece's update waits for the step's vote; where it finds a
+    """fp16 loss scaling: every piece's update is decided by the step's vote; where it finds a
     non-finite gradient (made to at step 1, in both trainers: whether a gradient overflows near the
     threshold depends on the partition's rounding) every piece skips its update and the scale
     halves; else each steps with its gradients unscaled.  The next step's head scales its loss by
@@ -149,6 +161,10 @@ def test_fp16_skips_the_step_that_overflows_as_the_reference_does(monkeypatch, l
                   for state in host.optimizer.state.values()}
     assert adam_steps == {int(state["step"]) for state in ref.optimizer.state.values()} == {3}
     assert not any(left) and set(weights) == set(ref.master)
+    # Without the lag the updates start before the vote from step 1 on (the first step waits for
+    # it); step 1's are taken back, step 2 waits again, step 3's are kept.
+    updates = runner[0].updates
+    assert (updates.speculated_steps, updates.redone_steps) == (([1, 3], [1]) if lag == 0 else ([], []))
 
 
 def test_the_trace_shows_which_gpu_ran_each_task():

@@ -66,13 +66,36 @@ def test_tied_embedding_exchanged_between_workers(tied_gpt2, workers, stages):
 
 
 @pytest.mark.slow
-def test_fp16_overflow_vote_in_threads():
-    """fp16: every worker must skip the same steps (the vote goes through the transport)."""
-    cfg = config(2, 4, steps=3, recompute="on", precision="fp16")
-    losses, weights = run_in_threads(cfg)
-    ref_losses, _ = reference(cfg)
+def test_fp16_overflow_vote_in_threads(monkeypatch):
+    """fp16: every worker skips the steps the vote (through the transport) finds an overflow in,
+    made to at step 1 in both trainers.  Without the lag the updates start before the vote from
+    step 1 on (the first step waits for it): step 1's are taken back, step 2 waits again, step 3's
+    are kept.  The reference's losses and loss scale."""
+    import mobius.reference
+    from mobius.stages.host_optimizer import HostOptimizer
+
+    def overflow_at_step_1(check):  # one call a step, per optimizer
+        calls = {}
+
+        def check_step(*args):
+            owner = id(args[0]) if args and isinstance(args[0], HostOptimizer) else None
+            calls[owner] = calls.get(owner, 0) + 1
+            return calls[owner] == 2 or check(*args)
+        return check_step
+
+    cfg = config(2, 4, steps=4, recompute="on", precision="fp16")
+    with monkeypatch.context() as m:
+        m.setattr(mobius.reference, "grads_overflow", overflow_at_step_1(mobius.reference.grads_overflow))
+        ref_losses, _ = reference(cfg)
+    monkeypatch.setattr(HostOptimizer, "_overflowed", overflow_at_step_1(HostOptimizer._overflowed))
+    workers = []
+    losses, weights = run_in_threads(cfg, workers_out=workers)
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     assert all(torch.isfinite(w).all() for w in weights.values())
+    for _, parts in workers:
+        assert (parts.scaler.skipped_steps, parts.scaler.scale) == (1, 2.0**15)
+        optimizer = parts.runner.optimizer
+        assert (optimizer.speculated_steps, optimizer.redone_steps) == ([1, 3], [1])
 
 
 @pytest.mark.slow

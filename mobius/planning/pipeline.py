@@ -40,12 +40,30 @@ from mobius.planning.prepare import (
     resolve_precision,
 )
 from mobius.runtime.emulation import EmulationSpec
+from mobius.runtime.optim import updates_speculate
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
 from mobius.sim.schedules import simulate_mobius
 from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
+
+
+def updates_wait_for_the_step(cfg: RunConfig, precision: str) -> bool:
+    """Whether a plan's host updates wait for each step's last gradient: clipping's global norm or
+    fp16's overflow vote holds them back, and they cannot start before it
+    (:func:`~mobius.runtime.optim.updates_speculate`), or state is on disk (a redo would read it
+    through the drives again).  A plan whose updates start before the decision is the plan of the
+    steps that keep them: a step that clips or overflows takes them back, and the next waits."""
+    held = bool(cfg.optim.max_grad_norm) or precision == "fp16"
+    return held and (bool(cfg.offload_dir) or not updates_speculate(
+        cfg.optim.max_grad_norm, cfg.optim.optimizer_lag, precision == "fp16", data_parallel_of(cfg) > 1))
+
+
+def clipping_waits(cfg: RunConfig, precision: str) -> bool:
+    """Whether clipping holds the bound plan's host updates (its cost model and simulator count
+    clipping's wait, not fp16's vote)."""
+    return bool(cfg.optim.max_grad_norm) and updates_wait_for_the_step(cfg, precision)
 
 
 def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
@@ -86,7 +104,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          keep_where_room=pipe.recompute == "auto",
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
-                         data_parallel=replicas, clip=bool(cfg.optim.max_grad_norm), disk=disk, **plan_options)
+                         data_parallel=replicas, clip=clipping_waits(cfg, precision), disk=disk,
+                         **plan_options)
 
     if cfg.pipeline.recompute == "on":
         return make(recompute=True)
@@ -151,11 +170,12 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     found = plan_dispatched(profile, topo, plan.order, plan.micro_batches, adam_params_per_s=adam,
                             optimizer_lag=cfg.optim.optimizer_lag,
                             tied=model_config.tie_embeddings and not cfg.lora.rank,
-                            whole_step=bool(cfg.optim.max_grad_norm) or plan.precision == "fp16")
+                            whole_step=updates_wait_for_the_step(cfg, plan.precision))
     bound, how = plan.predicted_step_s, "predicted"
     if not plan.resident and not plan.disk_stages:
         simulated = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                                    kept=tuple(plan.kept), clip=bool(cfg.optim.max_grad_norm), adam_params_per_s=adam,
+                                    kept=tuple(plan.kept), clip=clipping_waits(cfg, plan.precision),
+                                    adam_params_per_s=adam,
                                     optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
         if math.isfinite(simulated):
             bound, how = simulated, "simulated"

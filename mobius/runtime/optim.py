@@ -52,8 +52,9 @@ class UpdateRule:
         decay = {"cosine": "cosine to 0", "linear": "linear to 0", "cosine_with_min_lr":
                  f"cosine to {self.min_lr_ratio:g}x", "constant": "constant", "constant_with_warmup": "constant"}
         warm = f" after {self.warmup} warm-up step{'s' if self.warmup != 1 else ''}" if self.warmup else ""
-        clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (every update waits for the "
-                "step's last gradient)" if self.max_grad_norm else "; no gradient clipping")
+        clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (without a lag or replicas the "
+                "host's updates start before the norm is known, and a step that clips is redone)"
+                if self.max_grad_norm else "; no gradient clipping")
         return (f"AdamW at lr {self.lr:g} (betas {self.betas[0]:g}/{self.betas[1]:g}, eps {self.eps:g}, weight "
                 f"decay {self.weight_decay:g} on matrices), {decay[self.scheduler]}{warm} (transformers' "
                 f"{self.scheduler!r} schedule){clip}")
@@ -111,6 +112,15 @@ def squares(grads: Iterable[torch.Tensor | None]) -> float:
     return total
 
 
+def updates_speculate(max_grad_norm: float, optimizer_lag: int, fp16: bool, replicated: bool) -> bool:
+    """Whether a step's host updates, which clipping's global norm or fp16's overflow vote hold
+    back, start before them instead, each taken back in a step that clips (and redone clipped) or
+    that the vote skips (:func:`undo_adamw_step`): the runtime's rule and the plan's.  Not with a
+    lag (the updates run during the next step anyway) or replicas (the norm is of the replicas'
+    sums, made in the updates' order): those wait."""
+    return (bool(max_grad_norm) or fp16) and not optimizer_lag and not replicated
+
+
 def clip_coefficient(squares_sum: float, max_norm: float) -> float:
     """What every gradient is multiplied by so that their global norm is at most ``max_norm``
     (1 when it is already, or when clipping is off): torch's ``clip_grad_norm_`` rule.  A
@@ -118,6 +128,32 @@ def clip_coefficient(squares_sum: float, max_norm: float) -> float:
     if not max_norm or not math.isfinite(squares_sum):
         return 1.0
     return min(1.0, max_norm / (math.sqrt(squares_sum) + CLIP_EPS))
+
+
+@torch.no_grad()
+def undo_adamw_step(optimizer: torch.optim.AdamW) -> None:
+    """Take back the last ``step()`` of :func:`adamw`, from what it left and the gradients it took
+    (still attached, unchanged) at the learning rate it ran with: the weights, moments and step
+    count before it, to rounding (a few units in the last place).  What lets a host update start
+    before the step's global norm is known and be redone in the rare step that clips
+    (SuperOffload's speculation and rollback); AdamW's arithmetic run backwards:
+    ``p' = p (1 - lr wd) - lr / bc1 * m' / (sqrt(v') / sqrt(bc2) + eps)``,
+    ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``."""
+    for group in optimizer.param_groups:
+        lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None or p not in optimizer.state:
+                continue
+            state = optimizer.state[p]
+            t = float(state["step"])
+            m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+            denom = v.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(eps)
+            p.addcdiv_(m, denom, value=lr / (1 - b1 ** t))
+            if decay:
+                p.div_(1 - lr * decay)
+            m.sub_(g, alpha=1 - b1).div_(b1)
+            v.addcmul_(g, g, value=-(1 - b2)).div_(b2).clamp_min_(0)
+            state["step"] -= 1
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -13,6 +13,15 @@ With ``--optimizer-lag 1`` the next step does not wait for this step's updates: 
 compute buffer the step after next reads (:mod:`mobius.swap.store`), and run on while the next
 step computes, off the critical path (the semantics of :mod:`mobius.reference`).
 
+Without a lag, replicas or the disk tier, the updates that clipping's global norm or fp16's
+overflow vote hold back need not wait for them (a tied table's copies still wait for each other):
+each stage's update runs as its gradients come home, unscaled, with their sum of squares taken
+first (none where one is not finite), and the step's decision afterwards keeps the updates, takes
+them back (a step the vote skips: :func:`~mobius.runtime.optim.undo_adamw_step`), or takes them
+back and redoes them with the clipped gradients.  A step that clips is likely followed by another
+(a run clips for a stretch), so after one (or an overflow) the next step waits for its decision,
+as the first step does.
+
 With data-parallel replicas (:mod:`mobius.stages.replicas`) the optimizer thread sums each stage's
 gradients into their owner replicas before the update and broadcasts the owners' weights after it:
 each host steps AdamW for its share of the parameters only.
@@ -30,7 +39,8 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, squares
+from mobius.runtime.optim import (
+    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
@@ -68,6 +78,20 @@ class HostOptimizer:
         self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
         self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
         self._busy_lock = threading.Lock()
+        # this step's stages updated before its decision -> their squares (None: a gradient not finite)
+        self._speculated: dict[int, float | None] = {}
+        # Whether this step's updates may start before its norm: not the first step's (a run's first
+        # steps clip most; and taken back from moments that were zero, the clipped redo would keep
+        # the rounding of gradients many times its own).
+        self._speculating = False
+        self.speculated_steps: list[int] = []  # steps whose updates started before their norm was known
+        self.redone_steps: list[int] = []  # those of them that clipped: their updates taken back and redone
+
+    def _speculates_after(self, last_clip: float) -> bool:
+        """Whether the next step's updates start before its vote and norm are known
+        (:func:`~mobius.runtime.optim.updates_speculate`) after a step clipped by ``last_clip``."""
+        return last_clip == 1.0 and updates_speculate(self.store.rule.max_grad_norm, self.lag, self.scaler.enabled,
+                                                      self.replicas is not None)
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> tuple[torch.Tensor, int]:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
@@ -85,6 +109,12 @@ class HostOptimizer:
         """Whether stage ``s``'s update waits for the whole step (tied sum, fp16 overflow vote, the
         global norm it is clipped by)."""
         return self.scaler.enabled or s in self.tied.stages or bool(self.store.rule.max_grad_norm)
+
+    def _speculative(self, s: int) -> bool:
+        """Whether stage ``s``'s update this step runs before the decision (:meth:`_speculates_after`): not a
+        tied table's (it waits for the other copy), none with the disk tier (a redo would read the
+        state through the drives again; the plan counts every update waiting)."""
+        return self._speculating and s not in self.tied.stages and self.disk is None
 
     def needs_the_host(self, s: int) -> bool:
         """Whether stage ``s``'s update needs what only the host's optimizer has: the tied sum, the
@@ -115,14 +145,18 @@ class HostOptimizer:
         job = self._pool.submit(self._to_master, s, arrived, phase)
         self._to_master_jobs.append(job)
         self._last_job[s] = job
-        if self.waits_for_the_step(s):
+        if self._speculative(s):
+            self._deferred.append(s)
+            self._submit_update(s, step, lr, unscale=self.scaler.scale if self.scaler.enabled else None,
+                                speculative=True)
+        elif self.waits_for_the_step(s):
             self._deferred.append(s)
         else:
             self._submit_update(s, step, lr)
 
     def _submit_update(self, s: int, step: int, lr: float, unscale: float | None = None, apply: bool = True,
-                       clip: float = 1.0, reduced: bool = False) -> None:
-        job = self._pool.submit(self._update, s, step, lr, unscale, apply, clip, reduced)
+                       clip: float = 1.0, reduced: bool = False, speculative: bool = False) -> None:
+        job = self._pool.submit(self._update, s, step, lr, unscale, apply, clip, reduced, speculative)
         self._updates.setdefault(step, []).append(job)
         self._last_job[s] = job
 
@@ -141,13 +175,33 @@ class HostOptimizer:
         return self.host.record()
 
     def _update(self, s: int, step: int, lr: float, unscale: float | None, apply: bool, clip: float = 1.0,
-                reduced: bool = False) -> Event:
+                reduced: bool = False, speculative: bool = False) -> Event:
         """On the optimizer thread: AdamW with step ``step``'s gradients (unless ``apply`` is off: an
         fp16 step skipped for overflow, which every replica skips: the vote is the whole run's), then
-        the compute-dtype copy the step ``step + 1 + lag`` reads."""
+        the compute-dtype copy the step ``step + 1 + lag`` reads.  ``speculative``: before the
+        step's vote and norm, with its gradients unscaled, their squares taken first (or, where one
+        is not finite, no update at all) and the gradients kept; such a stage comes back here with
+        the step's decision: its update kept, taken back (a step the vote skips), or taken back and
+        redone with its gradients clipped."""
         host = self.store.stages[s]
         if not host.trains:
             return self.host.record()
+        if speculative:
+            grads = [p.grad for group in host.optimizer.param_groups for p in group["params"]]
+            if unscale is not None:
+                for g in grads:
+                    g.div_(unscale)
+                unscale = None
+            if not all(torch.isfinite(g).all() for g in grads):  # the vote will skip the step
+                self._speculated[s] = None
+                return self.host.record()
+            self._speculated[s] = squares(grads)
+        elif s in self._speculated:
+            if self._speculated.pop(s) is None or (apply and clip == 1.0):  # nothing to take back
+                host.optimizer.zero_grad(set_to_none=True)
+                return self.host.record()
+            undo_adamw_step(host.optimizer)
+            unscale = None  # (its gradients were unscaled for the update taken back)
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
         t0, cpu0, numel = time.perf_counter(), time.thread_time(), 0
@@ -174,7 +228,7 @@ class HostOptimizer:
                     self._busy[1] += numel
         elif on_disk:  # an fp16 step skipped: a master on disk still gives the compute copy its values
             self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer], apply=False)
-        if host.optimizer is not None:
+        if host.optimizer is not None and not speculative:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
         self.trace.span(f"AdamW {s}", "optimizer", t0, time.perf_counter(), cpu_s=time.thread_time() - cpu0,
@@ -207,10 +261,13 @@ class HostOptimizer:
                 host.wait(job.result())
             self.tied.sum_gradients()
             deferred, self._deferred = self._deferred, []
+            if self._speculating:  # the updates made before the vote and the norm checked their gradients
+                for job in self._updates.get(step, []):
+                    job.result()
+            waited = [s for s in deferred if s not in self._speculated]
             overflow, unscale = False, None
             if self.scaler.enabled:
-                local = any(not torch.isfinite(g).all() for s in deferred for g in self.store.stages[s].gradients())
-                overflow, unscale = self.transport.any_rank(local), self.scaler.scale
+                overflow, unscale = self.transport.any_rank(self._overflowed(waited)), self.scaler.scale
             clip, reduced = 1.0, False
             if self.store.rule.max_grad_norm and not overflow:
                 if self.replicas is not None:  # the norm is the replicas' sum's: reduce into the owners first
@@ -219,10 +276,16 @@ class HostOptimizer:
                         job.result()
                     reduced = True
                 # every process's share: its stages' (its replica's owned part of them), and resident ones
-                total = self.transport.sum_all(self._squares(deferred) / (unscale or 1.0) ** 2
+                total = self.transport.sum_all(self._squares(waited) / (unscale or 1.0) ** 2
+                                               + sum(self._speculated.values())
                                                + (resident.squares() if resident is not None else 0.0))
                 norm = total ** 0.5
                 clip = clip_coefficient(total, self.store.rule.max_grad_norm)
+            if self._speculated:
+                self.speculated_steps.append(step)
+                if clip < 1.0 or overflow:
+                    self.redone_steps.append(step)
+            self._speculating = not overflow and self._speculates_after(clip)
             for s in deferred:
                 self._submit_update(s, step, lr, unscale=unscale, apply=not overflow, clip=clip, reduced=reduced)
             if resident is not None:
@@ -233,6 +296,12 @@ class HostOptimizer:
         for job in self._updates.pop(step - self.lag, []):
             self.compute.wait(job.result())
         return norm
+
+    def _overflowed(self, waited: list[int]) -> bool:
+        """Whether a gradient of this process's is not finite: one an update made before the vote
+        found (:meth:`_update`), or one of the ``waited`` stages'."""
+        return None in self._speculated.values() or any(
+            not torch.isfinite(g).all() for s in waited for g in self.store.stages[s].gradients())
 
     def _squares(self, stages: list[int]) -> float:
         """This process's share of the sum of squares of the step's gradients: those of the

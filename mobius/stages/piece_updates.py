@@ -9,6 +9,14 @@ step ``1 + lag`` later reads; then its version says so, and the loads that read 
 next gradients wait for that update before landing in its staging buffer, so its updates stay in
 step order on any of the threads.
 
+Without a lag or replicas the updates that clipping's norm or fp16's vote hold back need not wait
+for them: a piece's update runs as its gradients are summed (unscaled, its sum of squares taken
+first; none where a gradient is not finite) and writes its compute copy; the loads wait for the
+step's decision, which keeps the updates, takes them back (a step the vote skips:
+:func:`~mobius.runtime.optim.undo_adamw_step`), or takes them back and redoes them with the
+gradients clipped.  The first step, and a step after one that clipped or overflowed, wait for the
+decision instead (as the bound schedule's :class:`~mobius.stages.host_optimizer.HostOptimizer`).
+
 In fp16 the pieces wait for the step's last gradients too: the step's overflow vote (a non-finite
 gradient anywhere, on any replica) decides whether every piece steps, with its gradients unscaled,
 or none does; the loss scale the vote leaves is the one the next step's head scales its loss by
@@ -34,7 +42,8 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import DynamicLossScaler, clip_coefficient, set_lr, squares
+from mobius.runtime.optim import (
+    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.swap.store import HostStageStore
 
@@ -158,6 +167,11 @@ class PieceUpdates:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         self._jobs: list = []
         self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
+        self._speculating = False  # whether this step's updates start before its norm (not the first's)
+        # this step's pieces updated before its decision -> their squares (None: a gradient not finite)
+        self._speculated: dict[int, float | None] = {}
+        self.speculated_steps: list[int] = []  # steps whose updates started before their norm was known
+        self.redone_steps: list[int] = []  # those of them that clipped: their updates taken back and redone
         self._last_step = -1  # the latest step whose gradients came home
         self.replicas = replicas
         self._threads: list[threading.Thread] = []
@@ -223,6 +237,8 @@ class PieceUpdates:
         if self.replicas is not None:
             self.summed.put(piece, step)  # the sums' thread takes it from here
             return
+        if self._speculating and piece not in self.tied:
+            self._adamw(piece, step, 1.0, device, speculative=True)
         held = self._held(step, piece)
         if held is None:
             self._adamw(piece, step, 1.0, device)
@@ -248,11 +264,15 @@ class PieceUpdates:
     def _released(self, step: int, pieces: list[int], squares_of, any_of=bool) -> list[tuple[int, float | None]]:
         """The pieces held for each other, their tied table's gradients summed, each with the
         coefficient its gradients are multiplied by: the clip (from ``squares_of(pieces)``, the sum
-        of squares of their gradients, where the step clips) over fp16's loss scale; None where
-        the step's vote (``any_of``: over the replicas) found an overflow and it is skipped."""
+        of squares of their gradients, where the step clips) over fp16's loss scale (a piece
+        updated before the step's decision has its gradients unscaled already); None where the
+        step's vote (``any_of``: over the replicas) found an overflow and it is skipped."""
         if self.tied and self.tied <= set(pieces):
             self._sum_tied()
         scale = self.scale_of(step)
+        with self._lock:
+            speculated = dict(self._speculated)
+        overflow, clip = False, 1.0
         if self.scaler.enabled:
             overflow = any_of(self._overflowed(pieces))
             self.scaler.update(overflow)
@@ -260,18 +280,24 @@ class PieceUpdates:
                 self._scales[step + 1] = self.scaler.scale
                 self._scales.pop(step - 1, None)
                 self.board.cond.notify_all()
-            if overflow:
-                return [(q, None) for q in sorted(pieces)]
-        if not self.rule.max_grad_norm:
-            return [(q, 1.0 / scale) for q in sorted(pieces)]
-        total = squares_of([q for q in pieces if q not in self.resident]) / scale ** 2
-        total += self._resident_squares.pop(step, 0.0)
-        self.grad_norm[step] = total ** 0.5
-        clip = clip_coefficient(total, self.rule.max_grad_norm)
-        with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
-            self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
-            self.board.cond.notify_all()
-        return [(q, clip / scale) for q in sorted(pieces) if q not in self.resident]
+        if self.rule.max_grad_norm and not overflow:
+            total = squares_of([q for q in pieces if q not in self.resident and q not in speculated]) / scale ** 2
+            total += self._resident_squares.pop(step, 0.0) + sum(speculated.values())
+            self.grad_norm[step] = total ** 0.5
+            clip = clip_coefficient(total, self.rule.max_grad_norm)
+            with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
+                self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
+                self.board.cond.notify_all()
+        if speculated:
+            self.speculated_steps.append(step)
+            if overflow or clip < 1.0:
+                self.redone_steps.append(step)
+        # Clipping runs in stretches: after a step that clipped (or overflowed), the next waits.
+        self._speculating = not overflow and clip == 1.0 and updates_speculate(
+            self.rule.max_grad_norm, self.lag, self.scaler.enabled, self.replicas is not None)
+        if overflow:
+            return [(q, None) for q in sorted(pieces)]
+        return [(q, clip if q in speculated else clip / scale) for q in sorted(pieces) if q not in self.resident]
 
     def start_scaling(self, step: int) -> None:
         """The run's first step (or the first after a resume) is ``step``: its head scales by the
@@ -356,13 +382,35 @@ class PieceUpdates:
             self.replicas.broadcast_weights(self.store.stages[piece])
             self._publish(piece, step)
 
-    def _adamw(self, piece: int, step: int, coefficient: float | None, device: Device) -> None:
+    def _adamw(self, piece: int, step: int, coefficient: float | None, device: Device,
+               speculative: bool = False) -> None:
         """AdamW of ``piece`` with step ``step``'s gradients times ``coefficient`` (the clip over
-        fp16's loss scale; None: a step fp16's vote skips, the weights as they are)."""
+        fp16's loss scale; None: a step fp16's vote skips, the weights as they are).
+        ``speculative``: before the step's norm is known, the gradients' squares taken first, the
+        gradients kept and the loads held back; a piece updated so comes back here with the step's
+        clip: kept as it is, or taken back and redone with its gradients clipped."""
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
+            if speculative:  # unscaled, and not updated at all where a gradient is not finite
+                grads = [p.grad for g in host.optimizer.param_groups for p in g["params"]]
+                if self.scaler.enabled:
+                    for g in grads:
+                        g.div_(self.scale_of(step))
+                finite = all(torch.isfinite(g).all() for g in grads)
+                with self._lock:
+                    self._speculated[piece] = squares(grads) if finite else None
+                if not finite:
+                    return
+            elif piece in self._speculated:
+                with self._lock:
+                    applied = self._speculated.pop(piece) is not None
+                if not applied or coefficient == 1.0:  # nothing to take back
+                    host.optimizer.zero_grad(set_to_none=True)
+                    self._publish(piece, step, refresh=False)
+                    return
+                undo_adamw_step(host.optimizer)
             if coefficient is not None and coefficient != 1.0:
                 for group in host.optimizer.param_groups:
                     for p in group["params"]:
@@ -371,17 +419,22 @@ class PieceUpdates:
                 with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups
                                                  for p in g["params"])):
                     host.optimizer.step()
-            host.optimizer.zero_grad(set_to_none=True)
+            if not speculative:
+                host.optimizer.zero_grad(set_to_none=True)
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
-        if self.replicas is not None:
+        if speculative:  # the compute copy now, the loads once the norm keeps it
+            self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
+        elif self.replicas is not None:
             self.stepped.put(piece, step)  # the broadcasts' thread takes it from here
         else:
             self._publish(piece, step)
 
-    def _publish(self, piece: int, step: int) -> None:
+    def _publish(self, piece: int, step: int, refresh: bool = True) -> None:
         """Piece ``piece``'s master after step ``step``'s update into the compute copy the step
-        ``1 + lag`` later reads; then the loads waiting for it go on."""
-        self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
+        ``1 + lag`` later reads (unless it is there: ``refresh`` off); then the loads waiting for it
+        go on."""
+        if refresh:
+            self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         with self.board.cond:
             self.board.versions[piece] = step + 1
             self.board.cond.notify_all()
