@@ -13,10 +13,13 @@ import tempfile  # noqa: E402
 # The suite's own caches, made fresh for each run and removed after it: nothing under the user's
 # home is read or written, and no measurement an earlier run left (a runtime calibration taken on
 # a busy machine, say) decides a test.  Set before anything imports mobius (mobius.boundary.cache
-# reads it at each use); worker processes inherit it.
-_SCRATCH = tempfile.mkdtemp(prefix="mobius-tests-")
-_OWNER = os.getpid()  # a forked child exiting through atexit must not remove it under the suite
-atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_SCRATCH, ignore_errors=True))
+# reads it at each use); worker processes inherit it, and so do the test processes pytest-xdist
+# starts, which share what one of them measured (a calibration costs 20 CPU-seconds).
+_SCRATCH = os.environ.get("MOBIUS_TEST_SCRATCH") if os.environ.get("PYTEST_XDIST_WORKER") else None
+if _SCRATCH is None or not os.path.isdir(_SCRATCH):  # this run's first (or only) test process
+    _SCRATCH = os.environ["MOBIUS_TEST_SCRATCH"] = tempfile.mkdtemp(prefix="mobius-tests-")
+    _OWNER = os.getpid()  # a forked child exiting through atexit must not remove it under the suite
+    atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_SCRATCH, ignore_errors=True))
 os.environ["MOBIUS_CACHE"] = os.path.join(_SCRATCH, "mobius")
 os.environ["HF_HOME"] = os.path.join(_SCRATCH, "huggingface")
 os.environ["XDG_CACHE_HOME"] = os.path.join(_SCRATCH, "cache")
