@@ -167,7 +167,7 @@ class PieceUpdates:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         self._jobs: list = []
         self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
-        self._speculating = False  # whether this step's updates start before its norm (not the first's)
+        self._speculating = False  # whether this step's updates start before its decision (not the first's)
         # this step's pieces updated before its decision -> their squares (None: a gradient not finite)
         self._speculated: dict[int, float | None] = {}
         self.speculated_steps: list[int] = []  # steps whose updates started before their norm was known
@@ -386,9 +386,10 @@ class PieceUpdates:
                speculative: bool = False) -> None:
         """AdamW of ``piece`` with step ``step``'s gradients times ``coefficient`` (the clip over
         fp16's loss scale; None: a step fp16's vote skips, the weights as they are).
-        ``speculative``: before the step's norm is known, the gradients' squares taken first, the
-        gradients kept and the loads held back; a piece updated so comes back here with the step's
-        clip: kept as it is, or taken back and redone with its gradients clipped."""
+        ``speculative``: before the step's vote and norm are known, the gradients unscaled and their
+        squares taken first (no update where one is not finite), the gradients kept and the loads
+        held back; a piece updated so comes back here with the step's decision: kept, taken back
+        (None: a step the vote skips), or taken back and redone with its gradients clipped."""
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         if host.optimizer is not None:
