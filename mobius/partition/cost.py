@@ -88,7 +88,8 @@ class Machine:
     replicas: int = 1  # data-parallel replicas: each host updates 1/replicas of every stage
     network_bps: float = 0.0  # the node's network to the other replicas, shared by its workers
     optimizer_lag: int = 0  # 1: the updates run while the next step computes (off the critical path)
-    # --max-grad-norm: no update starts before the step's last gradient is home (the global norm)
+    # --max-grad-norm where updates wait for the norm (mobius.planning.pipeline.clipping_waits): no
+    # update starts before the step's last gradient is home
     clip: bool = False
     # The first load of every slot starts at once; those under one root complex share its bandwidth.
     link: tuple[float, ...] = ()  # bytes/s of each slot's own link (empty: ``bandwidth``)

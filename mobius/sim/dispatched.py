@@ -104,8 +104,9 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
     ``steps`` steps (default :data:`OVERLAPPED_STEPS`; 1: a step alone, ending with its device
     work), unless a host thread's AdamW of a step takes longer.  ``resident``: (kept forward stage,
     GPU) pairs whose weights stay on that GPU, updated there (without the lag: a step alone, its
-    weights there from the step before).  ``whole_step`` (clipping, fp16): every host update of a
-    step waits for all of the step's gradients (its norm, its overflow vote)."""
+    weights there from the step before).  ``whole_step`` (clipping, fp16, where the updates cannot
+    start before the step's decision: :func:`mobius.planning.pipeline.updates_wait_for_the_step`):
+    every host update of a step waits for all of the step's gradients (its norm, its overflow vote)."""
     if not valid_partitions(forward, backward, kept):
         raise ValueError(f"backward partition {backward} does not end within forward partition {forward}, "
                          f"or its last {kept} stages before the head's are not forward stages")
