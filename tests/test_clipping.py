@@ -141,7 +141,8 @@ def test_an_adamw_step_taken_back_and_redone_clipped_is_the_clipped_step():
             mine.grad.mul_(0.5)
             a.step()
             b.step()
-        for got, want in ((mine, theirs), *((a.state[mine][k], b.state[theirs][k]) for k in ("exp_avg", "exp_avg_sq"))):
+        moments = ((a.state[mine][k], b.state[theirs][k]) for k in ("exp_avg", "exp_avg_sq"))
+        for got, want in ((mine, theirs), *moments):
             assert ((got - want).norm() / want.norm()).item() < 1e-6
         assert float(a.state[mine]["step"]) == 4.0
 
@@ -158,7 +159,8 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
     workers = []
     close(*run_in_threads(cfg, workers_out=workers), ref_losses, ref_weights)
     for _, parts in workers:
-        assert (parts.runner.optimizer.speculated_steps, parts.runner.optimizer.redone_steps) == ([3, 6, 7, 8, 9], [3])
+        optimizer = parts.runner.optimizer
+        assert (optimizer.speculated_steps, optimizer.redone_steps) == ([3, 6, 7, 8, 9], [3])
 
 
 @pytest.mark.slow

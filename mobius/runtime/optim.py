@@ -52,8 +52,8 @@ class UpdateRule:
         decay = {"cosine": "cosine to 0", "linear": "linear to 0", "cosine_with_min_lr":
                  f"cosine to {self.min_lr_ratio:g}x", "constant": "constant", "constant_with_warmup": "constant"}
         warm = f" after {self.warmup} warm-up step{'s' if self.warmup != 1 else ''}" if self.warmup else ""
-        clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (without a lag or replicas the "
-                "host's updates start before the norm is known, and a step that clips is redone)"
+        clip = (f"; gradients clipped at a global norm of {self.max_grad_norm:g} (without a lag, replicas or the "
+                "disk tier the host's updates start before the norm is known, and a step that clips is redone)"
                 if self.max_grad_norm else "; no gradient clipping")
         return (f"AdamW at lr {self.lr:g} (betas {self.betas[0]:g}/{self.betas[1]:g}, eps {self.eps:g}, weight "
                 f"decay {self.weight_decay:g} on matrices), {decay[self.scheduler]}{warm} (transformers' "
