@@ -15,6 +15,7 @@ from mobius.boundary.errors import RunError, shown
 from mobius.config import OutputConfig, RunConfig
 from mobius.metrics import Evaluation, MetricsWriter, StepMetrics, seconds_text
 from mobius.metrics.reporters import open_reports
+from mobius.runtime.optim import clip_coefficient
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
 
@@ -100,7 +101,7 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     if switched_at is not None:
         return history  # the run goes on, on another plan
     if main and history:
-        print(summary(history, time.perf_counter() - t0), flush=True)
+        print(summary(history, time.perf_counter() - t0, cfg.optim.max_grad_norm), flush=True)
     if main and stopped_at is not None:
         saved = (f"checkpoint saved to {shown(save)}; continue with --resume {shown(save)}" if save
                  else "nothing saved (no --save)")
@@ -123,8 +124,9 @@ def postfix(history: list[StepMetrics]) -> dict[str, str]:
     return shown
 
 
-def summary(history: list[StepMetrics], wall: float) -> str:
-    """The run's last line: its steps, loss, throughput and peak memory (emulated: the GPUs' median step)."""
+def summary(history: list[StepMetrics], wall: float, max_grad_norm: float = 0.0) -> str:
+    """The run's last line: its steps, loss, throughput and peak memory (emulated: the GPUs' median
+    step); where it clips, how many steps did (each waited for its norm or redid its updates)."""
     tokens = sum(m.tokens for m in history)
     peak = max(m.peak_device_bytes for m in history)
     emulated = [m.emulated_step_s for m in history if m.emulated_step_s is not None]
@@ -132,5 +134,10 @@ def summary(history: list[StepMetrics], wall: float) -> str:
     if emulated:  # after the first step (warm-up), as the benchmarks count it
         typical = sorted(emulated[1:] or emulated)[len(emulated[1:] or emulated) // 2]
         on_gpus = f"; emulated GPUs: {seconds_text(typical)}/step (median), {history[-1].tokens / typical:.0f} tokens/s"
+    clipped = ""
+    if max_grad_norm:
+        n = sum(1 for m in history if m.grad_norm is not None and clip_coefficient(m.grad_norm ** 2, max_grad_norm) < 1)
+        clipped = f"; {n} of {len(history)} steps clipped"
     return (f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
-            f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}")
+            f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}"
+            f"{clipped}")
