@@ -1,6 +1,8 @@
 """A run compares its first steps with its plan, names a lane that is off, and keeps the host's
 measured AdamW rate for the next plan on this machine."""
 
+import dataclasses
+
 import pytest
 
 from mobius.metrics import StepMetrics
@@ -66,6 +68,11 @@ def test_within_a_fifth_nothing_is_said_and_small_updates_keep_no_rate():
     assert line.endswith("too few parameters a step to take it for the host's rate") and kept == []
     (line,) = PlanCheck(plan, kept.append).after(steps(adam_s=0.16, rate=1e8, step_s=2.0))
     assert line == "plan check: step 2.00 s measured, 1.00 s predicted (2.00x)" and kept == []
+    # A plan is of the steps that do not clip: measured steps that did are named.
+    clipping = [dataclasses.replace(m, grad_norm=norm) for m, norm in zip(steps(0.16, 1e8, 2.0), (5, 5, 0.5, 5))]
+    (line,) = PlanCheck(plan, kept.append, max_grad_norm=1.0).after(clipping)
+    assert line.endswith("(2.00x); 2 of those 3 steps clipped (the plan is of steps that do not: one that clips "
+                         "waits for its norm or redoes its updates)")
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Callable
 from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models.precision import element_bytes
+from mobius.runtime.optim import clip_coefficient
 from mobius.runtime.spec import Lane, Plan, RunSpec
 
 STEPS = 3  # measured steps compared, after the warm-up step
@@ -73,11 +74,12 @@ class PlanCheck:
     not during it: a re-plan mid-run must not profile)."""
 
     def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0,
-                 predicted_step_s: float | None = None):
+                 predicted_step_s: float | None = None, max_grad_norm: float = 0.0):
         """``predicted_step_s``: the step the run was predicted to take, where it is not the plan's
         (the dispatched schedule's: its lanes are not the plan's either, and its metrics leave them
-        out)."""
+        out); ``max_grad_norm``: the run's clipping (a plan is that of steps that do not clip)."""
         self.plan, self.keep_rate, self.first = plan, keep_rate, first
+        self.max_grad_norm = max_grad_norm
         self.predicted_step_s = predicted_step_s or plan.predicted_step_s
         self.done = False
         self.stale_profile = False
@@ -96,8 +98,12 @@ class PlanCheck:
         self.measured_step_s = step
         if _off(step, self.predicted_step_s):
             self.off.append("step")
+            clipped = sum(1 for m in measured if m.grad_norm is not None
+                          and clip_coefficient(m.grad_norm ** 2, self.max_grad_norm) < 1)
             lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.predicted_step_s)} "
-                         f"predicted ({step / self.predicted_step_s:.2f}x)")
+                         f"predicted ({step / self.predicted_step_s:.2f}x)"
+                         + (f"; {clipped} of those {STEPS} steps clipped (the plan is of steps that do not: one "
+                            "that clips waits for its norm or redoes its updates)" if clipped else ""))
         computed = [m.compute_s for m in measured if m.compute_s is not None]
         compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
         compute_line = ""

@@ -447,7 +447,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             if spec.host_rate_key:
                 HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
 
-        check = PlanCheck(spec.plan, keep_rate, predicted_step_s=spec.predicted_step_s()) \
+        check = PlanCheck(spec.plan, keep_rate, predicted_step_s=spec.predicted_step_s(),
+                          max_grad_norm=cfg.optim.max_grad_norm) \
             if rank == 0 and spec.plan is not None else None
         checks = [check]
         switch = None
@@ -475,7 +476,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             old, backend = backend, None  # closed by the switch
             backend = switch_plans(old, payload, spec, at, lambda new: build(
                 WorkerContext(cfg, new, rank, world, device, trace, data, payload)), rank)
-            check = PlanCheck(spec.plan, keep_rate, first=len(history)) if rank == 0 else None
+            check = PlanCheck(spec.plan, keep_rate, first=len(history), max_grad_norm=cfg.optim.max_grad_norm) \
+                if rank == 0 else None
             checks.append(check)
             history = run_steps(cfg, one_step, f"switched plans after step {at}: {spec.plan.shape()}, predicted "
                                 f"{seconds_text(spec.plan.predicted_step_s)}/step",
