@@ -38,12 +38,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return 0 if "not slow" in (config.option.markexpr or "") else 2
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """The slow tests first, the quick ones after (each group in its own order): the test
-    processes then end on tests of a second or two, and neither waits long for the other's last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def fault_env(fault: str) -> dict[str, str]:
     """What a run's environment adds so that its workers fail as ``fault`` says (``RANK:STEP``: that
     worker is killed in that step; ``start``: every worker is held before training starts), by
