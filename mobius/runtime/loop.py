@@ -15,7 +15,7 @@ from mobius.boundary.errors import RunError, shown
 from mobius.config import OutputConfig, RunConfig
 from mobius.metrics import Evaluation, MetricsWriter, StepMetrics, seconds_text
 from mobius.metrics.reporters import open_reports
-from mobius.runtime.optim import clip_coefficient
+from mobius.runtime.optim import steps_clipped
 from mobius.runtime.plan_check import PlanCheck, PlanSwitch
 from mobius.signals import StopRequest
 
@@ -136,8 +136,7 @@ def summary(history: list[StepMetrics], wall: float, max_grad_norm: float = 0.0)
         on_gpus = f"; emulated GPUs: {seconds_text(typical)}/step (median), {history[-1].tokens / typical:.0f} tokens/s"
     clipped = ""
     if max_grad_norm:
-        n = sum(1 for m in history if m.grad_norm is not None and clip_coefficient(m.grad_norm ** 2, max_grad_norm) < 1)
-        clipped = f"; {n} of {len(history)} steps clipped"
+        clipped = f"; {steps_clipped((m.grad_norm for m in history), max_grad_norm)} of {len(history)} steps clipped"
     return (f"done: {len(history)} steps, loss {history[0].loss:.4f} -> {history[-1].loss:.4f}, "
             f"{tokens / wall:.0f} tokens/s, wall {wall:.1f} s, peak device memory {peak / 2**20:.1f} MiB{on_gpus}"
             f"{clipped}")

@@ -156,6 +156,11 @@ def undo_adamw_step(optimizer: torch.optim.AdamW) -> None:
             state["step"] -= 1
 
 
+def steps_clipped(norms: Iterable[float | None], max_norm: float) -> int:
+    """How many of the steps whose global norms are ``norms`` (None: not taken) clipped."""
+    return sum(1 for norm in norms if norm is not None and clip_coefficient(norm ** 2, max_norm) < 1)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

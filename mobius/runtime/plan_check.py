@@ -20,7 +20,7 @@ from typing import Callable
 from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.models.precision import element_bytes
-from mobius.runtime.optim import clip_coefficient
+from mobius.runtime.optim import steps_clipped
 from mobius.runtime.spec import Lane, Plan, RunSpec
 
 STEPS = 3  # measured steps compared, after the warm-up step
@@ -98,8 +98,7 @@ class PlanCheck:
         self.measured_step_s = step
         if _off(step, self.predicted_step_s):
             self.off.append("step")
-            clipped = sum(1 for m in measured if m.grad_norm is not None
-                          and clip_coefficient(m.grad_norm ** 2, self.max_grad_norm) < 1)
+            clipped = steps_clipped((m.grad_norm for m in measured), self.max_grad_norm)
             lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.predicted_step_s)} "
                          f"predicted ({step / self.predicted_step_s:.2f}x)"
                          + (f"; {clipped} of those {STEPS} steps clipped (the plan is of steps that do not: one "
