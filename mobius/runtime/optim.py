@@ -156,6 +156,17 @@ def undo_adamw_step(optimizer: torch.optim.AdamW) -> None:
             state["step"] -= 1
 
 
+def unscaled_squares(optimizer: torch.optim.Optimizer, unscale: float | None) -> float | None:
+    """The gradients ``optimizer`` steps with divided in place by ``unscale`` (fp16's loss scale;
+    None: as they are), and the sum of their squares; None where one is not finite (the step's
+    vote will skip it).  What an update made before the step's decision takes first."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    if unscale is not None:
+        for g in grads:
+            g.div_(unscale)
+    return squares(grads) if all(torch.isfinite(g).all() for g in grads) else None
+
+
 def steps_clipped(norms: Iterable[float | None], max_norm: float) -> int:
     """How many of the steps whose global norms are ``norms`` (None: not taken) clipped."""
     return sum(1 for norm in norms if norm is not None and clip_coefficient(norm ** 2, max_norm) < 1)

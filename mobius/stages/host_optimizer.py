@@ -40,7 +40,8 @@ from torch import nn
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
 from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, updates_speculate)
+    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, unscaled_squares,
+    updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
@@ -187,15 +188,10 @@ class HostOptimizer:
         if not host.trains:
             return self.host.record()
         if speculative:
-            grads = [p.grad for group in host.optimizer.param_groups for p in group["params"]]
-            if unscale is not None:
-                for g in grads:
-                    g.div_(unscale)
-                unscale = None
-            if not all(torch.isfinite(g).all() for g in grads):  # the vote will skip the step
-                self._speculated[s] = None
+            self._speculated[s] = unscaled_squares(host.optimizer, unscale)
+            if self._speculated[s] is None:  # a gradient not finite: the vote will skip the step
                 return self.host.record()
-            self._speculated[s] = squares(grads)
+            unscale = None
         elif s in self._speculated:
             if self._speculated.pop(s) is None or (apply and clip == 1.0):  # nothing to take back
                 host.optimizer.zero_grad(set_to_none=True)

@@ -43,7 +43,8 @@ from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, updates_speculate)
+    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, unscaled_squares,
+    updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.swap.store import HostStageStore
 
@@ -395,14 +396,10 @@ class PieceUpdates:
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
             if speculative:  # unscaled, and not updated at all where a gradient is not finite
-                grads = [p.grad for g in host.optimizer.param_groups for p in g["params"]]
-                if self.scaler.enabled:
-                    for g in grads:
-                        g.div_(self.scale_of(step))
-                finite = all(torch.isfinite(g).all() for g in grads)
+                found = unscaled_squares(host.optimizer, self.scale_of(step) if self.scaler.enabled else None)
                 with self._lock:
-                    self._speculated[piece] = squares(grads) if finite else None
-                if not finite:
+                    self._speculated[piece] = found
+                if found is None:
                     return
             elif piece in self._speculated:
                 with self._lock:
