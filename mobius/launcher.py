@@ -6,9 +6,9 @@ Workers are forked from multiprocessing's fork server, which imports what every 
 (:data:`WORKER_MODULES`), in the background from :func:`start_worker_server` on: a worker that
 imported torch and our modules itself took 2 s of CPU to start.  The server is a fresh interpreter
 that has only imported modules: no CUDA context, no thread of ours, nothing to inherit but code.
-A worker takes the launcher's environment as of the launch (its payload's, adopted first); where
-the launcher's stdout or stderr is no longer the server's (a caller capturing them), the workers are
-spawned instead, as their output goes where their parent's goes.
+A worker takes the launcher's environment and output as of the launch (its payload's
+:class:`~mobius.runtime.worker.Inherited`, adopted first): a caller that redirected its stdout since
+the server started (a test capturing it) still gets its workers' lines.
 
 A worker that dies ends the run: the elastic agent stops the others (no restarts) and we exit
 non-zero naming the rank and its error; collectives time out after 60 s, so nothing hangs.
@@ -37,7 +37,7 @@ from mobius.boundary.janitor import scratch_dir, temporary_files_in
 from mobius.data.shared import share
 from mobius.runtime.emulation import create_counters
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import WorkerPayload, outside_torchrun
+from mobius.runtime.worker import Inherited, WorkerPayload, outside_torchrun
 from mobius.signals import LauncherSignals, start_fork_server
 
 
@@ -59,7 +59,7 @@ def start_worker_server() -> None:
     # 180 MB reserved but unusable beside 500 MB of tensors under a 760 MB cap (H100, GPT-2 medium).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     multiprocessing.set_forkserver_preload(list(WORKER_MODULES))
-    global _server_dir, _server_output
+    global _server_dir
     if _server_dir is None:
         # multiprocessing keeps the server's socket in a directory it removes only at a clean exit:
         # made inside one of ours, it goes however this process ends.  A socket's path has room
@@ -69,28 +69,6 @@ def start_worker_server() -> None:
         _server_dir = _lifetime.enter_context(scratch_dir("mobius-server-", under))
     with temporary_files_in(_server_dir), outside_torchrun():
         start_fork_server()
-    if _server_output is None:
-        _server_output = output_files()
-
-
-def worker_start_method() -> str:
-    """``forkserver``, or ``spawn`` where this process's stdout or stderr is no longer what the
-    server was started with (a caller capturing them, as a test does): a worker's output goes
-    where its parent's goes, and only a spawned worker's parent is this process."""
-    start_worker_server()
-    return "forkserver" if output_files() == _server_output else "spawn"
-
-
-def output_files() -> tuple:
-    """What this process's stdout and stderr are (device and inode of each; None where closed)."""
-    def identity(fd: int):
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-
-    return identity(1), identity(2)
 
 
 # What the server's socket path adds below the temporary directory: our directory, multiprocessing's
@@ -98,7 +76,6 @@ def output_files() -> tuple:
 SOCKET_PATH_BELOW = 55
 _lifetime = contextlib.ExitStack()  # closed by nobody: what it holds lasts as long as this process
 _server_dir: str | None = None
-_server_output: tuple | None = None  # output_files() when the server started: its workers write there
 
 
 def launch_workers(n: int, entry, payload: WorkerPayload, data: tuple | None, emulated_gpus: int | None = None
@@ -129,17 +106,17 @@ def run_workers(n: int, entry, payload: WorkerPayload, data: tuple | None = None
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     payload = replace(payload, t_origin=time.perf_counter())
-    method = worker_start_method()  # the server started before the temporary directory below: it outlives the run
+    start_worker_server()  # before the temporary directory below: the server outlives the run
     with scratch_dir("mobius-run-") as run_dir, temporary_files_in(run_dir):
         if data is not None:
             payload = replace(payload, data=share(*data, run_dir))
-        return _launch(n, entry, payload, run_dir, method)
+        return _launch(n, entry, payload, run_dir)
 
 
-def _launch(n: int, entry, payload: WorkerPayload, run_dir: str, method: str) -> dict:
+def _launch(n: int, entry, payload: WorkerPayload, run_dir: str) -> dict:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"mobius-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method=method, signals_to_handle="",  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: ours
+                          start_method="forkserver", signals_to_handle="",  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: ours
                           logs_specs=DefaultLogsSpecs(log_dir=run_dir))  # the agent's directory goes with ours
     # First SIGINT/SIGTERM: the workers finish the step and save; a second: everything exits now.
     signals = LauncherSignals(run_dir)
@@ -147,7 +124,7 @@ def _launch(n: int, entry, payload: WorkerPayload, run_dir: str, method: str) ->
                       started_file=str(signals.started_file), run_dir=run_dir)
     try:
         with signals, outside_torchrun():
-            return elastic_launch(launch, entry)(replace(payload, environ=dict(os.environ)))
+            return elastic_launch(launch, entry)(replace(payload, inherited=Inherited.now()))
     except ChildFailedError as err:
         if signals.aborted:
             print(f"interrupted ({signal.Signals(signals.aborted).name}) before training started", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing.reduction
 import os
 import re
 import signal
@@ -87,7 +88,7 @@ class WorkerPayload:
     stop_file: str | None = None  # the launcher's stop request (mobius.signals)
     started_file: str | None = None  # touched once training has started
     run_dir: str | None = None  # the launcher's directory of this run, removed when it ends
-    environ: dict[str, str] | None = None  # the launcher's environment at the launch (adopt_environment)
+    inherited: Inherited | None = None  # the launcher's environment and output at the launch
     # --replan auto (rank 0 calls it): (spec, measured step, steps left, switch cost) -> (new spec or None, why)
     replan: Callable[[RunSpec, float, int, float], tuple[RunSpec | None, str]] | None = None
 
@@ -151,16 +152,47 @@ class WorkerBackend(Protocol):
         """Stop the backend's threads and release its device memory."""
 
 
-def adopt_environment(environ: dict[str, str] | None) -> None:
-    """This process's environment made ``environ`` (the launcher's as of the launch), torch elastic's
-    variables for this worker kept: a worker forked from the fork server (:mod:`mobius.launcher`)
-    starts with the server's, which is the launcher's as of an earlier moment."""
-    if environ is None:
-        return
-    elastic = {k: v for k, v in os.environ.items()
-               if k in TORCHRUN_ENV or k.startswith("TORCHELASTIC_") or k in ELASTIC_DEFAULTS and k not in environ}
-    os.environ.clear()
-    os.environ.update({**environ, **elastic})
+class Inherited:
+    """What a worker takes from its launcher as of the launch: the environment, and where stdout
+    and stderr go.  A worker forked from the fork server (:mod:`mobius.launcher`) starts with the
+    server's, which are the launcher's as of an earlier moment: a variable set since, or output
+    redirected since (a caller capturing it, as a test does), would be missed.  The descriptors
+    travel as multiprocessing passes a connection's (``reduction.DupFd``, while the worker is
+    started); a closed one stays as the worker found it."""
+
+    def __init__(self, environ: dict[str, str], output: tuple[int | None, int | None] = (1, 2)):
+        self.environ, self.output = environ, output
+
+    @classmethod
+    def now(cls) -> Inherited:
+        return cls(dict(os.environ))
+
+    def __reduce__(self):
+        return _inherited, (self.environ, *(_passed(fd) for fd in self.output))
+
+    def adopt(self) -> None:
+        """This process's environment and output made the launcher's, torch elastic's variables
+        for this worker kept."""
+        elastic = {k: v for k, v in os.environ.items() if k in TORCHRUN_ENV or k.startswith("TORCHELASTIC_")
+                   or k in ELASTIC_DEFAULTS and k not in self.environ}
+        os.environ.clear()
+        os.environ.update({**self.environ, **elastic})
+        for fd, target in zip(self.output, (1, 2)):
+            if fd is not None and fd != target:  # a spawned worker was handed its own: nothing to do
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _passed(fd: int | None):
+    try:
+        os.fstat(fd)
+    except (OSError, TypeError):  # closed in the launcher (or None)
+        return None
+    return multiprocessing.reduction.DupFd(fd)
+
+
+def _inherited(environ: dict[str, str], *passed) -> Inherited:
+    return Inherited(environ, tuple(None if p is None else p.detach() for p in passed))
 
 
 @contextlib.contextmanager
@@ -249,7 +281,8 @@ def run_worker(payload: WorkerPayload, build: Callable[[WorkerContext], WorkerBa
                decision: Decision | None = None) -> WorkerResult:
     """The life of one worker: ``build`` makes its backend.  Under torchrun the payload has no
     spec: it comes from the ``decision``."""
-    adopt_environment(payload.environ)
+    if payload.inherited is not None:  # None under torchrun: its workers are its children
+        payload.inherited.adopt()
     with tied_to_launcher(payload.launcher_pid):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         spec = payload.spec

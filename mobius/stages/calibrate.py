@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from mobius.boundary.janitor import scratch_dir, temporary_files_in
 from mobius.config import RunConfig
 from mobius.data import BatchSource
-from mobius.launcher import worker_start_method
+from mobius.launcher import start_worker_server
 from mobius.mapping import cross_map
 from mobius.metrics import Trace
 from mobius.models import get_config, layer_count
@@ -47,7 +47,7 @@ from mobius.partition.cost import settle, stage_costs
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import Plan, RunSpec, StagePlan
-from mobius.runtime.worker import adopt_environment, outside_torchrun, tied_to_launcher
+from mobius.runtime.worker import Inherited, outside_torchrun, tied_to_launcher
 from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
@@ -82,11 +82,11 @@ def _plan(stages: int, micro_batches: int) -> Plan:
                                   c.mem_bwd, c.grad_bytes) for j, c in enumerate(costs)])
 
 
-def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: int, environ: dict[str, str]) -> None:
+def _worker(rank: int, port: int, threads: int, steps: int, out: str, parent: int, inherited: Inherited) -> None:
     """One calibration worker process: every configuration in turn; a step takes as long as the
     slower worker, and rank 0 writes each configuration's fastest step to ``out``.  Signals are
     the launcher's to handle: it ends us, and we end with it (``parent``), in its environment."""
-    adopt_environment(environ)
+    inherited.adopt()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     with tied_to_launcher(parent):
@@ -141,13 +141,13 @@ class CalibrationRuns:
             port = s.getsockname()[1]
         tmp = self._done.enter_context(scratch_dir("mobius-calibration-"))
         self._out = Path(tmp) / "times.json"
-        method = worker_start_method()  # the run's workers are forked from the same server
+        start_worker_server()  # the run's workers are forked from the same server
         try:
             # (rank 0 of a torchrun plans: its workers rendezvous afresh)
             with outside_torchrun(), temporary_files_in(tmp):  # torch's error files: ours to remove
                 self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid(),
-                                                                  dict(os.environ)),
-                                                   nprocs=WORKERS, start_method=method, join=False)
+                                                                  Inherited.now()),
+                                                   nprocs=WORKERS, start_method="forkserver", join=False)
         except BaseException:
             self._done.close()
             raise
