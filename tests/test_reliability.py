@@ -264,7 +264,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_0_pipeline(tmp_path):
         os.kill(tracker, signal.SIGKILL)
     _wait_for_step(p, tmp_path / "m.jsonl", 3)
     t0 = time.monotonic()  # a tracker is started again when something next needs one, not at once
-    while not (now := _resource_trackers(p.pid)) and time.monotonic() - t0 < PATIENCE_S and p.poll() is None:
+    while ((not (now := _resource_trackers(p.pid)) or set(now) & set(killed))  # a SIGKILL takes a moment
+           and time.monotonic() - t0 < PATIENCE_S and p.poll() is None):
         time.sleep(0.2)
     assert killed and now and not set(now) & set(killed)  # replaced
     p.send_signal(signal.SIGTERM)

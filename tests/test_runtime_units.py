@@ -445,7 +445,7 @@ def test_a_forked_worker_adopts_the_launchers_environment_and_keeps_its_rank(mon
     takes the launcher's as of the launch, with the rank torch's agent gave it."""
     import os
 
-    from mobius.runtime.worker import adopt_environment
+    from mobius.runtime.worker import Inherited
 
     launcher = {k: v for k, v in os.environ.items() if k != "MOBIUS_STREAM_JITTER_MS"}
     launcher["MOBIUS_CACHE"] = "/launchers/own/cache"
@@ -453,12 +453,46 @@ def test_a_forked_worker_adopts_the_launchers_environment_and_keeps_its_rank(mon
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
     monkeypatch.setenv("MOBIUS_CACHE", "/the/servers/cache")
-    adopt_environment(launcher)
+    Inherited(launcher, output=(None, None)).adopt()
     assert "MOBIUS_STREAM_JITTER_MS" not in os.environ
     assert (os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"], os.environ["MOBIUS_CACHE"]) == (
         "1", "run", "/launchers/own/cache")
     from mobius.boundary.cache import cache_root
     assert str(cache_root()) == "/launchers/own/cache"
+
+
+def _say(inherited) -> None:
+    import sys
+
+    inherited.adopt()
+    print("to the launcher's stdout")
+    print("to its stderr", file=sys.stderr)
+
+
+def test_a_forked_worker_writes_where_the_launcher_writes_now_not_where_the_server_started(capfd):
+    """The server started while this process's output went elsewhere (a caller capturing it
+    since, as this test does): a worker forked from it still writes here."""
+    import multiprocessing
+    import os
+
+    from mobius.launcher import start_worker_server
+    from mobius.runtime.worker import Inherited
+
+    saved = os.dup(1), os.dup(2)
+    elsewhere = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(elsewhere, 1), os.dup2(elsewhere, 2)
+        start_worker_server()  # (or started by an earlier test: its output is not this test's either)
+    finally:
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for fd in (elsewhere, *saved):
+            os.close(fd)
+    worker = multiprocessing.get_context("forkserver").Process(target=_say, args=(Inherited.now(),))
+    worker.start()
+    worker.join()
+    assert worker.exitcode == 0
+    said = capfd.readouterr()
+    assert (said.out, said.err) == ("to the launcher's stdout\n", "to its stderr\n")
 
 
 def test_a_cache_lock_another_process_holds_is_waited_for_a_bounded_time_and_said(monkeypatch, capsys):
