@@ -137,7 +137,8 @@ def predict(options: str, steps: int) -> dict:
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept),
-                          clip=clipping_waits(cfg, plan.precision)).step_s
+                          clip=clipping_waits(cfg, plan.precision), resident=tuple(plan.resident),
+                          device_adam_params_per_s=plan.device_adam_params_per_s).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,

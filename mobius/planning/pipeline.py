@@ -158,8 +158,9 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     simulated too (:func:`mobius.sim.simulate_mobius`, the runtime's operations on the same links).
     The plan's own prediction is its MIP's cost model, which ran up to 10% high on emulated boxes
     where the simulator came within 8% of both schedules (docs/benchmarks.md).  The simulator does
-    not model stages resident on their GPUs or state on disk: for such a plan it is the plan's
-    prediction.  (The disk tier is refused before this: ``mobius.plan`` never models it here.)"""
+    not model state on disk, nor resident stages of replicas (their device updates' sums): for such
+    a plan it is the plan's prediction.  (The disk tier is refused before this: ``mobius.plan``
+    never models it here.)"""
     if not topo.virtual and not cfg.emulation.enabled:
         topo = reserve_cuda_memory(topo)
     batch = cfg.batch
@@ -172,10 +173,11 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
                             tied=model_config.tie_embeddings and not cfg.lora.rank,
                             whole_step=updates_wait_for_the_step(cfg, plan.precision))
     bound, how = plan.predicted_step_s, "predicted"
-    if not plan.resident and not plan.disk_stages:
+    if not plan.disk_stages and not (plan.resident and plan.data_parallel > 1):
         simulated = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                                     kept=tuple(plan.kept), clip=clipping_waits(cfg, plan.precision),
-                                    adam_params_per_s=adam,
+                                    adam_params_per_s=adam, resident=tuple(plan.resident),
+                                    device_adam_params_per_s=plan.device_adam_params_per_s,
                                     optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
         if math.isfinite(simulated):
             bound, how = simulated, "simulated"

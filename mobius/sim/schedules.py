@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
-from mobius.partition.cost import exchanged_bytes, held_activations, holding_stages, stage_costs
+from mobius.partition.cost import exchanged_bytes, held_activations, holding_stages, resident_by_slot, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, DISK_READ, DISK_WRITE, H2D, NET, SimResult, Simulator, link_for
 
@@ -50,7 +50,8 @@ class SimOutcome:
 def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order: list[int], micro_batches: int,
                     recompute: bool = True, adam_params_per_s: float | None = None,
                     memory_bytes: list[int] | None = None, optimizer_lag: int = 0,
-                    prefetch: bool = True, kept: tuple[int, ...] = (), clip: bool = False) -> SimOutcome:
+                    prefetch: bool = True, kept: tuple[int, ...] = (), clip: bool = False,
+                    resident: tuple[int, ...] = (), device_adam_params_per_s: float = math.inf) -> SimOutcome:
     """One step of the Mobius pipeline as the runtime issues it, on its streams.  A stage's input (in
     backward its output gradient, and with recomputation its input again) is copied to the device
     on the compute stream, so it occupies the device before the compute, sharing the link and the
@@ -65,19 +66,23 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
     ``prefetch`` a stage's load starts once the previous one is done.  With ``recompute``, the
     stages ``kept`` keep their activations instead; kept activations take memory from the prefetches.
     With ``clip`` every update waits for the step's last gradients (the global norm); the step ends
-    with the last of them (as the cost model's, :func:`mobius.partition.cost.evaluate`)."""
-    st = stage_costs(profile, bounds, recompute, kept=kept)
+    with the last of them (as the cost model's, :func:`mobius.partition.cost.evaluate`).  The stages
+    ``resident`` stay on their GPUs with their optimizer state, never loaded or offloaded, and are
+    updated there after their last backward, at ``device_adam_params_per_s``, before that GPU's
+    next pass."""
+    st = stage_costs(profile, bounds, recompute, resident=resident, kept=kept)
     gpu = [order[j % len(order)] for j in range(len(bounds))]
     mem = list(memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus])
+    held_for_good = resident_by_slot(st, len(order), element_bytes(profile.dtype))
     for slot, held in enumerate(held_activations(st, len(order), micro_batches,
                                                  holding_stages(recompute, kept, len(st)))):
-        mem[order[slot]] -= held
+        mem[order[slot]] -= held + held_for_good[slot]
     for j, c in enumerate(st):
-        need = max(c.mem_fwd, c.mem_bwd)
+        need = max(c.pass_bytes(False), c.pass_bytes(True))
         if need > mem[gpu[j]]:
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
     step = _BoundStep(profile, st, topo, len(order), gpu, mem, micro_batches,
-                      adam_params_per_s or profile.host.adam_params_per_s, prefetch, clip)
+                      adam_params_per_s or profile.host.adam_params_per_s, prefetch, clip, device_adam_params_per_s)
     step.forward()
     step.backward()
     r = step.sim.run()
@@ -116,9 +121,10 @@ class _BoundStep:
     for the whole step, ``n`` GPUs; ``F`` and ``B`` hold each stage's and micro-batch's compute."""
 
     def __init__(self, profile: Profile, st: list, topo, n: int, gpu: list[int], mem: list[int],
-                 micro_batches: int, adam_params_per_s: float, prefetch: bool, clip: bool = False):
+                 micro_batches: int, adam_params_per_s: float, prefetch: bool, clip: bool = False,
+                 device_adam_params_per_s: float = math.inf):
         self.profile, self.st, self.n, self.gpu, self.mem = profile, st, n, gpu, mem
-        self.clip = clip
+        self.clip, self.device_adam_params_per_s = clip, device_adam_params_per_s
         self.M, self.S = micro_batches, len(st)
         self.host, self.adam_params_per_s, self.prefetch = profile.host, adam_params_per_s, prefetch
         self.link = replace(link_for(topo), network_bw=profile.host.network_bps)
@@ -134,7 +140,7 @@ class _BoundStep:
     def load(self, j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
         """Stage ``j``'s weights: what fits beside the running stage once ``early_dep`` is done, the
         rest once ``late_dep`` (that stage) is."""
-        size = self.st[j].param_bytes
+        size = self.st[j].loaded_bytes
         first = max(0.0, min(size, prefetch_bytes)) if self.prefetch else 0.0
         a = self.sim.add(f"{tag} load S{j} (prefetch)", H2D, self.gpu[j], first, (early_dep,), prio, "params")
         b = self.sim.add(f"{tag} load S{j}", H2D, self.gpu[j], size - first, (a, late_dep), prio, "params")
@@ -181,9 +187,9 @@ class _BoundStep:
         st, S, n, M, F, sim = self.st, self.S, self.n, self.M, self.F, self.sim
         for j in range(S):
             if j < n:
-                self.load_f[j] = [sim.add(f"F load S{j}", H2D, self.gpu[j], st[j].param_bytes, (), j, "params")]
+                self.load_f[j] = [sim.add(f"F load S{j}", H2D, self.gpu[j], st[j].loaded_bytes, (), j, "params")]
             else:
-                room = self.mem[self.gpu[j]] - st[j - n].mem_fwd
+                room = self.mem[self.gpu[j]] - st[j - n].pass_bytes(False)
                 self.load_f[j] = self.load(j, room, self.load_f[j - n][-1], F[j - n][M - 1], j, "F")
             begin = self.switch(f"F switch S{j}", j, F[j - n][M - 1] if j >= n else None)
             for m in range(M):
@@ -211,15 +217,15 @@ class _BoundStep:
             if j + n >= S:
                 load_b[j] = []  # still resident from forward
             else:
-                room = self.mem[self.gpu[j]] - st[j + n].mem_bwd
+                room = self.mem[self.gpu[j]] - st[j + n].pass_bytes(True)
                 early = load_b[j + n][-1] if load_b[j + n] else self.F[j + n][M - 1]
                 load_b[j] = self.load(j, room, early, B[j + n][M - 1], prio, "B")
             if j < S - 1:  # the head's ran with its forward
                 begin = self.switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else self.F[j][M - 1])
                 for m in range(M):
                     self.backward_of(j, m, [*load_b[j], begin], self.grad_in[(j, m)])
-            offloads[j] = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].grad_bytes, (B[j][M - 1],), prio,
-                                  "gradients")
+            offloads[j] = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].offloaded_bytes, (B[j][M - 1],),
+                                  prio, "gradients")
             if not self.clip:
                 self.update(j, offloads[j], prio)
         if self.clip:  # the global norm needs every gradient; then each thread's stages in backward order
@@ -229,9 +235,15 @@ class _BoundStep:
 
     def update(self, j: int, offloaded: int, prio: int) -> None:
         """Stage ``j``'s AdamW on the host once its gradients are there; with replicas, the
-        optimizer thread's sum into the owners, AdamW on this host's share, and the broadcast."""
+        optimizer thread's sum into the owners, AdamW on this host's share, and the broadcast.  A
+        resident stage's runs on its GPU, between that GPU's passes."""
         st, host, sim, g = self.st, self.host, self.sim, self.gpu[j]
-        adam = st[j].grad_bytes / element_bytes(self.profile.dtype) / host.replicas / self.adam_params_per_s
+        params = st[j].grad_bytes / element_bytes(self.profile.dtype)
+        if st[j].resident:
+            self.computed[g] = sim.add(f"AdamW S{j} on GPU {g}", COMPUTE, g, params / self.device_adam_params_per_s,
+                                       (offloaded, self.computed.get(g)))
+            return
+        adam = params / host.replicas / self.adam_params_per_s
         if host.replicas == 1:
             sim.add(f"AdamW S{j}", CPU, g, adam, (offloaded,))
             return
