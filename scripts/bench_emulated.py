@@ -2,7 +2,7 @@
 
 Each row is one configuration, three step times in emulated milliseconds:
 
-* predicted: the cost model the MIP optimises (``plan.predicted_step_s``);
+* predicted: the cost model the MIP optimises (``plan.modelled_step_s``);
 * simulated: the discrete-event simulator on the same plan (:func:`mobius.sim.simulate_mobius`);
 * measured: ``python -m mobius.train --emulate`` on this machine, the median ``emulated_step_s``
   of its steps after the first (warm-up).
@@ -144,7 +144,7 @@ def predict(options: str, steps: int) -> dict:
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
                     plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag, resident=tuple(plan.resident),
                     kept=tuple(plan.kept))
-    return {"stages": len(plan.bounds), "predicted_s": plan.predicted_step_s, "simulated_s": sim,
+    return {"stages": len(plan.bounds), "predicted_s": plan.modelled_step_s, "simulated_s": sim,
             "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
 
 

@@ -2,7 +2,7 @@
 Llama-3.1-8B (or ``--model``) on 1, 2, 4 and 8 of ``8x4090-4+4``'s GPUs (half under each root
 complex where there are two or more), ``--micro-batches`` of 1 x ``--seq-len``, bf16.
 
-For every GPU count: the bound plan's predicted step (the cost model, as ``mobius.plan`` prints it)
+For every GPU count: the bound plan's predicted step (its cost model, the partition MIP's figure)
 and the simulator's step for the same plan; the dispatched schedule's simulated step with the
 shape its search found (stage counts, kept tail, the kept stages resident on their GPUs, the
 head's GPUs, whether the MIP's partitions or time-balanced ones won) and the step of the search
@@ -72,7 +72,7 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)
     balanced = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag,
                                mip_shapes=0) if without_mip else None
-    return {"gpus": gpus, "bound_predicted_s": plan.predicted_step_s, "bound_simulated_s": bound.step_s,
+    return {"gpus": gpus, "bound_predicted_s": plan.modelled_step_s, "bound_simulated_s": bound.step_s,
             "bound_stages": len(plan.bounds), "bound_resident": len(plan.resident),
             "dispatched_simulated_s": dispatched.step_s if dispatched else None,
             "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None,

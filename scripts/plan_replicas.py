@@ -2,7 +2,7 @@
 pipeline replica per box, the host AdamW sharded across them (ZeRO-1), for a fixed step of tokens
 (``--micro-batches`` of 1 x ``--seq-len``, split between the replicas), over each network.
 
-For every row: the plan's predicted step (the cost model, ``mobius.plan --data-parallel D``), the
+For every row: the plan's predicted step (its cost model, the partition MIP's figure), the
 simulator's step for the same partition (``mobius.sim``, the host lane at the rate the replicas'
 updates run), tokens/s, the speed-up over one box, and the network's share: the seconds of
 gradient sums and weight broadcasts the node's link must carry per step, over the predicted step.
@@ -45,9 +45,9 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
     tokens = args.micro_batches * args.seq_len
     network_s = plan.lane_floor_s.get("network", 0.0)
     return {"boxes": boxes, "network": topo.network.name, "micro_batches_per_box": plan.micro_batches,
-            "stages": len(plan.bounds), "recompute": plan.recompute, "predicted_step_s": plan.predicted_step_s,
-            "simulated_step_s": sim.step_s, "tokens_per_s": tokens / plan.predicted_step_s,
-            "network_s": network_s, "network_share": network_s / plan.predicted_step_s}
+            "stages": len(plan.bounds), "recompute": plan.recompute, "predicted_step_s": plan.modelled_step_s,
+            "simulated_step_s": sim.step_s, "tokens_per_s": tokens / plan.modelled_step_s,
+            "network_s": network_s, "network_share": network_s / plan.modelled_step_s}
 
 
 def main(argv: list[str] | None = None) -> None:

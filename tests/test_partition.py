@@ -438,8 +438,9 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
 
     mip = plan("mip")
     assert {"min", "balanced", "uniform"} <= set(mip.baselines)
-    assert mip.predicted_step_s <= min(mip.baselines.values()) * (1 + 1e-9), mip.baselines
-    assert plan("balanced").predicted_step_s == pytest.approx(mip.baselines["balanced"], rel=1e-9)
+    # (by the cost model, which the search compares plans by; the step a plan states is its simulation)
+    assert mip.modelled_step_s <= min(mip.baselines.values()) * (1 + 1e-9), mip.baselines
+    assert plan("balanced").modelled_step_s == pytest.approx(mip.baselines["balanced"], rel=1e-9)
 
 
 def test_the_host_update_is_charged_at_what_it_moves():

@@ -363,10 +363,12 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
     assert schedule["bound_how"] == "simulated" and schedule["bound_step_s"] == pytest.approx(bound.step_s, rel=1e-9)
     runs = "dispatched" if found["step_s"] < bound.step_s else "bound"
     assert schedule["runs"] == runs
-    # The prediction is the step of the schedule that runs; the bound plan's cost model's beside it.
-    cost_model = out.get("bound_predicted_step_s", out["predicted_step_s"])
-    assert schedule["bound_step_s"] != pytest.approx(cost_model, rel=1e-3)  # not the cost model's
-    assert out["predicted_step_s"] == (found["step_s"] if runs == "dispatched" else cost_model)
+    # The prediction is the step of the schedule that runs; the bound plan's beside it, its
+    # simulation, and its cost model's (what the search compared plans by) apart.
+    bound_stated = out.get("bound_predicted_step_s", out["predicted_step_s"])
+    assert bound_stated == schedule["bound_step_s"]
+    assert schedule["bound_step_s"] != pytest.approx(out["modelled_step_s"], rel=1e-3)  # not the cost model's
+    assert out["predicted_step_s"] == (found["step_s"] if runs == "dispatched" else bound_stated)
     main(args)
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-3].startswith(f"dispatched schedule: simulated {found['step_s'] * 1e3:.1f} ms a step")
@@ -404,7 +406,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
                            seq_len=2048, precision="bf16", optimizer_lag=1, recompute="on")
         with contextlib.redirect_stdout(io.StringIO()):  # the bound plan alone: what the row would add is not used
             recomputing = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), profile_how="analytic",
-                                  effort=4).predicted_step_s
+                                  effort=4).modelled_step_s
     fastest_one = min(one["bound_predicted_s"], one["bound_simulated_s"], one["dispatched_simulated_s"])
     assert fastest_one / eight["dispatched_simulated_s"] >= 7.0
     assert eight["dispatched_simulated_s"] <= 0.75 * recomputing

@@ -6,7 +6,6 @@ the frozen :class:`RunSpec` every pipeline worker gets (:func:`prepare_pipeline`
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -44,7 +43,6 @@ from mobius.runtime.optim import updates_speculate
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
-from mobius.sim.schedules import simulate_mobius
 from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
 
@@ -123,7 +121,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
         except DoesNotFit:
             kept = None
         recomputed = recomputing.result()
-    return kept if kept is not None and kept.predicted_step_s <= recomputed.predicted_step_s else recomputed
+    # (by the cost model, as the search compares every candidate; each plan states its simulation)
+    return kept if kept is not None and kept.modelled_step_s <= recomputed.modelled_step_s else recomputed
 
 
 def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
@@ -154,13 +153,10 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     its share of the micro-batches), and the shape a run executes of it (None, None where none
     fits); and the bound plan's step to compare it with, and how it was found.
 
-    Like is compared with like: the dispatched prediction is a simulation, so the bound plan is
-    simulated too (:func:`mobius.sim.simulate_mobius`, the runtime's operations on the same links).
-    The plan's own prediction is its MIP's cost model, which ran up to 10% high on emulated boxes
-    where the simulator came within 8% of both schedules (docs/benchmarks.md).  The simulator does
-    not model state on disk, nor resident stages of replicas (their device updates' sums): for such
-    a plan it is the plan's prediction.  (The disk tier is refused before this: ``mobius.plan``
-    never models it here.)"""
+    Like is compared with like: the dispatched prediction is a simulation, and so is the bound
+    plan's step (:func:`mobius.planning.planner.make_plan`), but for a plan with state on disk,
+    whose step is its cost model's (the disk tier is refused before this: ``mobius.plan`` never
+    models it here)."""
     if not topo.virtual and not cfg.emulation.enabled:
         topo = reserve_cuda_memory(topo)
     batch = cfg.batch
@@ -172,15 +168,7 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
                             optimizer_lag=cfg.optim.optimizer_lag,
                             tied=model_config.tie_embeddings and not cfg.lora.rank,
                             whole_step=updates_wait_for_the_step(cfg, plan.precision))
-    bound, how = plan.predicted_step_s, "predicted"
-    if not plan.disk_stages and not (plan.resident and plan.data_parallel > 1):
-        simulated = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
-                                    kept=tuple(plan.kept), clip=clipping_waits(cfg, plan.precision),
-                                    adam_params_per_s=adam, resident=tuple(plan.resident),
-                                    device_adam_params_per_s=plan.device_adam_params_per_s,
-                                    optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch).step_s
-        if math.isfinite(simulated):
-            bound, how = simulated, "simulated"
+    bound, how = plan.predicted_step_s, "simulated" if plan.simulated else "predicted"
     return found, found.shape(profile) if found is not None else None, bound, how
 
 

@@ -155,7 +155,7 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 27
+COST_MODEL_VERSION = 28
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -368,18 +368,20 @@ class _Search:
         simulator (the runtime's operations on the same links) agrees that they shorten the step.
         Decided once the partition is chosen, not for every candidate: on an emulated 8x3090-4+4 the
         cost model took a partition whose stages kept their activations for 4% faster than the one
-        that recomputed, the simulator for 5% slower, and it ran 8% slower.  (The simulator does not
-        model resident stages: beside them the cost model decides.)"""
+        that recomputed, the simulator for 5% slower, and it ran 8% slower."""
         kept = kept_stages(self.profile, bounds,
                            lambda k: evaluate(self.profile, bounds, machine, self.micro_batches, True, resident, k))
-        if not kept or resident:
+        if not kept:
             return kept
+        return kept if self.simulated(bounds, placed, resident, kept, machine) < \
+            self.simulated(bounds, placed, resident, (), machine) else ()
 
-        def simulated(k) -> float:
-            return simulate_mobius(self.profile, bounds, self.topo, list(placed.order), self.micro_batches, True,
-                                   optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=k,
-                                   clip=self.clip).step_s
-        return kept if simulated(kept) < simulated(()) else ()
+    def simulated(self, bounds, placed, resident, kept, machine: Machine) -> float:
+        """The step of a finished candidate as the simulator times it (:func:`simulate_mobius`)."""
+        return simulate_mobius(self.profile, bounds, self.topo, list(placed.order), self.micro_batches, self.recompute,
+                               optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=tuple(kept),
+                               clip=self.clip, resident=tuple(resident),
+                               device_adam_params_per_s=machine.device_adam_params_per_s).step_s
 
     def race(self, baselines: dict, settled_of: dict, times: dict, effort: int | None, time_limit_s: float):
         """The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving
@@ -487,7 +489,11 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                           disk_s_per_byte=topo.n * max(1 / drives[0], 1 / drives[1]) / GB,
                           weights_on_disk=tuple(weights), disk_read_s_per_byte=topo.n / drives[0] / GB)
         est = evaluate(profile, bounds, machine, micro_batches, recompute, resident, kept)
-    plan = _assembled(search, bounds, placed, resident, kept, machine, est, host_adam, data_parallel,
+    # The step the plan states is the simulator's, where it models the plan (not state on disk):
+    # one answer to "how long" for a plan, the schedule choice and the plan check; the cost model
+    # (modelled_step_s) is what the search compared candidates by.
+    simulated = search.simulated(bounds, placed, resident, kept, machine) if not on_disk else math.inf
+    plan = _assembled(search, bounds, placed, resident, kept, machine, est, host_adam, data_parallel, simulated,
                       model_name=model_name, topology=topo.name, micro_batch_size=micro_batch,
                       micro_batches=micro_batches, seq_len=seq_len, precision=precision, recompute=recompute,
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
@@ -499,9 +505,10 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
 
 
 def _assembled(search: _Search, bounds, placed, resident, kept, machine: Machine, est, host_adam: float,
-               data_parallel: int, model_name: str, **fields) -> Plan:
+               data_parallel: int, simulated_s: float, model_name: str, **fields) -> Plan:
     """The plan of the chosen partition, as its finished candidate made it: the stage table, the
-    lanes' floors (with the network's between replicas) and what the prediction assumed."""
+    lanes' floors (with the network's between replicas) and what the prediction assumed; its step
+    is ``simulated_s`` where that is finite, else the cost model's."""
     profile, topo, micro_batches = search.profile, search.topo, search.micro_batches
     stage_plans = [StagePlan(j, (c.start, c.end), placed.gpu_of_stage(j), c.param_bytes, c.fwd_s * 1e3,
                              c.bwd_s * 1e3, est.prefetch_fwd[j], est.prefetch_bwd[j], c.mem_fwd, c.mem_bwd,
@@ -524,7 +531,9 @@ def _assembled(search: _Search, bounds, placed, resident, kept, machine: Machine
         loads = sum(costs[j].grad_bytes * (1 if j >= len(costs) - topo.n else 2) for j in weights)
         floor[Lane.DISK] = max((state + loads) / (read * GB), disk_bytes / (write * GB))
     return Plan(model=model_name, bounds=bounds, order=list(placed.order), contention=placed.contention,
-                disk_bytes=disk_bytes, predicted_step_s=est.step_s, stages=stage_plans, profile_source=profile.source,
+                disk_bytes=disk_bytes, predicted_step_s=simulated_s if math.isfinite(simulated_s) else est.step_s,
+                modelled_step_s=est.step_s, simulated=math.isfinite(simulated_s), stages=stage_plans,
+                profile_source=profile.source,
                 host_costs=asdict(profile.host), lane_floor_s=floor, resident=list(resident), kept=list(kept),
                 recomputation_s=recomputation_s(costs, micro_batches, topo.n),
                 device_adam_params_per_s=machine.device_adam_params_per_s, data_parallel=data_parallel,

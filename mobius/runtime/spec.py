@@ -92,6 +92,8 @@ class Plan:
     bounds: list[tuple[int, int]]
     order: list[int]  # pipeline slot -> GPU
     contention: float
+    # The step: the simulator's timing of the plan (simulated), or where it does not model the plan
+    # (state on disk) the cost model's; the cost model's step is what the search compared plans by.
     predicted_step_s: float
     stages: list[StagePlan]
     solver: SolverReport | None = None  # where the MIP partitioned
@@ -119,6 +121,8 @@ class Plan:
     disk_weights: list[int] = field(default_factory=list)  # and of those, the stages whose compute copy does
     disk_bytes: int = 0
     disk_gbps: tuple[float, float] = (0.0, 0.0)
+    modelled_step_s: float = 0.0  # the partition MIP's cost model's step of this plan
+    simulated: bool = False  # predicted_step_s is the simulator's
 
     def recomputes(self, stage: int) -> bool:
         """Whether stage ``stage``'s backward redoes its forward (the head never does: it runs each
