@@ -59,14 +59,19 @@ def test_reproduce_paper(tmp_path, capsys):
     assert "fig10_mapping" in capsys.readouterr().out
 
 
+# The scripts that plan, a few to a test: the suite's test processes share them out.
 @pytest.mark.slow
-def test_plan_scripts():
+def test_partition_and_longest_sequence_scripts():
     run_script("bench_partition", ["--smoke", "--json", "partition.json"])
     (row,) = read("partition.json")
     assert row["mip_le_best_baseline"] and row["mip_stages"] >= 2
     run_script("longest_sequence", ["--smoke", "--json", "longest.json"])
     (row,) = read("longest.json")
     assert 1024 <= row["longest_seq_len"] <= 8192 and row["stages"] >= 4
+
+
+@pytest.mark.slow
+def test_lora_and_replica_plan_scripts():
     run_script("plan_lora", ["--smoke", "--json", "lora.json"])
     full, lora = read("lora.json")
     assert lora["trained_params"] < full["trained_params"] / 100 and lora["plan"]["predicted_step_s"] > 0
@@ -74,6 +79,10 @@ def test_plan_scripts():
     one, two = read("replicas.json")["rows"]
     # A MIP of 4 limit checks finds what it finds: the rows are checked, not the speed-up.
     assert (one["boxes"], two["boxes"]) == (1, 2) and two["network_s"] > 0 and two["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_dispatched_plan_scripts():
     run_script("plan_dispatched", ["--smoke", "--json", "dispatched.json"])
     one, two = read("dispatched.json")
     assert (one["gpus"], two["gpus"]) == (1, 2)
@@ -84,6 +93,10 @@ def test_plan_scripts():
     assert found["fraction"] == 0.5 and [(r["lag"], r["gpus"]) for r in found["rows"]] == [(1, 1), (1, 2), (0, 1), (0, 2)]
     assert all(r["step_s"] >= 0.9 * r["bound_floor_s"] and r["tokens_per_s"] > 0 for r in found["rows"])
     assert found["rows"][0]["roundpipe_tokens_per_s"] == 3142.0
+
+
+@pytest.mark.slow
+def test_disk_plan_script():
     run_script("plan_disk", ["--smoke", "--json", "disk.json"])
     (row,) = read("disk.json")
     assert row["moments_on_disk"] > 0 and row["mobius_step_s"] > 0 and row["zero_infinity_step_s"] > 0
@@ -110,15 +123,19 @@ def test_training_benches():
     assert out["measured_step_s"] > 0 and out["simulated_step_s"] > 0
 
 
+# The benches that run ``python -m mobius.train`` as a user would, emulated or not.
 @pytest.mark.slow
-def test_benches_of_whole_runs():
-    """The benches that run ``python -m mobius.train`` as a user would, emulated or not."""
+def test_interleaved_and_emulated_benches():
     run_script("bench_interleaved", ["--smoke", "--json", "interleaved.json"])
     out = read("interleaved.json")
     assert set(out["median_step_s"]) == {"lag 0", "lag 1"} and all(len(t) == 1 for t in out["step_times"].values())
     run_script("bench_emulated", ["--smoke", "--json", "emulated.json"])
     (row,) = read("emulated.json")["rows"].values()
     assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["factor"] > 1
+
+
+@pytest.mark.slow
+def test_replica_and_host_memory_benches():
     run_script("bench_replicas", ["--smoke", "--json", "replicas.json"])
     (row,) = read("replicas.json")["rows"]
     assert row["replicas"] == 2 and all(p > 0 for p in row["adam_params_per_step"])
