@@ -43,6 +43,21 @@ def test_hand_computed_mobius_schedule_2_gpus_4_stages_2_micro_batches():
     assert out.result.total_bytes() == pytest.approx(10e9)
 
 
+def test_resident_stages_are_never_loaded_or_offloaded_and_update_on_their_gpu_between_its_passes():
+    """The schedule above with the last two stages resident: no loads or gradient offloads of
+    theirs; each is updated on its GPU right after its last backward (1 s at 2.5e8 parameters/s),
+    before that GPU's next pass, which starts a second later."""
+    prof = unit_profile()
+    out = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], micro_batches=2,
+                          recompute=False, adam_params_per_s=1e30, resident=(2, 3), device_adam_params_per_s=2.5e8)
+    t = {task.name: (task.start, task.end) for task in out.result.tasks}
+    assert t["B3.1"] == (8, 10) and t["AdamW S3 on GPU 1"] == (10, 11) and t["B1.0"] == (11, 13)
+    assert t["B2.1"] == (10, 12) and t["AdamW S2 on GPU 0"] == (12, 13) and t["B0.0"] == (13, 15)
+    assert t["grads S0 to host"] == (17, 18) and out.step_s == pytest.approx(18.0)
+    # Traffic: stages 0 and 1 loaded twice and offloaded once, 1 GB each; nothing of 2 and 3.
+    assert out.result.total_bytes(H2D) == pytest.approx(4e9) and out.result.total_bytes(D2H) == pytest.approx(2e9)
+
+
 def test_optimizer_lag_takes_adamw_off_the_step():
     """3 s of AdamW per stage: without the lag the last stage's update (S0, gradients home at 17 s)
     ends the step at 20 s; with it the step ends with the last compute at 16 s (the next step's
@@ -189,10 +204,10 @@ COST_MODEL_GAP = 0.08
 @pytest.mark.parametrize("box", ["topo2+2", "topo1+3", "topo4", "8x3090-4+4", "4x4090", "8x4090-4+4", "p3.8xlarge",
                                  "dgx-a100"])
 def test_the_cost_model_is_the_simulation_within_its_stated_gap_on_every_preset_box(box):
-    """The step a plan states (its MIP's cost model, an approximation made to be solved) against the
-    simulator's timing of the same plan (the runtime's operations on the box's links): without the
-    lag with stages resident on their GPUs (the default) and with every stage swapping, and with
-    the lag."""
+    """The partition MIP's cost model (an approximation made to be solved: what the search compares
+    plans by) against the simulator's timing of the same plan (the runtime's operations on the box's
+    links: the step the plan states), without the lag with stages resident on their GPUs (the
+    default) and with every stage swapping, and with the lag."""
     import contextlib
     import io
 
