@@ -8,7 +8,7 @@ topology, batch settings, partitioner), so the same command on the same machine 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from mobius.boundary.cache import Cache, key_of
@@ -334,6 +334,7 @@ class _Search:
     clip: bool
     device_optimizer: bool
     place: Callable
+    _simulations: dict = field(default_factory=dict)  # (bounds, order, resident, kept) -> step
 
     def settled(self, bounds, placement, resident=(), kept=()):
         """The partition's machine and step with the contention of its own schedule."""
@@ -377,11 +378,15 @@ class _Search:
             self.simulated(bounds, placed, resident, (), machine) else ()
 
     def simulated(self, bounds, placed, resident, kept, machine: Machine) -> float:
-        """The step of a finished candidate as the simulator times it (:func:`simulate_mobius`)."""
-        return simulate_mobius(self.profile, bounds, self.topo, list(placed.order), self.micro_batches, self.recompute,
-                               optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=tuple(kept),
-                               clip=self.clip, resident=tuple(resident),
-                               device_adam_params_per_s=machine.device_adam_params_per_s).step_s
+        """The step of a finished candidate as the simulator times it (:func:`simulate_mobius`), once:
+        the chosen plan's is the one its kept stages were decided by."""
+        key = (tuple(bounds), tuple(placed.order), tuple(resident), tuple(kept))
+        if key not in self._simulations:
+            self._simulations[key] = simulate_mobius(
+                self.profile, bounds, self.topo, list(placed.order), self.micro_batches, self.recompute,
+                optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=tuple(kept), clip=self.clip,
+                resident=tuple(resident), device_adam_params_per_s=machine.device_adam_params_per_s).step_s
+        return self._simulations[key]
 
     def race(self, baselines: dict, settled_of: dict, times: dict, effort: int | None, time_limit_s: float):
         """The MIP sees the copy rates as constants, those of the best baseline's schedule; (solving

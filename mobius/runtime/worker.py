@@ -184,9 +184,11 @@ class Inherited:
 
 
 def _passed(fd: int | None):
+    if fd is None:
+        return None
     try:
         os.fstat(fd)
-    except (OSError, TypeError):  # closed in the launcher (or None)
+    except OSError:  # closed in the launcher
         return None
     return multiprocessing.reduction.DupFd(fd)
 
