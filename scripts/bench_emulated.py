@@ -47,6 +47,7 @@ from mobius.planning.pipeline import clipping_waits, prepare_pipeline
 from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
+from mobius.runtime.optim import steps_clipped
 from mobius.sim.schedules import simulate_mobius
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
@@ -144,16 +145,31 @@ def predict(options: str, steps: int) -> dict:
     _, est = settle(profile, plan.bounds, topo, MAPPINGS[plan.mapping](topo, len(plan.bounds)), plan.micro_batches,
                     plan.recompute, plan.prefetch, layers_only, cfg.optim.optimizer_lag, resident=tuple(plan.resident),
                     kept=tuple(plan.kept))
-    return {"stages": len(plan.bounds), "predicted_s": plan.modelled_step_s, "simulated_s": sim,
-            "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
+    row = {"stages": len(plan.bounds), "predicted_s": plan.modelled_step_s, "simulated_s": sim,
+           "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
+    if plan.waiting_step_s is not None:  # the updates start before clipping's norm: the plan's steps that differ
+        row.update(max_grad_norm=cfg.optim.max_grad_norm, clipped_step_s=plan.clipped_step_s,
+                   waiting_step_s=plan.waiting_step_s, plan_step_s=plan.predicted_step_s)
+    return row
 
 
-def measure(options: str, steps: int, metrics: Path) -> list[float]:
+def plan_of_each_step(row: dict, norms: list[float | None]) -> float:
+    """The median, over the measured steps (after the first), of the plan's step for each: one that
+    clipped (its updates redone), one after a step that clipped (waiting for its norm), or neither
+    (:meth:`mobius.runtime.spec.Plan.step_of`)."""
+    clipped = [steps_clipped([n], row["max_grad_norm"]) > 0 for n in norms]
+    return statistics.median(row["waiting_step_s"] if before else row["clipped_step_s"] if now
+                             else row["plan_step_s"] for before, now in zip(clipped, clipped[1:]))
+
+
+def measure(options: str, steps: int, metrics: Path) -> tuple[list[float], list[float | None]]:
+    """Each step's time (emulated, or real in a rehearsal) and its gradient norm (where it clips)."""
     metrics.unlink(missing_ok=True)
     subprocess.run([sys.executable, "-m", "mobius.train", *command(options, steps), "--metrics", str(metrics),
                     "--no-progress"], check=True, stdout=subprocess.DEVNULL)
     key = "step_time_s" if rehearsal(options) else "emulated_step_s"
-    return [json.loads(line)[key] for line in metrics.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [m[key] for m in lines], [m.get("grad_norm") for m in lines]
 
 
 SMOKE_TABLES = {"smoke": [("topo2+2 tiny", "--topology topo2+2 --model tiny --gpu-mem-gb 0.05 --seq-len 32 "
@@ -172,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.steps, args.only = 2, None
     results: dict[str, dict] = {}
-    measured: dict[str, list[float]] = {}  # by options: a row that repeats another's run reuses it
+    measured: dict[str, tuple] = {}  # by options: a row that repeats another's run reuses it
     with tempfile.TemporaryDirectory(prefix="mobius-bench-") as tmp:
         for table in args.only or tables:
             print(f"\n{table}")
@@ -196,13 +212,18 @@ def main(argv: list[str] | None = None) -> None:
                     options, row["factor"] = f"{options} --dilation {factor:g}", factor
                 if options not in measured:
                     measured[options] = measure(options, args.steps, Path(tmp) / "metrics.jsonl")
-                steps = measured[options]
+                steps, norms = measured[options]
                 row.update(measured_s=statistics.median(steps[1:]), steps_s=steps, options=options)
                 row["error"] = row["predicted_s"] / row["measured_s"] - 1
                 results[name] = row
                 print(f"{name:<28} {row['stages']:>6} {row['factor']:>6g} {row['predicted_s'] * 1e3:>12.2f} "
                       f"{row['simulated_s'] * 1e3:>12.2f} {row['measured_s'] * 1e3:>11.2f} {row['error']:>+9.1%}",
                       flush=True)
+                if "waiting_step_s" in row:
+                    row["plan_of_each_step_s"] = plan_of_each_step(row, norms)
+                    print(f"{'':<28} the plan's step of each measured step (keeping, redoing or waiting): "
+                          f"{row['plan_of_each_step_s'] * 1e3:.2f} ms "
+                          f"({row['plan_of_each_step_s'] / row['measured_s'] - 1:+.1%})", flush=True)
                 if rehearsal(options):
                     print(f"{'':<28} predicted without the runtime's own costs: "
                           f"{row['predicted_without_runtime_costs_s'] * 1e3:.2f} ms "

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from mobius.metrics import StepMetrics
-from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_compute_s, predicted_host_adam_s
+from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_compute_s
 from mobius.runtime.spec import Plan, StagePlan
 
 
@@ -27,7 +27,7 @@ def steps(adam_s: float, rate: float, step_s: float = 1.0, n: int = 4,
 
 def test_the_busiest_workers_swapping_stages_make_the_host_lane():
     plan = plan_of(8 * 10**6, rate=1e9)
-    assert predicted_host_adam_s(plan) == pytest.approx(8e-3)  # worker 1: both stages; worker 0: one resident
+    assert plan.host_adam_s() == pytest.approx(8e-3)  # worker 1: both stages; worker 0: one resident
 
 
 def test_a_lane_off_by_more_than_a_fifth_is_named_once_and_its_rate_kept():
@@ -73,6 +73,34 @@ def test_within_a_fifth_nothing_is_said_and_small_updates_keep_no_rate():
     (line,) = PlanCheck(plan, kept.append, max_grad_norm=1.0).after(clipping)
     assert line.endswith("(2.00x); 2 of those 3 steps clipped (the plan is of steps that do not: one that clips "
                          "waits for its norm or redoes its updates)")
+
+
+def test_where_updates_start_before_the_norm_each_step_is_checked_against_its_own_prediction():
+    """A plan whose host updates start before clipping's norm states the step that clips (its updates
+    taken back and redone) and the step after it (waiting for its norm).  The check predicts each measured step by whether it and the one before
+    clipped, and compares the medians."""
+    plan = dataclasses.replace(plan_of(MIN_PARAMS_KEPT * 4, rate=1e8), waiting_step_s=1.5, clipped_step_s=1.668)
+    assert [plan.step_of(now, before) for now, before in ((False, False), (True, False), (False, True), (True, True))] \
+        == [1.0, 1.668, 1.5, 1.5]
+    assert plan.clipping_text() == ("the updates start before the step's norm; predicted, a step that clips 1668.0 ms "
+                                    "(its updates redone), the step after it 1500.0 ms (waiting for its norm)")
+    assert "\nclipping: the updates start" in plan.render()
+
+    def run(norms, step_s):
+        return [dataclasses.replace(m, grad_norm=n, step_time_s=s)
+                for m, n, s in zip(steps(0.168, 1e8, n=4), norms, step_s)]
+
+    # The warm-up step clipped: the first measured step waits (1.5), the second clips (1.668), the
+    # third waits (1.5): predicted median 1.5, as measured; nothing is said.
+    assert PlanCheck(plan, lambda r: None, max_grad_norm=1.0).after(run((5, 0.5, 5, 0.5), (9, 1.5, 1.7, 1.5))) == []
+    # Measured at the plan's step of steps that keep their updates, 1.0: a third faster than these steps.
+    (line,) = PlanCheck(plan, lambda r: None, max_grad_norm=1.0).after(run((5, 0.5, 5, 0.5), (9, 1.0, 1.0, 1.0)))
+    assert line == ("plan check: step 1.00 s measured, 1.50 s predicted (0.67x); 1 of those 3 steps clipped "
+                    "(predicted as steps that redo their updates, and the steps after them as waiting for their norm)")
+    # Where none clipped the plan's own step is the prediction (and a dispatched run's is its own).
+    assert PlanCheck(plan, lambda r: None, max_grad_norm=1.0).after(run((0.5,) * 4, (9, 1.0, 1.0, 1.0))) == []
+    assert PlanCheck(plan, lambda r: None, predicted_step_s=1.0, max_grad_norm=1.0).after(
+        run((5, 0.5, 5, 0.5), (9, 1.0, 1.0, 1.0))) == []
 
 
 @pytest.mark.slow

@@ -234,3 +234,34 @@ def test_the_cost_model_is_the_simulation_within_its_stated_gap_on_every_preset_
         assert plan.simulated and plan.predicted_step_s == simulated  # the step a plan states
         assert plan.modelled_step_s == pytest.approx(simulated, rel=COST_MODEL_GAP), (lag, device_optimizer)
     assert residents[0] > 0 and residents[1:] == [0, 0]  # each kind of plan was timed
+
+
+@pytest.mark.slow
+def test_a_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip_and_those_after_them():
+    """Clipping without the lag: the plan is the plan of the steps that keep their updates (the same
+    as without clipping), and states the step after one that clipped (its updates wait for the norm:
+    the simulation with clipping's wait) and the step that clips (that, and the busiest worker's
+    updates taken back first, at the rollback's measured cost in AdamW passes).  With the lag the updates run during the next step
+    anyway: nothing to state."""
+    import contextlib
+    import io
+
+    from mobius.config import RunConfig
+    from mobius.planning.pipeline import plan_on
+    from mobius.planning.planner import ROLLBACK_PASSES
+    from mobius.planning.prepare import resolve_topology
+    from mobius.runtime.inputs import model_config_for
+
+    def plan(**changes):
+        cfg = RunConfig.of(model="gpt2", topology="topo2+2", micro_batch_size=1, micro_batches=8, seq_len=1024,
+                           precision="bf16", device_optimizer="off", **changes)
+        with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
+            return plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), profile_how="analytic", effort=4)
+
+    unclipped, clipped = plan(max_grad_norm=0.0), plan(max_grad_norm=1.0)
+    assert unclipped.waiting_step_s is None and unclipped.clipping_text() == ""
+    assert clipped.same_choices(unclipped) and clipped.predicted_step_s == unclipped.predicted_step_s
+    assert clipped.waiting_step_s > clipped.predicted_step_s
+    assert clipped.clipped_step_s == pytest.approx(clipped.waiting_step_s + ROLLBACK_PASSES * clipped.host_adam_s())
+    assert clipped.host_adam_s() > 0
+    assert plan(max_grad_norm=1.0, optimizer_lag=1).waiting_step_s is None

@@ -103,6 +103,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
                          data_parallel=replicas, clip=clipping_waits(cfg, precision), disk=disk,
+                         clip_speculates=bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(
+                             cfg, precision),
                          **plan_options)
 
     if cfg.pipeline.recompute == "on":

@@ -155,7 +155,11 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
-COST_MODEL_VERSION = 28
+COST_MODEL_VERSION = 29
+# What taking an AdamW step back (mobius.runtime.optim.undo_adamw_step: elementwise operations, not
+# one fused kernel) costs, in fused AdamW passes over the same parameters: measured once on a 2-core
+# VM beside other work (docs/benchmarks.md, "Clipping: updates before the norm").
+ROLLBACK_PASSES = 4.8
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,
@@ -377,14 +381,16 @@ class _Search:
         return kept if self.simulated(bounds, placed, resident, kept, machine) < \
             self.simulated(bounds, placed, resident, (), machine) else ()
 
-    def simulated(self, bounds, placed, resident, kept, machine: Machine) -> float:
+    def simulated(self, bounds, placed, resident, kept, machine: Machine, clip: bool | None = None) -> float:
         """The step of a finished candidate as the simulator times it (:func:`simulate_mobius`), once:
-        the chosen plan's is the one its kept stages were decided by."""
-        key = (tuple(bounds), tuple(placed.order), tuple(resident), tuple(kept))
+        the chosen plan's is the one its kept stages were decided by.  ``clip``: whether the host
+        updates wait for clipping's norm, where not as the search plans them."""
+        clip = self.clip if clip is None else clip
+        key = (tuple(bounds), tuple(placed.order), tuple(resident), tuple(kept), clip)
         if key not in self._simulations:
             self._simulations[key] = simulate_mobius(
                 self.profile, bounds, self.topo, list(placed.order), self.micro_batches, self.recompute,
-                optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=tuple(kept), clip=self.clip,
+                optimizer_lag=self.optimizer_lag, prefetch=self.prefetch, kept=tuple(kept), clip=clip,
                 resident=tuple(resident), device_adam_params_per_s=machine.device_adam_params_per_s).step_s
         return self._simulations[key]
 
@@ -426,7 +432,8 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
               keep_where_room: bool = False, stages: int | None = None, effort: int | None = None,
               time_limit_s: float = SAFETY_TIME_LIMIT_S, use_cache: bool = True,
               with_baselines: bool = False, mapping: str = "cross", prefetch: bool = True, optimizer_lag: int = 0,
-              device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False, disk: str = "off") -> Plan:
+              device_optimizer: bool = True, data_parallel: int = 1, clip: bool = False, disk: str = "off",
+              clip_speculates: bool = False) -> Plan:
     """The plan of one pipeline replica on ``topo``, for ``micro_batches`` (its share of the step),
     from ``profile`` (:func:`mobius.planning.prepare.get_profile`).  With ``data_parallel`` replicas each
     host's optimizer thread sums gradients over the network, updates 1/D of the parameters and
@@ -435,7 +442,9 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     would need the replicas' sum on the device).  ``disk``: the host stages whose AdamW moments
     wait on disk (``--offload-dir``): ``off``, ``all``, or as many as fitting the host memory takes.
     ``effort``: the partition MIP's (:mod:`mobius.partition.highs`): the plan depends on it, never
-    on the machine's load; ``time_limit_s``, the safety net, stops only a solve gone wrong."""
+    on the machine's load; ``time_limit_s``, the safety net, stops only a solve gone wrong.
+    ``clip``: clipping's norm holds the host updates; ``clip_speculates``: it would, but they start
+    before it: the plan also states the steps that clip (redone) and those after them (waiting)."""
     check_plannable(model_name, config, topo, precision, stages, optimizer_lag, data_parallel, disk != "off")
     workers = f"the {topo.n} {'CPU workers' if topo.virtual else 'GPUs'} of {topo.name}"
     host_adam = profile.host.adam_params_per_s
@@ -448,7 +457,7 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
     check_layers_fit(profile, machine)
     key = key_of([COST_MODEL_VERSION, profile.to_dict(), topo.to_dict(), micro_batches, partitioner, recompute,
                   keep_where_room, effort, stages, with_baselines, mapping, prefetch, optimizer_lag, device_optimizer,
-                  data_parallel, clip, disk,
+                  data_parallel, clip, disk, clip_speculates,
                   [asdict(d) for d in topo.drives]])  # (assumed drives too, which the topology's dict leaves out)
     cached = PLANS.get(key, lambda d: Plan.from_dict(d).checked(profile.n, topo.n)) if use_cache else None
     if cached is not None:
@@ -504,6 +513,12 @@ def make_plan(model_name: str, config: GPTConfig, topo: Topology, micro_batch: i
                       partitioner=partitioner, solver=solver, baselines=times if with_baselines else {},
                       mapping=mapping, prefetch=prefetch, disk_stages=on_disk, disk_masters=masters,
                       disk_weights=weights, disk_gbps=drives)
+    if clip_speculates and not on_disk:
+        # A step that clips has its updates taken back, then redone after its norm: a step whose
+        # updates wait for the norm, and the busiest worker's rollbacks before them.
+        waiting = search.simulated(bounds, placed, resident, kept, machine, clip=True)
+        plan = replace(plan, waiting_step_s=waiting,
+                       clipped_step_s=waiting + ROLLBACK_PASSES * plan.host_adam_s())
     if use_cache:
         PLANS.put(key, plan.to_dict())
     return plan

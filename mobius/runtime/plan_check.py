@@ -19,7 +19,6 @@ from typing import Callable
 
 from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
-from mobius.models.precision import element_bytes
 from mobius.runtime.optim import steps_clipped
 from mobius.runtime.spec import Lane, Plan, RunSpec
 
@@ -50,21 +49,6 @@ def predicted_compute_s(plan: Plan) -> float:
     return max(per_worker.values(), default=0.0)
 
 
-def predicted_host_adam_s(plan: Plan) -> float:
-    """The busiest worker's host AdamW seconds in a step, as planned: the parameters of its stages
-    that swap (resident ones are updated on their GPU) at the rate the plan assumed, but those whose
-    state waits on disk (their updates run at the drives' pace: not the host's rate, which a run
-    measures from the others)."""
-    rate = plan.host_costs.get("adam_params_per_s", 0.0)
-    if not rate:
-        return 0.0
-    per_worker: dict[int, float] = {}
-    for st in plan.stages:
-        if st.index not in plan.resident and st.index not in plan.disk_stages:
-            per_worker[st.gpu] = per_worker.get(st.gpu, 0.0) + st.grad_bytes / element_bytes(plan.precision) / rate
-    return max(per_worker.values(), default=0.0)
-
-
 class PlanCheck:
     """Compares the run's first steps on ``plan`` (those after ``history[first]``, the plan's
     warm-up step) with ``plan`` once; ``keep_rate(params_per_s)`` is called with the hosts'
@@ -77,10 +61,13 @@ class PlanCheck:
                  predicted_step_s: float | None = None, max_grad_norm: float = 0.0):
         """``predicted_step_s``: the step the run was predicted to take, where it is not the plan's
         (the dispatched schedule's: its lanes are not the plan's either, and its metrics leave them
-        out); ``max_grad_norm``: the run's clipping (a plan is that of steps that do not clip)."""
+        out); ``max_grad_norm``: the run's clipping (a plan's step is that of steps that do not clip;
+        where its updates start before the norm it also states the steps that clip and those after
+        them, :meth:`~mobius.runtime.spec.Plan.step_of`)."""
         self.plan, self.keep_rate, self.first = plan, keep_rate, first
         self.max_grad_norm = max_grad_norm
         self.predicted_step_s = predicted_step_s or plan.predicted_step_s
+        self._plans_clipping = predicted_step_s is None and plan.waiting_step_s is not None
         self.done = False
         self.stale_profile = False
         self.measured_step_s: float | None = None
@@ -96,13 +83,24 @@ class PlanCheck:
         step = statistics.median(m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s
                                  for m in measured)
         self.measured_step_s = step
-        if _off(step, self.predicted_step_s):
+        # Whether each step clipped, from the warm-up step on (the first measured step waits for its
+        # norm if that one clipped).
+        clips = [steps_clipped([m.grad_norm], self.max_grad_norm) > 0
+                 for m in history[self.first:self.first + 1 + STEPS]]
+        predicted = self.predicted_step_s
+        if self._plans_clipping and any(clips):
+            predicted = statistics.median(self.plan.step_of(now, before) for before, now in zip(clips, clips[1:]))
+        if _off(step, predicted):
             self.off.append("step")
-            clipped = steps_clipped((m.grad_norm for m in measured), self.max_grad_norm)
-            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(self.predicted_step_s)} "
-                         f"predicted ({step / self.predicted_step_s:.2f}x)"
-                         + (f"; {clipped} of those {STEPS} steps clipped (the plan is of steps that do not: one "
-                            "that clips waits for its norm or redoes its updates)" if clipped else ""))
+            clipped = sum(clips[1:])
+            note = ""
+            if clipped:
+                note = (f"; {clipped} of those {STEPS} steps clipped (" + (
+                    "predicted as steps that redo their updates, and the steps after them as waiting for their norm)"
+                    if self._plans_clipping else
+                    "the plan is of steps that do not: one that clips waits for its norm or redoes its updates)"))
+            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(predicted)} "
+                         f"predicted ({step / predicted:.2f}x){note}")
         computed = [m.compute_s for m in measured if m.compute_s is not None]
         compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
         compute_line = ""
@@ -112,7 +110,7 @@ class PlanCheck:
                             f"predicted ({compute / planned_compute:.2f}x)")
             lines.append(compute_line)
         rates = [m.host_adam_params_per_s for m in measured if m.host_adam_params_per_s]
-        predicted = predicted_host_adam_s(self.plan)
+        predicted = self.plan.host_adam_s()
         # The lane is the busiest worker's parameters at the rate measured: a step's own seconds of
         # AdamW are not at hand under the lag, where the updates of one step run during the next
         # (a step's window held one to three updates of a worker with two stages).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from mobius.models.precision import element_bytes
 from mobius.runtime.emulation import EmulationSpec
 
 
@@ -123,6 +124,39 @@ class Plan:
     disk_gbps: tuple[float, float] = (0.0, 0.0)
     modelled_step_s: float = 0.0  # the partition MIP's cost model's step of this plan
     simulated: bool = False  # predicted_step_s is the simulator's
+    # Where clipping's norm would hold the host updates but they start before it (predicted_step_s
+    # is of the steps that keep them): the step after one that clipped, whose updates wait for its
+    # norm (simulated), and a step that clips, whose updates are taken back and redone after it.
+    waiting_step_s: float | None = None
+    clipped_step_s: float | None = None
+
+    def host_adam_s(self) -> float:
+        """The busiest worker's host AdamW seconds in a step, as planned: the parameters of its stages
+        that swap (resident ones are updated on their GPU) at the rate the plan assumed, but those
+        whose state waits on disk (their updates run at the drives' pace)."""
+        rate = self.host_costs.get("adam_params_per_s", 0.0)
+        if not rate:
+            return 0.0
+        per_worker: dict[int, float] = {}
+        for st in self.stages:
+            if st.index not in self.resident and st.index not in self.disk_stages:
+                per_worker[st.gpu] = per_worker.get(st.gpu, 0.0) + st.grad_bytes / element_bytes(self.precision) / rate
+        return max(per_worker.values(), default=0.0)
+
+    def step_of(self, clipped: bool, after_clipped: bool) -> float:
+        """The predicted step of a step that clipped or not, after one that clipped or not."""
+        if self.waiting_step_s is None or self.clipped_step_s is None:
+            return self.predicted_step_s
+        return self.waiting_step_s if after_clipped else self.clipped_step_s if clipped else self.predicted_step_s
+
+    def clipping_text(self) -> str:
+        """Where the host updates start before clipping's norm: what a step that clips costs, and the
+        step after it (empty otherwise)."""
+        if self.waiting_step_s is None or self.clipped_step_s is None:
+            return ""
+        return (f"the updates start before the step's norm; predicted, a step that clips "
+                f"{self.clipped_step_s * 1e3:.1f} ms (its updates redone), the step after it "
+                f"{self.waiting_step_s * 1e3:.1f} ms (waiting for its norm)")
 
     def recomputes(self, stage: int) -> bool:
         """Whether stage ``stage``'s backward redoes its forward (the head never does: it runs each
@@ -254,6 +288,8 @@ class Plan:
         tokens = self.micro_batches * self.micro_batch_size * self.seq_len * self.data_parallel
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms "
                      f"({tokens / self.predicted_step_s:,.0f} tokens/s)")
+        if self.clipping_text():
+            lines.append(f"clipping: {self.clipping_text()}")
         if self.solver and self.solver.chosen != "mip":
             lines.append(f"chosen: the {self.solver.chosen} partition, within 1% of the fastest and moving the "
                          "fewest bytes between host and GPUs")
