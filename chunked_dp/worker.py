@@ -3,6 +3,8 @@ and signals are :mod:`mobius.runtime.worker`'s, as for the pipeline."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -13,12 +15,21 @@ from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import DynamicLossScaler, UpdateRule
-from mobius.runtime.worker import WorkerContext, WorkerPayload, WorkerResult, run_worker
+from mobius.runtime.worker import Finished, WorkerContext, WorkerPayload, WorkerResult, run_worker
 
 
 def worker_main(payload: WorkerPayload) -> WorkerResult:
     """Entry point of a chunked worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, ChunkedWorker)
+
+
+@dataclass(frozen=True)
+class ChunkedReport:
+    """What a chunked worker says of itself after its last step."""
+
+    counters: dict  # the engine's traffic and cache counters of the last step
+    chunks: int  # how many chunks
+    chunk_size: int  # elements per chunk
 
 
 class ChunkedWorker:
@@ -61,11 +72,11 @@ class ChunkedWorker:
     def restore(self, ckpt: ck.Checkpoint) -> None:
         self.engine.load(ckpt)
 
-    def finish(self) -> dict:
+    def finish(self) -> Finished:
         engine = self.engine
         weights = engine.state_dict() if self.ctx.payload.return_weights else None
-        return {"weights": weights, "counters": engine.counters.__dict__, "chunks": len(engine.chunks),
-                "chunk_size": engine.chunks[0].size}
+        return Finished(ChunkedReport(dict(engine.counters.__dict__), len(engine.chunks), engine.chunks[0].size),
+                        weights)
 
     def close(self) -> None:
         self.engine.close()

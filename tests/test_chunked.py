@@ -89,7 +89,7 @@ def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
         assert ((w - ref).norm() / ref.norm()).item() < 1e-5, name
     assert (history[-1].h2d_bytes > 0) == (offload == "on")
     if prefetch and blocks >= 8:
-        assert results[0].counters["prefetched"] > 0
+        assert results[0].report.counters["prefetched"] > 0
 
 
 @pytest.mark.slow
@@ -105,10 +105,10 @@ def test_gather_and_reduce_volume_at_rcache_max_and_min():
                            micro_batches=2, seq_len=32, chunk_size=60_000, rcache_blocks=blocks, offload="off",
                            progress=False)
         _, _, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(2), return_weights=True)
-        c = results[0].counters
-        s_bytes = results[0].chunks * results[0].chunk_size * 4  # fp32 compute here: L_c = 4
+        c = results[0].report.counters
+        s_bytes = results[0].report.chunks * results[0].report.chunk_size * 4  # fp32 compute here: L_c = 4
         volumes[name] = ((c["gather_bytes"] + c["reduce_bytes"]) / s_bytes, c["reduce_bytes"] / s_bytes)
-        chunks[name] = results[0].chunks
+        chunks[name] = results[0].report.chunks
     assert volumes["max"] == (pytest.approx(2.0), pytest.approx(1.0))
     assert volumes["min"] == (pytest.approx(3.0 - 2 / chunks["min"]), pytest.approx(1.0))
 

@@ -85,10 +85,10 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
     assert_equal_to_reference(cfg, history, weights, 1e-5)
     params = sum(w.numel() * 4 for w in weights.values())
     if cap_gb is not None:  # below the weights: no stage stays resident, each is loaded every step
-        budget = results[0].budget_bytes
+        budget = results[0].report.budget_bytes
         assert abs(budget - (cap_gb * 1e9 - CUDA_RESERVE_BYTES)) <= 1 and params > budget
         assert all(m.h2d_bytes > params and m.d2h_bytes >= params for m in history)
-        assert 0 < results[0].peak_bytes_max <= budget + CUDA_ALLOCATOR_SLACK_BYTES
+        assert 0 < results[0].report.peak_bytes_max <= budget + CUDA_ALLOCATOR_SLACK_BYTES
 
 
 def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
@@ -144,5 +144,5 @@ def test_cuda_pipeline_with_every_state_and_the_stage_weights_on_disk(tmp_path):
     history, weights, results = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg),
                                                 return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 2e-2)
-    assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
+    assert all(r.report.disk_bytes[0] > 0 and r.report.disk_bytes[1] > 0 for r in results.values())
     assert list((tmp_path / "nvme").iterdir()) == []

@@ -242,7 +242,7 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
     for name, w in weights.items():
         assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
-    assert all(r.disk_bytes[0] > 0 and r.disk_bytes[1] > 0 for r in results.values())
+    assert all(r.report.disk_bytes[0] > 0 and r.report.disk_bytes[1] > 0 for r in results.values())
     for d in cfg.offload_dir:
         assert list(Path(d).iterdir()) == []
         Path(d).rmdir()

@@ -84,7 +84,7 @@ def test_budget_below_all_stages_still_trains_within_budget():
     total_param_bytes = sum(w.numel() * 4 for w in ref_weights.values())
     assert total_param_bytes > budget_gb * 1e9
     history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
-    peak = results[0].peak_bytes_max
+    peak = results[0].report.peak_bytes_max
     assert 0 < peak <= budget_gb * 1e9
     for a, b in zip([m.loss for m in history], ref_losses):
         assert abs(a - b) / abs(b) < 1e-5

@@ -72,7 +72,7 @@ def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_c
                          progress=False)
     _, _, results = launch_pipeline(first, model_config_for(first), resolve_topology(first), return_weights=True)
     for replica in (0, 1):  # every weight and gradient, half of the AdamW moments (owners balance to a tensor)
-        held = sum(results[replica * 2 + p].host_bytes for p in (0, 1))
+        held = sum(results[replica * 2 + p].report.host_bytes for p in (0, 1))
         assert held == pytest.approx(host_bytes_needed(get_config("tiny"), "fp32", data_parallel=2), rel=0.05)
     # Each replica writes the AdamW state it owns (which stages hold a tensor of each depends on the
     # partition the measured profile gave).

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,21 +93,25 @@ class WorkerPayload:
     replan: Callable[[RunSpec, float, int, float], tuple[RunSpec | None, str]] | None = None
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What a backend's worker hands back after its last step: its own report of itself (a type
+    each backend defines: :class:`mobius.stages.worker.PipelineReport`,
+    :class:`chunked_dp.worker.ChunkedReport`), and its weights where the payload asked."""
+
+    report: Any
+    weights: dict[str, torch.Tensor] | None = None  # by name (tests, benchmarks)
+
+
 @dataclass
 class WorkerResult:
     """What a worker hands back to the launcher, pickled at the process boundary: its history
-    (rank 0's), its weights where the payload asked, and what its backend measured of itself."""
+    (rank 0's), its weights where the payload asked, and its backend's report of itself."""
 
     rank: int
     history: list[StepMetrics] | None  # rank 0's steps; None on the others
     weights: dict[str, torch.Tensor] | None = None  # by name, when the payload asked (tests, benchmarks)
-    budget_bytes: int | None = None  # pipeline: the device budget the worker ran under
-    peak_bytes_max: int | None = None  # pipeline: the most device memory any worker held in a step
-    host_bytes: int | None = None  # pipeline: what the worker's stage store holds on the host
-    disk_bytes: tuple[int, int] | None = None  # pipeline, --offload-dir: AdamW state read and written
-    counters: dict | None = None  # chunked: the engine's traffic and cache counters of the last step
-    chunks: int | None = None  # chunked: how many chunks
-    chunk_size: int | None = None  # chunked: elements per chunk
+    report: Any = None  # the backend's (:class:`Finished`)
 
 
 @dataclass
@@ -145,8 +149,8 @@ class WorkerBackend(Protocol):
     def restore(self, ckpt: ck.Checkpoint) -> None:
         """Weights and optimizer state from ``ckpt``, written by any backend."""
 
-    def finish(self) -> dict:
-        """After the last step: the :class:`WorkerResult` fields of this backend, by name."""
+    def finish(self) -> Finished:
+        """After the last step: the backend's report of itself, and the weights where asked."""
 
     def close(self) -> None:
         """Stop the backend's threads and release its device memory."""
@@ -527,4 +531,4 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
     finally:
         if backend is not None:
             backend.close()
-    return WorkerResult(rank, history if rank == 0 else None, **finished)
+    return WorkerResult(rank, history if rank == 0 else None, finished.weights, finished.report)

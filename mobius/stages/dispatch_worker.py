@@ -30,6 +30,7 @@ from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import UpdateRule
 from mobius.runtime.worker import (
     Decision,
+    Finished,
     WorkerContext,
     WorkerPayload,
     WorkerResult,
@@ -38,7 +39,7 @@ from mobius.runtime.worker import (
 )
 from mobius.stages.dispatch import build_dispatched
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
-from mobius.stages.worker import checkpoint_files, export, restore
+from mobius.stages.worker import PipelineReport, checkpoint_files, export, restore
 
 
 def worker_main(payload: WorkerPayload, decision: Decision | None = None) -> WorkerResult:
@@ -128,14 +129,13 @@ class DispatchedWorker:
         restore(self.store, ckpt)
         self.runner.resume_at(ckpt.step)
 
-    def finish(self) -> dict:
+    def finish(self) -> Finished:
         if self.layout.index == 0:  # every replica holds the same weights
             export(self.store, self.ctx.payload.exports)
-        out = {"budget_bytes": self.ctx.spec.budget_bytes[0], "peak_bytes_max": self.peak_bytes_max,
-               "host_bytes": self.store.host_bytes()}
-        if self.ctx.payload.return_weights:
-            out["weights"] = {n: w for p in self.store.stages for n, w in self.store.stage_state_dict(p).items()}
-        return out
+        report = PipelineReport(self.ctx.spec.budget_bytes[0], self.peak_bytes_max, self.store.host_bytes())
+        weights = {n: w for p in self.store.stages for n, w in self.store.stage_state_dict(p).items()} \
+            if self.ctx.payload.return_weights else None
+        return Finished(report, weights)
 
     def close(self) -> None:
         self.runner.close()

@@ -40,7 +40,7 @@ from mobius.runtime.device import Device
 from mobius.runtime.inputs import model_config_for
 from mobius.runtime.optim import DynamicLossScaler, UpdateRule
 from mobius.runtime.spec import RunSpec
-from mobius.runtime.worker import Decision, WorkerContext, WorkerPayload, WorkerResult, run_worker
+from mobius.runtime.worker import Decision, Finished, WorkerContext, WorkerPayload, WorkerResult, run_worker
 from mobius.stages.executor import StageRunner
 from mobius.stages.replicas import ReplicaGroup, ReplicaLayout
 from mobius.stages.transport import GlooTransport, Transport
@@ -53,6 +53,16 @@ from mobius.swap.store import HostStageStore
 def worker_main(payload: WorkerPayload, decision: Decision | None = None) -> WorkerResult:
     """Entry point of a pipeline worker process (:func:`mobius.runtime.worker.run_worker`)."""
     return run_worker(payload, PipelineWorker, decision)
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """What a pipeline worker (either schedule) says of itself after its last step."""
+
+    budget_bytes: int  # the device budget it ran under
+    peak_bytes_max: int  # the most device memory any worker held in a step
+    host_bytes: int  # what its stage store holds on the host
+    disk_bytes: tuple[int, int] | None = None  # --offload-dir: AdamW state read and written
 
 
 class PipelineWorker:
@@ -125,18 +135,15 @@ class PipelineWorker:
     def restore(self, ckpt: ck.Checkpoint) -> None:
         restore(self.store, ckpt, self.parts.runner.optimizer.disk)
 
-    def finish(self) -> dict:
+    def finish(self) -> Finished:
         """Each stage's tensors into the staging directory of every export; the weights if asked."""
         store, payload = self.store, self.ctx.payload
         disk = self.parts.runner.optimizer.disk
         if self.layout.index == 0:
             export(store, payload.exports, self.parts.present)
-        out = {"budget_bytes": self.ctx.spec.budget_bytes[self.position], "peak_bytes_max": self.peak_bytes_max,
-               "host_bytes": store.host_bytes(),
-               "disk_bytes": (disk.read_bytes, disk.written_bytes) if disk is not None else None}
-        if payload.return_weights:
-            out["weights"] = self.parts.weights()
-        return out
+        report = PipelineReport(self.ctx.spec.budget_bytes[self.position], self.peak_bytes_max, store.host_bytes(),
+                                (disk.read_bytes, disk.written_bytes) if disk is not None else None)
+        return Finished(report, self.parts.weights() if payload.return_weights else None)
 
     def close(self) -> None:
         self.parts.close()
