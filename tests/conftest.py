@@ -38,6 +38,12 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+# How long a test waits for a process it started before taking it for hung: a guard, not a
+# deadline (a machine kept busy by others runs the suite at a fraction of its quiet speed, and the
+# emulated clock of a run is chosen from measurements taken under that load); below CI's limit.
+HANG_S = 3000
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """How many test processes ``-n auto`` (pyproject.toml's default) starts: two for a run with the
     slow tests, which mostly wait (on worker processes starting, emulated GPUs, a solver; the whole

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -12,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_gpu_smoke_runs_every_system_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["system"]: row for row in json.loads(out.read_text())["runs"][0]["rows"]}
     for system in ("mobius pipeline", "chunked_dp offload", "fsdp2", "plain pytorch (100% line)"):
@@ -36,7 +38,7 @@ def test_bench_gpu_smoke_runs_every_system_on_cpu(tmp_path):
 def test_bench_gpu_sweeps_tokens_per_step(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--sweep", "--systems",
-                        "plain,mobius", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                        "plain,mobius", "--json", str(out)], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert [run["tokens_per_step"] for run in runs] == [128, 256]
@@ -79,7 +81,7 @@ def test_the_plans_raced_on_an_emulated_h100_are_each_measured(tmp_path):
                         "--model", "tiny8", "--steps", "2", "--micro-batch-size", "4", "--seq-len", "64",
                         "--micro-batches", "2", "--gpu-mem-gb", "0.01", "--precision", "fp32", "--json", str(out),
                         "--variants", "mip,no-resident"],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["plans"]
     raced = [row for row in rows if "measured_step_s" in row]

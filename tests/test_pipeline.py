@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import fault_env, reference
+from conftest import HANG_S, fault_env, reference
 
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
@@ -97,6 +97,6 @@ def test_killed_worker_ends_the_run_with_its_rank():
     env = {**os.environ, **fault_env("1:1")}
     r = subprocess.run([sys.executable, "-m", "mobius.train", "--model", "tiny", "--topology", "cpu",
                         "--cpu-workers", "2", "--steps", "1000000", "--seq-len", "32", "--micro-batch-size", "2",
-                        "--stages", "4", "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+                        "--stages", "4", "--no-progress"], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert r.returncode != 0
     assert "error: worker 1 failed: Signal 9" in r.stderr

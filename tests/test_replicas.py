@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, fault_env, none_left, reference
+from conftest import HANG_S, TINY, fault_env, none_left, reference
 
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig, parse_train_args
@@ -115,7 +115,7 @@ def _torchrun_nodes(tmp_path, per_node_args, per_node_env=({}, {})):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_the_test)
              for args, extra in zip(per_node_args, per_node_env)]
     try:
-        return [(node.wait(timeout=300), *node.communicate()) for node in nodes]
+        return [(node.wait(timeout=HANG_S), *node.communicate()) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
