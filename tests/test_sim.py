@@ -248,7 +248,7 @@ def test_a_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip_a
 
     from mobius.config import RunConfig
     from mobius.planning.pipeline import plan_on
-    from mobius.planning.planner import ROLLBACK_PASSES
+    from mobius.runtime.optim import ROLLBACK_PASSES
     from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import model_config_for
 

@@ -35,6 +35,7 @@ from mobius.partition.cost import (
 from mobius.partition.highs import SAFETY_TIME_LIMIT_S
 from mobius.partition.mip import solve_partition
 from mobius.partition.profile import Profile
+from mobius.runtime.optim import ROLLBACK_PASSES
 from mobius.runtime.spec import Lane, Plan, SolverReport, StagePlan
 from mobius.sim.schedules import simulate_mobius
 from mobius.swap.disk import MASTER_BYTES, MOMENT_BYTES, POOL_BUFFERS, block_params
@@ -156,10 +157,6 @@ def host_bytes_needed(config: GPTConfig, precision: str, optimizer_lag: int = 0,
 # Part of every cached plan's key: a plan made by an older cost model (or chosen by an older
 # planner) is made again, not reused.
 COST_MODEL_VERSION = 29
-# What taking an AdamW step back (mobius.runtime.optim.undo_adamw_step: elementwise operations, not
-# one fused kernel) costs, in fused AdamW passes over the same parameters: measured once on a 2-core
-# VM beside other work (docs/benchmarks.md, "Clipping: updates before the norm").
-ROLLBACK_PASSES = 4.8
 
 
 def check_host_memory(model_name: str, config: GPTConfig, precision: str, optimizer_lag: int, available: float,

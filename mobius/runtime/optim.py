@@ -130,6 +130,21 @@ def clip_coefficient(squares_sum: float, max_norm: float) -> float:
     return min(1.0, max_norm / (math.sqrt(squares_sum) + CLIP_EPS))
 
 
+# What taking an AdamW step back costs (:func:`undo_adamw_step`: elementwise operations, not one fused
+# kernel), in fused AdamW passes over the same parameters: measured once on a 2-core VM beside other
+# work (docs/benchmarks.md, "Clipping: updates before the norm").  The plan charges it, and an
+# emulated host takes that long.
+ROLLBACK_PASSES = 4.8
+
+
+def rollback_params(optimizer: torch.optim.AdamW) -> int:
+    """How many parameters a fused AdamW pass would update in the time :func:`undo_adamw_step` takes
+    back ``optimizer``'s last step (:data:`ROLLBACK_PASSES` times those it takes back)."""
+    taken = sum(p.numel() for group in optimizer.param_groups for p in group["params"]
+                if p.grad is not None and p in optimizer.state)
+    return round(ROLLBACK_PASSES * taken)
+
+
 @torch.no_grad()
 def undo_adamw_step(optimizer: torch.optim.AdamW) -> None:
     """Take back the last ``step()`` of :func:`adamw`, from what it left and the gradients it took

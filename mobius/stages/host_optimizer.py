@@ -40,7 +40,7 @@ from torch import nn
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
 from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, unscaled_squares,
+    DynamicLossScaler, clip_coefficient, rollback_params, set_lr, squares, undo_adamw_step, unscaled_squares,
     updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.tied import TiedEmbedding
@@ -196,7 +196,8 @@ class HostOptimizer:
             if self._speculated.pop(s) is None or (apply and clip == 1.0):  # nothing to take back
                 host.optimizer.zero_grad(set_to_none=True)
                 return self.host.record()
-            undo_adamw_step(host.optimizer)
+            with self.device.host_update_span(rollback_params(host.optimizer)):
+                undo_adamw_step(host.optimizer)
             unscale = None  # (its gradients were unscaled for the update taken back)
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)

@@ -43,7 +43,7 @@ from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, set_lr, squares, undo_adamw_step, unscaled_squares,
+    DynamicLossScaler, clip_coefficient, rollback_params, set_lr, squares, undo_adamw_step, unscaled_squares,
     updates_speculate)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.swap.store import HostStageStore
@@ -408,7 +408,8 @@ class PieceUpdates:
                     host.optimizer.zero_grad(set_to_none=True)
                     self._publish(piece, step, refresh=False)
                     return
-                undo_adamw_step(host.optimizer)
+                with device.host_update_span(rollback_params(host.optimizer)):
+                    undo_adamw_step(host.optimizer)
             if coefficient is not None and coefficient != 1.0:
                 for group in host.optimizer.param_groups:
                     for p in group["params"]:
