@@ -47,7 +47,7 @@ HANG_S = 3000
 def pytest_xdist_auto_num_workers(config) -> int:
     """How many test processes ``-n auto`` (pyproject.toml's default) starts: two for a run with the
     slow tests, which mostly wait (on worker processes starting, emulated GPUs, a solver; the whole
-    suite measured 12 to 16 minutes on two, 20 on one); none beside this one for ``-m "not slow"``,
+    suite measured 10 to 16 minutes on two, 20 on one); none beside this one for ``-m "not slow"``,
     whose tests compute in this process (128 s on two, 65 s here)."""
     return 0 if "not slow" in (config.option.markexpr or "") else 2
 
