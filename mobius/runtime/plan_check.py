@@ -87,10 +87,11 @@ class PlanCheck:
         # norm if that one clipped).
         clips = [steps_clipped([m.grad_norm], self.max_grad_norm) > 0
                  for m in history[self.first:self.first + 1 + STEPS]]
-        predicted = self.predicted_step_s
+        predicted_step = self.predicted_step_s
         if self._plans_clipping and any(clips):
-            predicted = statistics.median(self.plan.step_of(now, before) for before, now in zip(clips, clips[1:]))
-        if _off(step, predicted):
+            predicted_step = statistics.median(self.plan.step_of(now, before)
+                                               for before, now in zip(clips, clips[1:]))
+        if _off(step, predicted_step):
             self.off.append("step")
             clipped = sum(clips[1:])
             note = ""
@@ -99,8 +100,8 @@ class PlanCheck:
                     "predicted as steps that redo their updates, and the steps after them as waiting for their norm)"
                     if self._plans_clipping else
                     "the plan is of steps that do not: one that clips waits for its norm or redoes its updates)"))
-            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(predicted)} "
-                         f"predicted ({step / predicted:.2f}x){note}")
+            lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(predicted_step)} "
+                         f"predicted ({step / predicted_step:.2f}x){note}")
         computed = [m.compute_s for m in measured if m.compute_s is not None]
         compute, planned_compute = (statistics.median(computed) if computed else None), predicted_compute_s(self.plan)
         compute_line = ""
