@@ -48,6 +48,7 @@ from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import steps_clipped
+from mobius.runtime.spec import Plan
 from mobius.sim.schedules import simulate_mobius
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
@@ -125,8 +126,9 @@ def command(options: str, steps: int) -> list[str]:
     return [*shlex.split(options), "--emulate", "--steps", str(steps)]
 
 
-def predict(options: str, steps: int) -> dict:
-    """The plan's predicted and simulated step times, and the dilation the run will use."""
+def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
+    """The plan's predicted and simulated step times, and the dilation the run will use; and the
+    plan where it states the steps that clip (None otherwise)."""
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
@@ -134,7 +136,7 @@ def predict(options: str, steps: int) -> dict:
     if spec.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
         shape = spec.dispatched
         return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.dispatched_step_s,
-                "simulated_s": spec.dispatched_step_s, "factor": factor}
+                "simulated_s": spec.dispatched_step_s, "factor": factor}, None
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
@@ -149,19 +151,12 @@ def predict(options: str, steps: int) -> dict:
                     kept=tuple(plan.kept))
     row = {"stages": len(plan.bounds), "predicted_s": plan.modelled_step_s, "simulated_s": sim,
            "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
-    if plan.waiting_step_s is not None:  # the updates start before clipping's norm: the plan's steps that differ
-        row.update(max_grad_norm=cfg.optim.max_grad_norm, clipped_step_s=plan.clipped_step_s,
-                   waiting_step_s=plan.waiting_step_s, plan_step_s=plan.predicted_step_s)
-    return row
-
-
-def plan_of_each_step(row: dict, norms: list[float | None]) -> float:
-    """The median, over the measured steps (after the first), of the plan's step for each: one that
-    clipped (its updates redone), one after a step that clipped (waiting for its norm), or neither
-    (:meth:`mobius.runtime.spec.Plan.step_of`)."""
-    clipped = [steps_clipped([n], row["max_grad_norm"]) > 0 for n in norms]
-    return statistics.median(row["waiting_step_s"] if before else row["clipped_step_s"] if now
-                             else row["plan_step_s"] for before, now in zip(clipped, clipped[1:]))
+    if plan.waiting_step_s is None:
+        return row, None
+    # The updates start before clipping's norm: the plan's steps that differ.
+    row.update(max_grad_norm=cfg.optim.max_grad_norm, clipped_step_s=plan.clipped_step_s,
+               waiting_step_s=plan.waiting_step_s, plan_step_s=plan.predicted_step_s)
+    return row, plan
 
 
 def measure(options: str, steps: int, metrics: Path) -> tuple[list[float], list[float | None]]:
@@ -196,12 +191,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{table}")
             print(f"{'configuration':<28} {'stages':>6} {'1/F':>6} {'predicted ms':>12} {'simulated ms':>12} "
                   f"{'measured ms':>11} {'pred/meas':>9}")
-            predicted = {}
+            predicted, clipping = {}, {}
             for name, options in tables[table]:
                 if args.match and not any(m in name for m in args.match):
                     continue
                 try:
-                    predicted[name] = predict(options, args.steps)
+                    predicted[name], clipping[name] = predict(options, args.steps)
                 except InputError as err:  # e.g. a partition with fewer stages than GPUs
                     print(f"{name:<28} not run: {err}", flush=True)
             # One dilation for the rows of a table: variants compared are measured under one factor.
@@ -221,9 +216,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:<28} {row['stages']:>6} {row['factor']:>6g} {row['predicted_s'] * 1e3:>12.2f} "
                       f"{row['simulated_s'] * 1e3:>12.2f} {row['measured_s'] * 1e3:>11.2f} {row['error']:>+9.1%}",
                       flush=True)
-                if "waiting_step_s" in row:
+                if clipping[name] is not None:
                     row["grad_norms"] = norms
-                    row["plan_of_each_step_s"] = plan_of_each_step(row, norms)
+                    row["plan_of_each_step_s"] = clipping[name].median_step_of(
+                        [steps_clipped([n], row["max_grad_norm"]) > 0 for n in norms])
                     print(f"{'':<28} the plan's step of each measured step (keeping, redoing or waiting): "
                           f"{row['plan_of_each_step_s'] * 1e3:.2f} ms "
                           f"({row['plan_of_each_step_s'] / row['measured_s'] - 1:+.1%})", flush=True)

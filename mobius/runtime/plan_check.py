@@ -89,8 +89,7 @@ class PlanCheck:
                  for m in history[self.first:self.first + 1 + STEPS]]
         predicted_step = self.predicted_step_s
         if self._plans_clipping and any(clips):
-            predicted_step = statistics.median(self.plan.step_of(now, before)
-                                               for before, now in zip(clips, clips[1:]))
+            predicted_step = self.plan.median_step_of(clips)
         if _off(step, predicted_step):
             self.off.append("step")
             clipped = sum(clips[1:])

@@ -9,6 +9,7 @@ solver nor the profiler to read it, and serialised once, at the process boundary
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
@@ -148,6 +149,11 @@ class Plan:
         if self.waiting_step_s is None or self.clipped_step_s is None:
             return self.predicted_step_s
         return self.waiting_step_s if after_clipped else self.clipped_step_s if clipped else self.predicted_step_s
+
+    def median_step_of(self, clipped: list[bool]) -> float:
+        """The median predicted step of a run of steps, each but the first (which only says whether
+        the next one waits) by whether it and the one before clipped (:meth:`step_of`)."""
+        return statistics.median(self.step_of(now, before) for before, now in zip(clipped, clipped[1:]))
 
     def clipping_text(self) -> str:
         """Where the host updates start before clipping's norm: what a step that clips costs, and the
