@@ -16,12 +16,11 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.precision import DTYPES
 from mobius.partition.profile import Profile
 from mobius.planning.prepare import (
+    Decided,
     budgets_of,
     check_run_inputs,
     emulation_spec,
     get_profile,
-    resolve_devices,
-    resolve_precision,
 )
 from mobius.runtime.spec import ChunkedSetup, RunSpec, Timing
 from topology import Topology, cpu_topology
@@ -31,14 +30,13 @@ from topology import Topology, cpu_topology
 ACTIVATION_SHARE = 0.25
 
 
-def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> RunSpec:
+def prepare_chunked(decided: Decided, model_config: GPTConfig) -> RunSpec:
     """The spec of a chunked run: chunk size, rCache blocks and device-resident chunks searched for
     this model and topology (Elixir), unless given; the micro-batches per pass; the prediction.
     ``model_config`` as :func:`mobius.runtime.inputs.check_model_input` checked it, the options as
     :func:`mobius.backends.check_options` checked them."""
-    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
-    precision = resolve_precision(cfg, cuda)
-    check_run_inputs(cfg.changed(precision=precision), model_config)
+    cfg, topo, precision = decided.cfg, decided.topology, decided.precision
+    check_run_inputs(cfg, model_config)
     # The GPUs' costs from FLOPs and bytes: the prediction, the passes and the emulated timing use them.
     batch = cfg.batch
     gpu = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, "analytic")
@@ -79,7 +77,7 @@ def prepare_chunked(cfg: RunConfig, topo: Topology, model_config: GPTConfig) -> 
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
         emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"])
     setup = replace(setup, predicted=predicted, timing=timing)
-    return RunSpec("chunked", cuda, precision, budgets_of(topo), chunked=setup, emulation=emulation)
+    return RunSpec("chunked", decided.gpus, precision, budgets_of(topo), chunked=setup, emulation=emulation)
 
 
 def check_chunk_size(cfg: RunConfig, chunk_size: int, model_config: GPTConfig) -> None:

@@ -19,10 +19,8 @@ import time
 from mobius.boundary.errors import InputError, exits_cleanly
 from mobius.config import DefaultsHelp, OneLineParser, RunConfig, add_options, resolve_max_grad_norm
 from mobius.partition.highs import SAFETY_TIME_LIMIT_S
-from mobius.planning.pipeline import ScheduleChoice, choose_schedule, plan_on
-from mobius.models.precision import use_fp16_accumulation
-from mobius.planning.prepare import resolve_topology
-from mobius.runtime.device import cuda_available
+from mobius.backends import resolve_for_plan
+from mobius.planning.pipeline import ScheduleChoice, choose_schedule, run_plan
 from mobius.runtime.inputs import check_seq_len, model_config_for
 from mobius.stages.dispatch import check_dispatched
 
@@ -65,15 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     check_seq_len(cfg, model_config)
     # With --json, stdout is the JSON alone: what probing and planning say on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        topo = resolve_topology(cfg)
-        if cfg.optim.fp16_accumulation:  # a profile measured here is measured so
-            use_fp16_accumulation(cuda_available())  # (CPU workers were refused by resolve_topology)
-        plan = plan_on(cfg, model_config, topo, profile_how=args.profile, effort=args.mip_effort,
-                       time_limit_s=args.time_limit,
-                       use_cache=not args.no_cache, with_baselines=args.baselines)
+        decided = resolve_for_plan(cfg)  # a profile measured here is measured with fp16 accumulation where asked
+        plan = run_plan(decided, model_config, profile_how=args.profile, effort=args.mip_effort,
+                        time_limit_s=args.time_limit, use_cache=not args.no_cache, with_baselines=args.baselines)
         if dispatching:
-            print(f"predicting the dispatched schedule on {topo.n} workers", flush=True)
-            choice = choose_schedule(cfg, model_config, topo, plan, args.profile)
+            print(f"predicting the dispatched schedule on {decided.topology.n} workers", flush=True)
+            choice = choose_schedule(decided, model_config, plan, args.profile)
     if args.json:
         out = plan.to_dict()
         if dispatching:

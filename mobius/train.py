@@ -17,7 +17,7 @@ import contextlib
 import math
 import resource
 
-from mobius.backends import Backend, check_options, join_torchrun, resolve, resolved
+from mobius.backends import BACKENDS, check_options, join_torchrun, resolve, resolved
 from mobius.boundary import ownership
 from mobius.boundary.errors import InputError, exits_cleanly, shown
 from mobius.config import RunConfig, parse_train_args
@@ -27,9 +27,9 @@ from mobius.models import GPTConfig, build_model
 from mobius.models.hf import check_export_target
 from mobius.planning.planner import available_host_memory, check_host_memory
 from mobius.data.preference import use_kept_references
+from mobius.planning.prepare import Decided
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, make_data
-from topology import Topology
 
 
 def offload_dirs(cfg: RunConfig) -> dict[str, str]:
@@ -94,13 +94,13 @@ def _run_locked(cfg: RunConfig, model_config: GPTConfig) -> list[StepMetrics] | 
     with contextlib.ExitStack() as working:
         for option, directory in offload_dirs(cfg).items():
             working.enter_context(ownership.working_dir(option, directory))
-        cfg, backend, topo = resolve(cfg)  # decided once: everything after reads them
-        check_options(cfg, model_config, backend, topo)  # before the data is read
-        return _run_prepared(cfg, model_config, backend, topo)
+        decided = resolve(cfg)  # decided once: everything after reads them
+        check_options(decided, model_config)  # before the data is read
+        return _run_prepared(decided, model_config)
 
 
-def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None
-                  ) -> list[StepMetrics] | None:
+def _run_prepared(decided: Decided, model_config: GPTConfig) -> list[StepMetrics] | None:
+    cfg, backend = decided.cfg, BACKENDS[decided.backend]
     inputs = ck.input_digests(cfg, model_config)
     if cfg.checkpoint.resume:
         ck.check_inputs(cfg, inputs)
@@ -108,16 +108,16 @@ def _run_prepared(cfg: RunConfig, model_config: GPTConfig, backend: Backend, top
                  "held-out data": cfg.data.eval_path, "chat template": cfg.data.chat_template}
         print(f"resuming from {shown(cfg.checkpoint.resume)}: " + ", ".join(f"{what} {shown(path)}" for what, path in
                                                                           reads.items() if path), flush=True)
-    with backend.meanwhile(cfg, model_config, topo) if backend.meanwhile else contextlib.nullcontext():
-        return _run_read(cfg, model_config, backend, topo, inputs)
+    with backend.meanwhile(decided, model_config) if backend.meanwhile else contextlib.nullcontext():
+        return _run_read(decided, model_config, inputs)
 
 
-def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: Topology | None,
-              inputs: dict[str, str]) -> list[StepMetrics] | None:
+def _run_read(decided: Decided, model_config: GPTConfig, inputs: dict[str, str]) -> list[StepMetrics] | None:
     # The data, read and checked before any worker starts; the workers map what this process made.
-    batches, held_out = make_data(cfg, model_config)
-    if cfg.optim.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
-        cfg = cfg.changed(steps=max(1, math.ceil(cfg.optim.epochs / batches.epochs(1) - 1e-9)))
+    batches, held_out = make_data(decided.cfg, model_config)
+    if decided.cfg.optim.epochs is not None:  # the run's length in steps, which the learning-rate schedule needs
+        decided = decided.with_steps(max(1, math.ceil(decided.cfg.optim.epochs / batches.epochs(1) - 1e-9)))
+    cfg, backend = decided.cfg, BACKENDS[decided.backend]
     steps = cfg.optim.steps
     print(f"data: {batches.describe()}; {steps} steps ({batches.epochs(steps):.2f} epochs) at peak lr {cfg.optim.lr:g}",
           flush=True)
@@ -135,11 +135,11 @@ def _run_read(cfg: RunConfig, model_config: GPTConfig, backend: Backend, topo: T
     data_bytes = holders * sum(source.host_bytes() for source in (batches, held_out) if source is not None)
     available = available_host_memory()
     if available is not None:  # every replica of the pipeline this machine runs
-        replicas = backend.replicas(cfg)
+        replicas = decided.replicas
         check_host_memory(cfg.model, model_config, cfg.optim.precision, cfg.optim.optimizer_lag, available,
                           "this machine (available now)", data_bytes, data_parallel=replicas, replicas_here=replicas,
                           moments_on_disk=bool(cfg.offload_dir))
-    return backend.train(cfg, model_config, topo, data=(batches, held_out), inputs=inputs)
+    return backend.train(decided, model_config, data=(batches, held_out), inputs=inputs)
 
 
 @exits_cleanly

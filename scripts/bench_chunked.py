@@ -33,6 +33,7 @@ import torch
 from chunked_dp.chunks import trace_first_use
 from chunked_dp.prepare import prepare_chunked
 from chunked_dp.search import search
+from mobius.backends import resolve
 from mobius.backends.chunked import launch_chunked
 from mobius.config import RunConfig, parse_train_args
 from mobius.data import BatchSource, load_corpus
@@ -84,7 +85,7 @@ def timing(workers: int, cuda: bool, steps: int, model: str = "small", shape: tu
         cfg = RunConfig.of(**base, backend="chunked", topology="auto" if cuda else "cpu", cpu_workers=workers,
                            offload=offload)
         topo = load_topology("auto") if cuda else cpu_topology(workers)
-        history = launch_chunked(cfg, get_config(model), topo)
+        history = launch_chunked(resolve(cfg, topo, "chunked"), get_config(model))
         rows.append({"config": f"chunked {topo.n} worker(s), offload {offload}", "step_s": median(history),
                      "h2d_mb": history[-1].h2d_bytes / 1e6, "peer_mb": history[-1].peer_bytes / 1e6})
     print(f"\n{model}, {base['precision']}, {micro_batches}x{micro_batch}x{seq_len} tokens per step, "
@@ -109,10 +110,10 @@ def emulated(topology: str, memories: list[float], steps: int) -> list[dict]:
             cfg = parse_train_args(shlex.split(line))
             topo, model = resolve_topology(cfg), check_model_input(cfg)
             if backend == "chunked":
-                spec = prepare_chunked(cfg, topo, model)
+                spec = prepare_chunked(resolve(cfg, topo, "chunked"), model)
                 predicted[backend] = spec.chunked.predicted["step"]
             else:
-                spec, plan = prepare_pipeline(cfg, topo, model)
+                spec, plan = prepare_pipeline(resolve(cfg, topo, "pipeline"), model)
                 predicted[backend] = plan.predicted_step_s
             factor = max(factor, spec.emulation.factor)
         measured = {}

@@ -39,6 +39,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from mobius.backends import resolve
 from mobius.boundary.errors import InputError
 from mobius.config import parse_train_args
 from mobius.models import get_config
@@ -131,7 +132,7 @@ def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
     plan where it states the steps that clip (None otherwise)."""
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
-    spec, plan = prepare_pipeline(cfg, topo, check_model_input(cfg))
+    spec, plan = prepare_pipeline(resolve(cfg, topo, "pipeline"), check_model_input(cfg))
     factor = spec.emulation.factor if spec.emulation else 1
     if spec.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
         shape = spec.dispatched
@@ -142,7 +143,7 @@ def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept),
-                          clip=clipping_waits(cfg, plan.precision), resident=tuple(plan.resident),
+                          clip=clipping_waits(cfg, plan.precision, plan.data_parallel), resident=tuple(plan.resident),
                           device_adam_params_per_s=plan.device_adam_params_per_s).step_s
     # The same plan, timed as if the runtime cost nothing beyond the layers, copies and AdamW.
     layers_only = replace(profile.host, handoff_s=0.0, micro_batch_s=0.0, stage_switch_s=0.0)

@@ -40,6 +40,7 @@ import traceback
 
 import torch
 
+from mobius.backends import resolve
 from mobius.boundary.janitor import scratch_dir
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
@@ -143,8 +144,9 @@ def run_mobius(args, cuda: bool, out_dir: str, device_optimizer: str = "auto") -
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    _, plan = prepare_pipeline(cfg, topo, get_config(args.model))  # what the launch below runs (the plan is cached)
-    history = launch_pipeline(cfg, get_config(args.model), topo)
+    decided = resolve(cfg, topo, "pipeline")
+    _, plan = prepare_pipeline(decided, get_config(args.model))  # what the launch below runs (the plan is cached)
+    history = launch_pipeline(decided, get_config(args.model))
     events = json.load(open(trace))["traceEvents"]
     gbps, exposed = prefetch_stats(events)
     params = build_model(get_config(args.model), device="meta").num_parameters()
@@ -174,8 +176,9 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     topo = resolve_topology(cfg)
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    setup = prepare_chunked(cfg, topo, get_config(args.model)).chunked  # what the launch below runs
-    history = launch_chunked(cfg, get_config(args.model), topo)
+    decided = resolve(cfg, topo, "chunked")
+    setup = prepare_chunked(decided, get_config(args.model)).chunked  # what the launch below runs
+    history = launch_chunked(decided, get_config(args.model))
     events = json.load(open(trace))["traceEvents"]
     params = build_model(get_config(args.model), device="meta").num_parameters()
     predicted = dict(setup.predicted)
@@ -393,12 +396,12 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
     topo = resolve_topology(RunConfig.of(**base))
     if cuda and topo.n > 1:  # one GPU, many stages
         topo.gpus, topo.extra = topo.gpus[:1], {}
-    _, mip = prepare_pipeline(RunConfig.of(**base), topo, config)
+    _, mip = prepare_pipeline(resolve(RunConfig.of(**base), topo, "pipeline"), config)
     variants = plan_variants(RunConfig.of(**base), mip, tuple(args.variants.split(",")))
     prepared = {}  # each variant planned once: its spec and plan, or why it cannot run
     for name, change in variants.items():
         try:
-            prepared[name] = prepare_pipeline(RunConfig.of(**base, **change), topo, config)
+            prepared[name] = prepare_pipeline(resolve(RunConfig.of(**base, **change), topo, "pipeline"), config)
         except InputError as err:  # e.g. recompute off where no partition fits
             prepared[name] = str(err)
     if args.emulate:  # one clock for every plan: the slowest any of them needs
@@ -415,7 +418,7 @@ def race_plans(args, cuda: bool, out_dir: str) -> list[dict]:
         if same in runs:  # another variant gave this very plan: one run, named by both
             runs[same]["plan"] += f" = {name}"
             continue
-        history = launch_pipeline(cfg, config, topo)
+        history = launch_pipeline(resolve(cfg, topo, "pipeline"), config)
         measured = steady([m.emulated_step_s if m.emulated_step_s is not None else m.step_time_s for m in history])
         rows.append({"plan": name, "stages": len(plan.bounds), "resident": len(plan.resident),
                      "recompute": plan.recompute, "predicted_step_s": plan.predicted_step_s,

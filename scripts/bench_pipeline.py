@@ -19,11 +19,11 @@ import time
 
 import torch
 
+from mobius.backends import resolve
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
 from mobius.models import build_model, get_config
-from mobius.planning.prepare import resolve_topology
 from mobius.reference import ReferenceTrainer
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     for workers, recompute in runs:
         cfg = RunConfig.of(**base, backend="pipeline", topology="auto" if args.cuda else "cpu", cpu_workers=workers,
                            stages=args.stages, recompute=recompute)
-        history = launch_pipeline(cfg, get_config(args.model), resolve_topology(cfg))
+        history = launch_pipeline(resolve(cfg, backend="pipeline"), get_config(args.model))
         steady = history[1:] or history
         traffic = statistics.mean(m.h2d_bytes + m.d2h_bytes for m in steady)
         rows.append({"config": f"pipeline {workers}w {args.stages}st recompute {recompute}",

@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from mobius.backends import resolve
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
 from mobius.models import get_config
 from mobius.partition.profile import measure_profile
-from mobius.planning.prepare import resolve_topology
 from mobius.runtime.optim import UpdateRule, make_adamw
 from mobius.runtime.spec import Plan
 from mobius.sim import simulate_mobius
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                        seq_len=seq_len, precision="bf16",
                        backend="pipeline", topology="cpu", cpu_workers=args.workers, stages=args.stages,
                        recompute=args.recompute, progress=False, device_optimizer="off")  # the simulator's Mobius
-    history = launch_pipeline(cfg, get_config(model), resolve_topology(cfg))
+    history = launch_pipeline(resolve(cfg, backend="pipeline"), get_config(model))
     measured = statistics.median(m.step_time_s for m in history[1:])
 
     threads = max(1, (os.cpu_count() or 1) // args.workers)

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_dispatched import box_of  # noqa: E402
 from published_models import CONFIGS, model_dir  # noqa: E402
 
+from mobius.backends import resolve_for_plan
 from mobius.boundary.janitor import scratch_dir  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
-from mobius.planning.pipeline import choose_schedule, plan_on  # noqa: E402
-from mobius.planning.prepare import resolve_topology  # noqa: E402
+from mobius.planning.pipeline import choose_schedule, run_plan  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 
 # RoundPipe (2026), exp/raw-data.csv: full fine-tuning on 8x RTX 4090, sequences of 2048, tok/s by
@@ -62,13 +62,13 @@ def predict(model: str, box: str, args, lag: int) -> dict:
     model_config = model_config_for(cfg)
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
-        topo = resolve_topology(cfg)
-        plan = plan_on(cfg, model_config, topo, profile_how="analytic", effort=args.mip_effort)
-        choice = choose_schedule(cfg, model_config, topo, plan, "analytic")
+        decided = resolve_for_plan(cfg)
+        plan = run_plan(decided, model_config, profile_how="analytic", effort=args.mip_effort)
+        choice = choose_schedule(decided, model_config, plan, "analytic")
     step = choice.dispatched.step_s if choice.shape is not None else (choice.bound_step_s or plan.predicted_step_s)
     floor = max(plan.lane_floor_s.values())
     tokens = args.micro_batches * args.seq_len
-    return {"gpus": topo.n, "lag": lag, "schedule": "dispatched" if choice.shape is not None else "bound",
+    return {"gpus": decided.topology.n, "lag": lag, "schedule": "dispatched" if choice.shape is not None else "bound",
             "step_s": step, "tokens_per_s": tokens / step, "bound_floor_s": floor,
             "planning_s": time.perf_counter() - t0}
 

@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mobius.backends import resolve_for_plan
 from mobius.boundary.errors import InputError  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import get_config  # noqa: E402
-from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.pipeline import run_plan  # noqa: E402
 from mobius.planning.prepare import resolve_topology  # noqa: E402
 from published_models import CONFIGS, model_dir  # noqa: E402
 
@@ -34,7 +35,8 @@ def plans(model_dir: str, topology: str, seq_len: int, effort: int | None):
     cfg = RunConfig.of(model=model_dir, topology=topology, micro_batch_size=1, seq_len=seq_len)
     try:
         topo = resolve_topology(cfg)
-        return plan_on(cfg, get_config(model_dir), topo, profile_how="analytic", effort=effort, use_cache=False)
+        return run_plan(resolve_for_plan(cfg, topo), get_config(model_dir), profile_how="analytic", effort=effort,
+                        use_cache=False)
     except InputError:
         return None
 

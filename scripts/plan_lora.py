@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mobius.backends import resolve_for_plan
 from mobius.boundary.errors import InputError  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import build_model  # noqa: E402
-from mobius.planning.pipeline import plan_on  # noqa: E402
+from mobius.planning.pipeline import run_plan  # noqa: E402
 from mobius.planning.planner import GB, host_bytes_needed  # noqa: E402
 from mobius.planning.prepare import resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
@@ -40,7 +41,8 @@ def row(model_dir: str, topology: str, rank: int, args) -> dict:
            "trained_params": sum(p.numel() for p in params if p.requires_grad),
            "host_gb_needed": host_bytes_needed(config, "bf16") / GB, "host_gb_preset": topo.host_memory_gb}
     try:
-        plan = plan_on(cfg, config, topo, profile_how="analytic", effort=args.mip_effort, use_cache=False)
+        plan = run_plan(resolve_for_plan(cfg, topo), config, profile_how="analytic", effort=args.mip_effort,
+                        use_cache=False)
     except InputError as err:
         return {**out, "plan": None, "why": str(err)}
     return {**out, "plan": {"stages": len(plan.bounds), "recompute": plan.recompute, "partitioner": plan.partitioner,

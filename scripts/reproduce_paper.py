@@ -28,6 +28,7 @@ import csv
 import json
 from pathlib import Path
 
+from mobius.backends import resolve_for_plan
 from mobius.config import RunConfig
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import get_config
@@ -35,7 +36,7 @@ from mobius.models.presets import PAPER_MICRO_BATCH
 from mobius.partition.baselines import max_stage, min_stage
 from mobius.partition.cost import machine_for
 from mobius.partition.profile import analytic_profile
-from mobius.planning.pipeline import plan_on
+from mobius.planning.pipeline import run_plan
 from mobius.sim import simulate_gpipe, simulate_mobius, simulate_zero3_offload
 from topology import load_preset
 from topology.model import Topology
@@ -55,7 +56,7 @@ def plan_for(model: str, topo: Topology, profile, effort: int | None):
     """The plan ``mobius.plan`` prints for the paper's settings (its profile, fp16, recomputation)."""
     cfg = RunConfig.of(model=model, micro_batch_size=PAPER_MICRO_BATCH[model], micro_batches=topo.n, seq_len=512,
                        precision="fp16", recompute="on")
-    return plan_on(cfg, get_config(model), topo, profile=profile, use_cache=True, effort=effort)
+    return run_plan(resolve_for_plan(cfg, topo), get_config(model), profile=profile, use_cache=True, effort=effort)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -1,3 +1,4 @@
+from mobius.backends import resolve
 import sys
 from pathlib import Path
 
@@ -114,14 +115,13 @@ def run_in_threads(cfg, plan_change=None, workers_out: list | None = None):
 
     from mobius.metrics import Trace
     from mobius.planning.pipeline import prepare_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.device import CpuDevice
     from mobius.runtime.inputs import make_data, model_config_for
     from mobius.runtime.inputs import check_model_input
     from mobius.stages.transport import LocalGroup, on_threads
     from mobius.stages.worker import build_worker
 
-    spec, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    spec, plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     if plan_change is not None:
         plan = plan_change(plan)
         spec = dataclasses.replace(spec, plan=plan)

@@ -84,12 +84,14 @@ def test_a_pipeline_run_on_cpu_workers_starts_its_calibration_only_where_it_will
     cfg = RunConfig.of(model="tiny", topology="cpu", cpu_workers=2, seq_len=27)  # a profile never measured
     topo = prepare.resolve_topology(cfg)
     monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: None)
-    with prepare.early_calibration(cfg, get_config("tiny"), topo):
+    decided = prepare.decide(cfg, topo, "pipeline", replicated=True)
+    with prepare.early_calibration(decided, get_config("tiny")):
         assert started == [cpu_threads_per_worker(2)]
-    with prepare.early_calibration(cfg.changed(emulate=True, topology="4x3090"), get_config("tiny"), topo):
+    emulating = prepare.decide(cfg.changed(emulate=True, topology="4x3090"), topo, "pipeline", replicated=True)
+    with prepare.early_calibration(emulating, get_config("tiny")):
         pass  # emulated GPUs are planned from FLOPs and bytes first
     monkeypatch.setattr(prepare.RUNTIME_COSTS, "get", lambda key, parse: {"micro_batch_s": 0.0})  # calibrated
-    with prepare.early_calibration(cfg, get_config("tiny"), topo):
+    with prepare.early_calibration(decided, get_config("tiny")):
         pass
     assert started == [cpu_threads_per_worker(2)]
 

@@ -12,6 +12,7 @@ from conftest import reference
 from chunked_dp.cache import count_replacements
 from chunked_dp.chunks import chunks_of_layers, pack, step_access_order, trace_first_use
 from chunked_dp.search import allowed_memory, benefits, search
+from mobius.backends import resolve
 from mobius.backends.chunked import launch_chunked
 from mobius.config import RunConfig
 from mobius.data import BatchSource, load_corpus
@@ -81,7 +82,8 @@ def test_chunked_equals_reference(workers, chunk, blocks, offload, prefetch):
                        micro_batches=4, seq_len=32, lr=3e-3, chunk_size=chunk, rcache_blocks=blocks, offload=offload,
                        chunk_prefetch=prefetch, progress=False)
     ref_losses, ref_weights = reference(cfg, precision="fp32")
-    history, weights, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(workers), return_weights=True)
+    history, weights, results = launch_chunked(resolve(cfg, cpu_topology(workers), "chunked"), get_config("tiny"),
+                                               return_weights=True)
     for m, r in zip(history, ref_losses, strict=True):
         assert abs(m.loss - r) / r < 1e-5
     for name, w in weights.items():
@@ -104,7 +106,8 @@ def test_gather_and_reduce_volume_at_rcache_max_and_min():
         cfg = RunConfig.of(model="tiny", backend="chunked", topology="cpu", cpu_workers=2, steps=1, micro_batch_size=2,
                            micro_batches=2, seq_len=32, chunk_size=60_000, rcache_blocks=blocks, offload="off",
                            progress=False)
-        _, _, results = launch_chunked(cfg, get_config("tiny"), cpu_topology(2), return_weights=True)
+        _, _, results = launch_chunked(resolve(cfg, cpu_topology(2), "chunked"), get_config("tiny"),
+                                       return_weights=True)
         c = results[0].report.counters
         s_bytes = results[0].report.chunks * results[0].report.chunk_size * 4  # fp32 compute here: L_c = 4
         volumes[name] = ((c["gather_bytes"] + c["reduce_bytes"]) / s_bytes, c["reduce_bytes"] / s_bytes)

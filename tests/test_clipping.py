@@ -9,13 +9,13 @@ import torch
 
 from conftest import host_rate_cached, reference, run_in_threads
 
+from mobius.backends import resolve
 from mobius.backends.chunked import launch_chunked
 from mobius.backends.pipeline import launch_pipeline
 from mobius.boundary.errors import InputError
 from mobius.config import RunConfig, parse_train_args
 from mobius.models import get_config
 from mobius.planning.pipeline import prepare_pipeline
-from mobius.planning.prepare import resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule, adamw, clip_coefficient, squares, undo_adamw_step
 
@@ -167,7 +167,7 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
 def test_stages_kept_on_the_device_wait_for_the_norm_and_clip_as_the_reference():
     with host_rate_cached(1e6, workers=2):  # keeping stages on the device pays
         cfg = tiny(stages=3, device_optimizer="auto")
-        plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1]
+        plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))[1]
         assert plan.resident
         ref_losses, ref_weights = reference(cfg)
         close(*run_in_threads(cfg), ref_losses, ref_weights)
@@ -180,11 +180,11 @@ def test_replicas_and_the_chunked_backend_clip_as_the_reference():
     workers (each rank's shards, at the constant schedule); every step's norm is above the clip."""
     cfg = tiny(data_parallel=2, cpu_workers=2, stages=2)
     ref_losses, ref_weights = reference(cfg)
-    history, weights, _ = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
+    history, weights, _ = launch_pipeline(resolve(cfg, backend="pipeline"), get_config("tiny"), return_weights=True)
     close([m.loss for m in history], weights, ref_losses, ref_weights)
     assert all(m.grad_norm > CLIP for m in history)
 
     chunked = tiny(backend="chunked", device_optimizer="auto", lr_scheduler="constant")  # the fourth schedule
     ref_losses, ref_weights = reference(chunked)
-    history, weights, _ = launch_chunked(chunked, get_config("tiny"), resolve_topology(chunked), return_weights=True)
+    history, weights, _ = launch_chunked(resolve(chunked, backend="chunked"), get_config("tiny"), return_weights=True)
     close([m.loss for m in history], weights, ref_losses, ref_weights)

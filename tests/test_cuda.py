@@ -8,6 +8,7 @@ the model's weights so that stages must swap while the next one is prefetched.""
 import pytest
 import torch
 
+from mobius.backends import resolve
 from mobius.backends.chunked import launch_chunked
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
@@ -81,7 +82,8 @@ def test_cuda_pipeline_with_swapping_stages_equals_the_reference(recompute, lag,
     cfg = config(stages=26, gpu_mem_gb=cap_gb, recompute=recompute, optimizer_lag=lag, lr=3e-5 if lag else 1e-4,
                  device_optimizer="off")
     topo = resolve_topology(cfg)
-    history, weights, results = launch_pipeline(cfg, get_config(cfg.model), topo, return_weights=True)
+    history, weights, results = launch_pipeline(resolve(cfg, topo, "pipeline"), get_config(cfg.model),
+                                                return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
     params = sum(w.numel() * 4 for w in weights.values())
     if cap_gb is not None:  # below the weights: no stage stays resident, each is loaded every step
@@ -100,9 +102,10 @@ def test_cuda_resident_stages_updated_on_the_gpu_equal_the_reference():
 
     cfg = config(stages=26, gpu_mem_gb=4.0, recompute="on")
     with host_rate_cached(1e6, workers=resolve_topology(cfg).n):
-        _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+        _, plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
         assert plan.resident and plan.host_costs["adam_params_per_s"] == 1e6
-        history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+        history, weights, _ = launch_pipeline(resolve(cfg, backend="pipeline"), get_config(cfg.model),
+                                              return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
@@ -112,22 +115,23 @@ def test_cuda_dispatched_schedule_equals_the_reference():
     on their own stream, the host's AdamW a piece at a time; with the lag, steps overlapping."""
     cfg = config(model="small", schedule="dispatched", optimizer_lag=1, lr=3e-5)
     topo = resolve_topology(cfg)
-    spec, _ = prepare_pipeline(cfg, topo, check_model_input(cfg))
+    spec, _ = prepare_pipeline(resolve(cfg, topo, "pipeline"), check_model_input(cfg))
     assert spec.dispatched is not None
-    history, weights, results = launch_pipeline(cfg, get_config(cfg.model), topo, return_weights=True)
+    history, weights, results = launch_pipeline(resolve(cfg, topo, "pipeline"), get_config(cfg.model),
+                                                return_weights=True)
     assert len(results) == 1
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
 def test_cuda_pipeline_bf16_follows_the_bf16_reference():
     cfg = config(stages=4, precision="bf16", recompute="on")
-    history, weights, _ = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+    history, weights, _ = launch_pipeline(resolve(cfg, backend="pipeline"), get_config(cfg.model), return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 2e-2)
 
 
 def test_cuda_chunked_with_offload_equals_the_reference():
     cfg = config(backend="chunked", offload="on", gpu_mem_gb=2.0, chunk_size=20_000_000)
-    history, weights, _ = launch_chunked(cfg, get_config(cfg.model), resolve_topology(cfg), return_weights=True)
+    history, weights, _ = launch_chunked(resolve(cfg, backend="chunked"), get_config(cfg.model), return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 1e-5)
 
 
@@ -139,9 +143,9 @@ def test_cuda_pipeline_with_every_state_and_the_stage_weights_on_disk(tmp_path):
     (tmp_path / "nvme").mkdir()
     cfg = config(stages=26, gpu_mem_gb=1.3, precision="bf16", recompute="on", device_optimizer="off",
                  offload_dir=str(tmp_path / "nvme"), host_mem_gb=0)
-    _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    _, plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     assert plan.disk_weights and set(plan.disk_weights) <= set(plan.disk_masters)
-    history, weights, results = launch_pipeline(cfg, get_config(cfg.model), resolve_topology(cfg),
+    history, weights, results = launch_pipeline(resolve(cfg, backend="pipeline"), get_config(cfg.model),
                                                 return_weights=True)
     assert_equal_to_reference(cfg, history, weights, 2e-2)
     assert all(r.report.disk_bytes[0] > 0 and r.report.disk_bytes[1] > 0 for r in results.values())

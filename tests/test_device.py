@@ -13,6 +13,7 @@ import torch
 
 from conftest import reference
 
+from mobius.backends import resolve
 from mobius.metrics import Trace
 from mobius.runtime.device import CpuDevice, Event, Stream, StreamOrderError
 
@@ -104,12 +105,11 @@ def one_worker(recompute: str, steps: int = 2):
 def run_one_worker(cfg) -> list[float]:
     """The pipeline runtime of one worker holding every stage, in this process (gloo, world 1)."""
     from mobius.planning.pipeline import prepare_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
     from mobius.runtime.worker import WorkerPayload
     from mobius.stages.worker import worker_main
 
-    spec, _ = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    spec, _ = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     return [h.loss for h in worker_main(WorkerPayload(cfg, spec, "test")).history]
 
 

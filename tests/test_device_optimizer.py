@@ -9,13 +9,13 @@ import torch
 
 from conftest import host_rate_cached, reference, run_in_threads
 
+from mobius.backends import resolve
 from mobius.config import RunConfig
 from mobius.models import get_config
 from mobius.partition.cost import stage_costs, step_bounds
 from mobius.partition.profile import analytic_profile
 from mobius.planning.pipeline import prepare_pipeline
 from mobius.planning.planner import resident_stages
-from mobius.planning.prepare import resolve_topology
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input
 from mobius.stages.ops import OFFLOAD, RELEASE, UPDATE, worker_ops
@@ -49,7 +49,7 @@ def test_resident_stages_train_as_the_reference_to_the_bit(recompute, slow_host)
     """fp32 on 2 CPU workers: stages updated on the device give the reference's losses and weights
     exactly; in bf16 they give exactly what the same stages updated on the host give."""
     cfg = tiny(recompute=recompute)
-    _, plan = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    _, plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     assert plan.resident  # the tiny model leaves room on a 2 GB worker
     losses, weights = run_in_threads(cfg)
     ref_losses, ref_weights = reference(cfg)
@@ -69,7 +69,7 @@ def test_a_resident_run_resumes_a_checkpoint_and_writes_one(tmp_path, slow_host)
     args = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress", "--steps", "9"]
     pipe = ["--topology", "cpu", "--cpu-workers", "2", "--stages", "3"]
     cfg = RunConfig.of(model="tiny", seq_len=32, micro_batch_size=2, steps=9, topology="cpu", cpu_workers=2, stages=3)
-    assert prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1].resident
+    assert prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))[1].resident
     d, straight = tmp_path / "ck", tmp_path / "straight"
     main(args + ["--backend", "single", "--stop-after", "3", "--save", str(d), "--metrics", str(tmp_path / "a.jsonl")])
     main(args + pipe + ["--backend", "pipeline", "--resume", str(d), "--stop-after", "3", "--save", str(d),
@@ -88,14 +88,15 @@ def test_a_resident_run_resumes_a_checkpoint_and_writes_one(tmp_path, slow_host)
 @pytest.mark.slow
 def test_stages_stay_on_the_device_where_the_host_is_slow(slow_host):
     cfg = tiny()
-    assert prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))[1].resident
+    assert prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))[1].resident
 
 
 @pytest.mark.slow
 def test_the_planner_keeps_on_the_device_what_fits_and_helps():
     """Resident where the memory is there, none where it is not, none with --optimizer-lag, fp16 or
     --device-optimizer off; the host's lanes shrink by what the resident stages no longer move."""
-    plan = lambda **kw: prepare_pipeline(tiny(**kw), resolve_topology(tiny(**kw)), check_model_input(tiny(**kw)))[1]  # noqa: E731
+    plan = lambda **kw: prepare_pipeline(resolve(tiny(**kw), backend="pipeline"),  # noqa: E731
+                                         check_model_input(tiny(**kw)))[1]
     assert not plan(gpu_mem_gb=0.002).resident  # three stages barely fit: nothing stays
     for off in ({"device_optimizer": "off"}, {"optimizer_lag": 1}, {"precision": "fp16"}):
         assert not plan(**off).resident, off

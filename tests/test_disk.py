@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import SINGLE, TINY, one_line_exit_2, reference
 
+from mobius.backends import resolve, resolve_for_plan
 from mobius.backends.pipeline import launch_pipeline
 from mobius.boundary.errors import InputError, RunError
 from mobius.config import RunConfig, parse_train_args
@@ -238,7 +239,8 @@ def test_pipeline_workers_with_moments_on_disk_equal_the_reference_and_resume_ac
     ref_losses, ref_weights = reference(cfg, precision="fp32", offload_dir=(), host_mem_gb=None)
     for d in cfg.offload_dir:
         Path(d).mkdir()
-    history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
+    history, weights, results = launch_pipeline(resolve(cfg, backend="pipeline"), get_config("tiny"),
+                                                return_weights=True)
     assert [m.loss for m in history] == pytest.approx(ref_losses, rel=1e-5)
     for name, w in weights.items():
         assert torch.allclose(w, ref_weights[name], rtol=1e-5, atol=1e-7), name
@@ -337,7 +339,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     """``--host-mem-gb`` below what the run holds in memory: the largest host stages' moments go
     to disk until the rest fits (none where it fits; with 0 all the tier can take); the prediction
     charges their way through the drives, and the disk lane's floor is their bytes there and back."""
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.planning.planner import host_bytes_needed
     from mobius.runtime.spec import Lane
 
@@ -349,7 +351,7 @@ def test_the_plan_puts_as_many_stages_moments_on_disk_as_the_host_memory_takes(t
     plans = {}
     for name, host in (("all", 0), ("half", need * 0.75), ("fits", need * 2), ("masters", need * 0.5)):
         cfg = RunConfig.of(**base, host_mem_gb=host)
-        plans[name] = plan_on(cfg, config, resolve_topology(cfg))
+        plans[name] = run_plan(resolve_for_plan(cfg), config)
     host_stages = [j for j in range(len(plans["all"].bounds)) if j not in plans["all"].resident]
     assert plans["all"].disk_stages == host_stages and plans["fits"].disk_stages == []
     assert 0 < len(plans["half"].disk_stages) < len(host_stages)
@@ -397,7 +399,7 @@ def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from published_models import model_dir
 
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.inputs import model_config_for
 
     with model_dir("Llama-3.1-8B") as path:
@@ -405,9 +407,9 @@ def test_llama_8b_full_fine_tuning_plans_on_64_gb_and_one_drive(tmp_path):
                     precision="bf16", progress=False, offload_dir=str(tmp_path / "nvme"), drive_gbps=("7",))
         moments_only = RunConfig.of(**base, host_mem_gb=64, data_parallel=2)  # replicas keep the master in memory
         with pytest.raises(InputError, match="needs [0-9.]* GB of host memory"):
-            plan_on(moments_only, model_config_for(moments_only), resolve_topology(moments_only))
+            run_plan(resolve_for_plan(moments_only), model_config_for(moments_only))
         cfg = RunConfig.of(**base, host_mem_gb=64)
-        plan = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg))
+        plan = run_plan(resolve_for_plan(cfg), model_config_for(cfg))
     assert plan.disk_masters and set(plan.disk_masters) <= set(plan.disk_stages)
     assert "tokens/s" in plan.render()
 
@@ -515,7 +517,7 @@ def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monke
     """``--offload-dir`` without the drive's rates (no --drive-gbps, none in the topology): before
     training the drive is timed, and the plan takes it at those rates, by the name sysfs gives it
     (or its place), instead of an assumed 3.5 GB/s; nothing is left in the directory."""
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.swap import disk
 
     monkeypatch.setattr(disk, "DRIVE_TIMING_BYTES", 8 * 2**20)
@@ -528,7 +530,7 @@ def test_a_drive_not_stated_is_timed_and_planned_at_what_it_does(tmp_path, monke
     (drive,) = topo.drives
     assert not drive.assumed and drive.read_gbps > 0 and drive.write_gbps > 0 and list(tmp_path.iterdir()) == []
     assert drive.name == (disk.drive_name(tmp_path.stat().st_dev) or "drive0")
-    plan = plan_on(cfg, get_config("small"), topo)
+    plan = run_plan(resolve_for_plan(cfg, topo), get_config("small"))
     assert plan.disk_gbps == (drive.read_gbps, drive.write_gbps)
 
 
@@ -541,7 +543,7 @@ def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
     import os
     import tempfile
 
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.spec import Lane
     from mobius.swap import disk
 
@@ -568,8 +570,8 @@ def test_each_directory_is_its_own_drive(tmp_path, capsys, monkeypatch):
 
     base = dict(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
                 precision="bf16", progress=False, device_optimizer="off", host_mem_gb=0)
-    floors = [plan_on(RunConfig.of(**base, offload_dir=dirs), get_config("small"),
-                      resolve_topology(RunConfig.of(**base, offload_dir=dirs))).lane_floor_s[Lane.DISK]
+    floors = [run_plan(resolve_for_plan(RunConfig.of(**base, offload_dir=dirs)),
+                       get_config("small")).lane_floor_s[Lane.DISK]
               for dirs in (("a",), ("a", "b"))]
     assert floors[1] == pytest.approx(floors[0] / 2)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import reference
 
+from mobius.backends import resolve
 from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.metrics import Trace
@@ -264,7 +265,6 @@ def test_two_replicas_of_the_dispatched_schedule_equal_the_reference(tmp_path, g
     import os
 
     from mobius.backends.pipeline import launch_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime import checkpoint as ck
 
     if changes.get("model") == "gpt2":
@@ -273,7 +273,7 @@ def test_two_replicas_of_the_dispatched_schedule_equal_the_reference(tmp_path, g
     cfg = config(2, data_parallel=2, schedule="dispatched", save=str(tmp_path / "ck"), **changes)
     cfg = cfg.changed(precision=precision)
     want_losses, want_weights = reference(cfg)
-    history, weights, results = launch_pipeline(cfg, model_config_for(cfg), resolve_topology(cfg),
+    history, weights, results = launch_pipeline(resolve(cfg, backend="pipeline"), model_config_for(cfg),
                                                 return_weights=True)
     if precision == "fp16":  # 16-bit gradients of tiny weights differ by the partition's rounding: see above
         assert [m.loss for m in history] == pytest.approx(want_losses, rel=1e-4)

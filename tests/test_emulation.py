@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from mobius.backends import resolve
 from mobius.mapping import cross_map, sequential_map
 from mobius.models import get_config
 from mobius.partition.cost import Machine, StepEstimate, copy_rates, evaluate, settle, stage_costs
@@ -285,14 +286,13 @@ def test_one_dilation_for_the_variants_of_a_comparison(tmp_path, capsys):
     from mobius.boundary.errors import InputError
     from mobius.config import parse_train_args
     from mobius.planning.pipeline import prepare_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     common = ["--model", "tiny8", "--topology", "topo2+2", "--emulate", "--steps", "4", "--micro-batches", "6"]
 
     def spec_of(extra):
         cfg = parse_train_args(common + extra)
-        return prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+        return prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
 
     factors = {}
     for variant in (["--mapping", "cross"], ["--mapping", "sequential"], ["--no-prefetch"]):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_hf_models import make_dirs  # noqa: E402
 
+from mobius.backends import resolve
 from mobius.config import RunConfig  # noqa: E402
 from mobius.data import load_corpus, tokenizer_for  # noqa: E402
 from mobius.models import build_model, get_config  # noqa: E402
@@ -135,7 +136,6 @@ def test_packed_examples_see_only_themselves_through_a_sliding_window(hf_dirs):
 @pytest.mark.slow
 def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path):
     from mobius.backends.pipeline import launch_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
@@ -143,7 +143,7 @@ def test_pipeline_fine_tunes_llama_dir_like_single_and_exports(hf_dirs, tmp_path
     cfg = RunConfig.of(model=hf_dirs["llama"], backend="pipeline", topology="cpu", cpu_workers=2, stages=4, steps=3,
                        micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False, export=out)
     config = get_config(cfg.model)
-    history = launch_pipeline(cfg, config, resolve_topology(cfg))
+    history = launch_pipeline(resolve(cfg, backend="pipeline"), config)
     ref_cfg = RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32", "export": None})
     ref = ReferenceTrainer(ref_cfg, config, make_batches(ref_cfg, config), torch.device("cpu"))
     ref_losses = [ref.step(k).loss for k in range(3)]
@@ -210,14 +210,13 @@ def test_plans_for_llama_8b_and_qwen_32b_shapes_from_config_only(tmp_path, topol
 def test_pipeline_tied_gpt2_one_worker_matches_single(hf_dirs, stages):
     """Both copies of the tied table in one stage (1) or in different stages of one worker (3)."""
     from mobius.backends.pipeline import launch_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.reference import ReferenceTrainer
     from mobius.runtime.inputs import make_batches
 
     cfg = RunConfig.of(model=hf_dirs["gpt2"], backend="pipeline", topology="cpu", cpu_workers=1, stages=stages, steps=3,
                        micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-2, progress=False)
     config = get_config(cfg.model)
-    history = launch_pipeline(cfg, config, resolve_topology(cfg))
+    history = launch_pipeline(resolve(cfg, backend="pipeline"), config)
     ref = ReferenceTrainer(RunConfig.from_dict({**cfg.to_dict(), "precision": "fp32"}), config,
                            make_batches(cfg, config), torch.device("cpu"))
     for m, k in zip(history, range(3)):
@@ -241,7 +240,7 @@ def test_chunked_fine_tunes_a_mixture_of_experts_like_single(hf_dirs, arch):
     config = get_config(cfg.model)
     ref = ReferenceTrainer(cfg.changed(backend="single"), config, make_batches(cfg, config), torch.device("cpu"))
     want = [ref.step(k).loss for k in range(3)]
-    history = launch_chunked(cfg, config, cpu_topology(2), data=make_data(cfg, config))
+    history = launch_chunked(resolve(cfg, cpu_topology(2), "chunked"), config, data=make_data(cfg, config))
     assert [m.loss for m in history] == pytest.approx(want, rel=1e-5)
 
 

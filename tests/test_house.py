@@ -79,12 +79,16 @@ def test_the_precision_is_decided_once_and_read_by_every_check_after(monkeypatch
     """Unset, the precision is the devices' default: the host-memory check before training counts
     the bytes of the precision the run will train in, not a default of its own."""
     import mobius.backends as backends
+    import mobius.planning.prepare as prepare
     import mobius.train as train
     from mobius.boundary.errors import InputError
     from mobius.config import RunConfig
 
-    monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(prepare, "cuda_available", lambda: cuda)
     monkeypatch.setattr(train, "available_host_memory", lambda: 2**40)
+    decisions = []
+    monkeypatch.setattr(backends, "decide", lambda *args, **kwargs: decisions.append(args[2]) or prepare.decide(*args,
+                                                                                                            **kwargs))
     checked = []
 
     def check_host_memory(model, config, precision, *args, **kwargs):
@@ -99,3 +103,32 @@ def test_the_precision_is_decided_once_and_read_by_every_check_after(monkeypatch
     with pytest.raises(InputError, match="checked"):
         train.run(cfg)
     assert checked == [precision]
+    assert decisions == ["single"]  # one decision record, made before anything reads it
+
+
+def test_mobius_plan_decides_once_for_the_machine_its_topology_describes(monkeypatch, capsys):
+    """``mobius.plan`` makes one decision record, as a run on the topology's own machine makes it
+    (its GPUs, the CUDA reserve taken from their memory, bf16), wherever the command runs, and
+    plans from it: no function after it decides the devices or the precision again."""
+    import json
+
+    import mobius.backends as backends
+    import mobius.plan
+    import mobius.planning.prepare as prepare
+    from mobius.runtime.device import CUDA_RESERVE_BYTES
+
+    made, seen, precisions = [], [], []
+    resolve_devices, resolve_precision = prepare.resolve_devices, prepare.resolve_precision
+    monkeypatch.setattr(backends, "decide", lambda *a, **k: made.append(prepare.decide(*a, **k)) or made[-1])
+    monkeypatch.setattr(prepare, "resolve_devices", lambda *a, **k: seen.append(a) or resolve_devices(*a, **k))
+    monkeypatch.setattr(prepare, "resolve_precision", lambda *a: precisions.append(a) or resolve_precision(*a))
+    monkeypatch.setattr(prepare, "cuda_available", lambda: False)  # a machine without the topology's GPUs
+    mobius.plan.main(["--model", "tiny", "--topology", "4x4090", "--seq-len", "32", "--micro-batches", "4",
+                      "--profile", "analytic", "--mip-effort", "1", "--schedule", "auto", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert len(made) == len(seen) == len(precisions) == 1
+    decided = made[0]
+    assert (decided.backend, decided.gpus, decided.precision, decided.replicas) == ("pipeline", True, "bf16", 1)
+    assert not decided.topology.virtual
+    assert [g.memory_gb for g in decided.topology.gpus] == pytest.approx([24 - CUDA_RESERVE_BYTES / 1e9] * 4)
+    assert out["precision"] == "bf16" and out["profile_source"].startswith("analytic")

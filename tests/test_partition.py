@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mobius.backends import resolve, resolve_for_plan
 from mobius.boundary.errors import InputError
 from mobius.models import get_config
 from mobius.partition.baselines import BASELINES, balanced_bounds, uniform_bounds
@@ -379,14 +380,13 @@ def test_mobius_plan_prints_the_plan_mobius_train_runs(capsys):
     from mobius.config import parse_train_args
     from mobius.plan import main as plan_main
     from mobius.planning.pipeline import prepare_pipeline
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import check_model_input
 
     options = ["--model", "tiny", "--topology", "cpu", "--seq-len", "32", "--optimizer-lag", "1", "--lora-rank", "8"]
     plan_main(options + ["--json"])
     printed = json.loads(capsys.readouterr().out)
     cfg = parse_train_args(options + ["--backend", "pipeline"])
-    _, trained = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    _, trained = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     assert (printed["bounds"], printed["predicted_step_s"], printed["recompute"]) == ([list(b) for b in trained.bounds],
                                                                 trained.predicted_step_s, trained.recompute)
     plan_main(options[:-4] + ["--json"])  # without the lag and the adapters: another plan
@@ -420,8 +420,7 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
     min, balanced or uniform by up to 1.6x): --partitioner mip plans no slower than any of them,
     each timed as the plan --partitioner would make of it."""
     from mobius.config import parse_train_args
-    from mobius.planning.pipeline import plan_on
-    from mobius.planning.prepare import resolve_topology
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.inputs import check_model_input
 
     box = json.loads((Path(__file__).parents[1] / "topology" / "presets" / "topo2+2.json").read_text())
@@ -433,7 +432,7 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
     def plan(partitioner):
         cfg = parse_train_args(["--model", "mobius-3b", "--topology", str(path), "--partitioner", partitioner,
                                 "--recompute", "off", *setting])
-        return plan_on(cfg, check_model_input(cfg), resolve_topology(cfg), effort=4, use_cache=False,
+        return run_plan(resolve_for_plan(cfg), check_model_input(cfg), effort=4, use_cache=False,
                        with_baselines=True)
 
     mip = plan("mip")
@@ -475,9 +474,8 @@ def test_one_command_gives_one_plan_on_a_quiet_or_a_busy_machine():
     """The MIP stops at a count of its own progress, not at seconds: the same plan (the disk-tier
     case whose stage count once changed with the machine's load) with both cores kept busy."""
     from mobius.config import RunConfig
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.planning.planner import host_bytes_needed
-    from mobius.planning.prepare import resolve_topology
 
     config = get_config("small")
     cfg = RunConfig.of(model="small", topology="4x4090", micro_batch_size=1, micro_batches=8, seq_len=256,
@@ -485,7 +483,7 @@ def test_one_command_gives_one_plan_on_a_quiet_or_a_busy_machine():
                        drive_gbps=("2",), host_mem_gb=host_bytes_needed(config, "bf16") / 1e9 * 0.75)
 
     def planned() -> dict:
-        plan = plan_on(cfg, config, resolve_topology(cfg), use_cache=False).to_dict()
+        plan = run_plan(resolve_for_plan(cfg), config, use_cache=False).to_dict()
         plan["solver"].pop("solve_s")  # (how long it took is the one thing the load may change)
         return plan
 
@@ -510,15 +508,14 @@ def test_a_plan_of_swapping_stages_is_never_below_its_pcie_floor(tmp_path):
     from published_models import CONFIGS
 
     from mobius.config import RunConfig
-    from mobius.planning.pipeline import plan_on
-    from mobius.planning.prepare import resolve_topology
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.inputs import model_config_for
     from mobius.runtime.spec import Lane
 
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["Qwen3-235B-A22B"], "num_hidden_layers": 48}))
     cfg = RunConfig.of(model=str(tmp_path), topology="8x4090-4+4", micro_batch_size=1, micro_batches=4, seq_len=2048,
                        lora_rank=16, progress=False)
-    plan = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), profile_how="analytic", effort=4,
+    plan = run_plan(resolve_for_plan(cfg), model_config_for(cfg), profile_how="analytic", effort=4,
                    use_cache=False)
     assert max(plan.lane_floor_s, key=plan.lane_floor_s.get) is Lane.PCIE
     assert plan.predicted_step_s >= plan.lane_floor_s[Lane.PCIE]

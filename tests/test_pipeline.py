@@ -12,6 +12,7 @@ import torch
 
 from conftest import HANG_S, fault_env, reference
 
+from mobius.backends import resolve
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig
 from mobius.models import get_config
@@ -43,7 +44,7 @@ def test_pipeline_equals_reference(case, recompute):
                        progress=False, backend="pipeline", device_optimizer="off")
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     topo = resolve_topology(cfg)
-    history, weights, results = launch_pipeline(cfg, get_config(model), topo, return_weights=True)
+    history, weights, results = launch_pipeline(resolve(cfg, topo, "pipeline"), get_config(model), return_weights=True)
     assert len(results) == workers
     losses = [m.loss for m in history]
     for a, b in zip(losses, ref_losses):
@@ -66,7 +67,7 @@ def test_stress_jittered_streams_across_workers_equal_the_reference(monkeypatch)
     cfg = RunConfig.of(model="tiny8", topology="topo2+2", cpu_workers=4, stages=10, steps=8, micro_batch_size=2,
                        micro_batches=3, seq_len=32, lr=3e-3, recompute="off", progress=False, backend="pipeline")
     ref_losses, ref_weights = reference(cfg, precision="fp32")
-    history, weights, _ = launch_pipeline(cfg, get_config("tiny8"), resolve_topology(cfg), return_weights=True)
+    history, weights, _ = launch_pipeline(resolve(cfg, backend="pipeline"), get_config("tiny8"), return_weights=True)
     for a, b in zip([m.loss for m in history], ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5
     for name, w in weights.items():
@@ -83,7 +84,8 @@ def test_budget_below_all_stages_still_trains_within_budget():
     ref_losses, ref_weights = reference(cfg, precision="fp32")
     total_param_bytes = sum(w.numel() * 4 for w in ref_weights.values())
     assert total_param_bytes > budget_gb * 1e9
-    history, weights, results = launch_pipeline(cfg, get_config("tiny"), resolve_topology(cfg), return_weights=True)
+    history, weights, results = launch_pipeline(resolve(cfg, backend="pipeline"), get_config("tiny"),
+                                                return_weights=True)
     peak = results[0].report.peak_bytes_max
     assert 0 < peak <= budget_gb * 1e9
     for a, b in zip([m.loss for m in history], ref_losses):

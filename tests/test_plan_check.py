@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from mobius.backends import resolve
 from mobius.metrics import StepMetrics
 from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_compute_s
 from mobius.runtime.spec import Plan, StagePlan
@@ -122,7 +123,7 @@ def test_a_run_planned_on_a_stale_rate_names_the_lane_and_the_next_plan_uses_wha
     timed = get_profile(cfg.model, model, topo, 2, 64, "fp32").host.adam_params_per_s
     key = host_rate_key(measured_on(), 2)
     HOST_RATES.put(key, {"adam_params_per_s": timed / 10})
-    assert prepare_pipeline(cfg, topo, model)[1].host_costs["adam_params_per_s"] == timed / 10
+    assert prepare_pipeline(resolve(cfg, topo, "pipeline"), model)[1].host_costs["adam_params_per_s"] == timed / 10
     capfd.readouterr()
 
     main(args)
@@ -131,7 +132,7 @@ def test_a_run_planned_on_a_stale_rate_names_the_lane_and_the_next_plan_uses_wha
                for line in out.splitlines()), out
     measured = HOST_RATES.get(key, lambda d: d["adam_params_per_s"])
     assert measured != timed / 10
-    assert prepare_pipeline(cfg, topo, model)[1].host_costs["adam_params_per_s"] == measured
+    assert prepare_pipeline(resolve(cfg, topo, "pipeline"), model)[1].host_costs["adam_params_per_s"] == measured
 
 
 SLOW_BOX = {"name": "slowbox", "description": "two slow GPUs under one root complex: a box a CPU emulates quickly",

@@ -247,10 +247,11 @@ def test_pipeline_and_chunked_equal_single(setup):
 
 def single_history(cfg: RunConfig):
     """``--backend single``'s metrics of every step (with its evaluations), as the command runs it."""
+    from mobius.backends import resolve
     from mobius.backends.single import train_single
     from mobius.runtime.inputs import make_data
 
-    return train_single(cfg, model_config_for(cfg), None, make_data(cfg, model_config_for(cfg)))
+    return train_single(resolve(cfg, backend="single"), model_config_for(cfg), make_data(cfg, model_config_for(cfg)))
 
 
 @pytest.mark.slow

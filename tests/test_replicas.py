@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import HANG_S, TINY, fault_env, none_left, reference
 
+from mobius.backends import resolve
 from mobius.backends.pipeline import launch_pipeline
 from mobius.config import RunConfig, parse_train_args
 from mobius.models import get_config
 from mobius.planning.pipeline import prepare_pipeline
 from mobius.planning.planner import host_bytes_needed
-from mobius.planning.prepare import resolve_topology
 from mobius.runtime import checkpoint as ck
 from mobius.runtime.inputs import check_model_input, model_config_for
 from mobius.stages.replicas import ReplicaLayout, owners
@@ -70,7 +70,7 @@ def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_c
     a, b, c = (str(tmp_path / d) for d in "abc")
     first = base.changed(topology="cpu", cpu_workers=2, data_parallel=2, stop_after=2, save=a, metrics=a + ".jsonl",
                          progress=False)
-    _, _, results = launch_pipeline(first, model_config_for(first), resolve_topology(first), return_weights=True)
+    _, _, results = launch_pipeline(resolve(first, backend="pipeline"), model_config_for(first), return_weights=True)
     for replica in (0, 1):  # every weight and gradient, half of the AdamW moments (owners balance to a tensor)
         held = sum(results[replica * 2 + p].report.host_bytes for p in (0, 1))
         assert held == pytest.approx(host_bytes_needed(get_config("tiny"), "fp32", data_parallel=2), rel=0.05)
@@ -83,7 +83,7 @@ def test_two_replicas_equal_the_reference_and_checkpoints_move_between_replica_c
     # would take minutes), asked of the code that refuses one below it.
     emulated = ["--resume", b, "--data-parallel", "2", "--topology", "1xh100", "--emulate", "--network", "10gbe"]
     cfg = parse_train_args(emulated, checkpoint_settings=ck.run_config)
-    spec, _ = prepare_pipeline(cfg, resolve_topology(cfg), check_model_input(cfg))
+    spec, _ = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     dilation = max(2 * spec.emulation.floor, 1.0)
     main(emulated + ["--save", c, "--metrics", c + ".jsonl", "--dilation", f"{dilation:.6g}"])
     got = _losses(a + ".jsonl") + _losses(b + ".jsonl") + _losses(c + ".jsonl")
@@ -141,7 +141,8 @@ def test_nodes_that_differ_are_refused_in_one_line(monkeypatch):
     from topology import cpu_topology
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    decision = torchrun_decision(parse_train_args(TINY + ["--topology", "cpu", "--cpu-workers", "2"]))
+    decision = torchrun_decision(resolve(parse_train_args(TINY + ["--topology", "cpu", "--cpu-workers", "2"]),
+                                         backend="pipeline"))
     other = cpu_topology(2, memory_gb=1).shape()
     with pytest.raises(InputError, match=r"the nodes differ: node 0 has 2 CPU workers \(.*\); node 1 has 2 CPU "
                                          r"workers \(.* 1 GB"):

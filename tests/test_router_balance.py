@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import run_in_threads, save_hf_model  # noqa: E402
 from make_tiny_chat_model import SPECIAL_TOKENS, write_chat_tokenizer  # noqa: E402
 
+from mobius.backends import resolve
 from mobius.config import RunConfig  # noqa: E402
 from mobius.models import IGNORE, TokenLayout, build_model, get_config  # noqa: E402
 from mobius.models.router_balance import pack, unpack  # noqa: E402
@@ -165,7 +166,7 @@ def test_padded_examples_through_both_schedules_equal_the_reference(moe_dirs, tm
         for n, w in want_weights.items():
             torch.testing.assert_close(weights[n], w, rtol=1e-5, atol=1e-6, msg=f"{name}: {n}")
     chunked = cfg.changed(backend="chunked", cpu_workers=2)
-    history = launch_chunked(chunked, model_config_for(chunked), cpu_topology(2),
+    history = launch_chunked(resolve(chunked, cpu_topology(2), "chunked"), model_config_for(chunked),
                              data=make_data(chunked, model_config_for(chunked)))
     assert [m.loss for m in history] == pytest.approx(want, rel=1e-5)
 

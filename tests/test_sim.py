@@ -1,5 +1,6 @@
 import pytest
 
+from mobius.backends import resolve_for_plan
 from mobius.partition.profile import LayerProfile, Profile
 from mobius.sim import Link, Simulator, simulate_gpipe, simulate_mobius, simulate_zero3_offload
 from mobius.sim.engine import D2H, H2D
@@ -212,7 +213,7 @@ def test_the_cost_model_is_the_simulation_within_its_stated_gap_on_every_preset_
     import io
 
     from mobius.config import RunConfig
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.planning.prepare import get_profile, reserve_cuda_memory, resolve_topology
     from mobius.runtime.inputs import model_config_for
 
@@ -222,7 +223,7 @@ def test_the_cost_model_is_the_simulation_within_its_stated_gap_on_every_preset_
                            precision="bf16", optimizer_lag=lag, device_optimizer=device_optimizer)
         model_config, topo = model_config_for(cfg), resolve_topology(cfg)
         with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
-            plan = plan_on(cfg, model_config, topo, profile_how="analytic", effort=4)
+            plan = run_plan(resolve_for_plan(cfg, topo), model_config, profile_how="analytic", effort=4)
         residents.append(len(plan.resident))
         reserved = reserve_cuda_memory(topo)
         profile = get_profile(cfg.model, model_config, reserved, 1, 1024, "bf16", "analytic")
@@ -247,16 +248,15 @@ def test_a_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip_a
     import io
 
     from mobius.config import RunConfig
-    from mobius.planning.pipeline import plan_on
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.optim import ROLLBACK_PASSES
-    from mobius.planning.prepare import resolve_topology
     from mobius.runtime.inputs import model_config_for
 
     def plan(**changes):
         cfg = RunConfig.of(model="gpt2", topology="topo2+2", micro_batch_size=1, micro_batches=8, seq_len=1024,
                            precision="bf16", device_optimizer="off", **changes)
         with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
-            return plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), profile_how="analytic", effort=4)
+            return run_plan(resolve_for_plan(cfg), model_config_for(cfg), profile_how="analytic", effort=4)
 
     unclipped, clipped = plan(max_grad_norm=0.0), plan(max_grad_norm=1.0)
     assert unclipped.waiting_step_s is None and unclipped.clipping_text() == ""

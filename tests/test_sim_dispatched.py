@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from mobius.backends import resolve_for_plan
 from mobius.models import get_config
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
@@ -395,8 +396,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
     from published_models import model_dir
 
     from mobius.config import RunConfig
-    from mobius.planning.pipeline import plan_on
-    from mobius.planning.prepare import resolve_topology
+    from mobius.planning.pipeline import run_plan
     from mobius.runtime.inputs import model_config_for
 
     args = argparse.Namespace(micro_batches=16, seq_len=2048, mip_effort=4, optimizer_lag=1, recompute="auto")
@@ -405,7 +405,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
         cfg = RunConfig.of(model=model, topology=box_of(8, str(tmp_path)), micro_batch_size=1, micro_batches=16,
                            seq_len=2048, precision="bf16", optimizer_lag=1, recompute="on")
         with contextlib.redirect_stdout(io.StringIO()):  # the bound plan alone: what the row would add is not used
-            recomputing = plan_on(cfg, model_config_for(cfg), resolve_topology(cfg), profile_how="analytic",
+            recomputing = run_plan(resolve_for_plan(cfg), model_config_for(cfg), profile_how="analytic",
                                   effort=4).modelled_step_s
     fastest_one = min(one["bound_predicted_s"], one["bound_simulated_s"], one["dispatched_simulated_s"])
     assert fastest_one / eight["dispatched_simulated_s"] >= 7.0

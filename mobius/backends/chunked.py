@@ -6,20 +6,20 @@ from __future__ import annotations
 from chunked_dp import worker as chunked_worker
 from chunked_dp.prepare import prepare_chunked
 from mobius.boundary.errors import InputError
-from mobius.config import RunConfig
 from mobius.launcher import devices_text, launch_workers
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig, build_model
+from mobius.planning.prepare import Decided
 from mobius.runtime.optim import UpdateRule
 from mobius.runtime.worker import WorkerPayload
-from topology import Topology
 
 
-def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
+def launch_chunked(decided: Decided, model_config: GPTConfig, return_weights: bool = False,
                    inputs: dict[str, str] | None = None, data: tuple | None = None):
     """Data parallelism over chunks (chunked_dp), one worker per device, through the same launcher
     (``inputs`` and ``data`` as for :func:`mobius.backends.pipeline.launch_pipeline`)."""
-    spec = prepare_chunked(cfg, topo, model_config)
+    cfg, topo = decided.cfg, decided.topology
+    spec = prepare_chunked(decided, model_config)
     setup = spec.chunked
     n_params = build_model(model_config, device="meta").num_parameters()
     step_s = setup.predicted["step"]
@@ -33,17 +33,16 @@ def launch_chunked(cfg: RunConfig, model_config: GPTConfig, topo: Topology, retu
               # the prediction is the GPUs' (analytic profile): shown where GPUs compute or are emulated
               + (f", predicted {seconds_text(step_s)}/step ({lanes})" if spec.cuda or spec.emulation else "")
               + f"\n  why: {setup.reasons}\n  update: {UpdateRule.of(cfg.optim).describe()}")
-    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs,
-                            return_weights=return_weights)
+    payload = WorkerPayload(cfg, spec, header, inputs, return_weights=return_weights)
     results = launch_workers(topo.n, chunked_worker.worker_main, payload, data)
     history = results[0].history
     return (history, results[0].weights, results) if return_weights else history
 
 
-def check_chunked_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology) -> None:
-    """What the chunked engine does not build, refused before the data is read; ``topo``'s devices
-    are its data-parallel workers."""
-    workers = topo.n
+def check_chunked_options(decided: Decided, model_config: GPTConfig) -> None:
+    """What the chunked engine does not build, refused before the data is read; the topology's
+    devices are its data-parallel workers."""
+    cfg, workers = decided.cfg, decided.topology.n
     if cfg.outputs.export:
         raise InputError("--export is not built for --backend chunked yet; use --backend pipeline or single")
     if cfg.lora.rank:

@@ -17,7 +17,7 @@ from mobius.models.adapters import finish_export
 from mobius.models.hf import start_export
 from mobius.planning.pipeline import prepare_pipeline
 from mobius.planning.planner import pcie_bps
-from mobius.planning.prepare import resolve_topology
+from mobius.planning.prepare import Decided
 from mobius.planning.replan import Replanner
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import UpdateRule
@@ -30,19 +30,20 @@ from mobius.swap.disk import check_offload_dir
 from topology import Topology
 
 
-def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, return_weights: bool = False,
+def launch_pipeline(decided: Decided, model_config: GPTConfig, return_weights: bool = False,
                     inputs: dict[str, str] | None = None, data: tuple | None = None):
-    """``inputs``: the digests the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`);
-    ``data``: the run's training and held-out batches, made here and shared with the workers (None:
-    each worker makes them)."""
-    spec, plan = prepare_pipeline(cfg, topo, model_config, profiled=start_worker_server)
+    """The run ``decided`` (:func:`mobius.backends.resolve`) on the pipeline; ``inputs``: the digests
+    the run's checkpoints record (:func:`mobius.runtime.checkpoint.input_digests`); ``data``: the
+    run's training and held-out batches, made here and shared with the workers (None: each worker
+    makes them)."""
+    cfg, topo = decided.cfg, decided.topology
+    spec, plan = prepare_pipeline(decided, model_config, profiled=start_worker_server)
     header = pipeline_header(cfg, model_config, topo, spec) + reference_pass_text(plan, topo, data)
     # Each worker writes its stages' tensors into the staging directory of each export.
     wanted = cfg.outputs.exports()
     exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
-    replan = Replanner(cfg, topo, model_config) if cfg.pipeline.replan == "auto" else None
-    payload = WorkerPayload(cfg.changed(precision=spec.precision), spec, header, inputs, exports, return_weights,
-                            replan=replan)
+    replan = Replanner(decided, model_config) if cfg.pipeline.replan == "auto" else None
+    payload = WorkerPayload(cfg, spec, header, inputs, exports, return_weights, replan=replan)
     if spec.dispatched is not None:  # one process drives every GPU of a box
         boxes = spec.data_parallel
         print(f"starting {boxes} worker process{'es' if boxes > 1 else ''} for {topo.n} {devices_text(spec)}"
@@ -63,15 +64,16 @@ def launch_pipeline(cfg: RunConfig, model_config: GPTConfig, topo: Topology, ret
     return history
 
 
-def check_pipeline_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology) -> None:
+def check_pipeline_options(decided: Decided, model_config: GPTConfig) -> None:
     """What the pipeline does not build, or this machine cannot do for it, refused before the data
     is read: the ``--offload-dir`` drive included (:func:`~mobius.swap.disk.check_offload_dir`)."""
+    cfg = decided.cfg
     if cfg.lora.load_in_4bit:
         raise InputError("--load-in-4bit is built for --backend single: the pipeline's stage stores hold 16- and "
                          "32-bit weights")
     if cfg.pipeline.schedule == "dispatched":
         check_dispatched(cfg)
-    check_offload_dir(cfg, model_config, topo)
+    check_offload_dir(cfg, model_config, decided.topology)
 
 
 def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
@@ -119,11 +121,11 @@ def disk_text(plan: Plan, topo: Topology) -> str:
             "(--host-mem-gb; 0 puts it on disk anyway)")
 
 
-def torchrun_decision(cfg: RunConfig) -> Decision:
+def torchrun_decision(decided: Decided) -> Decision:
     """Under torchrun each node plans for itself no more: every node describes its devices, rank 0
     checks that the nodes match and plans one replica's pipeline for that node shape, once."""
+    cfg, topo = decided.cfg, decided.topology  # this node's devices
     model_config = check_model_input(cfg)
-    topo = resolve_topology(cfg)  # this node's devices
 
     def decide(nodes: list[str]) -> tuple[RunSpec, str]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", len(nodes)))
@@ -131,18 +133,22 @@ def torchrun_decision(cfg: RunConfig) -> Decision:
         if len(set(shapes.values())) > 1:
             raise InputError("the nodes differ: " + "; ".join(f"node {n} has {s}" for n, s in shapes.items())
                              + " (every node runs the same pipeline: give them the same GPUs)")
-        spec, _ = prepare_pipeline(cfg, topo, model_config)
+        spec, _ = prepare_pipeline(decided, model_config)
         return spec, pipeline_header(cfg, model_config, topo, spec)
 
     return Decision(node=topo.shape, decide=decide)
 
 
-def torchrun_worker(cfg: RunConfig) -> None:
-    """Under torchrun (several nodes, or a hand launch) this process is one pipeline worker; rank 0
-    decides the run for every node."""
+def check_torchrun_options(cfg: RunConfig) -> None:
+    """What a pipeline worker under torchrun does not run, refused before anything is probed."""
     if cfg.outputs.exports() or cfg.optim.epochs is not None or cfg.emulation.enabled or cfg.pipeline.replan == "auto" \
             or cfg.pipeline.schedule != "bound":
         raise InputError("under torchrun the pipeline runs without --export, --epochs, --replan auto, --emulate or "
                          "--schedule dispatched|auto (several boxes emulate on one machine: --emulate --data-parallel "
                          "D); start python -m mobius.train directly for the others")
-    pipeline_worker.worker_main(WorkerPayload(cfg, None, ""), torchrun_decision(cfg))
+
+
+def torchrun_worker(decided: Decided) -> None:
+    """Under torchrun (several nodes, or a hand launch) this process is one pipeline worker; rank 0
+    decides the run for every node."""
+    pipeline_worker.worker_main(WorkerPayload(decided.cfg, None, ""), torchrun_decision(decided))

@@ -18,21 +18,21 @@ from mobius.metrics import StepMetrics, write_trace
 from mobius.models import GPTConfig
 from mobius.models.adapters import finish_export, layer_states, write_export_shard
 from mobius.models.hf import start_export
+from mobius.planning.prepare import Decided
 from mobius.reference import ReferenceTrainer
 from mobius.runtime import checkpoint as ck
-from mobius.runtime.device import cuda_available
 from mobius.runtime.loop import run_steps
 from mobius.signals import StopRequest
 from mobius.swap.disk import check_offload_dir
-from topology import Topology
 
 
-def check_single_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None) -> None:
+def check_single_options(decided: Decided, model_config: GPTConfig) -> None:
     """What the reference trainer does not build, refused before the data is read: the disk tier
     on a GPU (its updates run on the host), and the flags that plan the pipeline's tier."""
+    cfg = decided.cfg
     if not cfg.offload_dir:
         return
-    if cuda_available():
+    if decided.gpus:
         raise InputError("--offload-dir with --backend single is built for training on the CPU; on GPUs "
                          "--backend pipeline keeps the optimizer's state on disk")
     if cfg.host_mem_gb is not None or cfg.drive_gbps:
@@ -41,13 +41,13 @@ def check_single_options(cfg: RunConfig, model_config: GPTConfig, topo: Topology
     check_offload_dir(cfg, model_config, None)
 
 
-def train_single(cfg: RunConfig, model_config: GPTConfig, topo: Topology | None, data: tuple,
+def train_single(decided: Decided, model_config: GPTConfig, data: tuple,
                  inputs: dict[str, str] | None = None) -> list[StepMetrics]:
     """The reference trainer (plain PyTorch) in this process, on this machine's device, on the
-    run's ``data`` (training batches, held-out examples or None); ``topo`` is not used.  The
-    precision is the command's decision (:func:`mobius.backends.resolve`)."""
-    batches, held_out = data
-    device = torch.device("cuda" if cuda_available() else "cpu")  # the reference runs on this machine's device
+    run's ``data`` (training batches, held-out examples or None), as the command decided it
+    (:func:`mobius.backends.resolve`)."""
+    cfg, (batches, held_out) = decided.cfg, data
+    device = torch.device("cuda" if decided.gpus else "cpu")  # the reference runs on this machine's device
     use_kept_references(batches, held_out, ck.resumed_checkpoint(cfg))  # a preference run's: not computed again
     trainer = ReferenceTrainer(cfg, model_config, batches, device)
     if isinstance(held_out, PreferenceBatches):  # with the initial weights, as the training pairs' (the trainer's)

@@ -26,17 +26,14 @@ from mobius.planning.planner import (
 )
 from mobius.planning.prepare import (
     GB,
+    Decided,
     budgets_of,
     check_run_inputs,
-    data_parallel_of,
     emulation_spec,
     get_profile,
     host_key,
     nodes_under_torchrun,
     profile_key,
-    reserve_cuda_memory,
-    resolve_devices,
-    resolve_precision,
 )
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.optim import updates_speculate
@@ -47,7 +44,7 @@ from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
 
 
-def updates_wait_for_the_step(cfg: RunConfig, precision: str) -> bool:
+def updates_wait_for_the_step(cfg: RunConfig, precision: str, replicas: int) -> bool:
     """Whether a plan's host updates wait for each step's last gradient: clipping's global norm or
     fp16's overflow vote holds them back, and they cannot start before it
     (:func:`~mobius.runtime.optim.updates_speculate`), or state is on disk (a redo would read it
@@ -55,19 +52,21 @@ def updates_wait_for_the_step(cfg: RunConfig, precision: str) -> bool:
     steps that keep them: a step that clips or overflows takes them back, and the next waits."""
     held = bool(cfg.optim.max_grad_norm) or precision == "fp16"
     return held and (bool(cfg.offload_dir) or not updates_speculate(
-        cfg.optim.max_grad_norm, cfg.optim.optimizer_lag, precision == "fp16", data_parallel_of(cfg) > 1))
+        cfg.optim.max_grad_norm, cfg.optim.optimizer_lag, precision == "fp16", replicas > 1))
 
 
-def clipping_waits(cfg: RunConfig, precision: str) -> bool:
+def clipping_waits(cfg: RunConfig, precision: str, replicas: int) -> bool:
     """Whether clipping holds the bound plan's host updates (its cost model and simulator count
     clipping's wait, not fp16's vote)."""
-    return bool(cfg.optim.max_grad_norm) and updates_wait_for_the_step(cfg, precision)
+    return bool(cfg.optim.max_grad_norm) and updates_wait_for_the_step(cfg, precision, replicas)
 
 
-def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision: str, profile: Profile | None = None,
+def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None = None,
              profiled: Callable[[], None] | None = None, **plan_options) -> Plan:
-    """The plan a run on ``topo`` executes, with its recompute decision: ``mobius.train`` and
-    ``mobius.plan`` both call this, so the plan printed is the plan trained.
+    """The plan a run on ``decided``'s devices executes (its GPUs, budgeted as a run on them
+    budgets them, or this machine's CPU workers), with its recompute decision: ``mobius.train``
+    and ``mobius.plan`` both call this, so the plan printed is the plan trained; every script that
+    plans reports it.
 
     ``--recompute auto`` plans both ways (at once, on two threads) and keeps the faster prediction:
     activations kept on the device, where some partition lets every worker hold all of its stages'
@@ -82,8 +81,8 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     profile is at hand, before the MIPs (a run starts its workers' imports then: nothing is timed
     after)."""
     # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
+    cfg, topo, precision, replicas = decided.cfg, decided.topology, decided.precision, decided.replicas
     how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
-    replicas = data_parallel_of(cfg)
     batch, pipe = cfg.batch, cfg.pipeline
     # The disk tier: as much state on disk as the host memory needs (--host-mem-gb, or the machine's), or
     # with --host-mem-gb 0 all it can take.
@@ -102,9 +101,9 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
                          keep_where_room=pipe.recompute == "auto",
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
-                         data_parallel=replicas, clip=clipping_waits(cfg, precision), disk=disk,
-                         clip_speculates=bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(
-                             cfg, precision),
+                         data_parallel=replicas, clip=clipping_waits(cfg, precision, replicas),
+                         disk=disk, clip_speculates=bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(
+                             cfg, precision, replicas),
                          **plan_options)
 
     if cfg.pipeline.recompute == "on":
@@ -127,16 +126,6 @@ def run_plan(cfg: RunConfig, model_config: GPTConfig, topo: Topology, precision:
     return kept if kept is not None and kept.modelled_step_s <= recomputed.modelled_step_s else recomputed
 
 
-def plan_on(cfg: RunConfig, model_config: GPTConfig, topo: Topology, **plan_options) -> Plan:
-    """The plan ``mobius.train`` runs on ``topo``'s own devices (its GPUs, budgeted as a run on them
-    budgets them, or this machine's CPU workers), with the precision and recompute it decides:
-    what ``mobius.plan`` prints, and what every script that plans reports."""
-    on_gpus = not topo.virtual and not cfg.emulation.enabled  # emulating, CPU workers stand for the GPUs
-    if on_gpus:
-        topo = reserve_cuda_memory(topo)
-    return run_plan(cfg, model_config, topo, resolve_precision(cfg, on_gpus), **plan_options)
-
-
 @dataclass(frozen=True)
 class ScheduleChoice:
     """What ``--schedule`` decided, and from which figures."""
@@ -148,8 +137,8 @@ class ScheduleChoice:
     bound_how: str = ""  # how that step was found: "simulated", or "predicted" by the plan's cost model
 
 
-def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
-                      profile_how: str = "auto") -> tuple[DispatchedPlan | None, DispatchedShape | None, float, str]:
+def dispatched_beside(decided: Decided, model_config: GPTConfig, plan: Plan, profile_how: str = "auto"
+                      ) -> tuple[DispatchedPlan | None, DispatchedShape | None, float, str]:
     """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`), from the
     same profile and host rate, on the same GPUs in the same order (each of ``plan``'s replicas on
     its share of the micro-batches), and the shape a run executes of it (None, None where none
@@ -159,8 +148,7 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     plan's step (:func:`mobius.planning.planner.make_plan`), but for a plan with state on disk,
     whose step is its cost model's (the disk tier is refused before this: ``mobius.plan`` never
     models it here)."""
-    if not topo.virtual and not cfg.emulation.enabled:
-        topo = reserve_cuda_memory(topo)
+    cfg, topo = decided.cfg, decided.topology
     batch = cfg.batch
     profile = replica_profile(get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len,
                                           plan.precision, "analytic" if cfg.emulation.enabled else profile_how),
@@ -169,22 +157,23 @@ def dispatched_beside(cfg: RunConfig, model_config: GPTConfig, topo: Topology, p
     found = plan_dispatched(profile, topo, plan.order, plan.micro_batches, adam_params_per_s=adam,
                             optimizer_lag=cfg.optim.optimizer_lag,
                             tied=model_config.tie_embeddings and not cfg.lora.rank,
-                            whole_step=updates_wait_for_the_step(cfg, plan.precision))
+                            whole_step=updates_wait_for_the_step(cfg, plan.precision, plan.data_parallel))
     bound, how = plan.predicted_step_s, "simulated" if plan.simulated else "predicted"
     return found, found.shape(profile) if found is not None else None, bound, how
 
 
-def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan: Plan,
+def choose_schedule(decided: Decided, model_config: GPTConfig, plan: Plan,
                     profile_how: str = "auto") -> ScheduleChoice:
     """``--schedule``: the dispatched plan (predicted, where asked), the shape to run instead of
     ``plan`` and why; ``auto`` runs the faster of the two simulated steps."""
+    cfg = decided.cfg
     if cfg.pipeline.schedule == "bound":
         return ScheduleChoice(None, None, "bound (--schedule bound)")
     if cfg.pipeline.schedule == "dispatched":
         check_dispatched(cfg)
     elif (refusal := dispatched_refusal(cfg)) is not None:
         return ScheduleChoice(None, None, f"bound: dispatched does not run {refusal} yet")
-    found, shape, bound, how = dispatched_beside(cfg, model_config, topo, plan, profile_how)
+    found, shape, bound, how = dispatched_beside(decided, model_config, plan, profile_how)
     if found is None:
         if cfg.pipeline.schedule == "dispatched":
             raise InputError("--schedule dispatched: no dispatched shape fits the GPUs' memory; use --schedule bound")
@@ -195,26 +184,25 @@ def choose_schedule(cfg: RunConfig, model_config: GPTConfig, topo: Topology, pla
     return ScheduleChoice(found, shape, f"dispatched ({cfg.pipeline.schedule}): {versus}", bound, how)
 
 
-def prepare_pipeline(cfg: RunConfig, topo: Topology, model_config: GPTConfig,
+def prepare_pipeline(decided: Decided, model_config: GPTConfig,
                      profiled: Callable[[], None] | None = None) -> tuple[RunSpec, Plan]:
     """The spec of a pipeline run (and its plan, for the launcher's header); ``model_config`` as
     :func:`mobius.runtime.inputs.check_model_input` checked it; ``profiled``: :func:`run_plan`'s."""
-    cuda, topo = resolve_devices(topo, cfg.emulation.enabled)
+    cfg, topo, gpus, precision = decided.cfg, decided.topology, decided.gpus, decided.precision
     asked = cfg.pipeline.data_parallel
-    if cuda and asked and asked > nodes_under_torchrun():
+    if gpus and asked and asked > nodes_under_torchrun():
         raise InputError(f"--data-parallel {asked} on the GPUs of one machine is not built: start one "
                          "replica per node with torchrun (README: two boxes), or rehearse on CPU workers")
-    precision = resolve_precision(cfg, cuda)
-    check_run_inputs(cfg.changed(precision=precision), model_config)
-    plan = run_plan(cfg, model_config, topo, precision, profiled=profiled)
-    if not cuda:
+    check_run_inputs(cfg, model_config)
+    plan = run_plan(decided, model_config, profiled=profiled)
+    if not gpus:
         check_cpu_workers_fit(cfg, model_config, plan, budgets_of(topo), available_host_memory())
     emulation = emulation_for(cfg, model_config, topo, plan) if cfg.emulation.enabled else None
     measured = not plan.profile_source.startswith("analytic")
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
         if measured else ""
-    choice = choose_schedule(cfg, model_config, topo, plan, "analytic" if cfg.emulation.enabled else "auto")
-    return RunSpec("pipeline", cuda, precision, budgets_of(topo), plan=plan, emulation=emulation,
+    choice = choose_schedule(decided, model_config, plan, "analytic" if cfg.emulation.enabled else "auto")
+    return RunSpec("pipeline", gpus, precision, budgets_of(topo), plan=plan, emulation=emulation,
                    data_parallel=plan.data_parallel, host_rate_key=host_key(topo, measured),
                    profile_key=layers_key, dispatched=choice.shape,
                    dispatched_step_s=choice.dispatched.step_s if choice.shape is not None else 0.0,

@@ -24,7 +24,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from mobius.boundary.cache import Cache, key_of
 from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.models import GPTConfig, layer_count
-from mobius.models.precision import default_precision
+from mobius.models.precision import default_precision, use_fp16_accumulation
 from mobius.partition.profile import (
     GPU_ADAM_PARAMS_PER_S,
     MAX_TIME_S,
@@ -221,14 +221,14 @@ def runtime_costs_key(workers: int) -> str:
 
 
 @contextlib.contextmanager
-def early_calibration(cfg: RunConfig, model_config: GPTConfig, topo: Topology):
+def early_calibration(decided: Decided, model_config: GPTConfig):
     """Within the block, the calibration a pipeline run on CPU workers will need (its profile measured
     here, neither it nor the calibration cached) runs in the background
     (:func:`mobius.stages.calibrate.started_early`): the command reads its data meanwhile."""
-    cuda, seen = resolve_devices(topo, cfg.emulation.enabled)
-    needed = (not cuda and not cfg.emulation.enabled and profile_how(model_config, seen, "auto") == "measure"
+    cfg, seen = decided.cfg, decided.topology
+    needed = (not decided.gpus and not cfg.emulation.enabled and profile_how(model_config, seen, "auto") == "measure"
               and PROFILES.get(profile_key(model_config, seen, cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                                           resolve_precision(cfg, cuda)), dict) is None
+                                           decided.precision), dict) is None
               and RUNTIME_COSTS.get(runtime_costs_key(seen.n), dict) is None)
     with started_early(cpu_threads_per_worker(seen.n)) if needed else contextlib.nullcontext():
         yield
@@ -311,15 +311,16 @@ def resolve_topology(cfg: RunConfig) -> Topology:
     return topo
 
 
-def resolve_devices(topo: Topology, emulate: bool = False) -> tuple[bool, Topology]:
-    """Whether real GPUs compute (the topology is this machine's and CUDA works here), and the
-    topology as the run's devices see it, a copy: on GPUs without the CUDA reserve; otherwise CPU
-    workers rehearse its devices (``virtual``: the profile is measured on them, unless they
-    ``emulate`` the topology's GPUs)."""
-    cuda = not emulate and not topo.virtual and cuda_available()
+def resolve_devices(topo: Topology, emulate: bool = False, here: bool = True) -> tuple[bool, Topology]:
+    """Whether GPUs compute (``here``: the topology is this machine's and CUDA works here; else on
+    the machine the topology describes, wherever the command runs, as ``mobius.plan`` plans it),
+    and the topology as the run's devices see it, a copy: on GPUs without the CUDA reserve;
+    otherwise CPU workers rehearse its devices (``virtual``: the profile is measured on them,
+    unless they ``emulate`` the topology's GPUs)."""
+    gpus = not emulate and not topo.virtual and (not here or cuda_available())
     seen = copy.deepcopy(topo)
-    seen.virtual = not cuda
-    return cuda, reserve_cuda_memory(seen) if cuda else seen
+    seen.virtual = not gpus
+    return gpus, reserve_cuda_memory(seen) if gpus else seen
 
 
 def reserve_cuda_memory(topo: Topology) -> Topology:
@@ -343,10 +344,7 @@ def nodes_under_torchrun() -> int:
 
 
 def data_parallel_of(cfg: RunConfig) -> int:
-    """``--data-parallel``, or one replica per node under torchrun (one otherwise): decided here,
-    for the plan (:func:`mobius.planning.pipeline.run_plan`; everything after reads
-    ``Plan.data_parallel``) and for the checks that come before it
-    (:meth:`mobius.backends.Backend.replicas`)."""
+    """``--data-parallel``, or one replica per node under torchrun (one otherwise)."""
     replicas = cfg.pipeline.data_parallel or nodes_under_torchrun()
     if cfg.batch.micro_batches % replicas:
         raise InputError(f"--micro-batches {cfg.batch.micro_batches} is not divisible by the {replicas} replicas "
@@ -354,13 +352,50 @@ def data_parallel_of(cfg: RunConfig) -> int:
     return replicas
 
 
-def resolve_precision(cfg: RunConfig, cuda: bool) -> str:
-    """``--precision`` or the default for the devices.  ``mobius.train`` and ``mobius.plan`` decide
-    it once, at their start (:func:`mobius.backends.resolve`,
-    :func:`mobius.planning.pipeline.plan_on`); the functions that scripts call directly decide it
-    the same way where it is not set.  The run's spec carries it, and so do the workers'
-    configuration and the checkpoints."""
-    return cfg.optim.precision or default_precision(cuda)
+def resolve_precision(cfg: RunConfig, gpus: bool) -> str:
+    """``--precision`` or the default for the devices."""
+    return cfg.optim.precision or default_precision(gpus)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """Every decision a run makes from its settings and the machine, made once by :func:`decide`
+    (``mobius.train``, ``mobius.plan``, a torchrun worker and the scripts alike, through
+    :func:`mobius.backends.resolve`); everything after reads them here and derives none again.
+    Sent to workers inside their payload (a replan plans from it)."""
+
+    cfg: RunConfig  # the settings, the precision decided in them (and the steps, once the data is read)
+    backend: str  # "pipeline" | "chunked" | "single"
+    # The run's devices as they see the topology (:func:`resolve_devices`); None where the backend
+    # trains in the command's own process, on this machine's device.
+    topology: Topology | None
+    gpus: bool  # the devices are GPUs, not CPU workers standing in for them
+    replicas: int  # the pipeline's data-parallel replicas (1 for the other backends)
+
+    @property
+    def precision(self) -> str:
+        return self.cfg.optim.precision
+
+    def with_steps(self, steps: int) -> "Decided":
+        """The run's length in steps, where ``--epochs`` gives it: the one decision that needs the
+        data (how many steps an epoch takes), made once the data is read."""
+        return replace(self, cfg=self.cfg.changed(steps=steps))
+
+
+def decide(cfg: RunConfig, topo: Topology | None, backend: str, replicated: bool, here: bool = True) -> Decided:
+    """The decisions of a run of ``backend`` on ``topo`` (None: in the command's process): whether
+    GPUs compute and how its devices see the topology (``here``: on this machine; else on the one
+    the topology describes, :func:`resolve_devices`), its precision, its replicas (where the
+    backend is ``replicated``), and fp16 accumulation switched on in this process where asked."""
+    if topo is None:
+        gpus = cuda_available()
+    else:
+        gpus, topo = resolve_devices(topo, cfg.emulation.enabled, here)
+    precision = resolve_precision(cfg, gpus)
+    if cfg.optim.fp16_accumulation:
+        use_fp16_accumulation(gpus and cuda_available())
+    return Decided(cfg.changed(precision=precision), backend, topo, gpus,
+                   data_parallel_of(cfg) if replicated else 1)
 
 
 def budgets_of(topo: Topology) -> tuple[int, ...]:

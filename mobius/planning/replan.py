@@ -17,25 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mobius.config import RunConfig
 from mobius.metrics import seconds_text
 from mobius.models import GPTConfig
 from mobius.planning.pipeline import prepare_pipeline
+from mobius.planning.prepare import Decided
 from mobius.runtime.spec import RunSpec
-from topology import Topology
 
 
 @dataclass(frozen=True)
 class Replanner:
     """What planning the run again needs; pickled into every worker's payload, called on rank 0."""
 
-    cfg: RunConfig
-    topo: Topology
+    decided: Decided
     model_config: GPTConfig
 
     def __call__(self, spec: RunSpec, measured_step_s: float, steps_left: int,
                  switch_s: float) -> tuple[RunSpec | None, str]:
-        new, plan = prepare_pipeline(self.cfg, self.topo, self.model_config)
+        new, plan = prepare_pipeline(self.decided, self.model_config)
         # The emulated box and its clock stay as they are: the dilation holds for every plan of the
         # model (mobius.planning.pipeline.emulation_for), and the links' shared counters are the run's.
         new = replace(new, emulation=spec.emulation)
