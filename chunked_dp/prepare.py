@@ -77,7 +77,7 @@ def prepare_chunked(decided: Decided, model_config: GPTConfig) -> RunSpec:
         ratio = _pass_s(cpu) / max(_pass_s(gpu), 1e-12)
         emulation = emulation_spec(cfg, topo, ratio, per_worker * _pass_s(cpu), predicted["step"])
     setup = replace(setup, predicted=predicted, timing=timing)
-    return RunSpec("chunked", decided.gpus, precision, budgets_of(topo), chunked=setup, emulation=emulation)
+    return RunSpec(decided.gpus, precision, budgets_of(topo), setup, emulation)
 
 
 def check_chunk_size(cfg: RunConfig, chunk_size: int, model_config: GPTConfig) -> None:

@@ -38,7 +38,7 @@ class ChunkedWorker:
     def __init__(self, ctx: WorkerContext):
         cfg, spec = ctx.cfg, ctx.spec
         self.ctx = ctx
-        setup = spec.chunked
+        setup = spec.setup
         self.engine = ChunkedEngine(model_config_for(cfg), ctx.rank, ctx.world, ctx.device, setup.chunk_size,
                                     setup.n_block, setup.offload, setup.device_chunks, DTYPES[spec.precision],
                                     cfg.optim.seed, UpdateRule.of(cfg.optim), ctx.trace,

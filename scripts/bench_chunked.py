@@ -111,7 +111,7 @@ def emulated(topology: str, memories: list[float], steps: int) -> list[dict]:
             topo, model = resolve_topology(cfg), check_model_input(cfg)
             if backend == "chunked":
                 spec = prepare_chunked(resolve(cfg, topo, "chunked"), model)
-                predicted[backend] = spec.chunked.predicted["step"]
+                predicted[backend] = spec.predicted_step_s()
             else:
                 spec, plan = prepare_pipeline(resolve(cfg, topo, "pipeline"), model)
                 predicted[backend] = plan.predicted_step_s

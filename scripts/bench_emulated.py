@@ -134,10 +134,10 @@ def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(resolve(cfg, topo, "pipeline"), check_model_input(cfg))
     factor = spec.emulation.factor if spec.emulation else 1
-    if spec.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
-        shape = spec.dispatched
-        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.dispatched_step_s,
-                "simulated_s": spec.dispatched_step_s, "factor": factor}, None
+    if spec.setup.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
+        shape = spec.setup.dispatched
+        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.setup.dispatched_step_s,
+                "simulated_s": spec.setup.dispatched_step_s, "factor": factor}, None
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network

@@ -116,7 +116,7 @@ def test_cuda_dispatched_schedule_equals_the_reference():
     cfg = config(model="small", schedule="dispatched", optimizer_lag=1, lr=3e-5)
     topo = resolve_topology(cfg)
     spec, _ = prepare_pipeline(resolve(cfg, topo, "pipeline"), check_model_input(cfg))
-    assert spec.dispatched is not None
+    assert spec.setup.dispatched is not None
     history, weights, results = launch_pipeline(resolve(cfg, topo, "pipeline"), get_config(cfg.model),
                                                 return_weights=True)
     assert len(results) == 1

@@ -104,6 +104,25 @@ def test_where_updates_start_before_the_norm_each_step_is_checked_against_its_ow
         run((5, 0.5, 5, 0.5), (9, 1.0, 1.0, 1.0))) == []
 
 
+def test_a_pipeline_run_is_checked_against_the_prediction_of_the_schedule_that_runs():
+    """The run's check (:meth:`PlanCheck.of` its spec's pipeline setup): where the bound plan runs,
+    against the plan's predictions of steps that clip and of those after them; where the dispatched
+    schedule runs, against its own step."""
+    from mobius.runtime.spec import DispatchedShape, PipelineSetup
+
+    plan = dataclasses.replace(plan_of(MIN_PARAMS_KEPT * 4, rate=1e8), waiting_step_s=1.5, clipped_step_s=1.668)
+    clipping = [dataclasses.replace(m, grad_norm=n, step_time_s=t)
+                for m, n, t in zip(steps(0.168, 1e8, n=4), (5, 0.5, 5, 0.5), (9, 1.5, 1.7, 1.5))]
+    assert PlanCheck.of(PipelineSetup(plan), lambda r: None, 1.0).after(clipping) == []
+    # The same steps measured against the plan's step alone (1.0 s) are off, as they were before the
+    # run's check was made from its setup.
+    assert PlanCheck(plan, lambda r: None, predicted_step_s=plan.predicted_step_s, max_grad_norm=1.0).after(clipping)
+    shape = DispatchedShape([(0, 2), (2, 4)], [(0, 2), (2, 4)], [0, 1])
+    (line,) = PlanCheck.of(PipelineSetup(plan, dispatched=shape, dispatched_step_s=0.75), lambda r: None, 1.0
+                           ).after(clipping)
+    assert line.startswith("plan check: step 1.50 s measured, 0.75 s predicted (2.00x); 1 of those 3 steps clipped")
+
+
 @pytest.mark.slow
 def test_a_run_planned_on_a_stale_rate_names_the_lane_and_the_next_plan_uses_what_it_measured(tmp_path, capfd):
     """A host AdamW rate a tenth of this machine's is in the cache (measured while the machine was

@@ -20,7 +20,7 @@ def launch_chunked(decided: Decided, model_config: GPTConfig, return_weights: bo
     (``inputs`` and ``data`` as for :func:`mobius.backends.pipeline.launch_pipeline`)."""
     cfg, topo = decided.cfg, decided.topology
     spec = prepare_chunked(decided, model_config)
-    setup = spec.chunked
+    setup = spec.setup
     n_params = build_model(model_config, device="meta").num_parameters()
     step_s = setup.predicted["step"]
     emulating = f", {spec.emulation.header(step_s, cfg.optim.steps)}" if spec.emulation else ""

@@ -44,14 +44,15 @@ def launch_pipeline(decided: Decided, model_config: GPTConfig, return_weights: b
     exports = [(str(start_export(out, cfg.data.chat_template)), merged) for _, out, merged in wanted]
     replan = Replanner(decided, model_config) if cfg.pipeline.replan == "auto" else None
     payload = WorkerPayload(cfg, spec, header, inputs, exports, return_weights, replan=replan)
-    if spec.dispatched is not None:  # one process drives every GPU of a box
-        boxes = spec.data_parallel
+    pipe = spec.setup
+    if pipe.dispatched is not None:  # one process drives every GPU of a box
+        boxes = pipe.data_parallel
         print(f"starting {boxes} worker process{'es' if boxes > 1 else ''} for {topo.n} {devices_text(spec)}"
               + (" each" if boxes > 1 else ""), flush=True)
         results = launch_workers(boxes, dispatch_worker.worker_main, payload, data, emulated_gpus=topo.n * boxes)
     else:
-        print(f"starting {topo.n * spec.data_parallel} worker processes", flush=True)
-        results = launch_workers(topo.n * spec.data_parallel, pipeline_worker.worker_main, payload, data)
+        print(f"starting {topo.n * pipe.data_parallel} worker processes", flush=True)
+        results = launch_workers(topo.n * pipe.data_parallel, pipeline_worker.worker_main, payload, data)
     for (_, out, merged), (staging, _) in zip(wanted, exports):
         finish_export(model_config, Path(staging), out, merged)
         print(f"exported to {shown(out)}", flush=True)
@@ -78,23 +79,24 @@ def check_pipeline_options(decided: Decided, model_config: GPTConfig) -> None:
 
 def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spec: RunSpec) -> str:
     """The run's first line: where it runs, the model, the plan and its prediction."""
-    plan = spec.plan
+    pipe = spec.setup
+    plan = pipe.plan
     n_params = build_model(model_config, device="meta").num_parameters()
     emulating = f", {spec.emulation.header(spec.predicted_step_s(), cfg.optim.steps)}" if spec.emulation else ""
-    replicas = f" x {spec.data_parallel} replicas (ZeRO-1 host AdamW)" if spec.data_parallel > 1 else ""
-    if spec.dispatched is not None:
-        shape = f"schedule dispatched: {spec.dispatched.describe()}, "
+    replicas = f" x {pipe.data_parallel} replicas (ZeRO-1 host AdamW)" if pipe.data_parallel > 1 else ""
+    if pipe.dispatched is not None:
+        shape = f"schedule dispatched: {pipe.dispatched.describe()}, "
     else:
         shape = (f"{len(plan.bounds)} stages ({plan.partitioner}"
                  + (f"; {len(plan.resident)} resident, updated on their devices" if plan.resident else "") + "), "
                  f"mapping {plan.order}, ")
     return (f"mobius: backend pipeline on {topo.n} {devices_text(spec)}{replicas}{emulating} ({topo.name}), "
             f"model {cfg.model} ({n_params / 1e6:.1f}M parameters), {shape}{cfg.batch.describe()}, "
-            f"{spec.precision}, recompute {'on' if spec.dispatched is not None else plan.recompute_text()}, "
+            f"{spec.precision}, recompute {'on' if pipe.dispatched is not None else plan.recompute_text()}, "
             f"predicted {seconds_text(spec.predicted_step_s())}/step" + (" (emulated)" if spec.emulation else "")
-            + (f"\n  schedule: {spec.schedule}" if cfg.pipeline.schedule != "bound" else "")
+            + (f"\n  schedule: {pipe.schedule}" if cfg.pipeline.schedule != "bound" else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}"
-            + (f"\n  clipping: {plan.clipping_text()}" if spec.dispatched is None and plan.clipping_text() else "")
+            + (f"\n  clipping: {plan.clipping_text()}" if pipe.dispatched is None and plan.clipping_text() else "")
             + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.offload_dir else ""))
 
 

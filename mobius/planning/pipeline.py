@@ -38,7 +38,7 @@ from mobius.planning.prepare import (
 from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.optim import updates_speculate
 from mobius.metrics import seconds_text
-from mobius.runtime.spec import DispatchedShape, Plan, RunSpec
+from mobius.runtime.spec import DispatchedShape, PipelineSetup, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
 from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
@@ -202,11 +202,9 @@ def prepare_pipeline(decided: Decided, model_config: GPTConfig,
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
         if measured else ""
     choice = choose_schedule(decided, model_config, plan, "analytic" if cfg.emulation.enabled else "auto")
-    return RunSpec("pipeline", gpus, precision, budgets_of(topo), plan=plan, emulation=emulation,
-                   data_parallel=plan.data_parallel, host_rate_key=host_key(topo, measured),
-                   profile_key=layers_key, dispatched=choice.shape,
-                   dispatched_step_s=choice.dispatched.step_s if choice.shape is not None else 0.0,
-                   schedule=choice.why), plan
+    setup = PipelineSetup(plan, plan.data_parallel, host_key(topo, measured), layers_key, choice.shape,
+                          choice.dispatched.step_s if choice.shape is not None else 0.0, choice.why)
+    return RunSpec(gpus, precision, budgets_of(topo), setup, emulation), plan
 
 
 # What one CPU worker process takes before it holds any of the model: the interpreter, torch, gloo.

@@ -37,7 +37,7 @@ class Replanner:
         # The emulated box and its clock stay as they are: the dilation holds for every plan of the
         # model (mobius.planning.pipeline.emulation_for), and the links' shared counters are the run's.
         new = replace(new, emulation=spec.emulation)
-        if plan.same_choices(spec.plan):
+        if plan.same_choices(spec.setup.plan):
             return None, (f"replan: the plan made with the measured rates is the one running "
                           f"(predicted {seconds_text(plan.predicted_step_s)}/step now); kept")
         saved_s = (measured_step_s - plan.predicted_step_s) * steps_left

@@ -20,7 +20,7 @@ from typing import Callable
 from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.runtime.optim import steps_clipped
-from mobius.runtime.spec import Lane, Plan, RunSpec
+from mobius.runtime.spec import Lane, PipelineSetup, Plan, RunSpec
 
 STEPS = 3  # measured steps compared, after the warm-up step
 TOLERANCE = 0.2
@@ -72,6 +72,15 @@ class PlanCheck:
         self.stale_profile = False
         self.measured_step_s: float | None = None
         self.off: list[str] = []  # "step", and the lanes off their prediction
+
+    @classmethod
+    def of(cls, setup: PipelineSetup, keep_rate: Callable[[float], None], max_grad_norm: float,
+           first: int = 0) -> "PlanCheck":
+        """The check of a pipeline run on ``setup``: against its plan's own predictions where the
+        bound plan runs (those of steps that clip among them), against its own step where the
+        dispatched schedule does."""
+        dispatched = setup.dispatched_step_s if setup.dispatched is not None else None
+        return cls(setup.plan, keep_rate, first, dispatched, max_grad_norm)
 
     def after(self, history: list[StepMetrics]) -> list[str]:
         """The lines to print once ``history`` (this run's steps so far) holds enough steps."""

@@ -1,11 +1,11 @@
 """What a run executes, as data: the :class:`Plan` of a pipeline run, the :class:`ChunkedSetup` of a
-chunked one, and the :class:`RunSpec` every worker receives, which holds its backend's (the pipeline's plan with
-the dispatched shape where that schedule runs, or the chunked setup; and, under
-``--emulate``, the :class:`~mobius.runtime.emulation.EmulationSpec`).  Decided by
-:mod:`mobius.planning.prepare` (and :mod:`mobius.planning.pipeline`, :mod:`mobius.planning.planner`)
-or :mod:`chunked_dp.prepare` before any worker starts; plain data here, so workers need neither the
-solver nor the profiler to read it, and serialised once, at the process boundary
-(:meth:`RunSpec.to_dict`)."""
+chunked one, and the :class:`RunSpec` every worker receives, which holds its backend's own setup
+(:class:`PipelineSetup`: the plan, with the dispatched shape where that schedule runs; or the
+:class:`ChunkedSetup`) and, under ``--emulate``, the :class:`~mobius.runtime.emulation.EmulationSpec`.
+Decided by :mod:`mobius.planning.prepare` (and :mod:`mobius.planning.pipeline`,
+:mod:`mobius.planning.planner`) or :mod:`chunked_dp.prepare` before any worker starts; plain data
+here, so workers need neither the solver nor the profiler to read it, and pickled once, at the
+process boundary, inside the worker's payload."""
 
 from __future__ import annotations
 
@@ -332,6 +332,9 @@ class ChunkedSetup:
     def chunks_on_device(self) -> int:
         return self.n_chunks if not self.offload else min(self.device_chunks, self.n_chunks)
 
+    def predicted_step_s(self) -> float:
+        return self.predicted["step"]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -396,17 +399,11 @@ def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, i
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """What every worker of a run executes; sent to them as :meth:`to_dict`."""
+class PipelineSetup:
+    """The pipeline backend's own part of a run's spec (:func:`mobius.planning.pipeline.prepare_pipeline`)."""
 
-    backend: str  # "pipeline" | "chunked"
-    cuda: bool  # real GPUs, or CPU workers standing in for the topology's devices
-    precision: str  # "fp32" | "bf16" | "fp16"
-    budget_bytes: tuple[int, ...]  # per device
-    plan: Plan | None = None  # pipeline
-    chunked: ChunkedSetup | None = None  # chunked
-    emulation: EmulationSpec | None = None  # --emulate
-    data_parallel: int = 1  # pipeline replicas (mobius.stages.replicas); the plan is one replica's
+    plan: Plan  # the bound plan: it runs, or its prediction stands beside the dispatched shape that does
+    data_parallel: int = 1  # replicas (mobius.stages.replicas); the plan is one replica's
     # The cache entry where the run keeps the host AdamW rate it measures when its plan was off
     # (mobius.runtime.plan_check); empty where the host is not this machine's own (emulated).
     host_rate_key: str = ""
@@ -414,43 +411,45 @@ class RunSpec:
     # machine: forgotten when the run's compute is faster than it says (measured on a busy machine).
     profile_key: str = ""
     # --schedule dispatched (or auto, where it is predicted faster): the shape that runs instead of
-    # ``plan`` (the bound plan, kept for its prediction beside), and its predicted step.
+    # ``plan``, and its predicted step.
     dispatched: DispatchedShape | None = None
     dispatched_step_s: float = 0.0
     schedule: str = ""  # which schedule runs and why (mobius.planning.pipeline.choose_schedule), for the header
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def predicted_step_s(self) -> float:
+        """The step of the schedule that runs."""
+        return self.dispatched_step_s if self.dispatched is not None else self.plan.predicted_step_s
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunSpec":
-        def typed(kind, value):
-            return None if value is None else kind.from_dict(value)
 
-        return cls(**{**d, "budget_bytes": tuple(d["budget_bytes"]), "plan": typed(Plan, d.get("plan")),
-                      "chunked": typed(ChunkedSetup, d.get("chunked")),
-                      "emulation": typed(EmulationSpec, d.get("emulation")),
-                      "dispatched": typed(DispatchedShape, d.get("dispatched"))})
+@dataclass(frozen=True)
+class RunSpec:
+    """What every worker of a run executes (pickled once into its payload): its devices, and its
+    backend's own setup, which says which backend it is."""
+
+    cuda: bool  # real GPUs, or CPU workers standing in for the topology's devices
+    precision: str  # "fp32" | "bf16" | "fp16"
+    budget_bytes: tuple[int, ...]  # per device
+    setup: PipelineSetup | ChunkedSetup
+    emulation: EmulationSpec | None = None  # --emulate
 
     def collectives(self) -> str:
         """The process group's backends.  On GPUs the chunked engine's collectives of device chunks
         go through NCCL, those of offloaded chunks (host memory) through gloo: NCCL has no CPU
         tensors.  The pipeline's activations cross host memory (no peer-to-peer): gloo moves them."""
-        return "cuda:nccl,cpu:gloo" if self.cuda and self.chunked is not None else "gloo"
+        return "cuda:nccl,cpu:gloo" if self.cuda and isinstance(self.setup, ChunkedSetup) else "gloo"
 
     def enforced_budget(self, gpu: int) -> int | None:
         """The device memory GPU ``gpu`` (counted over every replica's box) is held to: the plan's
         budget for a pipeline; the chunked engine keeps within its budget by the sizes its search
         chose."""
-        return self.budget_bytes[gpu % len(self.budget_bytes)] if self.plan is not None else None
+        return self.budget_bytes[gpu % len(self.budget_bytes)] if isinstance(self.setup, PipelineSetup) else None
 
     def first_gpu(self, rank: int) -> int:
         """The first GPU (counted over every replica's box) process ``rank`` drives: a bound
         worker drives one, the dispatched schedule's process every GPU of its box."""
-        return rank * len(self.budget_bytes) if self.dispatched is not None else rank
+        dispatched = isinstance(self.setup, PipelineSetup) and self.setup.dispatched is not None
+        return rank * len(self.budget_bytes) if dispatched else rank
 
     def predicted_step_s(self) -> float:
         """The step the run was planned to take (on the devices it emulates, if it does)."""
-        if self.dispatched is not None:
-            return self.dispatched_step_s
-        return self.plan.predicted_step_s if self.plan is not None else self.chunked.predicted["step"]
+        return self.setup.predicted_step_s()

@@ -40,7 +40,7 @@ from mobius.runtime.inputs import model_config_for, worker_data
 from mobius.runtime.loop import run_steps
 from mobius.runtime.optim import DynamicLossScaler
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, PlanCheck, PlanSwitch
-from mobius.runtime.spec import RunSpec
+from mobius.runtime.spec import PipelineSetup, RunSpec
 from mobius.signals import StopRequest, quiet_resource_tracker
 
 COLLECTIVE_TIMEOUT_S = 60
@@ -482,16 +482,17 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         def one_step(step: int) -> StepMetrics:
             return timed_step(backend, step, rank, trace, emulation)
 
-        def keep_rate(params_per_s: float) -> None:
-            if spec.host_rate_key:
-                HOST_RATES.put(spec.host_rate_key, {"adam_params_per_s": params_per_s})
+        # A pipeline's run is checked against its plan (rank 0's check); the chunked engine's is not.
+        pipe = spec.setup if isinstance(spec.setup, PipelineSetup) else None
 
-        check = PlanCheck(spec.plan, keep_rate, predicted_step_s=spec.predicted_step_s(),
-                          max_grad_norm=cfg.optim.max_grad_norm) \
-            if rank == 0 and spec.plan is not None else None
+        def keep_rate(params_per_s: float) -> None:
+            if pipe.host_rate_key:
+                HOST_RATES.put(pipe.host_rate_key, {"adam_params_per_s": params_per_s})
+
+        check = PlanCheck.of(pipe, keep_rate, cfg.optim.max_grad_norm) if rank == 0 and pipe is not None else None
         checks = [check]
         switch = None
-        if payload.replan is not None and spec.plan is not None:
+        if payload.replan is not None and pipe is not None:
             # The switch costs about what the run's start did: the time to its first step.
             setup_s = (started - payload.t_origin) / (emulation.factor if emulation else 1.0)
             last = cfg.optim.steps if cfg.checkpoint.stop_after is None else \
@@ -512,20 +513,20 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
             shared = [switch.spec]
             dist.broadcast_object_list(shared, src=0)  # rank 0 planned it
             spec, at = shared[0], switch.at
+            pipe = spec.setup
             old, backend = backend, None  # closed by the switch
             backend = switch_plans(old, payload, spec, at, lambda new: build(
                 WorkerContext(cfg, new, rank, world, device, trace, data, payload)), rank)
-            check = PlanCheck(spec.plan, keep_rate, first=len(history), max_grad_norm=cfg.optim.max_grad_norm) \
-                if rank == 0 else None
+            check = PlanCheck.of(pipe, keep_rate, cfg.optim.max_grad_norm, first=len(history)) if rank == 0 else None
             checks.append(check)
-            history = run_steps(cfg, one_step, f"switched plans after step {at}: {spec.plan.shape()}, predicted "
-                                f"{seconds_text(spec.plan.predicted_step_s)}/step",
+            history = run_steps(cfg, one_step, f"switched plans after step {at}: {pipe.plan.shape()}, predicted "
+                                f"{seconds_text(pipe.predicted_step_s())}/step",
                                 start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
                                 eval_fn=backend.evaluate if backend.evaluates else None, check=check,
                                 before=history, started=started, tracker_runs=tracker_runs)
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
-        if spec.profile_key and any(c is not None and c.stale_profile for c in checks):
-            PROFILES.path(spec.profile_key).unlink(missing_ok=True)  # the next run measures the layers again
+        if pipe is not None and pipe.profile_key and any(c is not None and c.stale_profile for c in checks):
+            PROFILES.path(pipe.profile_key).unlink(missing_ok=True)  # the next run measures the layers again
         gather_trace(trace, cfg.outputs.trace, rank, world)
         finished = backend.finish()
     finally:

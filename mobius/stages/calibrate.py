@@ -46,7 +46,7 @@ from mobius.partition.baselines import uniform_bounds
 from mobius.partition.cost import settle, stage_costs
 from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
-from mobius.runtime.spec import Plan, RunSpec, StagePlan
+from mobius.runtime.spec import PipelineSetup, Plan, RunSpec, StagePlan
 from mobius.runtime.worker import Inherited, outside_torchrun, tied_to_launcher
 from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
@@ -104,7 +104,7 @@ def _calibrate(rank: int, port: int, threads: int, steps: int, out: str) -> None
             cfg = RunConfig.of(model=MODEL, topology="cpu", cpu_workers=WORKERS, steps=steps, seq_len=SEQ_LEN,
                                micro_batch_size=MICRO_BATCH, micro_batches=micro_batches, recompute="off",
                                precision="fp32", progress=False)
-            spec = RunSpec("pipeline", False, "fp32", (2**31,) * WORKERS, plan=_plan(stages, micro_batches))
+            spec = RunSpec(False, "fp32", (2**31,) * WORKERS, PipelineSetup(_plan(stages, micro_batches)))
             batches = BatchSource(corpus, SEQ_LEN, MICRO_BATCH, micro_batches, cfg.optim.seed)
             parts = build_worker(cfg, spec, GlooTransport(), CpuDevice(check=False), Trace(enabled=False),
                                  (batches, None))

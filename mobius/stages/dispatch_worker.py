@@ -53,23 +53,24 @@ class DispatchedWorker:
 
     def __init__(self, ctx: WorkerContext):
         self.ctx, self.cfg, spec = ctx, ctx.cfg, ctx.spec
-        if ctx.world != spec.data_parallel:
+        pipe = spec.setup
+        if ctx.world != pipe.data_parallel:
             raise InputError(f"the dispatched schedule drives every GPU of a box from one process, but {ctx.world} "
-                             f"were started for {spec.data_parallel} boxes: run it with python -m mobius.train, "
+                             f"were started for {pipe.data_parallel} boxes: run it with python -m mobius.train, "
                              "not torchrun")
         n = len(spec.budget_bytes)
-        self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, spec.data_parallel)  # a process a box
+        self.layout = ReplicaLayout.of_rank(ctx.rank, ctx.world, pipe.data_parallel)  # a process a box
         # The worker's own device is its box's GPU 0; the others open here, each with its emulated link.
         first = spec.first_gpu(ctx.rank)
         devices = [ctx.device] + [open_device(spec.cuda, g, spec.enforced_budget(first + g),
                                               EmulatedLinks(spec.emulation, first + g) if spec.emulation else None)
                                   for g in range(1, n)]
         replicas = ReplicaGroup.join(self.layout, 0, ctx.device, ctx.trace, broadcasts_apart=True) \
-            if spec.data_parallel > 1 else None
+            if pipe.data_parallel > 1 else None
         batches, self.held_out = ctx.data
-        self.runner = build_dispatched(ctx.cfg, model_config_for(ctx.cfg), spec.dispatched, spec.precision, devices,
+        self.runner = build_dispatched(ctx.cfg, model_config_for(ctx.cfg), pipe.dispatched, spec.precision, devices,
                                        list(spec.budget_bytes), batches, ctx.trace, collective_timeout_s(spec),
-                                       replicas, spec.plan.device_adam_params_per_s)
+                                       replicas, pipe.plan.device_adam_params_per_s)
         for d in devices[1:]:
             d.start_steps()
         self.store = self.runner.store

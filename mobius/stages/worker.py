@@ -71,7 +71,7 @@ class PipelineWorker:
 
     def __init__(self, ctx: WorkerContext):
         self.ctx, self.cfg = ctx, ctx.cfg
-        plan, replicas = ctx.spec.plan, ctx.spec.data_parallel
+        plan, replicas = ctx.spec.setup.plan, ctx.spec.setup.data_parallel
         workers = max(plan.order) + 1
         if workers * replicas != ctx.world:
             raise InputError(f"the plan needs {workers} workers per replica x {replicas} replicas, but {ctx.world} "
@@ -188,7 +188,7 @@ def build_worker(cfg: RunConfig, spec: RunSpec, transport: Transport, device: De
     executor, training on ``data`` (the run's batches and held-out examples), as one of the
     ``replicas`` (None: the only one).  Between processes the transport is gloo; tests run several in
     threads."""
-    plan, rank = spec.plan, transport.rank
+    plan, rank = spec.setup.plan, transport.rank
     torch.manual_seed(cfg.optim.seed)
     memory = DeviceMemory(spec.budget_bytes[rank], f"worker {rank}")
     traffic = Traffic()
