@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import run_in_threads  # noqa: E402
 from make_tiny_chat_model import make_tiny_chat_model  # noqa: E402
 
+from mobius.backends import resolve  # noqa: E402
 from mobius.backends.chunked import launch_chunked  # noqa: E402
 from mobius.backends.pipeline import launch_pipeline  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
@@ -195,7 +196,8 @@ def test_pipeline_and_chunked_processes_equal_transformers_and_evaluate_alike(ch
                             (launch_chunked, {"backend": "chunked"})):
         run_cfg = RunConfig.from_dict({**cfg.to_dict(), "cpu_workers": 2, **backend})
         # As mobius.train launches them: the workers map the data this process made.
-        history = launch(run_cfg, model_config, cpu_topology(2), data=make_data(run_cfg, model_config_for(run_cfg)))
+        history = launch(resolve(run_cfg, cpu_topology(2), run_cfg.backend), model_config,
+                         data=make_data(run_cfg, model_config_for(run_cfg)))
         assert close([m.loss for m in history], want), backend
         assert [m.eval_loss is not None for m in history] == [False, True, True]
         assert close([m.eval_loss for m in history[1:]], want_eval), backend
@@ -206,7 +208,10 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
     """The job done: a tiny Llama fine-tuned on an instruction set (parity of a number), exported,
     answers prompts it never saw with transformers' generate and stops at the end of its turn.  (At
     lr 5e-3 without clipping: the settings this task was tuned at; at 1e-2 150 steps answer "odd"
-    to every number, with the answer and its end of turn the only tokens trained.)"""
+    to every number, with the answer and its end of turn the only tokens trained.  240 steps, not
+    150: at 150 the model was still learning the task (held-out loss 0.07, 7 to 9 of the 10 answers
+    right in runs on transformers 5.24); at 240 the loss is 0.003 and 200 other numbers are answered
+    right too.)"""
     from mobius.train import main
 
     model = make_tiny_chat_model(tmp_path / "model", hidden=64, layers=2)
@@ -216,9 +221,9 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
     with open(tmp_path / "train.jsonl", "w") as f:
         for n in train:
             f.write(json.dumps({"instruction": f"Is {n} even or odd?", "output": "odd" if n % 2 else "even"}) + "\n")
-    main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--backend", "single", "--steps", "150",
+    main(["--model", str(model), "--data", str(tmp_path / "train.jsonl"), "--backend", "single", "--steps", "240",
           "--lr", "5e-3", "--max-grad-norm", "0", "--seq-len", "128", "--micro-batch-size", "8", "--micro-batches", "1", "--no-progress",
-          "--export", str(tmp_path / "tuned"), "--eval-split", "0.05", "--eval-every", "50",
+          "--export", str(tmp_path / "tuned"), "--eval-split", "0.05", "--eval-every", "80",
           "--metrics", str(tmp_path / "m.jsonl"), "--tensorboard", str(tmp_path / "tb")])
     evals = [json.loads(line)["eval_loss"] for line in open(tmp_path / "m.jsonl")]
     evals = [e for e in evals if e is not None]
@@ -227,8 +232,8 @@ def test_fine_tuned_model_answers_a_held_out_prompt_and_stops(tmp_path):
 
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
-    assert [e.step for e in board.Scalars("eval/loss")] == [50, 100, 150]
-    assert len(board.Scalars("train/loss")) == 150
+    assert [e.step for e in board.Scalars("eval/loss")] == [80, 160, 240]
+    assert len(board.Scalars("train/loss")) == 240
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
     for n in held_out:

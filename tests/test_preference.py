@@ -217,6 +217,7 @@ def test_pipeline_and_chunked_equal_single(setup):
     """The workers as processes, each deriving its pairs and the reference pass's share: the bound
     pipeline on 4 CPU workers (with LoRA on 2), the dispatched schedule on 2 and 4 and the chunked
     engine on 2 equal the single backend's losses, metrics and evaluations (1e-5)."""
+    from mobius.backends import resolve
     from mobius.backends.chunked import launch_chunked
     from mobius.backends.pipeline import launch_pipeline
     from mobius.models import get_config
@@ -232,7 +233,7 @@ def test_pipeline_and_chunked_equal_single(setup):
         run_cfg = RunConfig.from_dict({**cfg.to_dict(), **changes})
         want = single_history(run_cfg.changed(backend="single"))
         workers = run_cfg.cpu_workers
-        history = launch(run_cfg, get_config(cfg.model), cpu_topology(workers),
+        history = launch(resolve(run_cfg, cpu_topology(workers), run_cfg.backend), get_config(cfg.model),
                          data=make_data(run_cfg, model_config_for(run_cfg)))
         assert [m.eval_loss is not None for m in history] == [False, True, False, True]
         for m, w in zip(history, want, strict=True):
