@@ -177,7 +177,7 @@ def run_chunked(args, cuda: bool, out_dir: str) -> dict:
     if cuda and topo.n > 1:  # one GPU
         topo.gpus, topo.extra = topo.gpus[:1], {}
     decided = resolve(cfg, topo, "chunked")
-    setup = prepare_chunked(decided, get_config(args.model)).chunked  # what the launch below runs
+    setup = prepare_chunked(decided, get_config(args.model)).setup  # what the launch below runs
     history = launch_chunked(decided, get_config(args.model))
     events = json.load(open(trace))["traceEvents"]
     params = build_model(get_config(args.model), device="meta").num_parameters()

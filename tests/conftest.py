@@ -124,7 +124,7 @@ def run_in_threads(cfg, plan_change=None, workers_out: list | None = None):
     spec, plan = prepare_pipeline(resolve(cfg, backend="pipeline"), check_model_input(cfg))
     if plan_change is not None:
         plan = plan_change(plan)
-        spec = dataclasses.replace(spec, plan=plan)
+        spec = dataclasses.replace(spec, setup=dataclasses.replace(spec.setup, plan=plan))
     data = make_data(cfg, model_config_for(cfg))  # made once, as the launcher does, and shared
     group = LocalGroup(cfg.cpu_workers)
     results: dict[int, tuple] = {}
