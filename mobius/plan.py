@@ -76,11 +76,14 @@ def main(argv: list[str] | None = None) -> None:
             out["dispatched"] = None if dispatched is None else {
                 "step_s": dispatched.step_s, "forward": dispatched.forward, "backward": dispatched.backward,
                 "kept": dispatched.kept, "head_gpus": dispatched.head_gpus, "order": dispatched.order,
-                "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by}
+                "resident": dispatched.resident, "partitioned_by": dispatched.partitioned_by,
+                "waiting_step_s": dispatched.waiting_step_s, "clipped_step_s": dispatched.clipped_step_s}
             out["schedule"] = {"runs": "dispatched" if choice.shape is not None else "bound", "why": choice.why,
                                "bound_step_s": choice.bound_step_s, "bound_how": choice.bound_how}
-            if choice.shape is not None:  # the step of the schedule that runs; the bound plan's beside it
-                out["bound_predicted_step_s"], out["predicted_step_s"] = out["predicted_step_s"], dispatched.step_s
+            if choice.shape is not None:  # the steps of the schedule that runs; the bound plan's beside them
+                for key, value in (("predicted_step_s", dispatched.step_s), ("waiting_step_s", dispatched.waiting_step_s),
+                                   ("clipped_step_s", dispatched.clipped_step_s)):
+                    out[f"bound_{key}"], out[key] = out[key], value
         out["planning_s"] = time.perf_counter() - started
         print(json.dumps(out, indent=1))
         return
@@ -107,7 +110,8 @@ def dispatched_summary(choice: ScheduleChoice, tokens: int) -> str:
             f"{dispatched.kept} kept where they ran"
             + (f" ({len(dispatched.resident)} resident, updated on their GPUs)" if dispatched.resident else "")
             + f", the head's micro-batches on {dispatched.head_gpus} GPU{'s' if dispatched.head_gpus > 1 else ''}: "
-            f"{verdict}")
+            f"{verdict}" + (f"\ndispatched clipping: {dispatched.steps().clipping_text()}"
+                            if dispatched.steps().clipping else ""))
 
 
 if __name__ == "__main__":

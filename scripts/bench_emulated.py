@@ -136,8 +136,8 @@ def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
     factor = spec.emulation.factor if spec.emulation else 1
     if spec.setup.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
         shape = spec.setup.dispatched
-        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.setup.dispatched_step_s,
-                "simulated_s": spec.setup.dispatched_step_s, "factor": factor}, None
+        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.predicted_step_s(),
+                "simulated_s": spec.predicted_step_s(), "factor": factor}, None
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
                 if clipping[name] is not None:
                     row["grad_norms"] = norms
-                    row["plan_of_each_step_s"] = clipping[name].median_step_of(
+                    row["plan_of_each_step_s"] = clipping[name].steps().median_step_of(
                         [steps_clipped([n], row["max_grad_norm"]) > 0 for n in norms])
                     print(f"{'':<28} the plan's step of each measured step (keeping, redoing or waiting): "
                           f"{row['plan_of_each_step_s'] * 1e3:.2f} ms "

@@ -8,7 +8,7 @@ import pytest
 from mobius.backends import resolve
 from mobius.metrics import StepMetrics
 from mobius.runtime.plan_check import MIN_PARAMS_KEPT, PlanCheck, predicted_compute_s
-from mobius.runtime.spec import Plan, StagePlan
+from mobius.runtime.spec import Plan, StagePlan, StepPrediction
 
 
 def plan_of(params_per_worker: int, rate: float, step_s: float = 1.0) -> Plan:
@@ -81,9 +81,9 @@ def test_where_updates_start_before_the_norm_each_step_is_checked_against_its_ow
     taken back and redone) and the step after it (waiting for its norm).  The check predicts each measured step by whether it and the one before
     clipped, and compares the medians."""
     plan = dataclasses.replace(plan_of(MIN_PARAMS_KEPT * 4, rate=1e8), waiting_step_s=1.5, clipped_step_s=1.668)
-    assert [plan.step_of(now, before) for now, before in ((False, False), (True, False), (False, True), (True, True))] \
+    assert [plan.steps().step_of(now, before) for now, before in ((False, False), (True, False), (False, True), (True, True))] \
         == [1.0, 1.668, 1.5, 1.5]
-    assert plan.clipping_text() == ("the updates start before the step's norm; predicted, a step that clips 1668.0 ms "
+    assert plan.steps().clipping_text() == ("the updates start before the step's norm; predicted, a step that clips 1668.0 ms "
                                     "(its updates redone), the step after it 1500.0 ms (waiting for its norm)")
     assert "\nclipping: the updates start" in plan.render()
 
@@ -100,7 +100,7 @@ def test_where_updates_start_before_the_norm_each_step_is_checked_against_its_ow
                     "(predicted as steps that redo their updates, and the steps after them as waiting for their norm)")
     # Where none clipped the plan's own step is the prediction (and a dispatched run's is its own).
     assert PlanCheck(plan, lambda r: None, max_grad_norm=1.0).after(run((0.5,) * 4, (9, 1.0, 1.0, 1.0))) == []
-    assert PlanCheck(plan, lambda r: None, predicted_step_s=1.0, max_grad_norm=1.0).after(
+    assert PlanCheck(plan, lambda r: None, predicted=StepPrediction(1.0), max_grad_norm=1.0).after(
         run((5, 0.5, 5, 0.5), (9, 1.0, 1.0, 1.0))) == []
 
 
@@ -116,9 +116,10 @@ def test_a_pipeline_run_is_checked_against_the_prediction_of_the_schedule_that_r
     assert PlanCheck.of(PipelineSetup(plan), lambda r: None, 1.0).after(clipping) == []
     # The same steps measured against the plan's step alone (1.0 s) are off, as they were before the
     # run's check was made from its setup.
-    assert PlanCheck(plan, lambda r: None, predicted_step_s=plan.predicted_step_s, max_grad_norm=1.0).after(clipping)
+    assert PlanCheck(plan, lambda r: None, predicted=StepPrediction(plan.predicted_step_s), max_grad_norm=1.0).after(
+        clipping)
     shape = DispatchedShape([(0, 2), (2, 4)], [(0, 2), (2, 4)], [0, 1])
-    (line,) = PlanCheck.of(PipelineSetup(plan, dispatched=shape, dispatched_step_s=0.75), lambda r: None, 1.0
+    (line,) = PlanCheck.of(PipelineSetup(plan, dispatched=shape, dispatched_steps=StepPrediction(0.75)), lambda r: None, 1.0
                            ).after(clipping)
     assert line.startswith("plan check: step 1.50 s measured, 0.75 s predicted (2.00x); 1 of those 3 steps clipped")
 

@@ -259,7 +259,7 @@ def test_a_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip_a
             return run_plan(resolve_for_plan(cfg), model_config_for(cfg), profile_how="analytic", effort=4)
 
     unclipped, clipped = plan(max_grad_norm=0.0), plan(max_grad_norm=1.0)
-    assert unclipped.waiting_step_s is None and unclipped.clipping_text() == ""
+    assert unclipped.waiting_step_s is None and unclipped.steps().clipping_text() == ""
     assert clipped.same_choices(unclipped) and clipped.predicted_step_s == unclipped.predicted_step_s
     assert clipped.waiting_step_s > clipped.predicted_step_s
     assert clipped.clipped_step_s == pytest.approx(clipped.waiting_step_s + ROLLBACK_PASSES * clipped.host_adam_s())

@@ -77,6 +77,51 @@ def test_with_clipping_or_fp16_every_update_waits_for_the_steps_last_gradients(l
     assert runs[True].step_s >= runs[False].step_s
 
 
+def test_a_dispatched_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip():
+    """Without the lag the dispatched schedule's host updates start before clipping's norm: its plan
+    is the unclipped one, and it also states the step after one that clipped (every update waiting
+    for the norm, simulated) and the step that clips (that, and the busiest host thread's updates
+    taken back first, at the rollback's measured cost in AdamW passes); the header says both.  With
+    the lag there is nothing to state."""
+    import contextlib
+    import io
+
+    from mobius.backends.pipeline import pipeline_header
+    from mobius.config import RunConfig
+    from mobius.planning.pipeline import choose_schedule, run_plan
+    from mobius.runtime.inputs import model_config_for
+    from mobius.runtime.optim import ROLLBACK_PASSES
+    from mobius.runtime.spec import PipelineSetup, RunSpec
+
+    def dispatched(**changes):
+        cfg = RunConfig.of(model="gpt2", topology="topo2+2", micro_batch_size=1, micro_batches=8, seq_len=1024,
+                           precision="bf16", schedule="dispatched", device_optimizer="off", **changes)
+        decided, config = resolve_for_plan(cfg), model_config_for(cfg)
+        with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
+            plan = run_plan(decided, config, profile_how="analytic", effort=4)
+            choice = choose_schedule(decided, config, plan, "analytic")
+        return cfg, config, decided, plan, choice
+
+    *_, unclipped = dispatched(max_grad_norm=0.0)
+    cfg, config, decided, plan, clipped = dispatched(max_grad_norm=1.0)
+    found = clipped.dispatched
+    assert not unclipped.dispatched.steps().clipping
+    assert (found.forward, found.backward, found.kept, found.head_gpus, found.step_s) == (
+        unclipped.dispatched.forward, unclipped.dispatched.backward, unclipped.dispatched.kept,
+        unclipped.dispatched.head_gpus, unclipped.dispatched.step_s)
+    assert found.waiting_step_s > found.step_s
+    threads: dict[int, float] = {}  # each host thread's AdamW seconds in the unclipped step's simulation
+    for t in unclipped.dispatched.result.tasks:
+        if t.name.startswith("AdamW"):
+            threads[t.gpu] = threads.get(t.gpu, 0.0) + t.work
+    assert len(threads) == 4
+    assert found.clipped_step_s == pytest.approx(found.waiting_step_s + ROLLBACK_PASSES * max(threads.values()))
+    spec = RunSpec(True, "bf16", (1,) * 4, PipelineSetup(plan, dispatched=clipped.shape,
+                                                          dispatched_steps=found.steps()))
+    assert f"clipping: {found.steps().clipping_text()}" in pipeline_header(cfg, config, decided.topology, spec)
+    assert not dispatched(max_grad_norm=1.0, optimizer_lag=1)[-1].dispatched.steps().clipping
+
+
 def test_the_mip_gives_a_heavy_embedding_a_stage_of_its_own_and_the_step_is_shorter(monkeypatch):
     """Time-balanced partitions give every stage the same compute, whatever its weights; where the
     embedding's weights are eight blocks' (and it computes nothing), the stage holding it with

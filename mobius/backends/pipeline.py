@@ -96,7 +96,7 @@ def pipeline_header(cfg: RunConfig, model_config: GPTConfig, topo: Topology, spe
             f"predicted {seconds_text(spec.predicted_step_s())}/step" + (" (emulated)" if spec.emulation else "")
             + (f"\n  schedule: {pipe.schedule}" if cfg.pipeline.schedule != "bound" else "")
             + f"\n  update: {UpdateRule.of(cfg.optim).describe()}"
-            + (f"\n  clipping: {plan.clipping_text()}" if pipe.dispatched is None and plan.clipping_text() else "")
+            + (f"\n  clipping: {pipe.predicted().clipping_text()}" if pipe.predicted().clipping else "")
             + (f"\n  on disk: {disk_text(plan, topo)}" if cfg.offload_dir else ""))
 
 

@@ -7,7 +7,7 @@ the frozen :class:`RunSpec` every pipeline worker gets (:func:`prepare_pipeline`
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from mobius.boundary.errors import InputError
@@ -36,10 +36,10 @@ from mobius.planning.prepare import (
     profile_key,
 )
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.optim import updates_speculate
+from mobius.runtime.optim import ROLLBACK_PASSES, updates_speculate
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, PipelineSetup, Plan, RunSpec
-from mobius.sim.dispatched import DispatchedPlan, plan_dispatched
+from mobius.sim.dispatched import DispatchedPlan, plan_dispatched, waiting_step
 from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
 
@@ -59,6 +59,12 @@ def clipping_waits(cfg: RunConfig, precision: str, replicas: int) -> bool:
     """Whether clipping holds the bound plan's host updates (its cost model and simulator count
     clipping's wait, not fp16's vote)."""
     return bool(cfg.optim.max_grad_norm) and updates_wait_for_the_step(cfg, precision, replicas)
+
+
+def clipping_speculates(cfg: RunConfig, precision: str, replicas: int) -> bool:
+    """Whether a plan's host updates start before clipping's norm: it states the steps that clip
+    and those after them besides its own (:class:`~mobius.runtime.spec.StepPrediction`)."""
+    return bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(cfg, precision, replicas)
 
 
 def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None = None,
@@ -102,8 +108,7 @@ def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None 
                          stages=pipe.stages, mapping=pipe.mapping, prefetch=pipe.prefetch,
                          optimizer_lag=cfg.optim.optimizer_lag, device_optimizer=pipe.device_optimizer == "auto",
                          data_parallel=replicas, clip=clipping_waits(cfg, precision, replicas),
-                         disk=disk, clip_speculates=bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(
-                             cfg, precision, replicas),
+                         disk=disk, clip_speculates=clipping_speculates(cfg, precision, replicas),
                          **plan_options)
 
     if cfg.pipeline.recompute == "on":
@@ -158,6 +163,10 @@ def dispatched_beside(decided: Decided, model_config: GPTConfig, plan: Plan, pro
                             optimizer_lag=cfg.optim.optimizer_lag,
                             tied=model_config.tie_embeddings and not cfg.lora.rank,
                             whole_step=updates_wait_for_the_step(cfg, plan.precision, plan.data_parallel))
+    if found is not None and clipping_speculates(cfg, plan.precision, plan.data_parallel):
+        # A step that clips waits for its norm and takes back the busiest host thread's updates first.
+        waiting, host_s = waiting_step(found, profile, topo, adam_params_per_s=adam)
+        found = replace(found, waiting_step_s=waiting, clipped_step_s=waiting + ROLLBACK_PASSES * host_s)
     bound, how = plan.predicted_step_s, "simulated" if plan.simulated else "predicted"
     return found, found.shape(profile) if found is not None else None, bound, how
 
@@ -203,7 +212,7 @@ def prepare_pipeline(decided: Decided, model_config: GPTConfig,
         if measured else ""
     choice = choose_schedule(decided, model_config, plan, "analytic" if cfg.emulation.enabled else "auto")
     setup = PipelineSetup(plan, plan.data_parallel, host_key(topo, measured), layers_key, choice.shape,
-                          choice.dispatched.step_s if choice.shape is not None else 0.0, choice.why)
+                          choice.dispatched.steps() if choice.shape is not None else None, choice.why)
     return RunSpec(gpus, precision, budgets_of(topo), setup, emulation), plan
 
 

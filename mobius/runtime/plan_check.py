@@ -20,7 +20,7 @@ from typing import Callable
 from mobius.boundary.cache import Cache, key_of
 from mobius.metrics import StepMetrics, seconds_text
 from mobius.runtime.optim import steps_clipped
-from mobius.runtime.spec import Lane, PipelineSetup, Plan, RunSpec
+from mobius.runtime.spec import Lane, PipelineSetup, Plan, RunSpec, StepPrediction
 
 STEPS = 3  # measured steps compared, after the warm-up step
 TOLERANCE = 0.2
@@ -58,16 +58,15 @@ class PlanCheck:
     not during it: a re-plan mid-run must not profile)."""
 
     def __init__(self, plan: Plan, keep_rate: Callable[[float], None], first: int = 0,
-                 predicted_step_s: float | None = None, max_grad_norm: float = 0.0):
-        """``predicted_step_s``: the step the run was predicted to take, where it is not the plan's
+                 predicted: StepPrediction | None = None, max_grad_norm: float = 0.0):
+        """``predicted``: the steps the run was predicted to take, where they are not the plan's
         (the dispatched schedule's: its lanes are not the plan's either, and its metrics leave them
-        out); ``max_grad_norm``: the run's clipping (a plan's step is that of steps that do not clip;
-        where its updates start before the norm it also states the steps that clip and those after
-        them, :meth:`~mobius.runtime.spec.Plan.step_of`)."""
+        out); ``max_grad_norm``: the run's clipping (a prediction is of steps that do not clip;
+        where the updates start before the norm it also states the steps that clip and those after
+        them, :meth:`~mobius.runtime.spec.StepPrediction.step_of`)."""
         self.plan, self.keep_rate, self.first = plan, keep_rate, first
         self.max_grad_norm = max_grad_norm
-        self.predicted_step_s = predicted_step_s or plan.predicted_step_s
-        self._plans_clipping = predicted_step_s is None and plan.waiting_step_s is not None
+        self.predicted = predicted or plan.steps()
         self.done = False
         self.stale_profile = False
         self.measured_step_s: float | None = None
@@ -76,11 +75,9 @@ class PlanCheck:
     @classmethod
     def of(cls, setup: PipelineSetup, keep_rate: Callable[[float], None], max_grad_norm: float,
            first: int = 0) -> "PlanCheck":
-        """The check of a pipeline run on ``setup``: against its plan's own predictions where the
-        bound plan runs (those of steps that clip among them), against its own step where the
-        dispatched schedule does."""
-        dispatched = setup.dispatched_step_s if setup.dispatched is not None else None
-        return cls(setup.plan, keep_rate, first, dispatched, max_grad_norm)
+        """The check of a pipeline run on ``setup`` against the predictions of the schedule that
+        runs (those of steps that clip, and of the steps after them, among them)."""
+        return cls(setup.plan, keep_rate, first, setup.predicted(), max_grad_norm)
 
     def after(self, history: list[StepMetrics]) -> list[str]:
         """The lines to print once ``history`` (this run's steps so far) holds enough steps."""
@@ -96,9 +93,9 @@ class PlanCheck:
         # norm if that one clipped).
         clips = [steps_clipped([m.grad_norm], self.max_grad_norm) > 0
                  for m in history[self.first:self.first + 1 + STEPS]]
-        predicted_step = self.predicted_step_s
-        if self._plans_clipping and any(clips):
-            predicted_step = self.plan.median_step_of(clips)
+        predicted_step = self.predicted.step_s
+        if self.predicted.clipping and any(clips):
+            predicted_step = self.predicted.median_step_of(clips)
         if _off(step, predicted_step):
             self.off.append("step")
             clipped = sum(clips[1:])
@@ -106,7 +103,7 @@ class PlanCheck:
             if clipped:
                 note = (f"; {clipped} of those {STEPS} steps clipped (" + (
                     "predicted as steps that redo their updates, and the steps after them as waiting for their norm)"
-                    if self._plans_clipping else
+                    if self.predicted.clipping else
                     "the plan is of steps that do not: one that clips waits for its norm or redoes its updates)"))
             lines.append(f"plan check: step {seconds_text(step)} measured, {seconds_text(predicted_step)} "
                          f"predicted ({step / predicted_step:.2f}x){note}")

@@ -144,25 +144,9 @@ class Plan:
                 per_worker[st.gpu] = per_worker.get(st.gpu, 0.0) + st.grad_bytes / element_bytes(self.precision) / rate
         return max(per_worker.values(), default=0.0)
 
-    def step_of(self, clipped: bool, after_clipped: bool) -> float:
-        """The predicted step of a step that clipped or not, after one that clipped or not."""
-        if self.waiting_step_s is None or self.clipped_step_s is None:
-            return self.predicted_step_s
-        return self.waiting_step_s if after_clipped else self.clipped_step_s if clipped else self.predicted_step_s
-
-    def median_step_of(self, clipped: list[bool]) -> float:
-        """The median predicted step of a run of steps, each but the first (which only says whether
-        the next one waits) by whether it and the one before clipped (:meth:`step_of`)."""
-        return statistics.median(self.step_of(now, before) for before, now in zip(clipped, clipped[1:]))
-
-    def clipping_text(self) -> str:
-        """Where the host updates start before clipping's norm: what a step that clips costs, and the
-        step after it (empty otherwise)."""
-        if self.waiting_step_s is None or self.clipped_step_s is None:
-            return ""
-        return (f"the updates start before the step's norm; predicted, a step that clips "
-                f"{self.clipped_step_s * 1e3:.1f} ms (its updates redone), the step after it "
-                f"{self.waiting_step_s * 1e3:.1f} ms (waiting for its norm)")
+    def steps(self) -> StepPrediction:
+        """The plan's predicted step, with those of steps that clip and of the steps after them."""
+        return StepPrediction(self.predicted_step_s, self.waiting_step_s, self.clipped_step_s)
 
     def recomputes(self, stage: int) -> bool:
         """Whether stage ``stage``'s backward redoes its forward (the head never does: it runs each
@@ -294,8 +278,8 @@ class Plan:
         tokens = self.micro_batches * self.micro_batch_size * self.seq_len * self.data_parallel
         lines.append(f"predicted step time: {self.predicted_step_s * 1e3:.1f} ms "
                      f"({tokens / self.predicted_step_s:,.0f} tokens/s)")
-        if self.clipping_text():
-            lines.append(f"clipping: {self.clipping_text()}")
+        if self.steps().clipping:
+            lines.append(f"clipping: {self.steps().clipping_text()}")
         if self.solver and self.solver.chosen != "mip":
             lines.append(f"chosen: the {self.solver.chosen} partition, within 1% of the fastest and moving the "
                          "fewest bytes between host and GPUs")
@@ -399,6 +383,41 @@ def valid_partitions(forward: list[tuple[int, int]], backward: list[tuple[int, i
 
 
 @dataclass(frozen=True)
+class StepPrediction:
+    """A schedule's predicted step; where its host updates start before clipping's norm (the step
+    is of steps that keep them), also the step after one that clipped, whose updates wait for its
+    norm, and a step that clips, whose updates are taken back and redone after it."""
+
+    step_s: float
+    waiting_step_s: float | None = None
+    clipped_step_s: float | None = None
+
+    @property
+    def clipping(self) -> bool:
+        return self.waiting_step_s is not None and self.clipped_step_s is not None
+
+    def step_of(self, clipped: bool, after_clipped: bool) -> float:
+        """The predicted step of a step that clipped or not, after one that clipped or not."""
+        if not self.clipping:
+            return self.step_s
+        return self.waiting_step_s if after_clipped else self.clipped_step_s if clipped else self.step_s
+
+    def median_step_of(self, clipped: list[bool]) -> float:
+        """The median predicted step of a run of steps, each but the first (which only says whether
+        the next one waits) by whether it and the one before clipped (:meth:`step_of`)."""
+        return statistics.median(self.step_of(now, before) for before, now in zip(clipped, clipped[1:]))
+
+    def clipping_text(self) -> str:
+        """Where the host updates start before clipping's norm: what a step that clips costs, and the
+        step after it (empty otherwise)."""
+        if not self.clipping:
+            return ""
+        return (f"the updates start before the step's norm; predicted, a step that clips "
+                f"{self.clipped_step_s * 1e3:.1f} ms (its updates redone), the step after it "
+                f"{self.waiting_step_s * 1e3:.1f} ms (waiting for its norm)")
+
+
+@dataclass(frozen=True)
 class PipelineSetup:
     """The pipeline backend's own part of a run's spec (:func:`mobius.planning.pipeline.prepare_pipeline`)."""
 
@@ -411,14 +430,17 @@ class PipelineSetup:
     # machine: forgotten when the run's compute is faster than it says (measured on a busy machine).
     profile_key: str = ""
     # --schedule dispatched (or auto, where it is predicted faster): the shape that runs instead of
-    # ``plan``, and its predicted step.
+    # ``plan``, and its predicted steps.
     dispatched: DispatchedShape | None = None
-    dispatched_step_s: float = 0.0
+    dispatched_steps: StepPrediction | None = None
     schedule: str = ""  # which schedule runs and why (mobius.planning.pipeline.choose_schedule), for the header
 
+    def predicted(self) -> StepPrediction:
+        """The steps of the schedule that runs."""
+        return self.dispatched_steps if self.dispatched is not None else self.plan.steps()
+
     def predicted_step_s(self) -> float:
-        """The step of the schedule that runs."""
-        return self.dispatched_step_s if self.dispatched is not None else self.plan.predicted_step_s
+        return self.predicted().step_s
 
 
 @dataclass(frozen=True)

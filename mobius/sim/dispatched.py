@@ -40,6 +40,7 @@ from mobius.partition.cost import StageCost, exchanged_bytes, stage_costs
 from mobius.partition.dispatched_mip import DISPATCHED_EFFORT, solve_dispatched
 from mobius.partition.profile import Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, H2D, NET, SimResult, Simulator, link_for
+from mobius.runtime.spec import StepPrediction
 from mobius.stages.tasks import DispatchedShape, Task, step_tasks, valid_partitions
 
 OVERLAPPED_STEPS = 3  # with the optimizer lag: two steady-state steps between their ends (and one more after)
@@ -69,6 +70,14 @@ class DispatchedPlan:
     result: SimResult | None = None
     resident: tuple[tuple[int, int], ...] = ()  # kept stages on one GPU for good, updated there: (stage, GPU)
     partitioned_by: str = BALANCED  # or MIP: how its partitions were cut
+    # Where its host updates start before clipping's norm: the step after one that clipped and a
+    # step that clips (StepPrediction; set by the planner, :func:`waiting_step`).
+    waiting_step_s: float | None = None
+    clipped_step_s: float | None = None
+
+    def steps(self) -> StepPrediction:
+        """Its predicted step, with those of steps that clip and of the steps after them."""
+        return StepPrediction(self.step_s, self.waiting_step_s, self.clipped_step_s)
 
     def shape(self, profile: Profile) -> DispatchedShape:
         """What a run executes of this plan, with each task's micro-batch time on ``profile``'s GPUs
@@ -487,6 +496,20 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
         return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
     return best
+
+
+def waiting_step(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: list[int] | None = None,
+                 adam_params_per_s: float | None = None) -> tuple[float, float]:
+    """``plan``'s step (without the lag) where every host update waits for the step's last gradient,
+    as the step after one that clipped does, and its busiest host thread's AdamW seconds in it (what
+    a step that clips takes back before it redoes them)."""
+    r = simulate_dispatched(profile, plan.forward, plan.backward, topo, plan.order, plan.micro_batches, memory_bytes,
+                            adam_params_per_s, 0, plan.kept, plan.head_gpus, resident=plan.resident, whole_step=True)
+    threads: dict[int, float] = {}
+    for t in r.tasks:
+        if t.kind == CPU:
+            threads[t.gpu] = threads.get(t.gpu, 0.0) + t.work
+    return r.step_s, max(threads.values(), default=0.0)
 
 
 def _extrapolated_s(samples: list[SimResult], micro_batches: int) -> float:
