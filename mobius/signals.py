@@ -15,6 +15,7 @@ prints a ``KeyboardInterrupt`` traceback.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
@@ -102,6 +103,27 @@ def start_fork_server() -> None:
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Our signals, arriving within the block, handled as it ends (by the handlers in place before
+    it): what the block starts is registered for cleanup before a signal can interrupt its start.
+    Blocking them would not do: a thread that does not block them (one of torch's) would take them
+    and the main thread would still run their handler inside the block.  Off the main thread, where
+    no handler runs, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
 
 
 class StopRequest:

@@ -409,6 +409,52 @@ def test_a_signal_during_calibration_ends_everything(tmp_path, sig):
     assert _left(tag, scratch) == []
 
 
+def test_a_signal_within_a_deferred_block_is_handled_as_it_ends():
+    """What a block starts is registered before a signal can interrupt it: the signal is handled,
+    by the handler in place before the block, once the block is done."""
+    from mobius.signals import signals_deferred
+
+    seen = []
+    handler = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handled"))
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            seen.append("registered")
+        seen.append("after")
+        assert seen == ["registered", "handled", "after"]
+        assert signal.getsignal(signal.SIGTERM) is not handler  # ours again, not the block's
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+@pytest.mark.slow
+def test_a_sigterm_as_the_calibration_workers_start_kills_them_before_their_directory_goes():
+    """SIGTERM just as the calibration's workers have started (the start not yet returned): they
+    are killed, then their directory removed; none is left to write into it."""
+    import mobius.stages.calibrate as calibrate
+    from mobius.boundary.errors import Terminated, _terminate
+
+    start, started = calibrate.mp.start_processes, []
+
+    def start_then_signalled(fn, args, **kwargs):
+        started.append((start(fn, args, **kwargs), Path(args[3]).parent))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        return started[-1][0]
+
+    handler = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        calibrate.mp.start_processes = start_then_signalled
+        with pytest.raises(Terminated):
+            calibrate.CalibrationRuns(1)
+    finally:
+        calibrate.mp.start_processes = start
+        signal.signal(signal.SIGTERM, handler)
+    ((context, directory),) = started
+    assert [p.is_alive() for p in context.processes] == [False, False] and not directory.exists()
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_workers_start_is_one_line_and_130(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group, workers still starting included (held

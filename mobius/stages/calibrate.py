@@ -48,6 +48,7 @@ from mobius.partition.profile import Profile, analytic_profile, measure_profile
 from mobius.runtime.device import CpuDevice, cpu_threads_per_worker
 from mobius.runtime.spec import PipelineSetup, Plan, RunSpec, StagePlan
 from mobius.runtime.worker import Inherited, outside_torchrun, tied_to_launcher
+from mobius.signals import signals_deferred
 from mobius.stages.transport import GlooTransport, on_threads
 from mobius.stages.worker import build_worker
 from topology import cpu_topology
@@ -143,15 +144,18 @@ class CalibrationRuns:
         self._out = Path(tmp) / "times.json"
         start_worker_server()  # the run's workers are forked from the same server
         try:
-            # (rank 0 of a torchrun plans: its workers rendezvous afresh)
-            with outside_torchrun(), temporary_files_in(tmp):  # torch's error files: ours to remove
-                self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out), os.getpid(),
-                                                                  Inherited.now()),
-                                                   nprocs=WORKERS, start_method="forkserver", join=False)
+            # A signal while they start is handled once they are ours to kill: a worker left running
+            # would write into the directory just removed (and print its traceback).
+            with signals_deferred():
+                # (rank 0 of a torchrun plans: its workers rendezvous afresh)
+                with outside_torchrun(), temporary_files_in(tmp):  # torch's error files: ours to remove
+                    self._context = mp.start_processes(_worker, args=(port, threads, steps, str(self._out),
+                                                                      os.getpid(), Inherited.now()),
+                                                       nprocs=WORKERS, start_method="forkserver", join=False)
+                self._done.callback(self._kill)
         except BaseException:
             self._done.close()
             raise
-        self._done.callback(self._kill)
         self._times: dict[tuple[int, int], float] | None = None
 
     def _kill(self) -> None:
