@@ -17,7 +17,7 @@ needs), so the variants it compares are measured under the same conditions.
 
 Every stage swaps (``--device-optimizer off``), as in the paper and the simulator.  Tables:
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``; ``--optimizer-lag``
-0/1; clipping on and off; recomputation where memory forces it against on every stage; the bound
+0/1; clipping on and off, in both schedules; recomputation where memory forces it against on every stage; the bound
 schedule against the dispatched one (``--schedule``; its rows' stages are forward/backward, and its
 prediction is its simulation); one box of ``8x3090-4+4`` against two as data-parallel replicas over
 25 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
@@ -49,7 +49,7 @@ from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
 from mobius.runtime.optim import steps_clipped
-from mobius.runtime.spec import Plan
+from mobius.runtime.spec import StepPrediction
 from mobius.sim.schedules import simulate_mobius
 
 BOX = "--topology 8x3090-4+4 --model small --gpu-mem-gb 0.05"
@@ -80,7 +80,10 @@ TABLES: dict[str, list[tuple[str, str]]] = {
              ("8x3090-4+4 clipped at 100", f"{BOX} --max-grad-norm 100"),
              ("8x3090-4+4 clipped at 50", f"{BOX} --max-grad-norm 50"),
              ("topo2+2 no clipping", f"{PAIR} --max-grad-norm 0"),
-             ("topo2+2 clipped at 1.0", f"{PAIR} --max-grad-norm 1.0")],
+             ("topo2+2 clipped at 1.0", f"{PAIR} --max-grad-norm 1.0"),
+             ("8x3090-4+4 dispatched no clipping", f"{BOX} --schedule dispatched --max-grad-norm 0"),
+             ("8x3090-4+4 dispatched clipped at 1.0", f"{BOX} --schedule dispatched --max-grad-norm 1.0"),
+             ("8x3090-4+4 dispatched clipped at 50", f"{BOX} --schedule dispatched --max-grad-norm 50")],
     # The step's micro-batches on one box, and on two over 25 GbE, each box updating half of the
     # parameters (the network is most of their step).  A small model: 16 workers share this
     # machine's cores, so the dilation is high and an emulated millisecond lasts 20 wall seconds.
@@ -127,17 +130,21 @@ def command(options: str, steps: int) -> list[str]:
     return [*shlex.split(options), "--emulate", "--steps", str(steps)]
 
 
-def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
+def predict(options: str, steps: int) -> tuple[dict, StepPrediction | None]:
     """The plan's predicted and simulated step times, and the dilation the run will use; and the
-    plan where it states the steps that clip (None otherwise)."""
+    predicted steps of the schedule that runs where they include the steps that clip (None
+    otherwise)."""
     cfg = parse_train_args(command(options, steps))
     topo = resolve_topology(cfg)
     spec, plan = prepare_pipeline(resolve(cfg, topo, "pipeline"), check_model_input(cfg))
     factor = spec.emulation.factor if spec.emulation else 1
+    predicted = spec.setup.predicted()
+    clipping = predicted if predicted.clipping else None
     if spec.setup.dispatched is not None:  # its prediction is its simulation (mobius.sim.dispatched)
         shape = spec.setup.dispatched
-        return {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": spec.predicted_step_s(),
-                "simulated_s": spec.predicted_step_s(), "factor": factor}, None
+        row = {"stages": f"{len(shape.forward)}/{len(shape.backward)}", "predicted_s": predicted.step_s,
+               "simulated_s": predicted.step_s, "factor": factor}
+        return _with_clipping(row, cfg, clipping), clipping
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
                           plan.precision, "analytic" if cfg.emulation.enabled else "measure")
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
@@ -152,12 +159,15 @@ def predict(options: str, steps: int) -> tuple[dict, Plan | None]:
                     kept=tuple(plan.kept))
     row = {"stages": len(plan.bounds), "predicted_s": plan.modelled_step_s, "simulated_s": sim,
            "predicted_without_runtime_costs_s": est.step_s, "factor": factor}
-    if plan.waiting_step_s is None:
-        return row, None
-    # The updates start before clipping's norm: the plan's steps that differ.
-    row.update(max_grad_norm=cfg.optim.max_grad_norm, clipped_step_s=plan.clipped_step_s,
-               waiting_step_s=plan.waiting_step_s, plan_step_s=plan.predicted_step_s)
-    return row, plan
+    return _with_clipping(row, cfg, clipping), clipping
+
+
+def _with_clipping(row: dict, cfg, clipping: StepPrediction | None) -> dict:
+    """Where the updates start before clipping's norm, the predicted steps that differ beside."""
+    if clipping is not None:
+        row.update(max_grad_norm=cfg.optim.max_grad_norm, clipped_step_s=clipping.clipped_step_s,
+                   waiting_step_s=clipping.waiting_step_s, plan_step_s=clipping.step_s)
+    return row
 
 
 def measure(options: str, steps: int, metrics: Path) -> tuple[list[float], list[float | None]]:
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
                 if clipping[name] is not None:
                     row["grad_norms"] = norms
-                    row["plan_of_each_step_s"] = clipping[name].steps().median_step_of(
+                    row["plan_of_each_step_s"] = clipping[name].median_step_of(
                         [steps_clipped([n], row["max_grad_norm"]) > 0 for n in norms])
                     print(f"{'':<28} the plan's step of each measured step (keeping, redoing or waiting): "
                           f"{row['plan_of_each_step_s'] * 1e3:.2f} ms "
