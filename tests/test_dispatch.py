@@ -112,9 +112,16 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
     it, or takes it back and redoes it clipped.  With the limit at 3.1 this run's norms (4.5, 3.4,
     2.9, 3.2, 3.1, 2.5) clip steps 0, 1 and 3: step 3 is redone, step 5 kept."""
     cfg = config(2, max_grad_norm=3.1, steps=6)
-    runner = []
-    assert_same(run(cfg, SPLIT_HEAD, runner_out=runner), reference(cfg))
+    runner, trace = [], Trace(enabled=True)
+    assert_same(run(cfg, SPLIT_HEAD, trace=trace, runner_out=runner), reference(cfg))
     assert (runner[0].updates.speculated_steps, runner[0].updates.redone_steps) == ([3, 5], [3])
+    # The updates a step holds for its norm run on the host threads, as planned, not one after
+    # the other on the thread that summed the step's last gradients.
+    threads: dict[int, set[str]] = {}
+    for e in trace.events:
+        if e["name"].startswith("AdamW piece"):
+            threads.setdefault(e["args"]["step"], set()).add(e["args"]["thread"])
+    assert max(len(threads[k]) for k in (0, 1, 2, 4)) == 2
 
 
 @pytest.mark.slow

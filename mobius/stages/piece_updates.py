@@ -244,8 +244,10 @@ class PieceUpdates:
         if held is None:
             self._adamw(piece, step, 1.0, device)
             return
+        # Each on a thread of its own, as the plan's host lanes share them: run here, one after the
+        # other, a step whose updates wait for its norm took all of them on this one thread.
         for q, clip in self._released(step, held, self._squares) if held else ():
-            self._adamw(q, step, clip, device)
+            self._submit(self._adamw, q, step, clip, device)
 
     def _held(self, step: int, piece: int) -> list[int] | None:
         """None where ``piece``'s update may run now; else the pieces it waited with, once the last
@@ -420,7 +422,8 @@ class PieceUpdates:
                     host.optimizer.step()
             if not speculative:
                 host.optimizer.zero_grad(set_to_none=True)
-        self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step)
+        self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step,
+                        thread=threading.current_thread().name)
         if speculative:  # the compute copy now, the loads once the norm keeps it
             self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         elif self.replicas is not None:
