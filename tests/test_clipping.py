@@ -160,7 +160,7 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
     close(*run_in_threads(cfg, workers_out=workers), ref_losses, ref_weights)
     for _, parts in workers:
         optimizer = parts.runner.optimizer
-        assert (optimizer.speculated_steps, optimizer.redone_steps) == ([3, 6, 7, 8, 9], [3])
+        assert (optimizer.decisions.speculated_steps, optimizer.decisions.redone_steps) == ([3, 6, 7, 8, 9], [3])
 
 
 @pytest.mark.slow

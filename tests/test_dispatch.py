@@ -114,7 +114,8 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
     cfg = config(2, max_grad_norm=3.1, steps=6)
     runner, trace = [], Trace(enabled=True)
     assert_same(run(cfg, SPLIT_HEAD, trace=trace, runner_out=runner), reference(cfg))
-    assert (runner[0].updates.speculated_steps, runner[0].updates.redone_steps) == ([3, 5], [3])
+    decisions = runner[0].updates.decisions
+    assert (decisions.speculated_steps, decisions.redone_steps) == ([3, 5], [3])
     # The updates a step holds for its norm run on the host threads, as planned, not one after
     # the other on the thread that summed the step's last gradients.
     threads: dict[int, set[str]] = {}
@@ -171,8 +172,8 @@ def test_fp16_skips_the_step_that_overflows_as_the_reference_does(monkeypatch, l
     assert not any(left) and set(weights) == set(ref.master)
     # Without the lag the updates start before the vote from step 1 on (the first step waits for
     # it); step 1's are taken back, step 2 waits again, step 3's are kept.
-    updates = runner[0].updates
-    assert (updates.speculated_steps, updates.redone_steps) == (([1, 3], [1]) if lag == 0 else ([], []))
+    decisions = runner[0].updates.decisions
+    assert (decisions.speculated_steps, decisions.redone_steps) == (([1, 3], [1]) if lag == 0 else ([], []))
 
 
 def test_the_trace_shows_which_gpu_ran_each_task():

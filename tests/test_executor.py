@@ -95,7 +95,7 @@ def test_fp16_overflow_vote_in_threads(monkeypatch):
     for _, parts in workers:
         assert (parts.scaler.skipped_steps, parts.scaler.scale) == (1, 2.0**15)
         optimizer = parts.runner.optimizer
-        assert (optimizer.speculated_steps, optimizer.redone_steps) == ([1, 3], [1])
+        assert (optimizer.decisions.speculated_steps, optimizer.decisions.redone_steps) == ([1, 3], [1])
 
 
 @pytest.mark.slow

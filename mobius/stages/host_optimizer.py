@@ -15,12 +15,9 @@ step computes, off the critical path (the semantics of :mod:`mobius.reference`).
 
 Without a lag, replicas or the disk tier, the updates that clipping's global norm or fp16's
 overflow vote hold back need not wait for them (a tied table's copies still wait for each other):
-each stage's update runs as its gradients come home, unscaled, with their sum of squares taken
-first (none where one is not finite), and the step's decision afterwards keeps the updates, takes
-them back (a step the vote skips: :func:`~mobius.runtime.optim.undo_adamw_step`), or takes them
-back and redoes them with the clipped gradients.  A step that clips is likely followed by another
-(a run clips for a stretch), so after one (or an overflow) the next step waits for its decision,
-as the first step does.
+each stage's update runs as its gradients come home, and the step's decision afterwards keeps it,
+takes it back or redoes it clipped (:mod:`mobius.stages.step_decision`, shared with the dispatched
+schedule).
 
 With data-parallel replicas (:mod:`mobius.stages.replicas`) the optimizer thread sums each stage's
 gradients into their owner replicas before the update and broadcasts the owners' weights after it:
@@ -39,10 +36,9 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, rollback_params, set_lr, squares, undo_adamw_step, unscaled_squares,
-    updates_speculate)
+from mobius.runtime.optim import DynamicLossScaler, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
+from mobius.stages.step_decision import StepDecisions
 from mobius.stages.tied import TiedEmbedding
 from mobius.stages.transport import Transport
 from mobius.swap.disk import DiskState
@@ -79,20 +75,7 @@ class HostOptimizer:
         self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
         self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
         self._busy_lock = threading.Lock()
-        # this step's stages updated before its decision -> their squares (None: a gradient not finite)
-        self._speculated: dict[int, float | None] = {}
-        # Whether this step's updates may start before its norm: not the first step's (a run's first
-        # steps clip most; and taken back from moments that were zero, the clipped redo would keep
-        # the rounding of gradients many times its own).
-        self._speculating = False
-        self.speculated_steps: list[int] = []  # steps whose updates started before their norm was known
-        self.redone_steps: list[int] = []  # those of them that clipped: their updates taken back and redone
-
-    def _speculates_after(self, last_clip: float) -> bool:
-        """Whether the next step's updates start before its vote and norm are known
-        (:func:`~mobius.runtime.optim.updates_speculate`) after a step clipped by ``last_clip``."""
-        return last_clip == 1.0 and updates_speculate(self.store.rule.max_grad_norm, self.lag, self.scaler.enabled,
-                                                      self.replicas is not None)
+        self.decisions = StepDecisions(store.rule, self.lag, scaler, replicas is not None)
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> tuple[torch.Tensor, int]:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
@@ -112,10 +95,10 @@ class HostOptimizer:
         return self.scaler.enabled or s in self.tied.stages or bool(self.store.rule.max_grad_norm)
 
     def _speculative(self, s: int) -> bool:
-        """Whether stage ``s``'s update this step runs before the decision (:meth:`_speculates_after`): not a
+        """Whether stage ``s``'s update this step runs before the decision (:class:`StepDecisions`): not a
         tied table's (it waits for the other copy), none with the disk tier (a redo would read the
         state through the drives again; the plan counts every update waiting)."""
-        return self._speculating and s not in self.tied.stages and self.disk is None
+        return self.decisions.speculating and s not in self.tied.stages and self.disk is None
 
     def needs_the_host(self, s: int) -> bool:
         """Whether stage ``s``'s update needs what only the host's optimizer has: the tied sum, the
@@ -188,16 +171,12 @@ class HostOptimizer:
         if not host.trains:
             return self.host.record()
         if speculative:
-            self._speculated[s] = unscaled_squares(host.optimizer, unscale)
-            if self._speculated[s] is None:  # a gradient not finite: the vote will skip the step
+            if not self.decisions.update_first(s, host.optimizer, unscale):  # the vote will skip the step
                 return self.host.record()
             unscale = None
-        elif s in self._speculated:
-            if self._speculated.pop(s) is None or (apply and clip == 1.0):  # nothing to take back
-                host.optimizer.zero_grad(set_to_none=True)
+        elif self.decisions.updated_first(s):
+            if self.decisions.stands(s, host.optimizer, apply and clip == 1.0, self.device):
                 return self.host.record()
-            with self.device.host_update_span(rollback_params(host.optimizer)):
-                undo_adamw_step(host.optimizer)
             unscale = None  # (its gradients were unscaled for the update taken back)
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
@@ -258,37 +237,25 @@ class HostOptimizer:
                 host.wait(job.result())
             self.tied.sum_gradients()
             deferred, self._deferred = self._deferred, []
-            if self._speculating:  # the updates made before the vote and the norm checked their gradients
+            if self.decisions.speculating:  # the updates made before the vote and the norm checked their gradients
                 for job in self._updates.get(step, []):
                     job.result()
-            waited = [s for s in deferred if s not in self._speculated]
-            overflow, unscale = False, None
-            if self.scaler.enabled:
-                overflow, unscale = self.transport.any_rank(self._overflowed(waited)), self.scaler.scale
-            clip, reduced = 1.0, False
-            if self.store.rule.max_grad_norm and not overflow:
-                if self.replicas is not None:  # the norm is the replicas' sum's: reduce into the owners first
-                    for job in [self._pool.submit(self.replicas.reduce_gradients, self.store.stages[s])
-                                for s in deferred if self.store.stages[s].trains]:
-                        job.result()
-                    reduced = True
-                # every process's share: its stages' (its replica's owned part of them), and resident ones
-                total = self.transport.sum_all(self._squares(waited) / (unscale or 1.0) ** 2
-                                               + sum(self._speculated.values())
-                                               + (resident.squares() if resident is not None else 0.0))
-                norm = total ** 0.5
-                clip = clip_coefficient(total, self.store.rule.max_grad_norm)
-            if self._speculated:
-                self.speculated_steps.append(step)
-                if clip < 1.0 or overflow:
-                    self.redone_steps.append(step)
-            self._speculating = not overflow and self._speculates_after(clip)
+            waited = [s for s in deferred if not self.decisions.updated_first(s)]
+            unscale = self.scaler.scale if self.scaler.enabled else None
+            overflow = self.scaler.enabled and self.transport.any_rank(self._overflowed(waited))
+            reduced = bool(self.replicas is not None and self.store.rule.max_grad_norm and not overflow)
+            if reduced:  # the norm is the replicas' sum's: reduce into the owners first
+                for job in [self._pool.submit(self.replicas.reduce_gradients, self.store.stages[s])
+                            for s in deferred if self.store.stages[s].trains]:
+                    job.result()
+            # every process's share: its stages' (its replica's owned part of them), and resident ones
+            clip, norm = self.decisions.decide(
+                step, overflow, lambda: self._squares(waited) / (unscale or 1.0) ** 2
+                + (resident.squares() if resident is not None else 0.0), self.transport.sum_all)
             for s in deferred:
                 self._submit_update(s, step, lr, unscale=unscale, apply=not overflow, clip=clip, reduced=reduced)
             if resident is not None:
                 resident.apply(clip)
-            if self.scaler.enabled:
-                self.scaler.update(overflow)
         self._to_master_jobs.clear()
         for job in self._updates.pop(step - self.lag, []):
             self.compute.wait(job.result())
@@ -297,7 +264,7 @@ class HostOptimizer:
     def _overflowed(self, waited: list[int]) -> bool:
         """Whether a gradient of this process's is not finite: one an update made before the vote
         found (:meth:`_update`), or one of the ``waited`` stages'."""
-        return None in self._speculated.values() or any(
+        return None in self.decisions.speculated.values() or any(
             not torch.isfinite(g).all() for s in waited for g in self.store.stages[s].gradients())
 
     def _squares(self, stages: list[int]) -> float:

@@ -42,10 +42,9 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import (
-    DynamicLossScaler, clip_coefficient, rollback_params, set_lr, squares, undo_adamw_step, unscaled_squares,
-    updates_speculate)
+from mobius.runtime.optim import DynamicLossScaler, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
+from mobius.stages.step_decision import StepDecisions
 from mobius.swap.store import HostStageStore
 
 
@@ -168,11 +167,7 @@ class PieceUpdates:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         self._jobs: list = []
         self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
-        self._speculating = False  # whether this step's updates start before its decision (not the first's)
-        # this step's pieces updated before its decision -> their squares (None: a gradient not finite)
-        self._speculated: dict[int, float | None] = {}
-        self.speculated_steps: list[int] = []  # steps whose updates started before their norm was known
-        self.redone_steps: list[int] = []  # those of them that clipped: their updates taken back and redone
+        self.decisions = StepDecisions(self.rule, self.lag, self.scaler, replicas is not None)
         self._last_step = -1  # the latest step whose gradients came home
         self.replicas = replicas
         self._threads: list[threading.Thread] = []
@@ -238,7 +233,7 @@ class PieceUpdates:
         if self.replicas is not None:
             self.summed.put(piece, step)  # the sums' thread takes it from here
             return
-        if self._speculating and piece not in self.tied:
+        if self.decisions.speculating and piece not in self.tied:
             self._adamw(piece, step, 1.0, device, speculative=True)
         held = self._held(step, piece)
         if held is None:
@@ -273,34 +268,24 @@ class PieceUpdates:
         if self.tied and self.tied <= set(pieces):
             self._sum_tied()
         scale = self.scale_of(step)
-        with self._lock:
-            speculated = dict(self._speculated)
-        overflow, clip = False, 1.0
+        first = {q for q in pieces if self.decisions.updated_first(q)}
+        overflow = self.scaler.enabled and any_of(self._overflowed(pieces))
+        waited = [q for q in pieces if q not in self.resident and q not in first]
+        clip, norm = self.decisions.decide(
+            step, overflow, lambda: squares_of(waited) / scale ** 2 + self._resident_squares.pop(step, 0.0))
         if self.scaler.enabled:
-            overflow = any_of(self._overflowed(pieces))
-            self.scaler.update(overflow)
             with self.board.cond:
                 self._scales[step + 1] = self.scaler.scale
                 self._scales.pop(step - 1, None)
                 self.board.cond.notify_all()
-        if self.rule.max_grad_norm and not overflow:
-            total = squares_of([q for q in pieces if q not in self.resident and q not in speculated]) / scale ** 2
-            total += self._resident_squares.pop(step, 0.0) + sum(speculated.values())
-            self.grad_norm[step] = total ** 0.5
-            clip = clip_coefficient(total, self.rule.max_grad_norm)
+        if norm is not None:
+            self.grad_norm[step] = norm
             with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
                 self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
                 self.board.cond.notify_all()
-        if speculated:
-            self.speculated_steps.append(step)
-            if overflow or clip < 1.0:
-                self.redone_steps.append(step)
-        # Clipping runs in stretches: after a step that clipped (or overflowed), the next waits.
-        self._speculating = not overflow and clip == 1.0 and updates_speculate(
-            self.rule.max_grad_norm, self.lag, self.scaler.enabled, self.replicas is not None)
         if overflow:
             return [(q, None) for q in sorted(pieces)]
-        return [(q, clip if q in speculated else clip / scale) for q in sorted(pieces) if q not in self.resident]
+        return [(q, clip if q in first else clip / scale) for q in sorted(pieces) if q not in self.resident]
 
     def start_scaling(self, step: int) -> None:
         """The run's first step (or the first after a resume) is ``step``: its head scales by the
@@ -398,20 +383,13 @@ class PieceUpdates:
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
             if speculative:  # unscaled, and not updated at all where a gradient is not finite
-                found = unscaled_squares(host.optimizer, self.scale_of(step) if self.scaler.enabled else None)
-                with self._lock:
-                    self._speculated[piece] = found
-                if found is None:
+                if not self.decisions.update_first(piece, host.optimizer,
+                                                   self.scale_of(step) if self.scaler.enabled else None):
                     return
-            elif piece in self._speculated:
-                with self._lock:
-                    applied = self._speculated.pop(piece) is not None
-                if not applied or coefficient == 1.0:  # nothing to take back
-                    host.optimizer.zero_grad(set_to_none=True)
+            elif self.decisions.updated_first(piece):
+                if self.decisions.stands(piece, host.optimizer, coefficient == 1.0, device):
                     self._publish(piece, step, refresh=False)
                     return
-                with device.host_update_span(rollback_params(host.optimizer)):
-                    undo_adamw_step(host.optimizer)
             if coefficient is not None and coefficient != 1.0:
                 for group in host.optimizer.param_groups:
                     for p in group["params"]:
