@@ -34,7 +34,7 @@ from mobius.metrics import StepMetrics, Trace
 from mobius.models import GPTConfig, build_model
 from mobius.models.lora import dropout_micro_batch
 from mobius.models.preference import metric_sums, step_metrics
-from mobius.models.precision import DTYPES, default_precision
+from mobius.models.precision import DTYPES
 from mobius.runtime.device import peak_memory, reset_peak_memory
 from mobius.runtime.optim import (
     DynamicLossScaler,
@@ -61,7 +61,9 @@ class ReferenceTrainer:
                        for n, p in self.model.named_parameters()}
         self.rule = UpdateRule.of(cfg.optim)
         self.optimizer = make_adamw(self.master.items(), self.rule)
-        precision = cfg.optim.precision or default_precision(device.type == "cuda")
+        precision = cfg.optim.precision
+        if precision is None:  # one rule decides it, for every backend (mobius.backends.resolve)
+            raise ValueError("the reference trainer is given a run whose precision is decided")
         self.dtype = DTYPES[precision]
         self.scaler = DynamicLossScaler(enabled=precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.outputs.trace))
