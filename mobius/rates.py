@@ -42,7 +42,7 @@ from mobius.boundary.ownership import check_output_file, output_locks, write_out
 from mobius.boundary.errors import InputError, exits_cleanly, shown
 from mobius.config import OneLineParser
 from mobius.models import PRESETS, build_layer
-from mobius.models.precision import DTYPES
+from mobius.models.precision import DTYPES, default_precision
 from mobius.partition.profile import (
     ADAM_BYTES_PER_PARAM,
     ADAM_TIMING_NUMEL,
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
 def _measure(args, topo: Topology) -> None:
     """The rates measured (or cached), the drives timed, and ``--write``'s topology file written."""
     on_gpus = cuda_available() and not topo.virtual
-    precision = args.precision or ("bf16" if on_gpus else "fp32")
+    precision = args.precision or default_precision(on_gpus)  # the training runs' rule
     config = PRESETS[args.model]
     if args.seq_len > config.context:
         raise InputError(f"--seq-len {args.seq_len} exceeds {args.model}'s context of {config.context}")
