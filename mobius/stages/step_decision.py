@@ -47,6 +47,7 @@ class StepDecisions:
         return found is not None
 
     def updated_first(self, key: int) -> bool:
+        """Whether ``key``'s update this step was made before the step's decision."""
         with self._lock:
             return key in self.speculated
 
