@@ -63,7 +63,7 @@ class ReferenceTrainer:
         self.optimizer = make_adamw(self.master.items(), self.rule)
         precision = cfg.optim.precision
         if precision is None:  # one rule decides it, for every backend (mobius.backends.resolve)
-            raise ValueError("the reference trainer is given a run whose precision is decided")
+            raise ValueError("the reference trainer needs a run whose precision is decided (mobius.backends.resolve)")
         self.dtype = DTYPES[precision]
         self.scaler = DynamicLossScaler(enabled=precision == "fp16")
         self.trace = Trace(enabled=bool(cfg.outputs.trace))

@@ -489,16 +489,16 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
             seen.append(q)
     # The steady state of the plans fastest alone decides (the MIP's beside, not instead of, the
     # fastest time-balanced ones: it cuts for a step alone).
-    steps = OVERLAPPED_STEPS
     fastest = sorted((p for p in seen if p.partitioned_by == BALANCED), key=lambda p: p.step_s)
     candidates = {}
     for p in fastest[:STEADY_CANDIDATES] + [p for p in seen if p.partitioned_by == MIP]:
         candidates.setdefault((p.kept, p.head_gpus, tuple(p.forward), tuple(p.backward)), p.partitioned_by)
     best = min((p for (tail, heads, fwd, bwd), by in sorted(candidates.items())
-                if (p := simulated(tail, heads, list(fwd), list(bwd), steps, by))),
+                if (p := simulated(tail, heads, list(fwd), list(bwd), OVERLAPPED_STEPS, by))),
                key=lambda p: p.step_s)
     if best.result is None:  # found from samples: the plan's prediction is its whole step, simulated
-        best = simulated(best.kept, best.head_gpus, best.forward, best.backward, steps, best.partitioned_by, True)
+        best = simulated(best.kept, best.head_gpus, best.forward, best.backward, OVERLAPPED_STEPS,
+                         best.partitioned_by, True)
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
         return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
     return best
