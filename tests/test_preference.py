@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
 
 def config(setup, data="chat", **kw) -> RunConfig:
     base = dict(model=setup["model"], data=setup[data], objective="dpo", steps=20, seq_len=96, micro_batch_size=2,
-                micro_batches=2, lr=5e-3, lr_scheduler="constant", max_grad_norm=1.0, precision="fp32",
+                micro_batches=2, lr=2e-3, lr_scheduler="constant", max_grad_norm=1.0, precision="fp32",
                 progress=False, topology="cpu", backend="single")
     return RunConfig.of(**{**base, **kw})
 
@@ -103,15 +103,17 @@ def trl_history(cfg: RunConfig, records: list[dict], out_dir) -> list[dict]:
 @pytest.mark.parametrize("data,loss_type,lora", [("chat", "sigmoid", 0), ("chat", "ipo", 0), ("text", "sigmoid", 0),
                                                  ("chat", "sigmoid", 4)])
 def test_equal_to_trl_dpo_trainer(setup, tmp_path, data, loss_type, lora):
-    """Per-step loss and reward accuracy equal to TRL's over 20 steps (1e-4), and its other metrics;
-    with LoRA, TRL's reference is the base with the adapters off, ours the initial weights."""
+    """Per-step loss equal to TRL's over 20 steps (1e-5), its reward accuracy and its other metrics;
+    with LoRA, TRL's reference is the base with the adapters off, ours the initial weights.  At a
+    learning rate of 2e-3 the two runs agree within 2e-7 at every step; at 5e-3 a step whose norm
+    spikes to 7 amplifies their kernels' rounding past 1e-4 by step 17, on some CPUs and not others."""
     cfg = config(setup, data, loss_type=loss_type, lora_rank=lora)
     records = [json.loads(line) for line in open(setup[data])]
     history, _ = ours(cfg)
     theirs = trl_history(cfg, records, tmp_path)
     assert len(theirs) == len(history) == 20
     for m, t in zip(history, theirs):
-        assert m.loss == pytest.approx(t["loss"], rel=0, abs=1e-4)
+        assert m.loss == pytest.approx(t["loss"], rel=0, abs=1e-5)
         assert m.preference["rewards/accuracies"] == pytest.approx(t["rewards/accuracies"], abs=1e-4)
         for name in ("rewards/margins", "logps/chosen", "logps/rejected"):
             assert m.preference[name] == pytest.approx(t[name], rel=1e-3, abs=1e-5), name
