@@ -233,23 +233,27 @@ def test_a_tied_token_table_is_updated_with_both_copies_gradients(gpt2_dir, chan
 
 @pytest.mark.slow
 def test_a_dispatched_run_stops_saves_and_resumes_as_one_straight_run(tmp_path):
-    """Through ``mobius.train`` (one process driving both devices), with the lag: stopped after 2
-    of 4 steps, saved piece by piece, resumed from there; the losses and the final weights and
-    AdamW state those of the single backend's straight run.  The header names the schedule."""
+    """Through ``mobius.train`` (one process driving both devices), with the lag and clipping:
+    stopped after 2 of 4 steps, saved piece by piece, resumed from there; the losses, each step's
+    own gradient norm (its metrics are completed once its updates are in, after the next step
+    started), the final weights and AdamW state those of the single backend's straight run."""
     import json
 
     from mobius.runtime import checkpoint as ck
     from mobius.train import main
 
     args = ["--model", "tiny8", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "4", "--steps", "4",
-            "--optimizer-lag", "1", "--precision", "fp32", "--no-progress"]
+            "--optimizer-lag", "1", "--precision", "fp32", "--max-grad-norm", "0.05", "--no-progress"]
     dispatched = ["--topology", "cpu", "--cpu-workers", "2", "--schedule", "dispatched"]
     d, s = tmp_path / "d", tmp_path / "s"
     main(args + dispatched + ["--stop-after", "2", "--save", str(d), "--metrics", str(tmp_path / "d.jsonl")])
     main(args + dispatched + ["--resume", str(d), "--save", str(d), "--metrics", str(tmp_path / "d.jsonl")])
     main(args + ["--backend", "single", "--save", str(s), "--metrics", str(tmp_path / "s.jsonl")])
-    losses = [[json.loads(line)["loss"] for line in open(tmp_path / f"{k}.jsonl")] for k in "ds"]
-    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    records = [[json.loads(line) for line in open(tmp_path / f"{k}.jsonl")] for k in "ds"]
+    losses, norms = ([[r[key] for r in run] for run in records] for key in ("loss", "grad_norm"))
+    assert [r["step"] for r in records[0]] == [1, 2, 3, 4]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5) and len(set(norms[1])) == 4
     got, want = ck.load_checkpoint(d), ck.load_checkpoint(s)
     assert got.step == want.step == 4 and set(got.names()) == set(want.names())
     for name in want.names():

@@ -25,7 +25,8 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
               agree: Callable[..., tuple[bool, ...]] | None = None, main: bool = True,
               eval_fn: Callable[[int], Evaluation] | None = None, check: PlanCheck | None = None,
               switch: PlanSwitch | None = None, before: list[StepMetrics] | None = None,
-              started: float | None = None, tracker_runs: dict[str, str] | None = None) -> list[StepMetrics]:
+              started: float | None = None, tracker_runs: dict[str, str] | None = None,
+              settle: Callable[[StepMetrics], StepMetrics] | None = None) -> list[StepMetrics]:
     """Drive ``step_fn`` from ``start_step`` to ``cfg.optim.steps`` with a progress bar, the metrics file,
     evaluation (``eval_fn(steps done)``, every ``--eval-every`` steps and at the end), checkpoints
     (``--save-every``, ``--stop-after``, a signal, the end) and a summary.
@@ -39,6 +40,11 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     first of them began (``time.perf_counter``), so the summary's wall time counts the switch;
     ``tracker_runs``: the runs of ``--report-to``'s trackers to continue (a resumed checkpoint's),
     updated with the ones logged into, which ``save_fn(done, runs)`` is given for the checkpoint.
+
+    ``settle``: where ``step_fn`` returns before the step's updates are decided (the dispatched
+    schedule: the next step starts meanwhile), what completes its metrics; each step is then
+    recorded once the next one has been handed out, or before the run evaluates, saves, stops or
+    ends.
     """
     if main:
         print(header, flush=True)
@@ -51,16 +57,33 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
     steps, save, save_every = cfg.optim.steps, cfg.checkpoint.save, cfg.checkpoint.save_every
     bar = tqdm(range(start_step, steps), disable=not (cfg.outputs.progress and main), unit="step", dynamic_ncols=True,
                file=sys.stdout, initial=start_step, total=steps)
+
+    def record(m: StepMetrics) -> None:
+        history.append(settle(m) if settle is not None else m)
+        for line in check.after(history) if check is not None and main else ():
+            bar.write(line)
+        writer.write(history[-1])
+        board.write(history[-1])
+        bar.set_postfix(postfix(history))
+
     stopped_at = switched_at = None
+    late: StepMetrics | None = None  # the step handed out before this one, not recorded yet
     try:
         for step in bar:
             m = step_fn(step)
+            if late is not None:
+                record(late)
+                late = None
             if not math.isfinite(m.loss) and cfg.optim.precision != "fp16":
                 where = f"; the last checkpoint in {cfg.checkpoint.save} is kept" if cfg.checkpoint.save else ""
                 raise RunError(f"loss is {m.loss} at step {step}: stopping ({cfg.optim.precision}){where}")
             done = step + 1
             every = cfg.data.eval_every
-            if eval_fn is not None and (done == steps or (every and done % every == 0)):
+            evaluates = eval_fn is not None and (done == steps or (every and done % every == 0))
+            want_stop = (stop is not None and stop.check()) or (  # a switch's steps count too
+                cfg.checkpoint.stop_after is not None and len(history) + 1 >= cfg.checkpoint.stop_after)
+            want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
+            if evaluates:
                 evaluation = eval_fn(done)
                 m.eval_loss, m.eval_preference = evaluation.loss, evaluation.preference
                 m.eval_perplexity = math.exp(min(m.eval_loss, 700.0))
@@ -70,22 +93,20 @@ def run_steps(cfg: RunConfig, step_fn: Callable[[int], StepMetrics], header: str
                               f"{m.eval_preference['rewards/margins']:.4f}")
                 elif main:
                     bar.write(f"eval after step {done}: loss {m.eval_loss:.4f}, perplexity {m.eval_perplexity:.2f}")
-            history.append(m)
-            for line in check.after(history) if check is not None and main else ():
-                bar.write(line)
-            writer.write(m)
-            board.write(m)
-            bar.set_postfix(postfix(history))
-            want_stop = (stop is not None and stop.check()) or (
-                cfg.checkpoint.stop_after is not None and len(history) >= cfg.checkpoint.stop_after)  # a switch's too
-            want_save = bool(save) and (want_stop or done == steps or bool(save_every and done % save_every == 0))
+            if settle is None or evaluates or done == steps:
+                record(m)
+            else:
+                late = m
             want_switch = False
             if main and switch is not None and done < steps:
-                want_switch, line = switch.ask(history)
+                want_switch, line = switch.ask(done)
                 if line:
                     bar.write(line)
             if agree is not None:
                 want_stop, want_save, want_switch = agree(want_stop, want_save, want_switch)
+            if late is not None and (want_stop or want_save or want_switch):
+                record(late)
+                late = None
             if want_save and save_fn is not None:
                 save_fn(done, board.runs())  # a resume from it continues the trackers' runs
             if want_stop and done < cfg.optim.steps:

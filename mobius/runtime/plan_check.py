@@ -164,13 +164,13 @@ class PlanSwitch:
     at: int | None = None
     asked: bool = False
 
-    def ask(self, history: list[StepMetrics]) -> tuple[bool, str]:
-        """(switch after this step?, the line to print) once the check has found the host AdamW
+    def ask(self, done: int) -> tuple[bool, str]:
+        """(switch after ``done`` steps?, the line to print) once the check has found the host AdamW
         lane off: the rate the run measured is what a new plan can be made from here and now (a
         wrong layer profile is measured again by the next run, not mid-run)."""
         check = self.check
         if self.decide is None or check is None or Lane.HOST_ADAM not in check.off or self.asked:
             return False, ""
         self.asked = True
-        self.spec, line = self.decide(check.measured_step_s, self.steps - (history[-1].step + 1))
+        self.spec, line = self.decide(check.measured_step_s, self.steps - done)
         return self.spec is not None, line

@@ -129,7 +129,9 @@ class WorkerContext:
 
 
 class WorkerBackend(Protocol):
-    """A backend's part of a worker process."""
+    """A backend's part of a worker process.  One whose :meth:`step` returns before the step's
+    updates are decided (the dispatched schedule's) has a ``settle(metrics) -> metrics`` too, which
+    completes them once they are (:func:`mobius.runtime.loop.run_steps`)."""
 
     scaler: DynamicLossScaler  # the fp16 loss scale a checkpoint keeps (disabled where there is none)
     evaluates: bool  # the run has held-out data
@@ -434,13 +436,28 @@ def switch_plans(backend: WorkerBackend, payload: WorkerPayload, spec: RunSpec, 
     return new
 
 
-def timed_step(backend: WorkerBackend, step: int, rank: int, trace: Trace, emulation: EmulatedLinks | None
+def timed_step(backend: WorkerBackend, step: int, trace: Trace, emulation: EmulatedLinks | None
                ) -> StepMetrics:
     """One step of ``backend``, a span in the trace (the window its lanes are read in); under
-    ``--emulate`` its times on the emulated GPUs too."""
+    ``--emulate`` its times on the emulated GPUs too (once its metrics are complete: a backend with
+    a ``settle`` completes them later, :func:`settled_step`)."""
     began = time.perf_counter()
     m = backend.step(step)
     trace.span(f"step {step}", "step", began, time.perf_counter())
+    return m if hasattr(backend, "settle") else on_emulated_gpus(m, emulation)
+
+
+def settled_step(backend: WorkerBackend, emulation: EmulatedLinks | None
+                 ) -> Callable[[StepMetrics], StepMetrics] | None:
+    """What completes ``backend``'s step metrics later, where it has a ``settle`` (the dispatched
+    schedule's step returns before its updates are decided); None where its steps return complete."""
+    if not hasattr(backend, "settle"):
+        return None
+    return lambda m: on_emulated_gpus(backend.settle(m), emulation)
+
+
+def on_emulated_gpus(m: StepMetrics, emulation: EmulatedLinks | None) -> StepMetrics:
+    """``m`` with its times on the emulated GPUs, under ``--emulate``."""
     if emulation is not None:
         m.emulated_step_s = m.step_time_s / emulation.factor
         if m.host_adam_s is not None:
@@ -480,7 +497,7 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         started = time.perf_counter()
 
         def one_step(step: int) -> StepMetrics:
-            return timed_step(backend, step, rank, trace, emulation)
+            return timed_step(backend, step, trace, emulation)
 
         # A pipeline's run is checked against its plan (rank 0's check); the chunked engine's is not.
         pipe = spec.setup if isinstance(spec.setup, PipelineSetup) else None
@@ -508,7 +525,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
         header = payload.header + (f", resuming at step {start}" if start else "")
         history = run_steps(cfg, one_step, header, start_step=start, save_fn=save, stop=stop, agree=agree,
                             main=rank == 0, eval_fn=backend.evaluate if backend.evaluates else None, check=check,
-                            switch=switch, started=started, tracker_runs=tracker_runs)
+                            switch=switch, started=started, tracker_runs=tracker_runs,
+                            settle=settled_step(backend, emulation))
         if switch is not None and switch.at is not None:
             shared = [switch.spec]
             dist.broadcast_object_list(shared, src=0)  # rank 0 planned it
@@ -523,7 +541,8 @@ def _run(payload: WorkerPayload, rank: int, world: int, build, decision: Decisio
                                 f"{seconds_text(pipe.predicted_step_s())}/step",
                                 start_step=at, save_fn=save, stop=stop, agree=agree, main=rank == 0,
                                 eval_fn=backend.evaluate if backend.evaluates else None, check=check,
-                                before=history, started=started, tracker_runs=tracker_runs)
+                                before=history, started=started, tracker_runs=tracker_runs,
+                                settle=settled_step(backend, emulation))
         backend.drain()  # with a lag, the last step's update; resident stages back in the host store
         if pipe is not None and pipe.profile_key and any(c is not None and c.stale_profile for c in checks):
             PROFILES.path(pipe.profile_key).unlink(missing_ok=True)  # the next run measures the layers again

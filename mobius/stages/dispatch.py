@@ -591,12 +591,6 @@ class DispatchedRunner:
                 w.settle()
                 w.optimizer.sync_to_host()
 
-    @property
-    def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step whose updates are done, where it clips."""
-        norms = self.updates.grad_norm
-        return norms[max(norms)] if norms else None
-
     def close(self) -> None:
         errors = []
         for w in self.workers:

@@ -77,6 +77,8 @@ class DispatchedWorker:
         self.scaler = self.runner.updates.scaler  # fp16's: the steps' votes update it, a checkpoint keeps it
         self.evaluates = self.held_out is not None
         self.peak_bytes_max = 0
+        self._began: dict[int, float] = {}  # step -> when it was handed out (time.perf_counter)
+        self._finished = 0.0  # when the last step settled had its last update in (time.perf_counter)
         # A preference run's reference pass, before a checkpoint is restored: the initial weights.
         use_kept_references(batches, self.held_out, ck.resumed_checkpoint(ctx.cfg))
         compute_references(batches, self.held_out, lambda micro: self.runner.evaluate(micro, 0),
@@ -84,14 +86,13 @@ class DispatchedWorker:
 
     def step(self, step: int) -> StepMetrics:
         """The step's loss as soon as the head has it (every replica's share summed); its traffic
-        and peak memory: what the devices did since the last step returned (the steps overlap); its
-        gradient norm, fp16 loss scale and skipped steps: as of the last step whose updates are
-        decided (this one's may still be on their way)."""
+        and peak memory: what the devices did since the last step returned (the steps overlap).
+        What its updates decide, and its time, :meth:`settle` fills in once they are in."""
         cfg, workers = self.cfg, self.runner.workers
         for w in workers:
             w.traffic.reset()
             w.memory.reset_peak()
-        t0 = time.perf_counter()
+        t0 = self._began[step] = time.perf_counter()
         loss = self.runner.step(step)
         pairs = isinstance(self.runner.batches, PreferenceBatches)
         found = metric_sums(self.runner.micro).tolist() if pairs else []
@@ -102,10 +103,22 @@ class DispatchedWorker:
         return StepMetrics(step=step, loss=stats[0], lr=UpdateRule.of(cfg.optim).lr_at(step),
                            tokens=self.runner.batches.step_tokens(step),
                            step_time_s=time.perf_counter() - t0, h2d_bytes=int(stats[1]), d2h_bytes=int(stats[2]),
-                           peer_bytes=int(stats[3]), peak_device_bytes=peak, grad_norm=self.runner.grad_norm,
-                           loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped_steps,
+                           peer_bytes=int(stats[3]), peak_device_bytes=peak,
                            preference=step_metrics(stats[4:], self.runner.micro[0].layout.pairs.step_pairs)
                            if pairs else None)
+
+    def settle(self, m: StepMetrics) -> StepMetrics:
+        """Step ``m``'s metrics once its updates are in (called after the next step is handed
+        out, or before the run stops, saves or evaluates): its gradient norm, fp16 loss scale and
+        skipped steps as its decision left them, and its time from the end of the step before (or
+        its own start, where the devices waited for it) to its last update, as the plan predicts a
+        step (a step that redoes its updates takes the redo in its own time, not the next one's)."""
+        finished, decided = self.runner.updates.settled(m.step)
+        began = self._began.pop(m.step)
+        m.step_time_s = finished - max(began, self._finished)
+        self._finished = finished
+        m.grad_norm, m.loss_scale, m.skipped_steps = decided.grad_norm, decided.loss_scale, decided.skipped_steps
+        return m
 
     def _summed(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """``values`` over the replicas (as they are with one)."""

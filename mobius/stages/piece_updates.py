@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -122,6 +123,15 @@ class InOrder:
             self.board.cond.notify_all()
 
 
+@dataclass(frozen=True)
+class Decided:
+    """What a step's decision leaves for its metrics."""
+
+    grad_norm: float | None  # the global norm before clipping (where it clips)
+    loss_scale: float
+    skipped_steps: int
+
+
 class PieceUpdates:
     """AdamW of each piece on the host, once per step, on a thread per device: in step order per
     piece (the producer of a piece's gradients waits for the update before,
@@ -166,7 +176,9 @@ class PieceUpdates:
         # its next gradients wait for the update before (wait_staging).
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         self._jobs: list = []
-        self.grad_norm: dict[int, float] = {}  # step -> the global norm it was clipped by
+        # step -> its decision as the step's metrics report it, and when its last update was in
+        self._decided: dict[int, Decided] = {}
+        self._finished: dict[int, float] = {}
         self.decisions = StepDecisions(self.rule, self.lag, self.scaler, replicas is not None)
         self._last_step = -1  # the latest step whose gradients came home
         self.replicas = replicas
@@ -278,8 +290,9 @@ class PieceUpdates:
                 self._scales[step + 1] = self.scaler.scale
                 self._scales.pop(step - 1, None)
                 self.board.cond.notify_all()
+        with self.board.cond:
+            self._decided[step] = Decided(norm, self.scaler.scale, self.scaler.skipped_steps)
         if norm is not None:
-            self.grad_norm[step] = norm
             with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
                 self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
                 self.board.cond.notify_all()
@@ -417,7 +430,23 @@ class PieceUpdates:
             self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         with self.board.cond:
             self.board.versions[piece] = step + 1
+            if step not in self._finished and self._all_updated(step):
+                self._finished[step] = time.perf_counter()
             self.board.cond.notify_all()
+
+    def _all_updated(self, step: int) -> bool:
+        return all(self.board.versions[p] > step for p in self.trained)
+
+    def settled(self, step: int) -> tuple[float, Decided]:
+        """Once every host update of step ``step`` is in: when the last one was
+        (``time.perf_counter``), and the step's decision (the norm, and fp16's scale and skipped
+        steps, as they stood after it).  A step's losses come home before its last backward stages
+        run, so its metrics are completed here, later (:func:`mobius.runtime.loop.run_steps`)."""
+        self.board.wait_until(lambda: self._all_updated(step), f"the updates of step {step}")
+        with self.board.cond:
+            finished = self._finished.pop(step, None)
+            decided = self._decided.pop(step, None) or Decided(None, self.scaler.scale, self.scaler.skipped_steps)
+        return (time.perf_counter() if finished is None else finished), decided
 
     def resume_at(self, step: int) -> None:
         """The next step's gradients are step ``step``'s."""

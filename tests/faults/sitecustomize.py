@@ -21,10 +21,12 @@ HELD_S = 600
 def _patch(worker) -> None:
     timed_step, install_stop = worker.timed_step, worker.install_stop
 
-    def faulty_step(backend, step, rank, *args):
-        if FAULT == f"{rank}:{step}":
+    def faulty_step(backend, step, *args):
+        import torch.distributed as dist  # every worker has joined its group before its first step
+
+        if FAULT == f"{dist.get_rank()}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
-        return timed_step(backend, step, rank, *args)
+        return timed_step(backend, step, *args)
 
     def held_start(*args):
         if FAULT == "start":
