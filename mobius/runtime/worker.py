@@ -444,14 +444,20 @@ def timed_step(backend: WorkerBackend, step: int, trace: Trace, emulation: Emula
     began = time.perf_counter()
     m = backend.step(step)
     trace.span(f"step {step}", "step", began, time.perf_counter())
-    return m if hasattr(backend, "settle") else on_emulated_gpus(m, emulation)
+    return m if settles(backend) else on_emulated_gpus(m, emulation)
+
+
+def settles(backend: WorkerBackend) -> bool:
+    """Whether ``backend``'s step returns before its updates are decided (the dispatched
+    schedule's), its metrics completed later by its ``settle``."""
+    return hasattr(backend, "settle")
 
 
 def settled_step(backend: WorkerBackend, emulation: EmulatedLinks | None
                  ) -> Callable[[StepMetrics], StepMetrics] | None:
-    """What completes ``backend``'s step metrics later, where it has a ``settle`` (the dispatched
-    schedule's step returns before its updates are decided); None where its steps return complete."""
-    if not hasattr(backend, "settle"):
+    """What completes ``backend``'s step metrics later, where it :func:`settles`; None where its
+    steps return complete."""
+    if not settles(backend):
         return None
     return lambda m: on_emulated_gpus(backend.settle(m), emulation)
 

@@ -292,8 +292,7 @@ class PieceUpdates:
                 self.board.cond.notify_all()
         with self.board.cond:
             self._decided[step] = Decided(norm, self.scaler.scale, self.scaler.skipped_steps)
-        if norm is not None:
-            with self.board.cond:  # the resident pieces' devices wait for it (each has applied the one before)
+            if norm is not None:  # the resident pieces' devices wait for it (each has applied the one before)
                 self.clips = {step: clip, **{k: v for k, v in self.clips.items() if k == step - 1}}
                 self.board.cond.notify_all()
         if overflow:
