@@ -44,7 +44,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import parse_train_args
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planning.pipeline import clipping_waits, prepare_pipeline
+from mobius.planning.pipeline import clipping_waits, prepare_pipeline, update_path
 from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
@@ -146,7 +146,8 @@ def predict(options: str, steps: int) -> tuple[dict, StepPrediction | None]:
                "simulated_s": predicted.step_s, "factor": factor}
         return _with_clipping(row, cfg, clipping), clipping
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                          plan.precision, "analytic" if cfg.emulation.enabled else "measure")
+                          plan.precision, "analytic" if cfg.emulation.enabled else "measure",
+                          path=update_path(cfg, plan.precision, plan.data_parallel))
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,
                           optimizer_lag=cfg.optim.optimizer_lag, prefetch=plan.prefetch, kept=tuple(plan.kept),

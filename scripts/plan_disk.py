@@ -28,7 +28,7 @@ from published_models import CONFIGS, model_dir  # noqa: E402
 
 from mobius.backends import resolve_for_plan
 from mobius.config import RunConfig  # noqa: E402
-from mobius.planning.pipeline import run_plan  # noqa: E402
+from mobius.planning.pipeline import run_plan, update_path  # noqa: E402
 from mobius.planning.prepare import get_profile, reserve_cuda_memory, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.runtime.spec import Lane  # noqa: E402
@@ -46,7 +46,8 @@ def row(name: str, topology: str, host_gb: float, drives: tuple[str, ...], args)
         topo = resolve_topology(cfg)
         with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
             plan = run_plan(resolve_for_plan(cfg, topo), model_config, profile_how="analytic", effort=args.mip_effort)
-        profile = get_profile(cfg.model, model_config, reserve_cuda_memory(topo), 1, args.seq_len, "bf16", "analytic")
+        profile = get_profile(cfg.model, model_config, reserve_cuda_memory(topo), 1, args.seq_len, "bf16", "analytic",
+                              path=update_path(cfg, "bf16", 1))
     zero = simulate_zero_infinity(profile, topo, args.micro_batches, plan.disk_gbps, host_gb * 1e9, recompute=True,
                                   adam_params_per_s=profile.host.adam_params_per_s)
     tokens = args.micro_batches * args.seq_len

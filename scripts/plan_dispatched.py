@@ -34,7 +34,7 @@ from published_models import CONFIGS, model_dir  # noqa: E402
 from mobius.backends import resolve_for_plan
 from mobius.boundary.janitor import scratch_dir  # noqa: E402
 from mobius.config import RunConfig  # noqa: E402
-from mobius.planning.pipeline import run_plan  # noqa: E402
+from mobius.planning.pipeline import run_plan, update_path  # noqa: E402
 from mobius.planning.prepare import get_profile, reserve_cuda_memory, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
 from mobius.sim.dispatched import plan_dispatched  # noqa: E402
@@ -67,7 +67,8 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     with contextlib.redirect_stdout(io.StringIO()):  # the planner's progress lines
         plan = run_plan(resolve_for_plan(cfg, topo), model_config, profile_how="analytic", effort=args.mip_effort)
     reserved = reserve_cuda_memory(topo)
-    profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic")
+    profile = get_profile(cfg.model, model_config, reserved, 1, args.seq_len, "bf16", "analytic",
+                          path=update_path(cfg, "bf16", 1))
     bound = simulate_mobius(profile, plan.bounds, reserved, plan.order, args.micro_batches, plan.recompute,
                             optimizer_lag=args.optimizer_lag, kept=tuple(plan.kept))
     dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)

@@ -25,7 +25,7 @@ from published_models import model_dir  # noqa: E402
 
 from mobius.backends import resolve_for_plan
 from mobius.config import RunConfig  # noqa: E402
-from mobius.planning.pipeline import run_plan  # noqa: E402
+from mobius.planning.pipeline import run_plan, update_path  # noqa: E402
 from mobius.planning.planner import replica_profile  # noqa: E402
 from mobius.planning.prepare import get_profile, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
@@ -40,7 +40,8 @@ def row(model_dir: str, boxes: int, network: str, args) -> dict:
                        seq_len=args.seq_len, precision="bf16", data_parallel=boxes, network=network)
     topo = resolve_topology(cfg)
     plan = run_plan(resolve_for_plan(cfg, topo), model_config_for(cfg), profile_how="analytic", effort=args.mip_effort)
-    profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic")
+    profile = get_profile(cfg.model, model_config_for(cfg), topo, 1, args.seq_len, "bf16", "analytic",
+                          path=update_path(cfg, "bf16", boxes))
     sim = simulate_mobius(replica_profile(profile, topo, boxes), plan.bounds, topo, plan.order, plan.micro_batches,
                           plan.recompute, kept=tuple(plan.kept))
     tokens = args.micro_batches * args.seq_len

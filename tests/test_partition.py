@@ -299,13 +299,15 @@ def test_within_one_percent_the_plan_moving_fewest_bytes_wins():
 def test_presets_carry_tensor_core_peaks_and_the_host_bandwidth_sets_the_adam_rate(tmp_path):
     from mobius.partition.profile import ADAM_BYTES_PER_PARAM, analytic_efficiency, host_adam_rate
     from mobius.planning.prepare import get_profile
+    from mobius.runtime.optim import HostUpdatePath
     from topology import load_preset, load_topology_file
 
     assert load_preset("4x4090").gpus[0].tflops == 165.2 and load_preset("8x3090-4+4").gpus[0].tflops == 80.0
     box = load_preset("4x4090")
     assert box.host_memory_bandwidth_gbps == 154.0
-    prof = get_profile("tiny", get_config("tiny"), box, 2, 32, "bf16", "analytic")
-    # the host's bandwidth over AdamW's 28 bytes a parameter, and in bf16 the conversions' 12 more
+    prof = get_profile("tiny", get_config("tiny"), box, 2, 32, "bf16", "analytic", path=HostUpdatePath(False, False))
+    # the host's bandwidth over AdamW's 28 bytes a parameter, and in bf16 converted ahead and
+    # refreshed after, the conversions' 12 more
     assert prof.host.adam_params_per_s == pytest.approx(154e9 / (ADAM_BYTES_PER_PARAM + 12) / 4)
     assert host_adam_rate(None, 4) == 1e9  # unknown bandwidth: the assumed rate
     # the H100's measured points: plain PyTorch at 1,024 tokens a micro-batch (its AdamW taken out), the
@@ -443,17 +445,32 @@ def test_the_mip_plan_is_never_slower_than_a_baselines(tmp_path, per_root_comple
 
 
 def test_the_host_update_is_charged_at_what_it_moves():
-    """In 16 bits the host update converts each gradient to fp32 and refreshes the 16-bit copy
-    beside AdamW's 28 bytes a parameter: 40 bytes, so 28/40 of AdamW's rate; fp32 converts nothing."""
+    """In 16 bits a host update that converts each gradient to fp32 and refreshes the 16-bit copy
+    in AdamW's pass moves AdamW's 28 bytes a parameter; converted ahead 36, and refreshed after too
+    (replicas) 40; fp32 converts nothing.  A plan's profile charges its run's path."""
     from mobius.config import RunConfig
     from mobius.partition.profile import host_update_rate
+    from mobius.planning.pipeline import update_path
     from mobius.planning.prepare import get_profile, resolve_topology
+    from mobius.runtime.optim import HostUpdatePath
 
-    assert host_update_rate(1e9, "fp32") == 1e9 and host_update_rate(1e9, "bf16") == pytest.approx(0.7e9, rel=1e-12)
+    one_pass, ahead, replicated = HostUpdatePath(True, True), HostUpdatePath(False, True), HostUpdatePath(False, False)
+    assert host_update_rate(1e9, "fp32", replicated) == host_update_rate(1e9, "bf16", one_pass) == 1e9
+    assert host_update_rate(1e9, "bf16", ahead) == pytest.approx(1e9 * 28 / 36, rel=1e-12)
+    assert host_update_rate(1e9, "bf16", replicated) == pytest.approx(0.7e9, rel=1e-12)
     topo = resolve_topology(RunConfig.of(topology="4x4090"))
-    rates = {p: get_profile("small", get_config("small"), topo, 1, 128, p, "analytic").host.adam_params_per_s
-             for p in ("fp32", "bf16", "fp16")}
-    assert rates["bf16"] == rates["fp16"] == pytest.approx(rates["fp32"] * 28 / 40, rel=1e-12)
+
+    def rate(precision: str, **kw) -> float:
+        path = update_path(RunConfig.of(topology="4x4090", **kw), precision, kw.get("data_parallel", 1))
+        return get_profile("small", get_config("small"), topo, 1, 128, precision, "analytic",
+                           path=path).host.adam_params_per_s
+    one = rate("bf16")
+    assert one == rate("fp32")
+    # clipping's norm read in the pass's staging with the lag; before the decision, the squares in
+    # fp32 first (fp16: unscaled in place before that too)
+    assert rate("bf16", max_grad_norm=1.0, optimizer_lag=1) == pytest.approx(one * 28 / 30, rel=1e-12)
+    assert rate("bf16", max_grad_norm=1.0) == pytest.approx(one * 28 / 40, rel=1e-12)
+    assert rate("fp16") == pytest.approx(one * 28 / 48, rel=1e-12)
 
 
 @pytest.mark.slow

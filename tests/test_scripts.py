@@ -108,6 +108,13 @@ def test_bench_optimizer():
     assert "DeepSpeedCPUAdam" not in rows and rows["mobius (make_adamw)"]["params_per_s"] > 0
 
 
+def test_bench_host_update():
+    run_script("bench_host_update", ["--smoke", "--json", "update.json"])
+    rows = {r["update"]: r for r in read("update.json")["rows"]}
+    assert rows.keys() == {"unfused", "one pass"} and rows["one pass"]["M_params_per_s"] > 0
+    assert (rows["unfused"]["bytes_per_param"], rows["one pass"]["bytes_per_param"]) == (40, 28)
+
+
 @pytest.mark.slow
 def test_training_benches():
     """The benches that train: the pipeline, the chunked engine, the simulator's calibration."""

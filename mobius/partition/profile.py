@@ -34,7 +34,7 @@ from mobius.runtime.device import (
     time_per_call,
     usable_cores,
 )
-from mobius.runtime.optim import UpdateRule, adamw
+from mobius.runtime.optim import HostUpdatePath, UpdateRule, adamw
 from mobius.swap.memory import SavedStorages
 
 # The fraction of a GPU's tensor-core peak (the topology's ``tflops``) a training step's layers
@@ -61,18 +61,15 @@ GPU_ADAM_PARAMS_PER_S = 936e9 / 28
 # the moments: 28 bytes per parameter.  Ours reaches that memory-bandwidth bound with two threads
 # (scripts/bench_optimizer.py, docs/benchmarks.md).
 ADAM_BYTES_PER_PARAM = 28
-# Beside AdamW, a 16-bit run's host update converts the parameter's 16-bit gradient to fp32 (2 bytes
-# read, 4 written) and refreshes its 16-bit compute copy from the master (4 read, 2 written), on the
-# same thread, at the same memory bandwidth.
-CONVERSION_BYTES_PER_PARAM = 12
 
 
-def host_update_rate(adam_params_per_s: float, precision: str) -> float:
+def host_update_rate(adam_params_per_s: float, precision: str, path: HostUpdatePath) -> float:
     """The parameters per second a worker's host update covers: its AdamW at ``adam_params_per_s``
     (timed on one fp32 tensor, or assumed from the host's memory bandwidth at
-    :data:`ADAM_BYTES_PER_PARAM`), and in 16 bits the conversions, charged at what they move."""
-    moved = ADAM_BYTES_PER_PARAM + (CONVERSION_BYTES_PER_PARAM if element_bytes(precision) == 2 else 0)
-    return adam_params_per_s * ADAM_BYTES_PER_PARAM / moved
+    :data:`ADAM_BYTES_PER_PARAM`), at the same memory bandwidth over what the update moves by its
+    ``path`` (in 16 bits the conversions: none beside AdamW's in one pass, 12 bytes a parameter
+    converted ahead and refreshed after)."""
+    return adam_params_per_s * ADAM_BYTES_PER_PARAM / path.bytes_per_param(element_bytes(precision))
 
 
 # Where a GPU's curve is not known: the H100's shape, anchored at what was measured.

@@ -36,7 +36,7 @@ from mobius.planning.prepare import (
     profile_key,
 )
 from mobius.runtime.emulation import EmulationSpec
-from mobius.runtime.optim import ROLLBACK_PASSES, updates_speculate
+from mobius.runtime.optim import ROLLBACK_PASSES, HostUpdatePath, host_update_path, updates_speculate
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, PipelineSetup, Plan, RunSpec
 from mobius.sim.dispatched import DispatchedPlan, plan_dispatched, waiting_step
@@ -53,6 +53,11 @@ def updates_wait_for_the_step(cfg: RunConfig, precision: str, replicas: int) -> 
     held = bool(cfg.optim.max_grad_norm) or precision == "fp16"
     return held and (bool(cfg.offload_dir) or not updates_speculate(
         cfg.optim.max_grad_norm, cfg.optim.optimizer_lag, precision == "fp16", replicas > 1))
+
+
+def update_path(cfg: RunConfig, precision: str, replicas: int) -> HostUpdatePath:
+    """What a run's host updates do beside AdamW in their pass, by the runtime's rule."""
+    return host_update_path(cfg.optim.max_grad_norm, cfg.optim.optimizer_lag, precision == "fp16", replicas > 1)
 
 
 def clipping_waits(cfg: RunConfig, precision: str, replicas: int) -> bool:
@@ -97,7 +102,7 @@ def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None 
                     moments_on_disk=disk != "off")
     if profile is None:
         profile = get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len, precision, how,
-                              fresh=not plan_options.get("use_cache", True))
+                              fresh=not plan_options.get("use_cache", True), path=update_path(cfg, precision, replicas))
     if profiled is not None:
         profiled()
 
@@ -156,7 +161,8 @@ def dispatched_beside(decided: Decided, model_config: GPTConfig, plan: Plan, pro
     cfg, topo = decided.cfg, decided.topology
     batch = cfg.batch
     profile = replica_profile(get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len,
-                                          plan.precision, "analytic" if cfg.emulation.enabled else profile_how),
+                                          plan.precision, "analytic" if cfg.emulation.enabled else profile_how,
+                                          path=update_path(cfg, plan.precision, plan.data_parallel)),
                               topo, plan.data_parallel)
     adam = plan.host_costs.get("adam_params_per_s")
     found = plan_dispatched(profile, topo, plan.order, plan.micro_batches, adam_params_per_s=adam,
@@ -268,7 +274,7 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
     A run expected to take more than :data:`MAX_EMULATED_WALL_S` of wall time is refused in one line
     saying what to change."""
     cpu = get_profile(cfg.model, model_config, cpu_topology(topo.n), cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                      plan.precision, "measure")
+                      plan.precision, "measure", path=update_path(cfg, plan.precision, plan.data_parallel))
     cpu_stages = stage_costs(cpu, plan.bounds, plan.recompute, kept=tuple(plan.kept))
     gpu_total = sum(st.fwd_ms + st.bwd_ms for st in plan.stages) / 1e3
     model_ratio = sum(c.fwd_s + c.bwd_s for c in cpu_stages) / max(gpu_total, 1e-12)

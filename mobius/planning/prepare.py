@@ -54,6 +54,7 @@ from mobius.runtime.device import (
     usable_cores,
 )
 from mobius.runtime.emulation import EmulationSpec
+from mobius.runtime.optim import HostUpdatePath
 from mobius.runtime.plan_check import HOST_RATES, PROFILES, host_rate_key
 from mobius.stages.calibrate import (CALIBRATION_VERSION, calibration_bytes, finish_early, measure_handoff,
                                      measure_runtime_costs, started_early)
@@ -69,16 +70,19 @@ PROFILE_VERSION = 6
 
 
 def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch: int, seq_len: int,
-                precision: str, how: str = "auto", fresh: bool = False) -> Profile:
+                precision: str, how: str = "auto", fresh: bool = False, *,
+                path: HostUpdatePath = HostUpdatePath(converts=True, refreshes=True)) -> Profile:
     """``measure`` on this machine's device, ``analytic`` from the topology, or ``auto``: measure
     when the topology is this machine (CPU workers or probed GPUs), else analytic.  ``fresh``:
-    measure again, whatever is cached (``--no-cache``)."""
+    measure again, whatever is cached (``--no-cache``).  ``path``: what the run's host updates do
+    beside AdamW (:func:`~mobius.planning.pipeline.update_path`; by default a run's without clipping,
+    fp16 or replicas: all in one pass), which its host rate covers."""
     if profile_how(config, topo, how) == "analytic":
         gpu = min(topo.gpus, key=lambda g: g.tflops)  # the slowest GPU sets the pace; the host's bandwidth, its AdamW
         profile = analytic_profile(model_name, config, micro_batch, seq_len, gpu.tflops, precision,
                                    analytic_efficiency(gpu.name, micro_batch * seq_len, block_efficiency(topo, gpu))[0],
                                    host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n), device_adam_rate(topo))
-        return with_measured_host_rate(with_host_update(profile), host_key(topo, measured=False))
+        return with_measured_host_rate(with_host_update(profile, path), host_key(topo, measured=False))
     device, workers = _measuring(topo)
     key = profile_key(config, topo, micro_batch, seq_len, precision)
     profile = None if fresh else PROFILES.get(key, lambda d: Profile.from_dict(d).checked(layer_count(config)))
@@ -94,14 +98,14 @@ def get_profile(model_name: str, config: GPTConfig, topo: Topology, micro_batch:
               flush=True)
         profile.host = replace(profile.host, **runtime_costs(profile, device, workers))
         PROFILES.put(key, profile.to_dict())
-    return with_measured_host_rate(with_host_update(profile), host_key(topo, measured=True))
+    return with_measured_host_rate(with_host_update(profile, path), host_key(topo, measured=True))
 
 
-def with_host_update(profile: Profile) -> Profile:
-    """``profile`` with its host rate the whole host update's, conversions included
+def with_host_update(profile: Profile, path: HostUpdatePath) -> Profile:
+    """``profile`` with its host rate the whole host update's by its ``path``, conversions included
     (:func:`mobius.partition.profile.host_update_rate`), not AdamW's alone; a rate a run measured
-    (:func:`with_measured_host_rate`) is the whole update already."""
-    rate = host_update_rate(profile.host.adam_params_per_s, profile.dtype)
+    (:func:`with_measured_host_rate`) is its update's already."""
+    rate = host_update_rate(profile.host.adam_params_per_s, profile.dtype, path)
     return replace(profile, host=replace(profile.host, adam_params_per_s=rate))
 
 

@@ -101,6 +101,105 @@ def adamw(groups: list[dict], rule: UpdateRule) -> torch.optim.AdamW:
                              fused=True)
 
 
+# The chunk a host update's pass (:func:`host_update`) works in: its fp32 gradient and weights
+# (8 MB) stay in a server's last-level cache from the gradient's conversion, through AdamW, to the
+# compute copy's refresh.  A multiple of the 2**14 elements torch's fused CPU AdamW hands each
+# thread (vectorised, the unit's last elements one by one): every element is computed by the same
+# code as in one step over the whole tensor, so chunking changes no bit (a test checks the bits).
+HOST_UPDATE_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class HostUpdatePath:
+    """What a host update does in its own pass beside AdamW (:func:`host_update`), and what reads
+    its gradients before it."""
+
+    converts: bool  # the 16-bit gradients made fp32 from their staging, chunk by chunk, in the pass
+    refreshes: bool  # the 16-bit compute copy written from each chunk's new weights in the pass
+    checks: int = 0  # whole reads of the gradients before the update (the step's norm, fp16's vote)
+
+    def bytes_per_param(self, element_bytes: int) -> int:
+        """Bytes the update moves through host memory per parameter: AdamW reads the fp32 weight
+        and both moments and writes them back (24); the gradient is read as it came home (2 in 16
+        bits) where the pass converts it, else converted ahead (2 read, 4 written) and read again
+        (4); the compute copy is written from the chunk in cache (2), else refreshed after (4 read,
+        2 written); each check reads the gradients as the update will.  In fp32 the gradient is
+        fp32 as it comes home and the master is the compute copy: 28 and the checks."""
+        if element_bytes == 4:
+            return 28 + 4 * self.checks
+        grad = element_bytes if self.converts else element_bytes + 8
+        compute = element_bytes if self.refreshes else element_bytes + 4
+        return 24 + grad + compute + self.checks * (element_bytes if self.converts else 4)
+
+
+def host_update_path(max_grad_norm: float, optimizer_lag: int, fp16: bool, replicated: bool) -> HostUpdatePath:
+    """The path of a run's updates in its steady state (what its plan charges).  The pass converts
+    a stage's gradients unless the update needs them in fp32 before it: made before the step's
+    decision (:func:`updates_speculate`: their squares taken first, fp16's unscaled in place
+    before, and kept to take the update back) or summed over replicas; a tied table's two
+    copies, summed first, are converted ahead in every run (the plan charges them as the others).
+    The runtime's rule too (a run whose updates may start before their decision converts ahead in
+    its steps that wait for it as well).  The pass refreshes the compute copy unless something
+    comes between (replicas broadcast the owners' weights first)."""
+    speculates = updates_speculate(max_grad_norm, optimizer_lag, fp16, replicated)
+    checks = 1 + 2 * fp16 if speculates else bool(max_grad_norm) + fp16
+    return HostUpdatePath(converts=not replicated and not speculates, refreshes=not replicated, checks=checks)
+
+
+@torch.no_grad()
+def host_update(optimizer: torch.optim.AdamW, master: torch.Tensor, compute: torch.Tensor | None = None,
+                staging: tuple[torch.Tensor, ...] = (), unscale: float | None = None, clip: float = 1.0,
+                chunk: int | None = None) -> None:
+    """``optimizer.step()`` (an :func:`adamw` over parameters that view the flat fp32 ``master``)
+    as one pass, chunk by chunk, with what a 16-bit host update does beside it, so that the chunk's
+    gradient and weights are still in the cache when the next part reads them: each chunk's
+    gradient made fp32 from ``staging`` (the 16-bit buffers its parts came home in, in master's
+    layout, summed in order; empty: the parameters' own ``.grad``), divided by ``unscale`` and
+    multiplied by ``clip``, then AdamW on the chunk, then its weights written into ``compute`` (the
+    compute-dtype copy, in master's layout; None: not here).  Every element sees the operations of
+    the unfused path in its order (:data:`HOST_UPDATE_CHUNK`): no bit changes.  The optimizer's
+    state stays torch's own (its checkpoints, :func:`undo_adamw_step`); a 16-bit update moves 28
+    bytes a parameter where the unfused path moved 40 (:meth:`HostUpdatePath.bytes_per_param`)."""
+    chunk = chunk or HOST_UPDATE_CHUNK
+    chunk_param = torch.nn.Parameter(torch.empty(0))
+    inner = adamw([{"params": [chunk_param], "weight_decay": 0.0}], UpdateRule(lr=0.0))
+    scratch = torch.empty(min(chunk, master.numel())) if staging else None
+    for group in optimizer.param_groups:
+        inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            at = (p.data_ptr() - master.data_ptr()) // p.element_size()
+            weights = p.view(-1)
+            if p.grad is None and not staging:  # not updated: its compute copy as it is
+                if compute is not None:
+                    compute[at:at + p.numel()].copy_(weights)
+                continue
+            state = optimizer.state[p]
+            if not state:  # as torch's fused AdamW makes it on a parameter's first step
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            moments = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            for a in range(0, p.numel(), chunk):
+                b = min(p.numel(), a + chunk)
+                if staging:
+                    grad = scratch[:b - a]
+                    grad.copy_(staging[0][at + a:at + b])
+                    for part in staging[1:]:
+                        grad.add_(part[at + a:at + b])
+                else:
+                    grad = p.grad.view(-1)[a:b]
+                if unscale is not None:
+                    grad.div_(unscale)
+                if clip != 1.0:
+                    grad.mul_(clip)
+                chunk_param.data, chunk_param.grad = weights[a:b], grad
+                inner.state[chunk_param] = {"step": state["step"].clone(), "exp_avg": moments[0][a:b],
+                                            "exp_avg_sq": moments[1][a:b]}
+                inner.step()
+                if compute is not None:
+                    compute[at + a:at + b].copy_(weights[a:b])
+            state["step"] += 1
+    inner.state.clear()
+
+
 def squares(grads: Iterable[torch.Tensor | None]) -> float:
     """The sum of the squares of ``grads``' elements, accumulated in float64: each backend sums
     its pieces of the step's gradients so, and adds the pieces up, so the global norm it clips with
@@ -179,7 +278,10 @@ def unscaled_squares(optimizer: torch.optim.Optimizer, unscale: float | None) ->
     if unscale is not None:
         for g in grads:
             g.div_(unscale)
-    return squares(grads) if all(torch.isfinite(g).all() for g in grads) else None
+    # one read of the gradients: a non-finite one makes the sum so (the float64 squares of finite
+    # fp32 values cannot overflow)
+    found = squares(grads)
+    return found if math.isfinite(found) else None
 
 
 def steps_clipped(norms: Iterable[float | None], max_norm: float) -> int:

@@ -3,9 +3,11 @@
 During a stage's backward, autograd accumulates into one flat device buffer (parameters' ``.grad``
 are views of it).  After the stage's last micro-batch the buffer leaves the device on a copy stream
 of its own (``d2h-gradients``) into the stage's host staging buffer; a background thread (the
-``optimizer`` host stream) waits for it, converts it into the fp32 master gradients and runs fused
-AdamW on the stage's master weights, then refreshes the compute-dtype copy the next load reads —
-while the device runs the next stage's backward.  Updates that must wait for every stage's
+``optimizer`` host stream) waits for it and runs fused AdamW on the stage's master weights in one
+pass with the gradients' conversion to fp32 and the refresh of the compute-dtype copy the next load
+reads (:func:`~mobius.runtime.optim.host_update`; where the step's norm or vote reads the fp32
+gradients first, they are converted as they come home) — while the device runs the next stage's
+backward.  Updates that must wait for every stage's
 gradients (the tied embedding's sum, fp16's overflow vote) are issued by
 :meth:`HostOptimizer.finish_step`.
 
@@ -36,7 +38,7 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.optim import DynamicLossScaler, set_lr, squares
+from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
 from mobius.stages.tied import TiedEmbedding
@@ -73,9 +75,13 @@ class HostOptimizer:
         self._deferred: list[int] = []  # this step's stages whose update waits for the whole step
         self._updates: dict[int, list[Future]] = {}  # step -> its update jobs
         self._last_job: dict[int, Future] = {}  # stage -> the last job that reads its gradient buffers
+        # stages whose gradients wait in their 16-bit staging for their update's pass (its next
+        # offload waits for that update: the set changes for a stage only between the two)
+        self._in_pass: set[int] = set()
         self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
         self._busy_lock = threading.Lock()
         self.decisions = StepDecisions(store.rule, self.lag, scaler, replicas is not None)
+        self.path = host_update_path(store.rule.max_grad_norm, self.lag, scaler.enabled, replicas is not None)
 
     def gradients_for(self, s: int, layers: nn.ModuleList) -> tuple[torch.Tensor, int]:
         """One zeroed device buffer for stage ``s``'s gradients, accounted; autograd accumulates
@@ -99,6 +105,16 @@ class HostOptimizer:
         tied table's (it waits for the other copy), none with the disk tier (a redo would read the
         state through the drives again; the plan counts every update waiting)."""
         return self.decisions.speculating and s not in self.tied.stages and self.disk is None
+
+    def _converts_in_pass(self, s: int) -> bool:
+        """Whether stage ``s``'s update makes its fp32 gradients from the 16-bit staging in its own
+        pass: where the run's path does (:func:`~mobius.runtime.optim.host_update_path`: no update
+        made before its step's decision, no replicas), but not a tied table's or one with state on
+        disk (whose update reads the fp32 gradients)."""
+        host = self.store.stages[s]
+        return (self.path.converts and s not in self.tied.stages
+                and not host.master_on_disk and not (self.disk is not None and self.disk.holds(s))
+                and host.grad_staging.data_ptr() != host.master_grad.data_ptr())
 
     def needs_the_host(self, s: int) -> bool:
         """Whether stage ``s``'s update needs what only the host's optimizer has: the tied sum, the
@@ -126,6 +142,10 @@ class HostOptimizer:
         self.traffic.d2h += host.grad_bytes
         arrived = self.grads_out.record()
         self.memory.will_free(host.grad_bytes)
+        if self._converts_in_pass(s):
+            self._in_pass.add(s)
+        else:
+            self._in_pass.discard(s)
         job = self._pool.submit(self._to_master, s, arrived, phase)
         self._to_master_jobs.append(job)
         self._last_job[s] = job
@@ -150,7 +170,8 @@ class HostOptimizer:
         self.host.wait(arrived)
         host = self.store.stages[s]
         self.host.reads(host.grad_staging)
-        if not host.master_on_disk:  # else the disk tier attaches them with the master, for the update
+        # else the disk tier attaches them with the master for the update, or the update converts them
+        if not host.master_on_disk and s not in self._in_pass:
             if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
                 host.master_grad.copy_(host.grad_staging)
             host.attach_master_grads()
@@ -183,6 +204,10 @@ class HostOptimizer:
         t0, cpu0, numel = time.perf_counter(), time.thread_time(), 0
         buffer = self.store.buffer_updated_by(step)
         on_disk = self.disk is not None and self.disk.holds(s)
+        compute = host.compute_buffers[buffer]
+        # the compute copy written in the update's pass, where it is not the master itself
+        refreshed = (apply and host.optimizer is not None and not on_disk and self.path.refreshes
+                     and compute.data_ptr() != host.master.data_ptr())
         if apply and host.optimizer is not None:
             updated = [p for group in host.optimizer.param_groups for p in group["params"]]
             set_lr(host.optimizer, lr)
@@ -190,20 +215,18 @@ class HostOptimizer:
             began = time.perf_counter()
             with self.device.host_update_span(numel):
                 if on_disk:  # block by block through the drives, the compute copy of a master there with it
-                    self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer])
+                    self.disk.update(s, lr, unscale, clip, compute)
                 else:
-                    for p in updated:
-                        if unscale is not None:
-                            p.grad.div_(unscale)
-                        if clip < 1.0:
-                            p.grad.mul_(clip)
-                    host.optimizer.step()
+                    if s in self._in_pass:
+                        self.host.reads(host.grad_staging)
+                    host_update(host.optimizer, host.master, compute if refreshed else None,
+                                (host.grad_staging,) if s in self._in_pass else (), unscale, clip)
             if not on_disk:  # the host's AdamW rate (an update through the drives runs at theirs)
                 with self._busy_lock:
                     self._busy[0] += time.perf_counter() - began
                     self._busy[1] += numel
         elif on_disk:  # an fp16 step skipped: a master on disk still gives the compute copy its values
-            self.disk.update(s, lr, unscale, clip, host.compute_buffers[buffer], apply=False)
+            self.disk.update(s, lr, unscale, clip, compute, apply=False)
         if host.optimizer is not None and not speculative:
             host.optimizer.zero_grad(set_to_none=True)
         # Its CPU seconds too: workers that share a machine's cores stretch each other's wall time.
@@ -211,8 +234,8 @@ class HostOptimizer:
                         params=numel)
         if apply and self.replicas is not None:
             self.replicas.broadcast_weights(host)
-        self.host.writes(host.compute_buffers[buffer], name=f"host weights of stage {s}")
-        if not host.master_on_disk:
+        self.host.writes(compute, name=f"host weights of stage {s}")
+        if not host.master_on_disk and not refreshed:
             self.store.refresh_compute_copy(s, buffer)
         return self.host.record()
 
@@ -265,7 +288,15 @@ class HostOptimizer:
         """Whether a gradient of this process's is not finite: one an update made before the vote
         found (:meth:`_update`), or one of the ``waited`` stages'."""
         return None in self.decisions.speculated.values() or any(
-            not torch.isfinite(g).all() for s in waited for g in self.store.stages[s].gradients())
+            not torch.isfinite(g).all() for s in waited for g in self._gradients(s))
+
+    def _gradients(self, s: int) -> list[torch.Tensor]:
+        """Stage ``s``'s gradients of this step, by parameter: as they came home where its update
+        converts them (the same values as in fp32), else the master's."""
+        host = self.store.stages[s]
+        if s not in self._in_pass:
+            return host.gradients()
+        return [host.staged(p) for group in host.optimizer.param_groups for p in group["params"]]
 
     def _squares(self, stages: list[int]) -> float:
         """This process's share of the sum of squares of the step's gradients: those of the
@@ -275,9 +306,9 @@ class HostOptimizer:
         hosts = [self.store.stages[s] for s in stages]
         on_disk = [g for host in hosts if host.master_on_disk for g in host.gradients()]  # not bound: as staged
         return squares(on_disk) + squares(
-            p.grad for host in hosts if host.optimizer is not None and not host.master_on_disk
-            for group in host.optimizer.param_groups for p in group["params"]
-            if p.grad is not None and p is not duplicate)
+            host.staged(p) if s in self._in_pass else p.grad for s, host in zip(stages, hosts)
+            if host.optimizer is not None and not host.master_on_disk
+            for group in host.optimizer.param_groups for p in group["params"] if p is not duplicate)
 
     def drain(self) -> None:
         """Wait for every update issued so far (before a checkpoint or the final weights are read)."""

@@ -43,7 +43,7 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import DynamicLossScaler, set_lr, squares
+from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
 from mobius.swap.store import HostStageStore
@@ -180,6 +180,10 @@ class PieceUpdates:
         self._decided: dict[int, Decided] = {}
         self._finished: dict[int, float] = {}
         self.decisions = StepDecisions(self.rule, self.lag, self.scaler, replicas is not None)
+        self.path = host_update_path(self.rule.max_grad_norm, self.lag, self.scaler.enabled, replicas is not None)
+        # piece -> its parts' 16-bit gradients, held for the step's decision, which its update's pass
+        # converts (the piece's next gradients wait for that update: wait_staging)
+        self._staged: dict[int, tuple[torch.Tensor, ...]] = {}
         self._last_step = -1  # the latest step whose gradients came home
         self.replicas = replicas
         self._threads: list[threading.Thread] = []
@@ -227,13 +231,24 @@ class PieceUpdates:
             self._jobs.append(self._pool.submit(run))
 
     def _sum(self, piece: int, step: int, device: Device) -> None:
-        """On the optimizer thread: the parts' gradients into the fp32 master gradient."""
+        """On the optimizer thread: the parts' gradients into the fp32 master gradient, or left
+        for the update's pass to sum (:meth:`_converts_in_pass`)."""
         host = self.store.stages[piece]
         with self._lock:
             parts = sorted(self._arrived.pop((piece, step)), key=lambda pe: pe[0])
         for _, event, copied in parts:
             event.synchronize()
             copied()
+        if self._converts_in_pass(piece):
+            staging = tuple(self.staging[piece][part] for part, _, _ in parts)
+            held = self._held(step, piece)
+            if held is None:
+                self._adamw(piece, step, 1.0, device, staging=staging)
+                return
+            with self._lock:
+                self._staged[piece] = staging
+            self._update_released(step, held, device)
+            return
         for k, (part, _, _) in enumerate(parts):
             src = self.staging[piece][part]
             if k == 0:
@@ -251,10 +266,27 @@ class PieceUpdates:
         if held is None:
             self._adamw(piece, step, 1.0, device)
             return
-        # Each on a thread of its own, as the plan's host lanes share them: run here, one after the
-        # other, a step whose updates wait for its norm took all of them on this one thread.
+        self._update_released(step, held, device)
+
+    def _update_released(self, step: int, held: list[int], device: Device) -> None:
+        """The updates of the pieces ``held`` for each other (none until the last is here), each
+        on a thread of its own, as the plan's host lanes share them: run here, one after the
+        other, a step whose updates wait for its norm took all of them on this one thread."""
         for q, clip in self._released(step, held, self._squares) if held else ():
-            self._submit(self._adamw, q, step, clip, device)
+            with self._lock:
+                staging = self._staged.pop(q, ())
+            self._submit(self._adamw, q, step, clip, device, False, staging)
+
+    def _converts_in_pass(self, piece: int) -> bool:
+        """Whether ``piece``'s update sums its parts' 16-bit gradients into fp32 in its own pass:
+        where the run's path does (:func:`~mobius.runtime.optim.host_update_path`: no update made
+        before its step's decision, no replicas), but not a tied table's, and where the step's norm
+        or vote reads the gradients first, only one of a single part (the sum of several is the
+        master's)."""
+        host = self.store.stages[piece]
+        return (self.path.converts and piece not in self.tied
+                and (not self._whole_step or self.parts.get(piece, 1) == 1)
+                and host.grad_staging.data_ptr() != host.master_grad.data_ptr())
 
     def _held(self, step: int, piece: int) -> list[int] | None:
         """None where ``piece``'s update may run now; else the pieces it waited with, once the last
@@ -320,10 +352,7 @@ class PieceUpdates:
         ``squares_sum``): its device holds its update for the step's norm (:meth:`clip_of`)."""
         with self._lock:
             self._resident_squares[step] = self._resident_squares.get(step, 0.0) + squares_sum
-        held = self._held(step, piece)
-        if held:
-            for q, clip in self._released(step, held, self._squares):
-                self._submit(self._adamw, q, step, clip, self.device)
+        self._update_released(step, self._held(step, piece), self.device)
 
     def clip_of(self, step: int) -> float:
         """The coefficient step ``step``'s gradients are clipped by, once its norm is known."""
@@ -341,16 +370,23 @@ class PieceUpdates:
     def _overflowed(self, pieces: list[int]) -> bool:
         """Whether a gradient this host updates in ``pieces`` (with replicas: of those it owns,
         which its sum holds whole) is not finite."""
-        return not all(torch.isfinite(p.grad).all() for q in sorted(pieces)
-                       if (opt := self.store.stages[q].optimizer) is not None
-                       for group in opt.param_groups for p in group["params"] if p.grad is not None)
+        return not all(torch.isfinite(g).all() for q in sorted(pieces) for g in self._gradients(q) if g is not None)
+
+    def _gradients(self, piece: int, leave_out: torch.nn.Parameter | None = None) -> list[torch.Tensor | None]:
+        """The gradients of the parameters this host updates in ``piece`` but ``leave_out``, in
+        its AdamW's order: as they came home where its update's pass converts them (the same
+        values as in fp32), else the master's."""
+        host = self.store.stages[piece]
+        if host.optimizer is None:
+            return []
+        params = [p for group in host.optimizer.param_groups for p in group["params"] if p is not leave_out]
+        return [host.staged(p) for p in params] if piece in self._staged else [p.grad for p in params]
 
     def _squares(self, pieces: list[int]) -> float:
         """The sum of squares of the gradients of the parameters this host updates in ``pieces``
         (with replicas: those it owns, which its sum holds whole), a tied table counted once."""
         duplicate = self._tied_copies[1][1] if self._tied_copies else None
-        return squares(p.grad for q in sorted(pieces) if (opt := self.store.stages[q].optimizer) is not None
-                       for group in opt.param_groups for p in group["params"] if p is not duplicate)
+        return squares(g for q in sorted(pieces) for g in self._gradients(q, duplicate))
 
     def _run(self, loop) -> None:
         try:
@@ -383,15 +419,21 @@ class PieceUpdates:
             self._publish(piece, step)
 
     def _adamw(self, piece: int, step: int, coefficient: float | None, device: Device,
-               speculative: bool = False) -> None:
+               speculative: bool = False, staging: tuple[torch.Tensor, ...] = ()) -> None:
         """AdamW of ``piece`` with step ``step``'s gradients times ``coefficient`` (the clip over
         fp16's loss scale; None: a step fp16's vote skips, the weights as they are).
         ``speculative``: before the step's vote and norm are known, the gradients unscaled and their
         squares taken first (no update where one is not finite), the gradients kept and the loads
         held back; a piece updated so comes back here with the step's decision: kept, taken back
-        (None: a step the vote skips), or taken back and redone with its gradients clipped."""
+        (None: a step the vote skips), or taken back and redone with its gradients clipped.
+        ``staging``: its parts' 16-bit gradients, which the update sums into fp32 in its pass (else
+        they are the master's already)."""
         host = self.store.stages[piece]
         t0 = time.perf_counter()
+        compute = host.compute_buffers[self.store.buffer_updated_by(step)]
+        # the compute copy written in the update's pass, where it is not the master itself
+        refreshed = (coefficient is not None and host.optimizer is not None and self.path.refreshes
+                     and compute.data_ptr() != host.master.data_ptr())
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
             if speculative:  # unscaled, and not updated at all where a gradient is not finite
@@ -402,24 +444,22 @@ class PieceUpdates:
                 if self.decisions.stands(piece, host.optimizer, coefficient == 1.0, device):
                     self._publish(piece, step, refresh=False)
                     return
-            if coefficient is not None and coefficient != 1.0:
-                for group in host.optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad.mul_(coefficient)
             if coefficient is not None:
                 with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups
                                                  for p in g["params"])):
-                    host.optimizer.step()
+                    host_update(host.optimizer, host.master, compute if refreshed else None, staging,
+                                clip=coefficient)
             if not speculative:
                 host.optimizer.zero_grad(set_to_none=True)
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step,
                         thread=threading.current_thread().name)
         if speculative:  # the compute copy now, the loads once the norm keeps it
-            self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
+            if not refreshed:
+                self.store.refresh_compute_copy(piece, self.store.buffer_updated_by(step))
         elif self.replicas is not None:
             self.stepped.put(piece, step)  # the broadcasts' thread takes it from here
         else:
-            self._publish(piece, step)
+            self._publish(piece, step, refresh=not refreshed)
 
     def _publish(self, piece: int, step: int, refresh: bool = True) -> None:
         """Piece ``piece``'s master after step ``step``'s update into the compute copy the step

@@ -100,6 +100,11 @@ class HostStage:
     def master_params(self) -> list[nn.Parameter]:
         return [p for _, p in self.trained()]
 
+    def staged(self, p: nn.Parameter) -> torch.Tensor:
+        """Master parameter ``p``'s gradient as it came home (its part of ``grad_staging``, flat)."""
+        at = (p.data_ptr() - self.master.data_ptr()) // p.element_size()
+        return self.grad_staging[at:at + p.numel()]
+
     def attach_master_grads(self) -> None:
         """Point every trained master parameter's ``.grad`` at its view of ``master_grad``."""
         for (_, p), slot in zip(self.named_params(), self.grad_slots()):
