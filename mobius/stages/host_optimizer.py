@@ -5,9 +5,9 @@ are views of it).  After the stage's last micro-batch the buffer leaves the devi
 of its own (``d2h-gradients``) into the stage's host staging buffer; a background thread (the
 ``optimizer`` host stream) waits for it and runs fused AdamW on the stage's master weights in one
 pass with the gradients' conversion to fp32 and the refresh of the compute-dtype copy the next load
-reads (:func:`~mobius.runtime.optim.host_update`; where the step's norm or vote reads the fp32
-gradients first, they are converted as they come home) — while the device runs the next stage's
-backward.  Updates that must wait for every stage's
+reads (:func:`~mobius.runtime.optim.host_update`; where updates start before their step's
+decision, with replicas, a tied table or state on disk, they are converted as they come home) —
+while the device runs the next stage's backward.  Updates that must wait for every stage's
 gradients (the tied embedding's sum, fp16's overflow vote) are issued by
 :meth:`HostOptimizer.finish_step`.
 
