@@ -283,4 +283,5 @@ def emulation_for(cfg: RunConfig, model_config: GPTConfig, topo: Topology, plan:
         passes = 3 if c.recomputed else 2  # forward, (recomputation,) backward: the runtime's work per micro-batch
         work[st.gpu] += plan.micro_batches * (c.fwd_s + c.bwd_s + passes * cpu.host.micro_batch_s) \
             + 2 * cpu.host.stage_switch_s
-    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel)
+    return emulation_spec(cfg, topo, model_ratio, max(work), plan.predicted_step_s, plan.data_parallel,
+                          plan.precision, update_path(cfg, plan.precision, plan.data_parallel))

@@ -420,12 +420,15 @@ MAX_EMULATED_WALL_S = 3600.0
 
 
 def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cpu_s: float,
-                   predicted_step_s: float, replicas: int = 1) -> EmulationSpec:
+                   predicted_step_s: float, replicas: int = 1, precision: str = "fp32",
+                   path: HostUpdatePath = HostUpdatePath(converts=True, refreshes=True)) -> EmulationSpec:
     """The emulated links of ``topo`` and the dilation (see
     :func:`mobius.planning.pipeline.emulation_for`), for a backend whose layers take
     ``model_ratio`` times as long on this machine's CPU as on the emulated GPUs, whose busiest
     worker's CPU work of a step is ``worker_cpu_s``, and whose step is predicted at
-    ``predicted_step_s`` of emulated time; ``replicas`` boxes of ``topo`` on its network."""
+    ``predicted_step_s`` of emulated time; ``replicas`` boxes of ``topo`` on its network.  The
+    emulated host's update moves what the run's ``path`` moves in ``precision`` at its memory
+    bandwidth, as the plan charges it."""
     network = assumed_network(topo)
     # workers per core when all compute at once
     crowding = max(1.0, topo.n * replicas / usable_cores())
@@ -453,7 +456,8 @@ def emulation_spec(cfg: RunConfig, topo: Topology, model_ratio: float, worker_cp
                          rc_bps={str(r.id): r.host_bandwidth_gbps * 1e9 for r in topo.root_complexes},
                          counters="", how=how, floor=step_floor,  # the launcher makes the counters file
                          replicas=replicas, network=network.name, network_bps=network.bandwidth_gbps * GB,
-                         host_adam_params_per_s=host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n),
+                         host_adam_params_per_s=host_update_rate(host_adam_rate(topo.host_memory_bandwidth_gbps, topo.n),
+                                                                 precision, path),
                          disk_bps=tuple(g * GB for g in topo.drive_gbps()) if cfg.offload_dir else
                          (float("inf"), float("inf")))
 

@@ -78,7 +78,7 @@ class HostOptimizer:
         # stages whose gradients wait in their 16-bit staging for their update's pass (its next
         # offload waits for that update: the set changes for a stage only between the two)
         self._in_pass: set[int] = set()
-        self._busy = [0.0, 0]  # wall seconds of AdamW steps and parameters they updated, since last taken
+        self._busy = [0.0, 0]  # wall seconds of host updates and parameters they updated, since last taken
         self._busy_lock = threading.Lock()
         self.decisions = StepDecisions(store.rule, self.lag, scaler, replicas is not None)
         self.path = host_update_path(store.rule.max_grad_norm, self.lag, scaler.enabled, replicas is not None)
@@ -173,7 +173,7 @@ class HostOptimizer:
         # else the disk tier attaches them with the master for the update, or the update converts them
         if not host.master_on_disk and s not in self._in_pass:
             if host.grad_staging.data_ptr() != host.master_grad.data_ptr():
-                host.master_grad.copy_(host.grad_staging)
+                self._timed(host.master_grad.copy_, host.grad_staging)
             host.attach_master_grads()
         self.memory.free(host.grad_bytes, phase, announced=True)
         self.trace.span(f"grads {s} to host", "offload", t0, time.perf_counter(), bytes=host.grad_bytes)
@@ -192,7 +192,7 @@ class HostOptimizer:
         if not host.trains:
             return self.host.record()
         if speculative:
-            if not self.decisions.update_first(s, host.optimizer, unscale):  # the vote will skip the step
+            if not self._timed(self.decisions.update_first, s, host.optimizer, unscale):  # the vote will skip it
                 return self.host.record()
             unscale = None
         elif self.decisions.updated_first(s):
@@ -239,9 +239,20 @@ class HostOptimizer:
             self.store.refresh_compute_copy(s, buffer)
         return self.host.record()
 
+    def _timed(self, fn, *args):
+        """``fn(*args)``, its seconds counted as the host update's (:meth:`take_busy`)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with self._busy_lock:
+                self._busy[0] += time.perf_counter() - t0
+
     def take_busy(self) -> tuple[float, int]:
-        """Wall seconds of the AdamW steps this worker's optimizer thread ran in memory since the last
-        call, and the parameters they updated: what the run compares with its plan's host AdamW lane."""
+        """Wall seconds of the host updates this worker ran in memory since the last call (their
+        passes, and where the gradients are converted ahead, the conversions and the step's checks
+        of them: what the plan charges by the run's path), and the parameters they updated: what
+        the run compares with its plan's host AdamW lane."""
         with self._busy_lock:
             busy, self._busy = tuple(self._busy), [0.0, 0]
         return busy
@@ -265,7 +276,7 @@ class HostOptimizer:
                     job.result()
             waited = [s for s in deferred if not self.decisions.updated_first(s)]
             unscale = self.scaler.scale if self.scaler.enabled else None
-            overflow = self.scaler.enabled and self.transport.any_rank(self._overflowed(waited))
+            overflow = self.scaler.enabled and self.transport.any_rank(self._timed(self._overflowed, waited))
             reduced = bool(self.replicas is not None and self.store.rule.max_grad_norm and not overflow)
             if reduced:  # the norm is the replicas' sum's: reduce into the owners first
                 for job in [self._pool.submit(self.replicas.reduce_gradients, self.store.stages[s])
@@ -273,7 +284,7 @@ class HostOptimizer:
                     job.result()
             # every process's share: its stages' (its replica's owned part of them), and resident ones
             clip, norm = self.decisions.decide(
-                step, overflow, lambda: self._squares(waited) / (unscale or 1.0) ** 2
+                step, overflow, lambda: self._timed(self._squares, waited) / (unscale or 1.0) ** 2
                 + (resident.squares() if resident is not None else 0.0), self.transport.sum_all)
             for s in deferred:
                 self._submit_update(s, step, lr, unscale=unscale, apply=not overflow, clip=clip, reduced=reduced)
