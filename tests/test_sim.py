@@ -246,8 +246,9 @@ def test_the_cost_model_is_the_simulation_within_its_stated_gap_on_every_preset_
 @pytest.mark.slow
 def test_a_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip_and_those_after_them(monkeypatch):
     """Clipping without the lag: the plan is the plan of the steps that keep their updates (the same
-    as without clipping at its host update's rate: it reads the gradients in fp32 first), and states the step after one that clipped (its updates wait for the norm:
-    the simulation with clipping's wait) and the step that clips (that, and the busiest worker's
+    as without clipping at its host update's rate: it reads the gradients in fp32 first), and
+    states the step after one that clipped (its updates wait for the norm: the simulation with
+    clipping's wait) and the step that clips (that, and the busiest worker's
     updates taken back first, at the rollback's measured cost in AdamW passes).  With the lag the updates run during the next step
     anyway: nothing to state."""
     import contextlib

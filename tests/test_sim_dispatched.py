@@ -79,8 +79,8 @@ def test_with_clipping_or_fp16_every_update_waits_for_the_steps_last_gradients(l
 
 def test_a_dispatched_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip(monkeypatch):
     """Without the lag the dispatched schedule's host updates start before clipping's norm: its plan
-    is the unclipped one (at its host update's rate: it reads the gradients in fp32 first), and it also states the step after one that clipped (every update waiting
-    for the norm, simulated) and the step that clips (that, and the busiest host thread's updates
+    is the unclipped one (at its host update's rate: it reads the gradients in fp32 first), and it
+    also states the step after one that clipped (every update waiting for the norm, simulated) and the step that clips (that, and the busiest host thread's updates
     taken back first, at the rollback's measured cost in AdamW passes); the header says both.  With
     the lag there is nothing to state."""
     import contextlib
@@ -103,8 +103,7 @@ def test_a_dispatched_plan_whose_updates_start_before_the_norm_states_the_steps_
         return cfg, config, decided, plan, choice
 
     import mobius.planning.pipeline as planning
-    update_path = planning.update_path
-    clipping_path = update_path(RunConfig.of(max_grad_norm=1.0), "bf16", 1)
+    clipping_path = planning.update_path(RunConfig.of(max_grad_norm=1.0), "bf16", 1)
     with monkeypatch.context() as m:
         m.setattr(planning, "update_path", lambda *_: clipping_path)
         *_, unclipped = dispatched(max_grad_norm=0.0)
