@@ -481,9 +481,32 @@ def test_a_solve_stops_at_its_effort():
     machine = Machine((13.1e9,) * 4, (24 * 10**9,) * 4)
     start = balanced_bounds([l.fwd_s + l.bwd_s for l in prof.layers], 8)
     one = solve_partition(prof, machine, 4, effort=1, warm_start=start)
-    assert one.status == "Effort limit reached (1 limit checks)"
+    assert one.status == "Effort limit reached (1: 1 limit checks, 0 nodes)"
     more = solve_partition(prof, machine, 4, effort=5, warm_start=start)
     assert more.objective_s <= one.objective_s * (1 + 1e-9)
+
+
+def test_the_search_nodes_count_toward_the_effort(monkeypatch):
+    """Past the root HiGHS checks its limits only between batches of nodes: the nodes count toward
+    the effort, so a solve whose nodes are made dear stops at the first check after its first node,
+    where the same solve otherwise runs on to the optimum."""
+    import pulp
+
+    from mobius.partition import highs
+
+    rnd = random.Random(1)
+    prob = pulp.LpProblem("knapsack", pulp.LpMinimize)
+    x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(60)]
+    for _ in range(3):
+        w = [rnd.randint(1000, 2000) for _ in x]
+        prob += pulp.lpSum(a * b for a, b in zip(w, x)) <= sum(w) // 2
+    prob += -pulp.lpSum(rnd.randint(1000, 2000) * b for b in x)
+    whole = highs.solve(prob, {}, 10**6, 0.0, 60.0)
+    assert whole.status == "Optimal" and whole.nodes > 1
+    monkeypatch.setattr(highs, "NODES_PER_CHECK", 1e-9)
+    cut = highs.solve(prob, {}, 10**6, 0.0, 60.0)
+    assert cut.status.startswith("Effort limit reached") and 1 <= cut.nodes < whole.nodes
+    assert cut.checks <= whole.checks
 
 
 @pytest.mark.slow

@@ -34,11 +34,12 @@ from mobius.partition.profile import Profile
 
 
 def default_effort(rows: int) -> int:
-    """HiGHS's limit checks a partition solve of ``rows`` constraints takes unless told: a check
-    costs about the square of the rows (on 2 cores: a 14-layer model's ~1,200 rows reach the
-    optimum in 80 checks, 2-3 s; Llama-3.1-8B's 4,558 rows at 16 micro-batches take 15 s for 60,
-    its 14,254 at 64 took 508 s for 60), so the count shrinks as the model grows, for a search of
-    seconds; how far it goes is still the model's fact, never the machine's load."""
+    """HiGHS's effort (limit checks, the search's nodes counted in: :mod:`mobius.partition.highs`)
+    a partition solve of ``rows`` constraints takes unless told: a check at the root costs about
+    the square of the rows (on 2 cores: a 14-layer model's ~1,200 rows reach the optimum in 80
+    checks, 2-3 s; Llama-3.1-8B's 4,558 rows at 16 micro-batches take 15 s for 60 where the root
+    takes them all, its 14,254 at 64 took 508 s for 60), so the count shrinks as the model grows,
+    for a search of seconds; how far it goes is still the model's fact, never the machine's load."""
     return int(min(100, max(4, round(60 * (4500 / rows) ** 2))))
 
 
