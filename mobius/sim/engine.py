@@ -31,7 +31,7 @@ SHARED = {NET: "network_bw", DISK_READ: "disk_read_bw", DISK_WRITE: "disk_write_
 TRANSFERS = (H2D, D2H, *SHARED)
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     id: int
     name: str
@@ -46,6 +46,7 @@ class Task:
     end: float = -1.0
     remaining: float = 0.0
     rate: float = 0.0
+    finish: float = 0.0  # a pass's, a thread's or a delay's end, once it starts (a transfer's follows its rate)
 
 
 @dataclass
@@ -139,33 +140,38 @@ class Simulator:
 
     # ---- bandwidth -------------------------------------------------------------------------
     def _assign_rates(self, active: list[Task]) -> None:
-        per_gpu: dict[tuple[int, str], int] = defaultdict(int)
-        groups: dict[tuple[int, str], list[Task]] = defaultdict(list)
-        for kind, field_ in SHARED.items():
-            sharing = [t for t in active if t.kind == kind]
-            for t in sharing:
-                t.rate = getattr(self.link, field_) / len(sharing)
-        # An urgent transfer holds its GPU's others of its direction (the runtime issues them in
-        # pieces, none while it runs: mobius.swap.upload_gate).
-        urgent = {(t.gpu, t.kind) for t in active if t.urgent}
+        link = self.link
+        sharing: dict[str, list[Task]] = {}
+        flows: list[Task] = []
+        urgent = set()
         for t in active:
             if t.kind in SHARED:
-                continue
-            if not t.urgent and (t.gpu, t.kind) in urgent:
+                sharing.setdefault(t.kind, []).append(t)
+            else:
+                flows.append(t)
+                if t.urgent:
+                    urgent.add((t.gpu, t.kind))
+        for kind, those in sharing.items():
+            for t in those:
+                t.rate = getattr(link, SHARED[kind]) / len(those)
+        # An urgent transfer holds its GPU's others of its direction (the runtime issues them in
+        # pieces, none while it runs: mobius.swap.upload_gate).
+        per_gpu: dict[tuple[int, str], int] = {}
+        groups: dict[tuple[int, str], list[Task]] = {}
+        for t in flows:
+            if urgent and not t.urgent and (t.gpu, t.kind) in urgent:
                 t.rate = 0.0
                 continue
-            per_gpu[(t.gpu, t.kind)] += 1
-            groups[(self.link.rc_of[t.gpu], t.kind)].append(t)
-
-        def cap(f: Task) -> float:
-            return self.link.gpu_bw[f.gpu] / per_gpu[(f.gpu, f.kind)]
-
-        for (rc, _), flows in groups.items():
-            # Max-min fair water-filling; a flow is capped by its share of its GPU's link.
-            left, n = self.link.rc_bw[rc], len(flows)
-            for k, f in enumerate(sorted(flows, key=cap)):
-                f.rate = min(cap(f), left / (n - k))
-                left -= f.rate
+            per_gpu[(t.gpu, t.kind)] = per_gpu.get((t.gpu, t.kind), 0) + 1
+            groups.setdefault((link.rc_of[t.gpu], t.kind), []).append(t)
+        for (rc, _), group in groups.items():
+            # Max-min fair water-filling; a flow is capped by its share of its GPU's link (the
+            # narrowest first, ties in the order they run).
+            left, n = link.rc_bw[rc], len(group)
+            caps = sorted((link.gpu_bw[f.gpu] / per_gpu[(f.gpu, f.kind)], k) for k, f in enumerate(group))
+            for k, (cap, i) in enumerate(caps):
+                rate = group[i].rate = min(cap, left / (n - k))
+                left -= rate
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -183,10 +189,15 @@ class Simulator:
         # The running task of each busy resource only: an event looks at what runs, never at every
         # resource (each delay is a resource of its own, so there are as many as tasks).
         busy: dict[tuple[str, int, str], int] = {}
-        changed = set()  # the resources whose next start may have changed: nothing else is looked at
+        # The resources whose next start may have changed: nothing else is looked at.  A dict, in the
+        # order they changed: a set's order moves with the interpreter's string hashing, and with it
+        # which of two transfers starting at one instant gets its share of a link first.
+        changed: dict[tuple[str, int, str], None] = {}
+        resource = [_resource(t) for t in tasks]
+        moves = [t.kind in TRANSFERS for t in tasks]
         for t in tasks:
-            key = _resource(t)
-            changed.add(key)
+            key = resource[t.id]
+            changed[key] = None
             if key[0] not in TRANSFERS:
                 queues[key].append(t.id)
             elif not t.deps:
@@ -213,54 +224,56 @@ class Simulator:
                     pick = q.popleft() if q and not waiting_on[q[0]] else None
                 if pick is not None:
                     busy[key] = pick
-                    tasks[pick].start = now
-            changed = set()
+                    started = tasks[pick]
+                    started.start = now
+                    started.finish = now + started.work
+            changed = {}
             active = [tasks[i] for i in busy.values()]
             if not active:
                 stuck = [t.name for t in tasks if not done[t.id]][:5]
                 raise RuntimeError(f"simulation deadlock at t={now:.6f}s; waiting: {stuck}")
             if transfers_changed:
-                self._assign_rates([t for t in active if t.kind in TRANSFERS])
+                self._assign_rates([t for t in active if moves[t.id]])
                 transfers_changed = False
             # Next completion.
             horizon = float("inf")
             for t in active:
-                if t.kind in TRANSFERS:
-                    if t.remaining <= EPS:
-                        horizon = now
-                    elif t.rate > 0:
-                        horizon = min(horizon, now + t.remaining / t.rate)
-                else:
-                    horizon = min(horizon, t.start + t.work)
+                if not moves[t.id]:
+                    if t.finish < horizon:
+                        horizon = t.finish
+                elif t.remaining <= EPS:
+                    horizon = now
+                elif t.rate > 0 and now + t.remaining / t.rate < horizon:
+                    horizon = now + t.remaining / t.rate
             if horizon == float("inf"):
                 raise RuntimeError("simulation stalled: transfers with zero bandwidth")
             dt = horizon - now
             now = horizon
+            reached = now + EPS
             for t in active:
-                complete = False
-                if t.kind in TRANSFERS:
+                if moves[t.id]:
                     t.remaining -= t.rate * dt
-                    complete = t.remaining <= max(EPS, 1e-9 * t.work)
-                else:
-                    complete = t.start + t.work <= now + EPS
-                if complete:
-                    t.end = now
-                    done[t.id] = True
-                    transfers_changed |= t.kind in TRANSFERS
-                    finished += 1
-                    key = _resource(t)
-                    del busy[key]
-                    changed.add(key)
-                    for w in dependents[t.id]:
-                        waiting_on[w] -= 1
-                        if not waiting_on[w]:
-                            wkey = _resource(tasks[w])
-                            changed.add(wkey)
-                            if wkey[0] in TRANSFERS:
-                                heapq.heappush(ready[wkey], (tasks[w].priority, w))
-                    if t.kind in (H2D, D2H):
-                        by_gpu[(t.gpu, t.kind)] += t.work
-                        by_rc[(self.link.rc_of[t.gpu], t.kind)] += t.work
+                    if t.remaining > max(EPS, 1e-9 * t.work):
+                        continue
+                    transfers_changed = True
+                elif t.finish > reached:
+                    continue
+                t.end = now
+                done[t.id] = True
+                finished += 1
+                key = resource[t.id]
+                del busy[key]
+                changed[key] = None
+                for w in dependents[t.id]:
+                    waiting_on[w] -= 1
+                    if not waiting_on[w]:
+                        wkey = resource[w]
+                        changed[wkey] = None
+                        if moves[w]:
+                            heapq.heappush(ready[wkey], (tasks[w].priority, w))
+                if t.kind in (H2D, D2H):
+                    by_gpu[(t.gpu, t.kind)] += t.work
+                    by_rc[(self.link.rc_of[t.gpu], t.kind)] += t.work
         return SimResult(step_s=max((t.end for t in tasks), default=0.0), tasks=tasks,
                          bytes_by_gpu=dict(by_gpu), bytes_by_rc=dict(by_rc))
 
