@@ -103,6 +103,19 @@ def test_the_pass_converts_unless_the_update_needs_fp32_gradients_first_and_char
     assert host_update_path(1.0, 1, False, False).bytes_per_param(4) == 32
 
 
+def test_a_split_pieces_update_is_charged_for_each_part_it_sums():
+    """The head's parts (four here): summed in the pass where nothing reads the gradients first,
+    one more 16-bit read each (28 + 3 x 2); where the norm or the vote reads their sum first, each
+    added into the fp32 gradient ahead (its read, the sum's read and write: 10 bytes) and the update
+    reads that as a converted-ahead one (36 + the check's 4, + 3 x 10); in fp32 each part's add, 12
+    bytes; one part as the path says."""
+    plain, voted = host_update_path(0.0, 0, False, False), host_update_path(0.0, 1, True, False)
+    assert plain.split_bytes_per_param(2, 4) == 28 + 3 * 2
+    assert voted.bytes_per_param(2) == 30 and voted.split_bytes_per_param(2, 4) == 36 + 4 + 3 * 10
+    assert plain.split_bytes_per_param(4, 2) == 28 + 12
+    assert [p.split_bytes_per_param(2, 1) for p in (plain, voted)] == [28, 30]
+
+
 def counting_passes(monkeypatch, modules) -> list[bool]:
     """Whether each host update's pass converted 16-bit gradients (it was given their staging)."""
     converted: list[bool] = []

@@ -471,6 +471,10 @@ def test_the_host_update_is_charged_at_what_it_moves():
     assert rate("bf16", max_grad_norm=1.0, optimizer_lag=1) == pytest.approx(one * 28 / 30, rel=1e-12)
     assert rate("bf16", max_grad_norm=1.0) == pytest.approx(one * 28 / 40, rel=1e-12)
     assert rate("fp16") == pytest.approx(one * 28 / 48, rel=1e-12)
+    # and a split piece's update (the dispatched head's parts) at what its path moves for them
+    fp16_lagged = get_profile("small", get_config("small"), topo, 1, 128, "fp16", "analytic",
+                              path=update_path(RunConfig.of(topology="4x4090", optimizer_lag=1), "fp16", 1)).host
+    assert [fp16_lagged.split_update_factor(parts) for parts in (1, 4)] == pytest.approx([1.0, (40 + 3 * 10) / 30])
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ of tasks it describes, in order, on the GPUs it names; and it does what it is fo
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -267,6 +268,11 @@ def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_updat
     (update,) = [t for t in adam if set(t.deps) == {h.id for h in heads}]
     assert update.work == pytest.approx(head.grad_bytes / 2 / profile.host.adam_params_per_s)  # bf16 gradients
     assert r.step_s < one.step_s
+    # Its parts summed on the host make its update dearer by what each part adds to it.
+    dearer = replace(profile, host=replace(profile.host, split_base=1.5, split_per_part=0.25))
+    r = simulate_dispatched(dearer, forward, backward, topo, order, M, head_gpus=2, steps=1)
+    (update,) = [t for t in r.tasks if t.kind == "cpu" and len(t.deps) == 2]
+    assert update.work == pytest.approx(1.75 * head.grad_bytes / 2 / profile.host.adam_params_per_s)
 
 
 def test_with_optimizer_lag_the_step_ends_with_the_device_work_unless_a_host_thread_needs_longer():

@@ -214,7 +214,8 @@ class _Model:
                 head_home.append(home)
                 if len(head_home) < head_parts:
                     continue
-            updates.append((i, g, grads * self.adam_s_per_gb, tuple(head_home) if t.kind == "H" else (home,)))
+            split = self.host.split_update_factor(head_parts) if t.kind == "H" else 1.0  # the parts summed in it
+            updates.append((i, g, grads * self.adam_s_per_gb * split, tuple(head_home) if t.kind == "H" else (home,)))
         for i, g, adam, after in updates:
             updated = V(f"updated_{i}", 0)
             for h in (homes if self.whole_step else after):

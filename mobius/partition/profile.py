@@ -121,6 +121,16 @@ class HostCosts:
     # network (bytes/s each way, shared by the node's workers; unused with one replica).
     replicas: int = 1
     network_bps: float = 0.0
+    # A piece whose gradients come home in several parts (the dispatched head's task, split over
+    # GPUs) moves more in its update than ``adam_params_per_s``'s path: its update's time over a
+    # one-part piece's is ``split_base + (parts - 1) * split_per_part``
+    # (:meth:`~mobius.runtime.optim.HostUpdatePath.split_bytes_per_param`, set with the rate).
+    split_base: float = 1.0
+    split_per_part: float = 0.0
+
+    def split_update_factor(self, parts: int) -> float:
+        """How much longer the update of a piece of ``parts`` parts takes than one of one part."""
+        return 1.0 if parts <= 1 else self.split_base + (parts - 1) * self.split_per_part
 
 
 @dataclass

@@ -33,7 +33,7 @@ from mobius.boundary.cache import Cache, key_of
 from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.models import GPTConfig, layer_count
-from mobius.models.precision import default_precision, use_fp16_accumulation
+from mobius.models.precision import default_precision, element_bytes, use_fp16_accumulation
 from mobius.partition.profile import (
     GPU_ADAM_PARAMS_PER_S,
     MAX_TIME_S,
@@ -106,7 +106,11 @@ def with_host_update(profile: Profile, path: HostUpdatePath) -> Profile:
     (:func:`mobius.partition.profile.host_update_rate`), not AdamW's alone; a rate a run measured
     (:func:`with_measured_host_rate`) is its update's already."""
     rate = host_update_rate(profile.host.adam_params_per_s, profile.dtype, path)
-    return replace(profile, host=replace(profile.host, adam_params_per_s=rate))
+    # A split piece's bytes grow by the same amount with each part past the first.
+    one, two, three = (path.split_bytes_per_param(element_bytes(profile.dtype), parts) for parts in (1, 2, 3))
+    per_part = three - two
+    return replace(profile, host=replace(profile.host, adam_params_per_s=rate, split_base=(two - per_part) / one,
+                                         split_per_part=per_part / one))
 
 
 def block_efficiency(topo: Topology, gpu) -> tuple[int, float] | None:

@@ -13,7 +13,7 @@ of all of a step's gradients (every stage, worker and chunk) before it applies a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
@@ -130,6 +130,19 @@ class HostUpdatePath:
         grad = element_bytes if self.converts else element_bytes + 8
         compute = element_bytes if self.refreshes else element_bytes + 4
         return 24 + grad + compute + self.checks * (element_bytes if self.converts else 4)
+
+    def split_bytes_per_param(self, element_bytes: int, parts: int) -> int:
+        """Bytes the update of a piece whose gradients come home in ``parts`` parts (the
+        dispatched head's task, split over GPUs) moves per parameter.  The pass sums 16-bit parts
+        as it reads them (one more read each) only where nothing reads the gradients before it
+        (``checks``: the norm or the vote reads the parts' sum, the master's); else each part is
+        added into the fp32 gradient ahead (its read, the sum's read and write), and the update
+        reads that as a converted-ahead one does."""
+        if parts <= 1:
+            return self.bytes_per_param(element_bytes)
+        in_pass = self.converts and not self.checks and element_bytes != 4
+        base = (self if in_pass else replace(self, converts=False)).bytes_per_param(element_bytes)
+        return base + (parts - 1) * (element_bytes if in_pass else element_bytes + 8)
 
 
 def host_update_path(max_grad_norm: float, optimizer_lag: int, fp16: bool, replicated: bool) -> HostUpdatePath:

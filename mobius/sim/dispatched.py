@@ -296,9 +296,11 @@ class _StepOnSimulator:
         self.adamw(t, i, params, after)
 
     def adamw(self, t: Task, i: int, params: float, after: tuple) -> None:
-        """A stage's AdamW on the host (1/D of it with replicas, then the broadcast back), after ``after``."""
+        """A stage's AdamW on the host (1/D of it with replicas, then the broadcast back), after
+        ``after``; the head's, its parts summed in it, is the dearer for each part."""
         replicas, x = self.host.replicas, self.exchanges
-        adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params / replicas / self.adam_rate, after)
+        split = self.host.split_update_factor(self.head_gpus) if t.kind == "H" else 1.0
+        adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params * split / replicas / self.adam_rate, after)
         self.updates[(t.step, t.stage)] = adam
         if replicas > 1:
             self.updates[(t.step, t.stage)] = x["broadcast"] = self.add(

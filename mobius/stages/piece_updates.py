@@ -288,6 +288,13 @@ class PieceUpdates:
                 and (not self._whole_step or self.parts.get(piece, 1) == 1)
                 and host.grad_staging.data_ptr() != host.master_grad.data_ptr())
 
+    def _update_work(self, piece: int, host) -> float:
+        """The parameters an emulated host's update of ``piece`` takes the time of: its own, and
+        for the head's parts the more its update moves (as the plan charges it)."""
+        params = sum(p.numel() for g in host.optimizer.param_groups for p in g["params"])
+        parts, elt = self.parts.get(piece, 1), host.grad_staging.element_size()  # the gradients as they come home
+        return params * self.path.split_bytes_per_param(elt, parts) / self.path.bytes_per_param(elt)
+
     def _held(self, step: int, piece: int) -> list[int] | None:
         """None where ``piece``'s update may run now; else the pieces it waited with, once the last
         of them is here (an empty list until then): every piece where the step's global norm clips
@@ -445,8 +452,7 @@ class PieceUpdates:
                     self._publish(piece, step, refresh=False)
                     return
             if coefficient is not None:
-                with device.host_update_span(sum(p.numel() for g in host.optimizer.param_groups
-                                                 for p in g["params"])):
+                with device.host_update_span(self._update_work(piece, host)):
                     host_update(host.optimizer, host.master, compute if refreshed else None, staging,
                                 clip=coefficient)
             if not speculative:
