@@ -106,11 +106,10 @@ def with_host_update(profile: Profile, path: HostUpdatePath) -> Profile:
     (:func:`mobius.partition.profile.host_update_rate`), not AdamW's alone; a rate a run measured
     (:func:`with_measured_host_rate`) is its update's already."""
     rate = host_update_rate(profile.host.adam_params_per_s, profile.dtype, path)
-    # A split piece's bytes grow by the same amount with each part past the first.
-    one, two, three = (path.split_bytes_per_param(element_bytes(profile.dtype), parts) for parts in (1, 2, 3))
-    per_part = three - two
-    return replace(profile, host=replace(profile.host, adam_params_per_s=rate, split_base=(two - per_part) / one,
-                                         split_per_part=per_part / one))
+    elt = element_bytes(profile.dtype)
+    one, (first, each) = path.bytes_per_param(elt), path.split_bytes(elt)
+    return replace(profile, host=replace(profile.host, adam_params_per_s=rate, split_base=first / one,
+                                         split_per_part=each / one))
 
 
 def block_efficiency(topo: Topology, gpu) -> tuple[int, float] | None:

@@ -140,9 +140,15 @@ class HostUpdatePath:
         reads that as a converted-ahead one does."""
         if parts <= 1:
             return self.bytes_per_param(element_bytes)
+        first, each = self.split_bytes(element_bytes)
+        return first + (parts - 1) * each
+
+    def split_bytes(self, element_bytes: int) -> tuple[int, int]:
+        """(bytes a parameter of a piece of several parts moves with its first part, and with each
+        part more): :meth:`split_bytes_per_param`'s two terms."""
         in_pass = self.converts and not self.checks and element_bytes != 4
-        base = (self if in_pass else replace(self, converts=False)).bytes_per_param(element_bytes)
-        return base + (parts - 1) * (element_bytes if in_pass else element_bytes + 8)
+        first = (self if in_pass else replace(self, converts=False)).bytes_per_param(element_bytes)
+        return first, element_bytes if in_pass else element_bytes + 8
 
 
 def host_update_path(max_grad_norm: float, optimizer_lag: int, fp16: bool, replicated: bool) -> HostUpdatePath:
