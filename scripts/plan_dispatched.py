@@ -5,8 +5,8 @@ complex where there are two or more), ``--micro-batches`` of 1 x ``--seq-len``, 
 For every GPU count: the bound plan's predicted step (its cost model, the partition MIP's figure)
 and the simulator's step for the same plan; the dispatched schedule's simulated step with the
 shape its search found (stage counts, kept tail, the kept stages resident on their GPUs, the
-head's GPUs, whether the MIP's partitions or time-balanced ones won) and the step of the search
-without the MIP; the bound schedule's speed-up over its own one-GPU step (simulated), the dispatched
+head's layers and GPUs, whether the MIP's partitions or time-balanced ones won) and the steps of
+the search without the MIP and with a head's stage of the head alone; the bound schedule's speed-up over its own one-GPU step (simulated), the dispatched
 one's over the fastest one-GPU step of either.  The bound simulation swaps every stage: where the
 bound plan keeps stages resident on their GPUs (updated there, its "resident" column; without
 --optimizer-lag), the plan's own figure is the bound schedule's, and the dispatched schedule is
@@ -58,7 +58,8 @@ def box_of(gpus: int, directory: str) -> str:
 
 
 def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -> dict:
-    """One GPU count's predictions; ``without_mip``: the dispatched search without the MIP too."""
+    """One GPU count's predictions; ``without_mip``: the dispatched search without the MIP, and
+    with a head's stage of one layer, too."""
     cfg = RunConfig.of(model=model, topology=box_of(gpus, directory), micro_batch_size=1,
                        micro_batches=args.micro_batches, seq_len=args.seq_len, precision="bf16",
                        optimizer_lag=args.optimizer_lag, recompute=args.recompute)
@@ -74,15 +75,19 @@ def row(model: str, gpus: int, directory: str, args, without_mip: bool = True) -
     dispatched = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag)
     balanced = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag,
                                mip_shapes=0) if without_mip else None
+    shallow = plan_dispatched(profile, reserved, plan.order, args.micro_batches, optimizer_lag=args.optimizer_lag,
+                              deep_head=False) if without_mip else None
     return {"gpus": gpus, "bound_predicted_s": plan.modelled_step_s, "bound_simulated_s": bound.step_s,
             "bound_stages": len(plan.bounds), "bound_resident": len(plan.resident),
             "dispatched_simulated_s": dispatched.step_s if dispatched else None,
             "dispatched_stages": [len(dispatched.forward), len(dispatched.backward)] if dispatched else None,
             "dispatched_kept": dispatched.kept if dispatched else None,
             "dispatched_head_gpus": dispatched.head_gpus if dispatched else None,
+            "dispatched_head_layers": dispatched.head_layers if dispatched else None,
             "dispatched_resident": len(dispatched.resident) if dispatched else None,
             "dispatched_partitioned_by": dispatched.partitioned_by if dispatched else None,
-            "time_balanced_only_s": balanced.step_s if balanced else None}
+            "time_balanced_only_s": balanced.step_s if balanced else None,
+            "one_layer_head_s": shallow.step_s if shallow else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,16 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}, {args.micro_batches} micro-batches of 1x{args.seq_len}, bf16, optimizer lag "
           f"{args.optimizer_lag}, GPUs of 8x4090-4+4 (predictions, not measurements)")
     print("| GPUs | bound: plan s | resident | bound: sim s | speed-up | dispatched: sim s | speed-up | stages F/B "
-          "| kept | resident | head GPUs | partitions | time-balanced only s | dispatched/bound plan |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|")
+          "| kept | resident | head layers | head GPUs | partitions | time-balanced only s | one-layer head s "
+          "| dispatched/bound plan |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         d = r["dispatched_simulated_s"]
         print(f"| {r['gpus']} | {r['bound_predicted_s']:.2f} | {r['bound_resident']} | {r['bound_simulated_s']:.2f} | "
               f"{one['bound_simulated_s'] / r['bound_simulated_s']:.2f}x | "
               + (f"{d:.2f} | {fastest_one / d:.2f}x | {r['dispatched_stages'][0]}/{r['dispatched_stages'][1]} | "
-                 f"{r['dispatched_kept']} | {r['dispatched_resident']} | {r['dispatched_head_gpus']} | "
-                 f"{r['dispatched_partitioned_by']} | {r['time_balanced_only_s']:.2f} | "
-                 f"{d / r['bound_predicted_s']:.3f} |" if d else "does not fit | | | | | | | | |"))
+                 f"{r['dispatched_kept']} | {r['dispatched_resident']} | {r['dispatched_head_layers']} | "
+                 f"{r['dispatched_head_gpus']} | {r['dispatched_partitioned_by']} | {r['time_balanced_only_s']:.2f} | "
+                 f"{r['one_layer_head_s']:.2f} | {d / r['bound_predicted_s']:.3f} |"
+                 if d else "does not fit | | | | | | | | | | |"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

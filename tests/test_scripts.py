@@ -88,10 +88,16 @@ def test_dispatched_plan_scripts():
     assert (one["gpus"], two["gpus"]) == (1, 2)
     assert all(r["bound_simulated_s"] > 0 and r["dispatched_simulated_s"] > 0 for r in (one, two))
     assert two["dispatched_stages"][1] >= two["dispatched_stages"][0]  # backward stages are the smaller
+    # A deeper head's stage is kept only where it is faster.
+    assert all(r["dispatched_simulated_s"] <= r["one_layer_head_s"] for r in (one, two))
+    assert all((r["dispatched_simulated_s"] < r["one_layer_head_s"]) == (r["dispatched_head_layers"] > 1)
+               for r in (one, two))
     run_script("compare_roundpipe", ["--smoke", "--fraction", "0.5", "--json", "roundpipe.json"])
     found = read("roundpipe.json")
     assert found["fraction"] == 0.5 and [(r["lag"], r["gpus"]) for r in found["rows"]] == [(1, 1), (1, 2), (0, 1), (0, 2)]
     assert all(r["step_s"] >= 0.9 * r["bound_floor_s"] and r["tokens_per_s"] > 0 for r in found["rows"])
+    # A dispatched step is never shorter than what its busiest GPU computes, the floor it prints.
+    assert all(r["step_s"] >= r["floor_s"] * (1 - 1e-12) for r in found["rows"] if r["schedule"] == "dispatched")
     assert found["rows"][0]["roundpipe_tokens_per_s"] == 3142.0
 
 

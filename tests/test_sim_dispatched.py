@@ -275,6 +275,34 @@ def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_updat
     assert update.work == pytest.approx(1.75 * head.grad_bytes / 2 / profile.host.adam_params_per_s)
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_search_deepens_the_heads_stage_where_its_blocks_then_skip_recomputation_faster(lag):
+    """Eight blocks and a 32k vocabulary on 1.1 GB GPUs: a kept tail's activations (every
+    micro-batch's) do not fit, so every stage of the time-balanced plans recomputes; the head's
+    stage deepened by the blocks before it holds one micro-batch's at a time, runs their backward
+    in its fused pass without recomputing, split over the GPUs, and the step is shorter.  What the
+    plan states is its simulation, and its head's task runs the head's layers on those GPUs."""
+    import dataclasses
+
+    config = dataclasses.replace(get_config("small"), vocab_size=32_000, n_layer=8, norm="rmsnorm", mlp="swiglu",
+                                 positions="rope")
+    profile, topo, order = analytic_profile("llama-like", config, 1, 1024, 10.0, "bf16"), load_topology("topo2+2"), \
+        [0, 2, 1, 3]
+    memory = [int(1.1e9)] * 4
+    deep = plan_dispatched(profile, topo, order, 16, memory, optimizer_lag=lag)
+    shallow = plan_dispatched(profile, topo, order, 16, memory, optimizer_lag=lag, deep_head=False)
+    assert shallow.head_layers == 1 and shallow.kept == 0  # memory forces recomputation on every stage
+    assert deep.head_layers > 1 and deep.head_gpus > 1 and deep.step_s < 0.9 * shallow.step_s
+    assert deep.forward[-1] == deep.backward[-1] == (profile.n - deep.head_layers, profile.n)
+    again = simulate_dispatched(profile, deep.forward, deep.backward, topo, order, 16, memory, optimizer_lag=lag,
+                                kept=deep.kept, head_gpus=deep.head_gpus, resident=deep.resident)
+    assert deep.step_s == pytest.approx(again.step_s, rel=1e-12)
+    assert len({gpu for name, gpu in deep.gpu_of_tasks() if name.startswith("H.")}) == deep.head_gpus
+    # Nothing deeper than fits: with less memory the head's stage is shallower.
+    tighter = plan_dispatched(profile, topo, order, 16, [int(0.9e9)] * 4, optimizer_lag=lag)
+    assert 1 < tighter.head_layers < deep.head_layers
+
+
 def test_with_optimizer_lag_the_step_ends_with_the_device_work_unless_a_host_thread_needs_longer():
     profile, topo = _profile("gpt2"), load_topology("topo2+2")
     forward, backward = [(0, 7), (7, 14)], [(0, 3), (3, 6), (6, 10), (10, 14)]
@@ -476,17 +504,24 @@ def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_i
     """At many micro-batches the search compares plans by their steps at two smaller counts,
     extrapolated (each added micro-batch adds the same device time); the plan kept is then
     simulated whole, and the extrapolation ranked it within 5% of that simulation (GPT-2 with the
-    lag: 4.3%; Llama-3.1-8B on 8x4090-4+4: 0.3%)."""
+    lag: 4.3%; Llama-3.1-8B on 8x4090-4+4: 0.3%).  A deepened head's plan, which the samples
+    misjudge, is simulated whole before it is kept."""
     from mobius.sim.dispatched import SAMPLED, _extrapolated_s
 
     profile, topo, order, many = _profile("gpt2"), load_topology("topo2+2"), [0, 2, 1, 3], 4 * SAMPLED[-1]
-    plan = plan_dispatched(profile, topo, order, many, optimizer_lag=lag, mip_shapes=0)
     steps = 3
-    whole = simulate_dispatched(profile, plan.forward, plan.backward, topo, order, many, optimizer_lag=lag,
-                                kept=plan.kept, head_gpus=plan.head_gpus, steps=steps, resident=plan.resident)
-    assert plan.result is not None and plan.step_s == pytest.approx(whole.step_s, rel=1e-12)
+    plans = {}
+    for deep_head in (False, True):
+        plan = plans[deep_head] = plan_dispatched(profile, topo, order, many, optimizer_lag=lag, mip_shapes=0,
+                                                  deep_head=deep_head)
+        whole = simulate_dispatched(profile, plan.forward, plan.backward, topo, order, many, optimizer_lag=lag,
+                                    kept=plan.kept, head_gpus=plan.head_gpus, steps=steps, resident=plan.resident)
+        assert plan.result is not None and plan.step_s == pytest.approx(whole.step_s, rel=1e-12)
+    assert plans[False].head_layers == 1 and plans[True].step_s <= plans[False].step_s
+    plan = plans[False]
     if plan.resident:
         return
+    whole = plan.result
     samples = [simulate_dispatched(profile, plan.forward, plan.backward, topo, order, m, optimizer_lag=lag,
                                    kept=plan.kept, head_gpus=plan.head_gpus, steps=steps) for m in SAMPLED]
     assert _extrapolated_s(samples, many) == pytest.approx(whole.step_s, rel=0.05)

@@ -158,7 +158,7 @@ class _Model:
             return c.fwd_s + upload / self.bw[t.gpu] + o, c.param_bytes / GB, 0.0, c.mem_fwd / GB
         if t.kind == "H":
             return (c.fwd_s + c.bwd_s + upload / self.bw[t.gpu] + 2 * o, c.param_bytes / GB, c.grad_bytes / GB,
-                    (c.mem_fwd + c.mem_bwd) / GB)
+                    (c.mem_fwd + c.mem_bwd - c.param_bytes) / GB)  # its weights once
         # A kept stage's backward: its weights and its forward's activations are there.
         return c.bwd_s + (c.out_bytes / GB) / self.bw[t.gpu] + o, 0.0, c.grad_bytes / GB, c.mem_bwd / GB
 

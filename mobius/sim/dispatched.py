@@ -8,7 +8,8 @@ forwards, so its stages hold about a third of the layers, and every task takes a
 the others.  Three things keep the pool busy, and the simulation models each:
 
 * **The head's task is split by micro-batches** over ``head_gpus`` GPUs, each loading its weights;
-  the host sums their gradients before the stage's one AdamW update.
+  the host sums their gradients before the stage's one AdamW update.  Its stage may hold the last
+  blocks too, whose backward then runs in its fused pass without recomputation.
 * **A kept tail**: the ``kept`` forward stages before the last are their own backward stages, whose
   backward runs on the GPU that ran their forward, from every micro-batch's activations kept there
   (checked against that GPU's memory beside the tasks it runs meanwhile), without recomputation.
@@ -34,6 +35,7 @@ then the MIP's partitions, :mod:`mobius.partition.dispatched_mip`, of the fastes
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -54,6 +56,7 @@ STEADY_CANDIDATES = 5  # the plans fastest as single steps whose steady state th
 # micro-batches without the lag, the host update charged 40 bytes a parameter: the third by its
 # samples was 6% faster whole than the first)
 WHOLE_CANDIDATES = 3
+DEEP_WHOLE = 3  # the deepened heads' plans fastest by their samples that are simulated whole
 MIP_SHAPES = 2  # the fastest shapes whose partitions the MIP cuts again
 # Past twice the larger of these micro-batch counts the search compares plans by their steps at
 # these two, extrapolated (the simulation's time grows with the micro-batches); the plan it keeps is
@@ -82,6 +85,11 @@ class DispatchedPlan:
     # step that clips (StepPrediction; set by the planner, :func:`waiting_step`).
     waiting_step_s: float | None = None
     clipped_step_s: float | None = None
+
+    @property
+    def head_layers(self) -> int:
+        """The layers of the head's stage: the head and the blocks whose backward its pass runs."""
+        return self.forward[-1][1] - self.forward[-1][0]
 
     def steps(self) -> StepPrediction:
         """Its predicted step, with those of steps that clip and of the steps after them."""
@@ -148,10 +156,15 @@ def simulate_dispatched(profile: Profile, forward: list[tuple[int, int]], backwa
         step.run_task(i, t)
     step.release(math.inf)
     result = step.sim.run()
+    computing: dict[int, float] = {}
+    for t in result.tasks:
+        if t.kind == COMPUTE:
+            computing[t.gpu] = computing.get(t.gpu, 0.0) + t.work
+    compute = max(computing.values(), default=0.0) / simulated
     if steps == 1 and not optimizer_lag:  # a step alone, ending with its last update
-        return result
-    device, floor = _steady_step_s(result, step.step_of, steps, simulated, profile.host.network_bps)
-    return replace(result, step_s=max(device, floor), device_s=device, floor_s=floor)
+        return replace(result, compute_s=compute)
+    device, floor = _steady_step_s(result, step.step_of, steps, simulated, profile.host.network_bps, compute)
+    return replace(result, step_s=max(device, floor), device_s=device, floor_s=floor, compute_s=compute)
 
 
 class _StepOnSimulator:
@@ -374,12 +387,13 @@ def resident_bytes(c: StageCost, dtype) -> int:
 
 
 def _device_bytes(t: Task, fwd: list[StageCost], no_recompute: list[StageCost]) -> int:
-    """What a task's pass holds on its GPU: a forward's; the head's forward and backward; a
-    backward's, one micro-batch at a time, recomputed or not."""
+    """What a task's pass holds on its GPU: a forward's; the head's forward and backward, its
+    weights once (the runtime reserves both passes' working memory beside them); a backward's, one
+    micro-batch at a time, recomputed or not."""
     if t.kind == "F":
         return fwd[t.stage].mem_fwd
     if t.kind == "H":
-        return fwd[t.stage].mem_fwd + no_recompute[-1].mem_bwd
+        return fwd[t.stage].mem_fwd + no_recompute[-1].mem_bwd - no_recompute[-1].param_bytes
     return no_recompute[t.stage].mem_bwd
 
 
@@ -391,36 +405,34 @@ def _simulated(steps: int) -> int:
 
 
 def _steady_step_s(result: SimResult, step_of: dict[int, int], steps: int, simulated: int,
-                   network_bps: float) -> tuple[float, float]:
+                   network_bps: float, compute_s: float) -> tuple[float, float]:
     """The time between the ends of the first and the ``steps``-th steps' device work (and their
     exchanges between replicas), per step, of ``simulated`` steps (one step: its device work's
-    end), never less than the busiest GPU computes a step; and the floor under it, a host thread's
-    AdamW or the network's exchanges of one step.
+    end), never less than ``compute_s``, what the busiest GPU computes a step; and the floor under
+    it, a host thread's AdamW or the network's exchanges of one step.
 
     Overlapped steps settle into a cycle of several, not into one repeated step: Llama-3.1-8B on
     8x4090-4+4 at 64 micro-batches ends its steps 12.42, 12.39, 12.40 then 13.54 s apart, over and
     over (12.69 s on average), so the first steps' ends alone measured 12.41 s, under the 12.55 s
     each GPU computes a step.  What a GPU computes is a bound no cycle beats."""
     ends = [0.0] * simulated
-    computing: dict[int, float] = {}
     adam: dict[int, float] = {}
     for t in result.tasks:
         if t.kind not in (CPU, DELAY):
             ends[step_of[t.id]] = max(ends[step_of[t.id]], t.end)
-        if t.kind == COMPUTE:
-            computing[t.gpu] = computing.get(t.gpu, 0.0) + t.work
-        elif t.kind == CPU:
+        if t.kind == CPU:
             adam[t.gpu] = adam.get(t.gpu, 0.0) + t.work
     network = sum(t.work for t in result.tasks if t.kind == NET) / network_bps if network_bps else 0.0
     device = ends[0] if steps == 1 else (ends[steps - 1] - ends[0]) / (steps - 1)
-    device = max(device, max(computing.values(), default=0.0) / simulated)
+    device = max(device, compute_s)
     return device, max(max(adam.values(), default=0.0) / simulated, network / simulated)
 
 
 def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int,
                     memory_bytes: list[int] | None = None, adam_params_per_s: float | None = None,
                     optimizer_lag: int = 0, tied: bool = False, whole_step: bool = False,
-                    mip_shapes: int = MIP_SHAPES, mip_effort: int = DISPATCHED_EFFORT) -> DispatchedPlan | None:
+                    mip_shapes: int = MIP_SHAPES, mip_effort: int = DISPATCHED_EFFORT,
+                    deep_head: bool = True) -> DispatchedPlan | None:
     """The fastest dispatched step found: first the kept tail (one-layer stages, half the GPU count
     at a time, as long as they fit) and the head's GPUs, with two stages a GPU in each partition of
     the layers before the tail (one layer a stage where those do not fit); then, for the
@@ -429,7 +441,10 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     MIP's partitions with their stage counts (:mod:`mobius.partition.dispatched_mip`, each solve
     stopped at ``mip_effort`` limit checks).  The steady state of the :data:`STEADY_CANDIDATES`
     fastest time-balanced plans and the MIP's decides (past :data:`SAMPLED` from samples, then
-    the :data:`WHOLE_CANDIDATES` best simulated whole).  Without the lag (nor
+    the :data:`WHOLE_CANDIDATES` best simulated whole).  Then (``deep_head``) the head's stage
+    deepened by the last blocks (as deep as it fits, and shallower), over half the GPUs or all,
+    with the best plan's tail or none, in a few stage counts before it, ranked by their steady
+    states: the :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
     (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs, at any
     number of micro-batches (past :data:`SAMPLED`, the search simulates its plans at those counts).
@@ -460,14 +475,17 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
         return DispatchedPlan(forward, backward, list(order), micro_batches, _extrapolated_s(samples, micro_batches),
                               tail, heads, partitioned_by=by)
 
-    def balanced(tail: int, heads: int, sf: int, sb: int) -> DispatchedPlan | None:
-        cut = layers - 1 - tail  # the tail's one-layer stages, then the head's
+    def partitions(tail: int, sf: int, sb: int, depth: int = 1) -> tuple[list, list] | None:
+        cut = layers - depth - tail  # the tail's one-layer stages, then the head's ``depth`` layers
         if cut < 1:
             return None
         sf, sb = min(sf, cut), min(sb, cut)
-        rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - 1, layers)]
-        return simulated(tail, heads, balanced_bounds(fwd_costs[:cut], sf) + rest,
-                         balanced_bounds(bwd_costs[:cut], sb) + rest)
+        rest = [(cut + k, cut + k + 1) for k in range(tail)] + [(layers - depth, layers)]
+        return balanced_bounds(fwd_costs[:cut], sf) + rest, balanced_bounds(bwd_costs[:cut], sb) + rest
+
+    def balanced(tail: int, heads: int, sf: int, sb: int, depth: int = 1, steps: int = 1) -> DispatchedPlan | None:
+        cut = partitions(tail, sf, sb, depth)
+        return cut and simulated(tail, heads, *cut, steps)
 
     seen: list[DispatchedPlan] = []
     for tail in range(0, layers - 1, max(1, n // 2)):
@@ -508,9 +526,36 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     if best.result is None:  # ranked from samples: the few best simulated whole, the fastest kept
         best = min((simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, p.partitioned_by, True)
                     for p in ranked[:WHOLE_CANDIDATES]), key=lambda p: p.step_s)
+    # The head's stage deepened by the last blocks: their backward then runs in the head's fused
+    # pass, from one micro-batch's activations at a time, without recomputation, split over half
+    # the GPUs or all of them (a deep head on fewer sets the pace).  As deep as it fits (the
+    # deeper, the less a step computes), two thirds and four ninths of that (without the lag the
+    # next step's loads wait for the deep stage's long update: Llama-3.1-8B on 8x4090-4+4 at 256
+    # micro-batches, 9 layers were fastest there, 15 with the lag), each with the partitions before
+    # it in a few stage counts, since the turns of the tasks over the GPUs balance some counts and
+    # not others.  A group of its own, ranked by steady states (their single steps mislead: a
+    # long drain ends them).
+    deep: list[DispatchedPlan] = []
+    for tail, heads in itertools.product(sorted({0, best.kept}) if deep_head else (),
+                                         sorted({min(h, micro_batches) for h in (math.ceil(n / 2), n)})):
+        deepest = 1
+        while (cut := partitions(tail, n, n, deepest + 1)) and \
+                dispatched_fits(profile, *cut, memory, order, micro_batches, tail, heads):
+            deepest += 1
+        for depth, (sf, sb) in itertools.product(sorted({d for d in (deepest, deepest * 2 // 3, deepest * 4 // 9)
+                                                          if d > 1}),
+                                                 sorted({(max(1, n // 4), max(1, n // 2)),
+                                                         (max(1, n // 2), max(1, n // 2)), (max(1, n // 2), n),
+                                                         (n, n)})):
+            if p := balanced(tail, heads, sf, sb, depth, OVERLAPPED_STEPS):
+                deep.append(p)
+    finalists = [best] + [q for p in sorted(deep, key=lambda p: p.step_s)[:DEEP_WHOLE]
+                          if (q := p if p.result else simulated(p.kept, p.head_gpus, p.forward, p.backward,
+                                                                OVERLAPPED_STEPS, exact=True))]
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
-        return resident_for(best, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
-    return best
+        finalists = [resident_for(p, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
+                     for p in finalists]
+    return min(finalists, key=lambda p: p.step_s)
 
 
 def waiting_step(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: list[int] | None = None,
@@ -532,10 +577,14 @@ def _extrapolated_s(samples: list[SimResult], micro_batches: int) -> float:
     fill and drain each micro-batch adds the same time to the device work (at 256 from 16 and 32:
     within 0.3% of the whole simulation on Llama-3.1-8B on 8x4090-4+4; at 128, 4% on GPT-2 with the lag,
     whose short steps overlap more), and the steady state's floor (a step's host AdamW or network
-    exchanges) does not grow with them.  It ranks plans; the plan kept is simulated whole."""
+    exchanges) does not grow with them.  Never less than the busiest GPU's compute, which grows
+    with the micro-batches exactly: where the samples are bound by their loads, not their compute,
+    their line falls short (Llama-3.1-8B, fp16 accumulation, the lag: 14.1 s at 256 for a plan whose
+    whole step is its busiest GPU's compute, 23.0 s).  It ranks plans; the plan kept is simulated whole."""
     (a, b), (ra, rb) = SAMPLED, samples
     device = [r.step_s if r.device_s is None else r.device_s for r in (ra, rb)]
-    return max(device[1] + (device[1] - device[0]) / (b - a) * (micro_batches - b), rb.floor_s)
+    return max(device[1] + (device[1] - device[0]) / (b - a) * (micro_batches - b),
+               rb.compute_s * micro_batches / b, rb.floor_s)
 
 
 def resident_for(plan: DispatchedPlan, profile: Profile, topo, memory_bytes: list[int] | None = None,

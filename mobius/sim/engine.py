@@ -63,10 +63,11 @@ class Link:
 class SimResult:
     step_s: float
     tasks: list[Task]
-    # Of a steady state's step (mobius.sim.dispatched): its device work's part, and what bounds it
+    # Of a dispatched step (mobius.sim.dispatched): its device work's part, and what bounds it
     # besides (a host thread's AdamW or the network's exchanges of one step); step_s is the larger.
     device_s: float | None = None
     floor_s: float = 0.0
+    compute_s: float = 0.0  # and what its busiest GPU computes a step, over the steps simulated
     bytes_by_gpu: dict = field(default_factory=dict)  # (gpu, dir) -> bytes
     bytes_by_rc: dict = field(default_factory=dict)  # (rc, dir) -> bytes
 
