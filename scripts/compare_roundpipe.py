@@ -73,6 +73,7 @@ def predict(model: str, box: str, args, lag: int) -> dict:
     tokens = args.micro_batches * args.seq_len
     return {"gpus": decided.topology.n, "lag": lag, "schedule": "dispatched" if choice.shape is not None else "bound",
             "step_s": step, "tokens_per_s": tokens / step, "bound_floor_s": floor, "floor_s": own,
+            "head": [choice.dispatched.head_layers, choice.dispatched.head_gpus] if choice.shape is not None else None,
             "planning_s": time.perf_counter() - t0}
 
 
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
           f"GPUs of 8x4090-4+4 at block efficiency {fraction:.4f} ({'given' if args.fraction else 'calibrated'}); "
           "ours: predictions, not measurements")
     print("| optimizer | GPUs | schedule | step s | tok/s | speed-up | bound plan's floor s | its floor s | step/floor "
-          "| RoundPipe tok/s | ours/RoundPipe | planned in s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| RoundPipe tok/s | ours/RoundPipe | head's layers/GPUs | planned in s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         theirs = (published if r["lag"] else synchronous).get(r["gpus"])
         r["roundpipe_tokens_per_s"] = theirs
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         versus = f"{theirs:,.0f} | {r['tokens_per_s'] / theirs:.3f}" if theirs else "- | -"
         print(f"| {'lag 1' if r['lag'] else 'lag 0, clip 1.0'} | {r['gpus']} | {r['schedule']} | {r['step_s']:.2f} | "
               f"{r['tokens_per_s']:,.0f} | {speedup} | {r['bound_floor_s']:.2f} | {r['floor_s']:.2f} | "
-              f"{r['step_s'] / r['floor_s']:.3f} | {versus} | {r['planning_s']:.0f} |")
+              f"{r['step_s'] / r['floor_s']:.3f} | {versus} | {'/'.join(map(str, r['head'] or ['-']))} | "
+              f"{r['planning_s']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"fraction": fraction, "rows": rows}, indent=1))
 

@@ -511,13 +511,13 @@ def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_i
     profile, topo, order, many = _profile("gpt2"), load_topology("topo2+2"), [0, 2, 1, 3], 4 * SAMPLED[-1]
     steps = 3
     plans = {}
-    for deep_head in (False, True):
+    for deep_head in (False, True) if lag else (False,):  # (one search of each at 128 takes seconds)
         plan = plans[deep_head] = plan_dispatched(profile, topo, order, many, optimizer_lag=lag, mip_shapes=0,
                                                   deep_head=deep_head)
         whole = simulate_dispatched(profile, plan.forward, plan.backward, topo, order, many, optimizer_lag=lag,
                                     kept=plan.kept, head_gpus=plan.head_gpus, steps=steps, resident=plan.resident)
         assert plan.result is not None and plan.step_s == pytest.approx(whole.step_s, rel=1e-12)
-    assert plans[False].head_layers == 1 and plans[True].step_s <= plans[False].step_s
+    assert plans[False].head_layers == 1 and plans.get(True, plans[False]).step_s <= plans[False].step_s
     plan = plans[False]
     if plan.resident:
         return

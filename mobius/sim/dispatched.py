@@ -443,8 +443,7 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     fastest time-balanced plans and the MIP's decides (past :data:`SAMPLED` from samples, then
     the :data:`WHOLE_CANDIDATES` best simulated whole).  Then (``deep_head``) the head's stage
     deepened by the last blocks (as deep as it fits, and shallower), over half the GPUs or all,
-    with the best plan's tail or none, in a few stage counts before it, ranked by their steady
-    states: the :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
+    without a kept tail, in a few stage counts before it, ranked by their steady states: the :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
     (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs, at any
     number of micro-batches (past :data:`SAMPLED`, the search simulates its plans at those counts).
@@ -533,21 +532,21 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     # next step's loads wait for the deep stage's long update: Llama-3.1-8B on 8x4090-4+4 at 256
     # micro-batches, 9 layers were fastest there, 15 with the lag), each with the partitions before
     # it in a few stage counts, since the turns of the tasks over the GPUs balance some counts and
-    # not others.  A group of its own, ranked by steady states (their single steps mislead: a
-    # long drain ends them).
+    # not others; without a kept tail (it and the deep stage's pass would hold their activations
+    # on the same GPUs).  A group of its own, ranked by steady states (their single steps mislead:
+    # a long drain ends them).
     deep: list[DispatchedPlan] = []
-    for tail, heads in itertools.product(sorted({0, best.kept}) if deep_head else (),
-                                         sorted({min(h, micro_batches) for h in (math.ceil(n / 2), n)})):
+    for heads in sorted({min(h, micro_batches) for h in (math.ceil(n / 2), n)}) if deep_head else ():
         deepest = 1
-        while (cut := partitions(tail, n, n, deepest + 1)) and \
-                dispatched_fits(profile, *cut, memory, order, micro_batches, tail, heads):
+        while (cut := partitions(0, n, n, deepest + 1)) and \
+                dispatched_fits(profile, *cut, memory, order, micro_batches, 0, heads):
             deepest += 1
         for depth, (sf, sb) in itertools.product(sorted({d for d in (deepest, deepest * 2 // 3, deepest * 4 // 9)
                                                           if d > 1}),
                                                  sorted({(max(1, n // 4), max(1, n // 2)),
                                                          (max(1, n // 2), max(1, n // 2)), (max(1, n // 2), n),
                                                          (n, n)})):
-            if p := balanced(tail, heads, sf, sb, depth, OVERLAPPED_STEPS):
+            if p := balanced(0, heads, sf, sb, depth, OVERLAPPED_STEPS):
                 deep.append(p)
     finalists = [best] + [q for p in sorted(deep, key=lambda p: p.step_s)[:DEEP_WHOLE]
                           if (q := p if p.result else simulated(p.kept, p.head_gpus, p.forward, p.backward,
