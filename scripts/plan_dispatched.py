@@ -6,8 +6,9 @@ For every GPU count: the bound plan's predicted step (its cost model, the partit
 and the simulator's step for the same plan; the dispatched schedule's simulated step with the
 shape its search found (stage counts, kept tail, the kept stages resident on their GPUs, the
 head's layers and GPUs, whether the MIP's partitions or time-balanced ones won) and the steps of
-the search without the MIP and with a head's stage of the head alone; the bound schedule's speed-up over its own one-GPU step (simulated), the dispatched
-one's over the fastest one-GPU step of either.  The bound simulation swaps every stage: where the
+the search without the MIP and with a head's stage of the head alone; the bound schedule's
+speed-up over its own one-GPU step (simulated), the dispatched one's over the fastest one-GPU step
+of either.  The bound simulation swaps every stage: where the
 bound plan keeps stages resident on their GPUs (updated there, its "resident" column; without
 --optimizer-lag), the plan's own figure is the bound schedule's, and the dispatched schedule is
 compared with that.  Everything here is a prediction from config.json alone (analytic profile),

@@ -15,7 +15,8 @@ from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
 from mobius.partition.dispatched_mip import solve_dispatched
 from mobius.partition.profile import analytic_profile
-from mobius.sim.dispatched import OVERLAPPED_STEPS, plan_dispatched, simulate_dispatched, valid_partitions
+from mobius.sim.dispatched import (OVERLAPPED_STEPS, dispatched_fits, plan_dispatched, simulate_dispatched,
+                                   valid_partitions)
 from mobius.sim.engine import COMPUTE
 from mobius.sim.schedules import simulate_mobius
 from mobius.stages.tasks import step_tasks
@@ -298,9 +299,13 @@ def test_the_search_deepens_the_heads_stage_where_its_blocks_then_skip_recomputa
                                 kept=deep.kept, head_gpus=deep.head_gpus, resident=deep.resident)
     assert deep.step_s == pytest.approx(again.step_s, rel=1e-12)
     assert len({gpu for name, gpu in deep.gpu_of_tasks() if name.startswith("H.")}) == deep.head_gpus
-    # Nothing deeper than fits: with less memory the head's stage is shallower.
-    tighter = plan_dispatched(profile, topo, order, 16, [int(0.9e9)] * 4, optimizer_lag=lag)
-    assert 1 < tighter.head_layers < deep.head_layers
+    # Nothing deeper than fits: on 0.9 GB GPUs that head's stage does not, and the plan's, still
+    # deepened, does.
+    tight = [int(0.9e9)] * 4
+    tighter = plan_dispatched(profile, topo, order, 16, tight, optimizer_lag=lag)
+    assert not dispatched_fits(profile, deep.forward, deep.backward, tight, order, 16, deep.kept, deep.head_gpus)
+    assert 1 < tighter.head_layers and dispatched_fits(profile, tighter.forward, tighter.backward, tight, order, 16,
+                                                       tighter.kept, tighter.head_gpus, tighter.resident)
 
 
 def test_with_optimizer_lag_the_step_ends_with_the_device_work_unless_a_host_thread_needs_longer():

@@ -443,7 +443,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     fastest time-balanced plans and the MIP's decides (past :data:`SAMPLED` from samples, then
     the :data:`WHOLE_CANDIDATES` best simulated whole).  Then (``deep_head``) the head's stage
     deepened by the last blocks (as deep as it fits, and shallower), over half the GPUs or all,
-    without a kept tail, in a few stage counts before it, ranked by their steady states: the :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
+    without a kept tail, in a few stage counts before it, ranked by their steady states: the
+    :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
     (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs, at any
     number of micro-batches (past :data:`SAMPLED`, the search simulates its plans at those counts).
