@@ -4,6 +4,7 @@ under torchrun on two "nodes" of localhost."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,6 +120,24 @@ def _torchrun_nodes(tmp_path, per_node_args, per_node_env=({}, {})):
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.mark.slow
+def test_replicas_whose_stages_keep_or_recompute_by_memory_equal_the_lagged_reference(tmp_path, capfd):
+    """Two replicas of two workers under a memory cap that lets some stages keep their activations
+    and makes the others recompute (the plan's per-stage choice), with the one-step-stale
+    optimizer: the reference's losses and final weights."""
+    args = ["--model", "tiny8", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "8", "--steps", "3",
+            "--optimizer-lag", "1"]
+    want, weights = reference(parse_train_args(args))
+    out = str(tmp_path / "run")
+    main(args + ["--topology", "cpu", "--cpu-workers", "2", "--data-parallel", "2", "--stages", "5",
+                 "--gpu-mem-gb", "0.005", "--save", out, "--metrics", out + ".jsonl"])
+    assert re.search(r"recompute on for stages [0-9, -]+, activations kept by stages [0-9]", capfd.readouterr().out)
+    assert _losses(out + ".jsonl") == pytest.approx(want, rel=1e-5)
+    final = ck.load_checkpoint(out)
+    for name, w in weights.items():
+        torch.testing.assert_close(final.get(name), w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
