@@ -56,7 +56,12 @@ STEADY_CANDIDATES = 5  # the plans fastest as single steps whose steady state th
 # micro-batches without the lag, the host update charged 40 bytes a parameter: the third by its
 # samples was 6% faster whole than the first)
 WHOLE_CANDIDATES = 3
-DEEP_WHOLE = 3  # the deepened heads' plans fastest by their samples that are simulated whole
+# The deepened heads' plans are simulated whole (but those that their busiest GPU's compute rules
+# out): their samples rank them no better than by chance (Llama-3.1-8B on 8x4090-4+4 at 256
+# micro-batches without the lag: 9 layers on 4 GPUs sampled at 23.4 s, whole 26.9 s, the fastest;
+# 9 on 8 sampled at 21.7, whole 46.6).  The fastest DEEP_FINALISTS of them are compared with the
+# best plan of a one-layer head.
+DEEP_FINALISTS = 3
 MIP_SHAPES = 2  # the fastest shapes whose partitions the MIP cuts again
 # Past twice the larger of these micro-batch counts the search compares plans by their steps at
 # these two, extrapolated (the simulation's time grows with the micro-batches); the plan it keeps is
@@ -79,6 +84,7 @@ class DispatchedPlan:
     kept: int = 0  # forward stages before the last whose backward runs where they ran, from kept activations
     head_gpus: int = 1  # GPUs the last forward stage's micro-batches are split over
     result: SimResult | None = None
+    compute_s: float = 0.0  # what its busiest GPU computes a step: no steady state is shorter
     resident: tuple[tuple[int, int], ...] = ()  # kept stages on one GPU for good, updated there: (stage, GPU)
     partitioned_by: str = BALANCED  # or MIP: how its partitions were cut
     # Where its host updates start before clipping's norm: the step after one that clipped and a
@@ -443,8 +449,8 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     fastest time-balanced plans and the MIP's decides (past :data:`SAMPLED` from samples, then
     the :data:`WHOLE_CANDIDATES` best simulated whole).  Then (``deep_head``) the head's stage
     deepened by the last blocks (as deep as it fits, and shallower), over half the GPUs or all,
-    without a kept tail, in a few stage counts before it, ranked by their steady states: the
-    :data:`DEEP_WHOLE` fastest simulated whole, kept where faster.  Without the lag (nor
+    without a kept tail, in a few stage counts before it, simulated whole where their busiest GPU's
+    compute does not rule them out: the :data:`DEEP_FINALISTS` fastest kept where faster.  Without the lag (nor
     replicas, nor fp16), the kept stages to keep resident on the GPUs their forwards ran on
     (:func:`resident_for`).  A few dozen simulations and two solves: a few seconds for 8 GPUs, at any
     number of micro-batches (past :data:`SAMPLED`, the search simulates its plans at those counts).
@@ -467,13 +473,14 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
         if exact or micro_batches <= 2 * SAMPLED[-1]:
             r = run(micro_batches)
             return r and DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r,
-                                        partitioned_by=by)
+                                        r.compute_s, partitioned_by=by)
         if not dispatched_fits(profile, forward, backward, memory, order, micro_batches, tail, heads):
             return None
         if not all(samples := [run(m) for m in SAMPLED]):
             return None
         return DispatchedPlan(forward, backward, list(order), micro_batches, _extrapolated_s(samples, micro_batches),
-                              tail, heads, partitioned_by=by)
+                              tail, heads, compute_s=samples[-1].compute_s * micro_batches / SAMPLED[-1],
+                              partitioned_by=by)
 
     def partitions(tail: int, sf: int, sb: int, depth: int = 1) -> tuple[list, list] | None:
         cut = layers - depth - tail  # the tail's one-layer stages, then the head's ``depth`` layers
@@ -534,9 +541,11 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     # micro-batches, 9 layers were fastest there, 15 with the lag), each with the partitions before
     # it in a few stage counts, since the turns of the tasks over the GPUs balance some counts and
     # not others; without a kept tail (it and the deep stage's pass would hold their activations
-    # on the same GPUs).  A group of its own, ranked by steady states (their single steps mislead:
-    # a long drain ends them).
-    deep: list[DispatchedPlan] = []
+    # on the same GPUs).  A group of its own, ranked by their whole steady states (their single
+    # steps mislead, a long drain ends them, and so do their samples: see DEEP_FINALISTS), in the
+    # order of their samples; not one whose busiest GPU computes no less than the fastest plan
+    # found takes (nor will after resident stages, which compute the same).
+    sampled: list[DispatchedPlan] = []
     for heads in sorted({min(h, micro_batches) for h in (math.ceil(n / 2), n)}) if deep_head else ():
         deepest = 1
         while (cut := partitions(0, n, n, deepest + 1)) and \
@@ -548,10 +557,16 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
                                                          (max(1, n // 2), max(1, n // 2)), (max(1, n // 2), n),
                                                          (n, n)})):
             if p := balanced(0, heads, sf, sb, depth, OVERLAPPED_STEPS):
-                deep.append(p)
-    finalists = [best] + [q for p in sorted(deep, key=lambda p: p.step_s)[:DEEP_WHOLE]
-                          if (q := p if p.result else simulated(p.kept, p.head_gpus, p.forward, p.backward,
-                                                                OVERLAPPED_STEPS, exact=True))]
+                sampled.append(p)
+    deep: list[DispatchedPlan] = []
+    for p in sorted(sampled, key=lambda p: p.step_s):
+        if p.result is None:
+            if p.compute_s >= min(q.step_s for q in [best, *deep]):
+                continue
+            p = simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, exact=True)
+        if p:
+            deep.append(p)
+    finalists = [best] + sorted(deep, key=lambda p: p.step_s)[:DEEP_FINALISTS]
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
         finalists = [resident_for(p, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
                      for p in finalists]
