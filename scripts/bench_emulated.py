@@ -19,9 +19,10 @@ Every stage swaps (``--device-optimizer off``), as in the paper and the simulato
 prefetch on/off; cross vs sequential mapping on ``8x3090-4+4`` and ``topo2+2``; ``--optimizer-lag``
 0/1; clipping on and off, in both schedules; recomputation where memory forces it against on every stage; the bound
 schedule against the dispatched one (``--schedule``; its rows' stages are forward/backward, and its
-prediction is its simulation); the dispatched one with a kept tail beside recomputing stages and a split head; one box of ``8x3090-4+4`` against two as data-parallel replicas over
-25 GbE; MIP vs min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a
-large-block configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
+prediction is its simulation); the dispatched one with a kept tail beside recomputing stages and a
+split head; one box of ``8x3090-4+4`` against two as data-parallel replicas over 25 GbE; MIP vs
+min-stage vs max-stage vs balanced partitions on ``topo2+2`` for a small-block and a large-block
+configuration.  Prints the tables and the gains (predicted vs measured), writes JSON.
 
     python scripts/bench_emulated.py [--steps 3] [--only TABLE] [--match ROW] [--json bench_emulated.json]
     python scripts/bench_emulated.py --smoke    # one row: the tiny model on topo2+2, 2 steps (seconds)
