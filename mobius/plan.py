@@ -30,7 +30,7 @@ def build_parser() -> OneLineParser:
     add_options(p, plans_only=True)
     p.add_argument("--profile", choices=("auto", "measure", "analytic"), default="auto",
                    help="measure layers on this machine or compute them from the topology's GPUs "
-                        "(auto: measure when the topology is this machine)")
+                        "(auto: measure when the topology is this machine; with --emulate always analytic, as the run)")
     p.add_argument("--mip-effort", type=int, default=None,
                    help="how far the partition MIP searches, in HiGHS's limit checks (a count of its own "
                         "progress, so one command gives one plan on a quiet or a busy machine); more finds "
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.from_dict(vars(args))
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise InputError(f"--time-limit must be a positive finite number, got {args.time_limit}")
+    if args.profile == "measure" and cfg.emulation.enabled:
+        raise InputError("--profile measure with --emulate: an emulated box is planned from its GPUs' figures, "
+                         "as its run emulates them; leave --profile out")
     if args.mip_effort is not None and args.mip_effort < 1:
         raise InputError(f"--mip-effort must be at least 1, got {args.mip_effort}")
     started = time.perf_counter()

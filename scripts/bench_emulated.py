@@ -45,7 +45,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import parse_train_args
 from mobius.models import get_config
 from mobius.partition.cost import settle
-from mobius.planning.pipeline import clipping_waits, prepare_pipeline, update_path
+from mobius.planning.pipeline import clipping_waits, layers_timed_how, prepare_pipeline, update_path
 from mobius.planning.planner import MAPPINGS, replica_profile
 from mobius.planning.prepare import get_profile, resolve_topology
 from mobius.runtime.inputs import check_model_input
@@ -103,9 +103,12 @@ TABLES: dict[str, list[tuple[str, str]]] = {
                   ("topo2+2 recompute where forced", f"{ROOMIER_PAIR} --recompute auto"),
                   ("topo2+2 recompute on", f"{ROOMIER_PAIR} --recompute on")],
     # The dispatched schedule with memory for some stages' activations: its last forward stages keep
-    # theirs (their backward runs where they ran) beside stages that recompute, and on 8x3090-4+4
-    # the head's micro-batches are split over two GPUs.
-    "kept": [("8x3090-4+4 dispatched, kept tail, split head", f"{ROOMIER_BOX} --optimizer-lag 1 --schedule dispatched"),
+    # theirs (their backward runs where they ran) beside stages that recompute (8x3090-4+4 at 0.1 GB:
+    # 13 stages, 8 kept, the head's micro-batches on 2 GPUs; topo2+2: 9, 4 kept); and at 0.12 GB
+    # the head's micro-batches split over 4 GPUs, nothing kept (5 stages).
+    "kept": [("8x3090-4+4 dispatched, kept tail, split head",
+              f"{ROOMIER_BOX.replace('0.12', '0.1')} --optimizer-lag 1 --schedule dispatched"),
+             ("8x3090-4+4 dispatched, split head", f"{ROOMIER_BOX} --optimizer-lag 1 --schedule dispatched"),
              ("topo2+2 dispatched, kept tail", f"{ROOMIER_PAIR} --optimizer-lag 1 --schedule dispatched")],
     "partition": [(f"small blocks {p}", f"{SMALL_BLOCKS} --partitioner {p}") for p in PARTITIONERS]
     + [(f"large blocks {p}", f"{LARGE_BLOCKS} --partitioner {p}") for p in PARTITIONERS],
@@ -152,7 +155,7 @@ def predict(options: str, steps: int) -> tuple[dict, StepPrediction | None]:
                "simulated_s": predicted.step_s, "factor": factor}
         return _with_clipping(row, cfg, clipping), clipping
     profile = get_profile(cfg.model, get_config(cfg.model), topo, cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                          plan.precision, "analytic" if cfg.emulation.enabled else "measure",
+                          plan.precision, layers_timed_how(cfg),
                           path=update_path(cfg, plan.precision, plan.data_parallel))
     profile = replica_profile(profile, topo, plan.data_parallel)  # its host's updates cross the network
     sim = simulate_mobius(profile, plan.bounds, topo, plan.order, plan.micro_batches, plan.recompute,

@@ -131,6 +131,7 @@ PLAN_OPTIONS = [
     (["--cpu-workers", "-1"], "--cpu-workers must be positive"),
     (["--time-limit", "nan"], "--time-limit must be a positive finite number"),
     (["--mip-effort", "0"], "--mip-effort must be at least 1, got 0"),
+    (["--topology", "topo2+2", "--emulate", "--profile", "measure"], "--profile measure with --emulate: an emulated box is planned from"),
     (["--model", "tiny", "--seq-len", "9999"], "exceeds tiny's context of 128"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--schedule", "dispatched", "--offload-dir", "never-made"], "--schedule dispatched does not run --offload-dir"),

@@ -502,6 +502,33 @@ def test_mobius_plan_prints_both_predictions_and_which_schedule_runs(capsys, tmp
     assert not (tmp_path / "never-made").exists()
 
 
+def test_mobius_plan_of_an_emulated_box_is_the_plan_its_emulated_run_trains(capsys):
+    """``mobius.plan --emulate`` times the layers from the GPUs' figures, as ``mobius.train
+    --emulate`` does, so both schedules' plans are the run's: not this machine's CPU measured for the
+    bound plan beside an analytic dispatched one (13 stages against the run's 8 here)."""
+    import json
+
+    from mobius.backends import resolve
+    from mobius.config import parse_train_args
+    from mobius.plan import main as plan_main
+    from mobius.planning.pipeline import prepare_pipeline
+    from mobius.planning.prepare import resolve_topology
+    from mobius.runtime.inputs import check_model_input
+
+    options = ["--topology", "8x3090-4+4", "--model", "small", "--gpu-mem-gb", "0.1", "--optimizer-lag", "1",
+               "--schedule", "dispatched", "--device-optimizer", "off", "--emulate"]
+    plan_main([*options, "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    cfg = parse_train_args([*options, "--steps", "2"])
+    spec, plan = prepare_pipeline(resolve(cfg, resolve_topology(cfg), "pipeline"), check_model_input(cfg))
+    assert printed["profile_source"] == plan.profile_source and plan.profile_source.startswith("analytic")
+    assert printed["bounds"] == [list(b) for b in plan.bounds]
+    shape, found = spec.setup.dispatched, printed["dispatched"]
+    assert (found["forward"], found["backward"]) == ([list(s) for s in shape.forward], [list(s) for s in shape.backward])
+    assert (found["kept"], found["head_gpus"]) == (shape.kept, shape.head_gpus)
+    assert printed["predicted_step_s"] == spec.setup.predicted().step_s
+
+
 @pytest.mark.slow
 def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_bound(tmp_path):
     """The dispatched schedule's targets, predicted from config.json (scripts/plan_dispatched.py):

@@ -72,6 +72,12 @@ def clipping_speculates(cfg: RunConfig, precision: str, replicas: int) -> bool:
     return bool(cfg.optim.max_grad_norm) and not updates_wait_for_the_step(cfg, precision, replicas)
 
 
+def layers_timed_how(cfg: RunConfig, asked: str = "auto") -> str:
+    """How a plan times its layers (``--profile``): an emulated box's from its GPUs' figures, as its
+    run emulates them (``mobius.plan`` refuses ``measure`` with ``--emulate``), else as asked."""
+    return "analytic" if cfg.emulation.enabled else asked
+
+
 def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None = None,
              profiled: Callable[[], None] | None = None, **plan_options) -> Plan:
     """The plan a run on ``decided``'s devices executes (its GPUs, budgeted as a run on them
@@ -93,7 +99,7 @@ def run_plan(decided: Decided, model_config: GPTConfig, profile: Profile | None 
     after)."""
     # The plan of emulated GPUs is made from their profile, from FLOPs and bytes.
     cfg, topo, precision, replicas = decided.cfg, decided.topology, decided.precision, decided.replicas
-    how = plan_options.pop("profile_how", "analytic" if cfg.emulation.enabled else "auto")
+    how = layers_timed_how(cfg, plan_options.pop("profile_how", "auto"))
     batch, pipe = cfg.batch, cfg.pipeline
     # The disk tier: as much state on disk as the host memory needs (--host-mem-gb, or the machine's), or
     # with --host-mem-gb 0 all it can take.
@@ -161,7 +167,7 @@ def dispatched_beside(decided: Decided, model_config: GPTConfig, plan: Plan, pro
     cfg, topo = decided.cfg, decided.topology
     batch = cfg.batch
     profile = replica_profile(get_profile(cfg.model, model_config, topo, batch.micro_batch_size, batch.seq_len,
-                                          plan.precision, "analytic" if cfg.emulation.enabled else profile_how,
+                                          plan.precision, layers_timed_how(cfg, profile_how),
                                           path=update_path(cfg, plan.precision, plan.data_parallel)),
                               topo, plan.data_parallel)
     adam = plan.host_costs.get("adam_params_per_s")
@@ -216,7 +222,7 @@ def prepare_pipeline(decided: Decided, model_config: GPTConfig,
     measured = not plan.profile_source.startswith("analytic")
     layers_key = profile_key(model_config, topo, cfg.batch.micro_batch_size, cfg.batch.seq_len, precision) \
         if measured else ""
-    choice = choose_schedule(decided, model_config, plan, "analytic" if cfg.emulation.enabled else "auto")
+    choice = choose_schedule(decided, model_config, plan)
     setup = PipelineSetup(plan, plan.data_parallel, host_key(topo, measured), layers_key, choice.shape,
                           choice.dispatched.steps() if choice.shape is not None else None, choice.why)
     return RunSpec(gpus, precision, budgets_of(topo), setup, emulation), plan
