@@ -277,6 +277,45 @@ def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_updat
 
 
 @pytest.mark.parametrize("lag", [0, 1])
+def test_a_steps_gradients_go_home_once_the_step_befores_update_has_read_the_staging(lag):
+    """A piece has one staging buffer on the host: a backward stage's gradients leave its GPU only
+    once the step before's update of that stage has read it, and the GPU's next task waits with them
+    (the runtime's device thread waits to copy them); the head's update, whose stage is the last
+    backward stage's (more backward stages than forward ones here), is what the head's next loads
+    wait for.  With the lag and the host slow, the staging is what some gradients wait for (without
+    it, the next step's loads wait for these updates anyway)."""
+    profile, topo = _llama_like(), load_topology("topo2+2")
+    slow = replace(profile, host=replace(profile.host, adam_params_per_s=profile.host.adam_params_per_s / 20))
+    forward, backward, order, steps = [(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 3), (3, 5), (5, 6)], [0, 2, 1, 3], 3
+    r = simulate_dispatched(slow, forward, backward, topo, order, M, head_gpus=2, optimizer_lag=lag, steps=steps)
+    tasks = step_tasks(forward, backward, 0, 2, order, M, steps + 1)
+    by = {t.name: t for t in r.tasks}
+
+    def stage_of(i: int) -> int:  # the backward stage a task's gradients are of
+        return len(backward) - 1 if tasks[i].kind == "H" else tasks[i].stage
+
+    adam = {(tasks[i].step, stage_of(i)): by[f"AdamW T{i}"] for i in range(len(tasks)) if f"AdamW T{i}" in by}
+    assert len(adam) == len(backward) * (steps + 1)
+    waited = 0
+    for i, t in enumerate(tasks):
+        if t.kind == "F" or t.step == 0:
+            continue
+        before = adam[(t.step - 1, stage_of(i))]
+        assert by[f"grads T{i} to host"].start >= before.end - 1e-12
+        waited += by[f"grads T{i} to host"].start == pytest.approx(before.end, rel=1e-9)
+        if t.kind == "H" and t.step > lag:  # its weights: the head's update of the step 1 + lag before
+            assert by[f"load T{i} (prefetch)"].start >= adam[(t.step - 1 - lag, len(backward) - 1)].end - 1e-12
+    assert waited if lag else True  # the staging, not the gradients' own copy, held some of them
+    # The runtime's device thread waits with the gradients: its GPU's next compute starts after.
+    for i, t in enumerate(tasks):
+        if t.kind != "F" and t.step > 0:
+            freed = by[f"T{i} staging free"]
+            later = [u for u in r.tasks if u.kind == COMPUTE and u.gpu == t.gpu and u.start > freed.start
+                     and u.name.startswith(("F", "B")) and freed.id not in u.deps]
+            assert all(u.start >= freed.end - 1e-12 for u in later)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
 def test_the_search_deepens_the_heads_stage_where_its_blocks_then_skip_recomputation_faster(lag):
     """Eight blocks and a 32k vocabulary on 1.1 GB GPUs: a kept tail's activations (every
     micro-batch's) do not fit, so every stage of the time-balanced plans recomputes; the head's

@@ -198,7 +198,7 @@ class _StepOnSimulator:
         # vote); per step, what they wait for and the updates held ((task, its index, parameters)).
         self.whole_step = whole_step
         self.gates: dict[int, list[int]] = {}
-        self.held: dict[int, list[tuple[Task, int, float]]] = {}
+        self.held: dict[int, list[tuple[Task, int, int, float]]] = {}
         # The resident stages, by their forward and by their backward index: weights stay, updated there.
         self.resident_fwd, self.resident_bwd = resident
 
@@ -288,11 +288,18 @@ class _StepOnSimulator:
         parts are summed on the host before its one update.  A resident stage's AdamW runs on its
         GPU, on the compute stream."""
         params = trained.grad_bytes / element_bytes(self.profile.dtype)
-        if t.kind == "B" and t.stage in self.resident_bwd:
-            self.computed[t.gpu] = self.updates[(t.step, t.stage)] = self.add(
+        k = len(self.bwd) - 1 if t.kind == "H" else t.stage  # the backward stage whose gradients these are
+        if t.kind == "B" and k in self.resident_bwd:
+            self.computed[t.gpu] = self.updates[(t.step, k)] = self.add(
                 t, f"AdamW T{i} on the GPU", COMPUTE, t.gpu, params / self.host.device_adam_params_per_s, (last,))
             self.last_on[t.gpu] = (self.last_on[t.gpu][0], self.computed[t.gpu])
             return
+        # Their staging buffers on the host are free once the step before's update of them has read
+        # them: until then the gradients wait on the GPU, and so does the thread that drives it.
+        staged = self.updates.get((t.step - 1, k))
+        if staged is not None:
+            last = self.computed[t.gpu] = self.add(t, f"T{i} staging free", DELAY, t.gpu, 0.0, (last, staged))
+            self.last_on[t.gpu] = (self.last_on[t.gpu][0], last)
         off = self.add(t, f"grads T{i} to host", D2H, t.gpu, trained.grad_bytes, (last,), len(self.tasks) + i,
                        "gradients")
         after = (off,)
@@ -310,19 +317,19 @@ class _StepOnSimulator:
             after = (x["sum"],)
         if self.whole_step:  # its AdamW waits for the step's last gradients (release)
             self.gates.setdefault(t.step, []).extend(after)
-            self.held.setdefault(t.step, []).append((t, i, params))
+            self.held.setdefault(t.step, []).append((t, i, k, params))
             return
-        self.adamw(t, i, params, after)
+        self.adamw(t, i, k, params, after)
 
-    def adamw(self, t: Task, i: int, params: float, after: tuple) -> None:
-        """A stage's AdamW on the host (1/D of it with replicas, then the broadcast back), after
-        ``after``; the head's, its parts summed in it, is the dearer for each part."""
+    def adamw(self, t: Task, i: int, k: int, params: float, after: tuple) -> None:
+        """Backward stage ``k``'s AdamW on the host (1/D of it with replicas, then the broadcast
+        back), after ``after``; the head's, its parts summed in it, is the dearer for each part."""
         replicas, x = self.host.replicas, self.exchanges
         split = self.host.split_update_factor(self.head_gpus) if t.kind == "H" else 1.0
         adam = self.add(t, f"AdamW T{i}", CPU, t.gpu, params * split / replicas / self.adam_rate, after)
-        self.updates[(t.step, t.stage)] = adam
+        self.updates[(t.step, k)] = adam
         if replicas > 1:
-            self.updates[(t.step, t.stage)] = x["broadcast"] = self.add(
+            self.updates[(t.step, k)] = x["broadcast"] = self.add(
                 t, f"broadcast T{i}", NET, 0, exchanged_bytes(params, replicas), (adam, x.get("broadcast")), i,
                 "broadcasts")
 
@@ -331,8 +338,8 @@ class _StepOnSimulator:
         home (summed over the replicas): clipping's norm, fp16's vote."""
         for step in sorted(s for s in self.held if s < before):
             gates = tuple(self.gates.pop(step))
-            for t, i, params in self.held.pop(step):
-                self.adamw(t, i, params, gates)
+            for t, i, k, params in self.held.pop(step):
+                self.adamw(t, i, k, params, gates)
 
 
 def dispatched_fits(profile: Profile, forward: list[tuple[int, int]], backward: list[tuple[int, int]],
