@@ -207,7 +207,8 @@ SMOKE_TABLES = {"smoke": [("topo2+2 tiny", "--topology topo2+2 --model tiny --gp
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up, the last drains (emulated rows)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps per run; the first is warm-up, the last drains (emulated rows)")
     p.add_argument("--only", choices=tuple(TABLES), action="append", help="run only these tables")
     p.add_argument("--match", action="append", help="run only the rows whose name contains this")
     p.add_argument("--json", default="bench_emulated.json")
