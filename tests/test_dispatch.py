@@ -185,6 +185,13 @@ def test_the_trace_shows_which_gpu_ran_each_task():
                                                       KEPT_TAIL.order, 4))
     assert ran == want
     assert ("B4", dict(want)["F3"]) in want  # a kept stage's backward ran where its forward did
+    # The head's update (its two parts summed, AdamW) in two slices, on the optimizer threads, which
+    # together cover it; no other piece's is split.
+    head = len(pieces(KEPT_TAIL.forward, KEPT_TAIL.backward)) - 1
+    slices = [e for e in trace.collect() if e["name"].endswith(" slice")]
+    assert [e["name"] for e in slices] == [f"AdamW piece {head} slice"] * 2
+    assert sum(e["args"]["share"] for e in slices) == pytest.approx(1.0)
+    assert all(e["args"]["thread"].startswith("mobius-optimizer") for e in slices)
 
 
 def test_pieces_cut_wherever_either_partition_does():

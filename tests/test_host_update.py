@@ -68,6 +68,35 @@ def test_one_pass_gives_the_bits_of_the_conversions_and_the_step_one_after_the_o
                                                                     got["state"][k].items()}
 
 
+def test_an_update_split_into_slices_on_threads_gives_the_bits_of_one_pass():
+    """The head's update split over threads (:func:`~mobius.runtime.optim.update_slices`): runs of
+    consecutive parameters of about as many elements each, every parameter in one, and the slices
+    stepped side by side leave the weights, moments, step counts and compute copy of one pass."""
+    import threading
+
+    master_a, params_a, opt_a = flat_params(0)
+    master_b, params_b, opt_b = flat_params(0)
+    slices = optim.update_slices(opt_b, 2)
+    order = [p for group in opt_b.param_groups for p in group["params"]]
+    assert [p for run in slices for p in run] == order and len(slices) == 2
+    assert [[p.numel() for p in run] for run in slices] == [[70_000], [9_000, 70]]  # by their middles
+    assert optim.update_slices(opt_b, 1) == [order] and len(optim.update_slices(opt_b, 9)) == 2
+    compute_a, compute_b = (torch.empty_like(master_a, dtype=torch.bfloat16) for _ in range(2))
+    for step in range(3):
+        parts = tuple((torch.randn_like(master_a) * 100).to(torch.bfloat16) for _ in range(2))
+        host_update(opt_a, master_a, compute_a, parts, clip=0.3, chunk=CHUNK)
+        threads = [threading.Thread(target=host_update, args=(opt_b, master_b, compute_b, parts),
+                                    kwargs={"clip": 0.3, "chunk": CHUNK, "params": run}) for run in slices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert torch.equal(master_a, master_b) and torch.equal(compute_a, compute_b), step
+        for a, b in zip(params_a, params_b):
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt_a.state[a][key], opt_b.state[b][key]), (step, key)
+
+
 def test_with_the_gradients_attached_the_pass_steps_them_and_leaves_a_gradient_less_parameter_as_it_is():
     """Gradients already fp32 on the parameters (the step's norm read them first): the pass is
     the step, the compute copy refreshed; a parameter without a gradient keeps its weights and

@@ -82,9 +82,10 @@ def test_with_clipping_or_fp16_every_update_waits_for_the_steps_last_gradients(l
 def test_a_dispatched_plan_whose_updates_start_before_the_norm_states_the_steps_that_clip(monkeypatch):
     """Without the lag the dispatched schedule's host updates start before clipping's norm: its plan
     is the unclipped one (at its host update's rate: it reads the gradients in fp32 first), and it
-    also states the step after one that clipped (every update waiting for the norm, simulated) and the step that clips (that, and the busiest host thread's updates
-    taken back first, at the rollback's measured cost in AdamW passes); the header says both.  With
-    the lag there is nothing to state."""
+    also states the step after one that clipped (every update waiting for the norm, simulated) and
+    the step that clips (that, and the busiest host thread's updates taken back first, at the
+    rollback's measured cost in AdamW passes); the header says both.  With the lag there is nothing
+    to state."""
     import contextlib
     import io
 
@@ -264,16 +265,21 @@ def test_the_heads_micro_batches_are_split_over_gpus_and_summed_before_one_updat
     assert [ends["B1.0"][2], ends["B0.0"][2]] == [0, 2]
     heads = [t for t in r.tasks if t.name.startswith("grads") and t.gpu in (1, 3) and t.kind == "d2h"]
     adam = [t for t in r.tasks if t.kind == "cpu"]
-    assert len(heads) == 2 and len(adam) == 3  # the head's two gradient copies, one update of its stage
+    # the head's two gradient copies; its stage's one update, after both, in halves on the threads of
+    # the GPUs that computed the parts
+    assert len(heads) == 2 and len(adam) == 4
     head = stage_costs(profile, backward, False)[-1]
-    (update,) = [t for t in adam if set(t.deps) == {h.id for h in heads}]
-    assert update.work == pytest.approx(head.grad_bytes / 2 / profile.host.adam_params_per_s)  # bf16 gradients
+    halves = [t for t in adam if set(t.deps) == {h.id for h in heads}]
+    assert sorted(t.gpu for t in halves) == [1, 3]
+    for half in halves:  # bf16 gradients
+        assert half.work == pytest.approx(head.grad_bytes / 2 / profile.host.adam_params_per_s / 2)
     assert r.step_s < one.step_s
     # Its parts summed on the host make its update dearer by what each part adds to it.
     dearer = replace(profile, host=replace(profile.host, split_base=1.5, split_per_part=0.25))
     r = simulate_dispatched(dearer, forward, backward, topo, order, M, head_gpus=2, steps=1)
-    (update,) = [t for t in r.tasks if t.kind == "cpu" and len(t.deps) == 2]
-    assert update.work == pytest.approx(1.75 * head.grad_bytes / 2 / profile.host.adam_params_per_s)
+    halves = [t for t in r.tasks if t.kind == "cpu" and len(t.deps) == 2]
+    half = 1.75 * head.grad_bytes / 2 / profile.host.adam_params_per_s / 2
+    assert [t.work for t in halves] == pytest.approx([half, half])
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -576,7 +582,8 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
     Llama-3.1-8B on 8 of 8x4090-4+4's GPUs, 16 micro-batches of 1x2048, bf16, with the optimizer
     lag: at least 7x the fastest one-GPU step of either schedule, at least a quarter shorter than
     the bound plan that recomputes every stage and shorter than the one that recomputes only
-    where memory forces it; every part of it in use."""
+    where memory forces it; its head split over GPUs, with a kept tail or deepened by the last
+    blocks (both run their backwards without recomputation)."""
     import argparse
     import contextlib
     import io
@@ -600,7 +607,7 @@ def test_llama_8b_dispatched_on_8x4090_is_7x_one_gpu_and_a_quarter_shorter_than_
     assert fastest_one / eight["dispatched_simulated_s"] >= 7.0
     assert eight["dispatched_simulated_s"] <= 0.75 * recomputing
     assert eight["dispatched_simulated_s"] < eight["bound_predicted_s"] < recomputing
-    assert eight["dispatched_kept"] > 0 and eight["dispatched_head_gpus"] > 1
+    assert (eight["dispatched_kept"] > 0 or eight["dispatched_head_layers"] > 1) and eight["dispatched_head_gpus"] > 1
 
 
 @pytest.mark.slow

@@ -174,6 +174,7 @@ class _Model:
         homes, updates = [], []
         adam_lane: dict[int, object] = {}
         head_home: list = []
+        head_lanes: list[int] = []  # the GPUs of the head's parts, whose host threads split its update
         head_parts = sum(t.kind == "H" for t in self.tasks)
         for i, t in enumerate(self.tasks):
             d, weights, grads, memory = self.describe(t)
@@ -210,12 +211,15 @@ class _Model:
             home = V(f"home_{i}", 0)
             prob += home >= end + grads * (1.0 / bw)
             homes.append(home)
-            if t.kind == "H":  # one update, once every part's gradients are home
+            if t.kind == "H":  # one update, once every part's gradients are home, in a slice a part's thread
                 head_home.append(home)
+                head_lanes.append(g)
                 if len(head_home) < head_parts:
                     continue
-            split = self.host.split_update_factor(head_parts) if t.kind == "H" else 1.0  # the parts summed in it
-            updates.append((i, g, grads * self.adam_s_per_gb * split, tuple(head_home) if t.kind == "H" else (home,)))
+                adam = grads * self.adam_s_per_gb * self.host.split_update_factor(head_parts) / head_parts
+                updates += [(f"{i}_{lane}", lane, adam, tuple(head_home)) for lane in head_lanes]
+                continue
+            updates.append((str(i), g, grads * self.adam_s_per_gb, (home,)))
         for i, g, adam, after in updates:
             updated = V(f"updated_{i}", 0)
             for h in (homes if self.whole_step else after):

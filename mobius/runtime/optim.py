@@ -168,7 +168,7 @@ def host_update_path(max_grad_norm: float, optimizer_lag: int, fp16: bool, repli
 @torch.no_grad()
 def host_update(optimizer: torch.optim.AdamW, master: torch.Tensor, compute: torch.Tensor | None = None,
                 staging: tuple[torch.Tensor, ...] = (), unscale: float | None = None, clip: float = 1.0,
-                chunk: int | None = None) -> None:
+                chunk: int | None = None, params: list[torch.nn.Parameter] | None = None) -> None:
     """``optimizer.step()`` (an :func:`adamw` over parameters that view the flat fp32 ``master``)
     as one pass, chunk by chunk, with what a 16-bit host update does beside it, so that the chunk's
     gradient and weights are still in the cache when the next part reads them: each chunk's
@@ -178,14 +178,19 @@ def host_update(optimizer: torch.optim.AdamW, master: torch.Tensor, compute: tor
     compute-dtype copy, in master's layout; None: not here).  Every element sees the operations of
     the unfused path in its order (:data:`HOST_UPDATE_CHUNK`): no bit changes.  The optimizer's
     state stays torch's own (its checkpoints, :func:`undo_adamw_step`); a 16-bit update moves 28
-    bytes a parameter where the unfused path moved 40 (:meth:`HostUpdatePath.bytes_per_param`)."""
+    bytes a parameter where the unfused path moved 40 (:meth:`HostUpdatePath.bytes_per_param`).
+    ``params``: only these of the optimizer's parameters (the others untouched; a slice of an
+    update split over threads, :func:`update_slices`)."""
     chunk = chunk or HOST_UPDATE_CHUNK
+    only = None if params is None else {id(p) for p in params}
     chunk_param = torch.nn.Parameter(torch.empty(0))
     inner = adamw([{"params": [chunk_param], "weight_decay": 0.0}], UpdateRule(lr=0.0))
     scratch = torch.empty(min(chunk, master.numel())) if staging else None
     for group in optimizer.param_groups:
         inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         for p in group["params"]:
+            if only is not None and id(p) not in only:
+                continue
             at = (p.data_ptr() - master.data_ptr()) // p.element_size()
             weights = p.view(-1)
             if p.grad is None and not staging:  # not updated: its compute copy as it is
@@ -217,6 +222,20 @@ def host_update(optimizer: torch.optim.AdamW, master: torch.Tensor, compute: tor
                     compute[at + a:at + b].copy_(weights[a:b])
             state["step"] += 1
     inner.state.clear()
+
+
+def update_slices(optimizer: torch.optim.Optimizer, slices: int) -> list[list[torch.nn.Parameter]]:
+    """The optimizer's parameters in at most ``slices`` runs of consecutive ones, of about as many
+    elements each (a parameter goes to the run its middle element falls in): the parts of one
+    update that threads run side by side."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    total = sum(p.numel() for p in params)
+    runs: list[list[torch.nn.Parameter]] = [[] for _ in range(max(1, slices))]
+    before = 0
+    for p in params:
+        runs[min(len(runs) - 1, (2 * before + p.numel()) * len(runs) // (2 * max(1, total)))].append(p)
+        before += p.numel()
+    return [run for run in runs if run] or [params]
 
 
 def squares(grads: Iterable[torch.Tensor | None]) -> float:

@@ -43,7 +43,7 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares
+from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares, update_slices
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
 from mobius.swap.store import HostStageStore
@@ -175,6 +175,10 @@ class PieceUpdates:
         # A thread per device, as the plan's host lanes: a piece's updates stay in step order because
         # its next gradients wait for the update before (wait_staging).
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
+        # The head's update (its parts' sum and AdamW) split over as many of the pool's threads as
+        # the devices its parts came from, as the plan splits it over their host lanes.
+        self._slices = {p: update_slices(store.stages[p].optimizer, parts[p]) for p in self.trained
+                        if parts.get(p, 1) > 1 and store.stages[p].optimizer is not None}
         self._jobs: list = []
         # step -> its decision as the step's metrics report it, and when its last update was in
         self._decided: dict[int, Decided] = {}
@@ -452,11 +456,34 @@ class PieceUpdates:
                     self._publish(piece, step, refresh=False)
                     return
             if coefficient is not None:
-                with device.host_update_span(self._update_work(piece, host)):
-                    host_update(host.optimizer, host.master, compute if refreshed else None, staging,
-                                clip=coefficient)
-            if not speculative:
-                host.optimizer.zero_grad(set_to_none=True)
+                slices = self._slices.get(piece) or [None]
+                left, total = [len(slices)], sum(p.numel() for run in slices if run for p in run)
+
+                def update(params: list | None) -> None:
+                    share, begun = 1.0 if params is None else sum(p.numel() for p in params) / total, time.perf_counter()
+                    with device.host_update_span(self._update_work(piece, host) * share):
+                        host_update(host.optimizer, host.master, compute if refreshed else None, staging,
+                                    clip=coefficient, params=params)
+                    if params is not None:
+                        self.trace.span(f"AdamW piece {piece} slice", "optimizer", begun, time.perf_counter(),
+                                        step=step, thread=threading.current_thread().name, share=share)
+                    with self._lock:
+                        left[0] -= 1
+                        if left[0]:
+                            return  # the last slice to finish goes on
+                    self._updated(piece, step, host, speculative, refreshed, t0)
+
+                for params in slices[1:]:
+                    self._submit(update, params)
+                update(slices[0])
+                return
+        self._updated(piece, step, host, speculative, refreshed, t0)
+
+    def _updated(self, piece: int, step: int, host, speculative: bool, refreshed: bool, t0: float) -> None:
+        """After ``piece``'s update of step ``step`` (every slice of it): its gradients let go,
+        and its compute copy written and published (see :meth:`_adamw`)."""
+        if host.optimizer is not None and not speculative:
+            host.optimizer.zero_grad(set_to_none=True)
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step,
                         thread=threading.current_thread().name)
         if speculative:  # the compute copy now, the loads once the norm keeps it
