@@ -640,6 +640,33 @@ def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_i
     assert _extrapolated_s(samples, many) != pytest.approx(samples[-1].step_s, rel=0.1)  # it grew with them
 
 
+def test_past_ranked_at_whole_steps_are_compared_there_and_only_the_finalists_simulated_at_the_runs(monkeypatch):
+    """Past RANKED_AT micro-batches the search's whole simulations are at RANKED_AT but for the
+    WHOLE_FINALISTS fastest there, simulated at the run's count; the plan kept is one of them and
+    its step is its whole simulation's (GPT-2 on topo2+2 with the lag, RANKED_AT lowered to 80 for
+    a run of 128: the same plan as the search that simulates every candidate at 128)."""
+    import mobius.sim.dispatched as dispatched
+    from mobius.sim.dispatched import SAMPLED, WHOLE_FINALISTS
+
+    profile, topo, order, many = _profile("gpt2"), load_topology("topo2+2"), [0, 2, 1, 3], 4 * SAMPLED[-1]
+    everywhere = plan_dispatched(profile, topo, order, many, optimizer_lag=1, mip_shapes=0)
+    counts = []
+    real = dispatched.simulate_dispatched
+
+    def counted(*args, **kw):
+        counts.append(args[5])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dispatched, "RANKED_AT", 80)
+    monkeypatch.setattr(dispatched, "simulate_dispatched", counted)
+    plan = plan_dispatched(profile, topo, order, many, optimizer_lag=1, mip_shapes=0)
+    assert set(counts) == {*SAMPLED, 80, many} and 0 < counts.count(many) <= WHOLE_FINALISTS
+    assert counts.count(80) > counts.count(many)
+    assert (plan.forward, plan.backward, plan.head_gpus, plan.micro_batches) == \
+        (everywhere.forward, everywhere.backward, everywhere.head_gpus, many)
+    assert plan.step_s == pytest.approx(everywhere.step_s, rel=1e-12)
+
+
 @pytest.mark.parametrize("topology,lag", [("topo2+2", 0), ("topo2+2", 1), ("1xh100", 0)])
 def test_one_micro_batch_plans_both_schedules(capsys, topology, lag):
     """The edges of the search: one micro-batch (no more of the head's GPUs than micro-batches), one GPU."""

@@ -62,6 +62,12 @@ WHOLE_CANDIDATES = 3
 # 9 on 8 sampled at 21.7, whole 46.6).  The fastest DEEP_FINALISTS of them are compared with the
 # best plan of a one-layer head.
 DEEP_FINALISTS = 3
+# Past this many micro-batches the search compares its plans' whole steps at this count (the
+# one-layer heads' WHOLE_CANDIDATES, the deepened heads'), and simulates only the WHOLE_FINALISTS
+# fastest there whole at the run's: a whole simulation costs what its micro-batches do
+# (Llama-3.1-8B on 8 GPUs at 1,024 without the lag: 19 whole simulations, 64 s of the search's 75).
+RANKED_AT = 256
+WHOLE_FINALISTS = 2
 MIP_SHAPES = 2  # the fastest shapes whose partitions the MIP cuts again
 # Past twice the larger of these micro-batch counts the search compares plans by their steps at
 # these two, extrapolated (the simulation's time grows with the micro-batches); the plan it keeps is
@@ -475,15 +481,18 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     memory = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
 
     def simulated(tail: int, heads: int, forward, backward, steps: int = 1, by: str = BALANCED,
-                  exact: bool = False) -> DispatchedPlan | None:
+                  exact: bool = False, at: int | None = None) -> DispatchedPlan | None:
+        """The plan's step: simulated whole (``exact``, or few micro-batches), at ``at`` micro-batches
+        (whole) where given, else from samples."""
         def run(m: int) -> SimResult | None:
             r = simulate_dispatched(profile, forward, backward, topo, order, m, memory_bytes, adam_params_per_s,
                                     optimizer_lag, tail, heads, steps, whole_step=whole_step)
             return r if r is not None and math.isfinite(r.step_s) else None
 
-        if exact or micro_batches <= 2 * SAMPLED[-1]:
-            r = run(micro_batches)
-            return r and DispatchedPlan(forward, backward, list(order), micro_batches, r.step_s, tail, heads, r,
+        if at or exact or micro_batches <= 2 * SAMPLED[-1]:
+            m = at or micro_batches
+            r = run(m)
+            return r and DispatchedPlan(forward, backward, list(order), m, r.step_s, tail, heads, r,
                                         r.compute_s, partitioned_by=by)
         if not dispatched_fits(profile, forward, backward, memory, order, micro_batches, tail, heads):
             return None
@@ -543,10 +552,13 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     ranked = sorted((p for (tail, heads, fwd, bwd), by in sorted(candidates.items())
                      if (p := simulated(tail, heads, list(fwd), list(bwd), OVERLAPPED_STEPS, by))),
                     key=lambda p: p.step_s)
+    # Past RANKED_AT micro-batches whole steps are compared at that count, then the fastest at the run's.
+    ranked_at = RANKED_AT if micro_batches > RANKED_AT else None
+    at_ranked = (ranked_at or micro_batches) / micro_batches  # a step's compute there, of the run's
     best = ranked[0]
     if best.result is None:  # ranked from samples: the few best simulated whole, the fastest kept
-        best = min((simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, p.partitioned_by, True)
-                    for p in ranked[:WHOLE_CANDIDATES]), key=lambda p: p.step_s)
+        best = min((simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, p.partitioned_by, True,
+                              ranked_at) for p in ranked[:WHOLE_CANDIDATES]), key=lambda p: p.step_s)
     # The head's stage deepened by the last blocks: their backward then runs in the head's fused
     # pass, from one micro-batch's activations at a time, without recomputation, split over half
     # the GPUs or all of them (a deep head on fewer sets the pace).  As deep as it fits (the
@@ -575,12 +587,16 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     deep: list[DispatchedPlan] = []
     for p in sorted(sampled, key=lambda p: p.step_s):
         if p.result is None:
-            if p.compute_s >= min(q.step_s for q in [best, *deep]):
+            if p.compute_s * at_ranked >= min(q.step_s for q in [best, *deep]):
                 continue
-            p = simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, exact=True)
+            p = simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS, exact=True, at=ranked_at)
         if p:
             deep.append(p)
     finalists = [best] + sorted(deep, key=lambda p: p.step_s)[:DEEP_FINALISTS]
+    if ranked_at:  # the fastest at RANKED_AT, whole at the run's count
+        finalists = [q for p in sorted(finalists, key=lambda p: p.step_s)[:WHOLE_FINALISTS]
+                     if (q := simulated(p.kept, p.head_gpus, p.forward, p.backward, OVERLAPPED_STEPS,
+                                        p.partitioned_by, True))]
     if not optimizer_lag and profile.host.replicas == 1 and profile.dtype != "fp16":  # fp16's vote is the host's
         finalists = [resident_for(p, profile, topo, memory_bytes, adam_params_per_s, tied, whole_step)
                      for p in finalists]
