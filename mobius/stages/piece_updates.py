@@ -4,10 +4,11 @@ piece's AdamW, once a step, on host threads.
 
 A piece's update waits for every part of its step's gradients (the head's task split over several
 devices: one part each, summed in part order into the fp32 master, whatever order they arrived
-in), steps AdamW (after the step's global norm, where it clips), and writes the compute copy that
-step ``1 + lag`` later reads; then its version says so, and the loads that read it go on.  A piece's
-next gradients wait for that update before landing in its staging buffer, so its updates stay in
-step order on any of the threads.
+in), steps AdamW (after the step's global norm, where it clips; a piece of several parts in as
+many slices of its parameters, side by side on the pool, the last to finish going on), and writes
+the compute copy that step ``1 + lag`` later reads; then its version says so, and the loads that
+read it go on.  A piece's next gradients wait for that update before landing in its staging
+buffer, so its updates stay in step order on any of the threads.
 
 Without a lag or replicas the updates that clipping's norm or fp16's vote hold back need not wait
 for them: a piece's update runs as its gradients are summed (unscaled, its sum of squares taken
@@ -459,8 +460,9 @@ class PieceUpdates:
                 slices = self._slices.get(piece) or [None]
                 left, total = [len(slices)], sum(p.numel() for run in slices if run for p in run)
 
-                def update(params: list | None) -> None:
-                    share, begun = 1.0 if params is None else sum(p.numel() for p in params) / total, time.perf_counter()
+                def update(params: list | None) -> None:  # a slice (None: all of it), on a pool thread
+                    begun = time.perf_counter()
+                    share = 1.0 if params is None else sum(p.numel() for p in params) / total
                     with device.host_update_span(self._update_work(piece, host) * share):
                         host_update(host.optimizer, host.master, compute if refreshed else None, staging,
                                     clip=coefficient, params=params)
