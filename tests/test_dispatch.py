@@ -126,6 +126,30 @@ def test_updates_start_before_the_norm_and_the_step_that_clips_is_redone():
 
 
 @pytest.mark.slow
+def test_the_heads_update_in_slices_is_whole_before_its_step_is_decided(monkeypatch):
+    """The head's update made before the step's norm runs in slices on the optimizer threads; the
+    step's decision (which keeps it and lets its gradients go, or takes it back and redoes it)
+    waits for the last slice: with every slice but the first held back 200 ms, the run still equals
+    the reference, clipped steps redone and all."""
+    import time
+
+    import mobius.stages.piece_updates as piece_updates
+
+    unheld = piece_updates.host_update
+
+    def held_back(optimizer, *args, params=None, **kw):
+        if params is not None and params[0] is not optimizer.param_groups[0]["params"][0]:
+            time.sleep(0.2)
+        unheld(optimizer, *args, params=params, **kw)
+
+    monkeypatch.setattr(piece_updates, "host_update", held_back)
+    cfg = config(2, max_grad_norm=3.1, steps=6)
+    runner = []
+    assert_same(run(cfg, SPLIT_HEAD, runner_out=runner), reference(cfg))
+    assert runner[0].updates.decisions.redone_steps == [3]
+
+
+@pytest.mark.slow
 def test_bf16_follows_the_bf16_reference():
     """16-bit compute copies and gradient staging (the GPUs' default), fp32 masters and AdamW: the
     reference's bf16 losses to bf16's precision."""

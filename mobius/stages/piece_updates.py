@@ -265,13 +265,18 @@ class PieceUpdates:
         if self.replicas is not None:
             self.summed.put(piece, step)  # the sums' thread takes it from here
             return
+
+        def summed() -> None:  # after its update before the step's decision, if it makes one (every slice)
+            held = self._held(step, piece)
+            if held is None:
+                self._adamw(piece, step, 1.0, device)
+                return
+            self._update_released(step, held, device)
+
         if self.decisions.speculating and piece not in self.tied:
-            self._adamw(piece, step, 1.0, device, speculative=True)
-        held = self._held(step, piece)
-        if held is None:
-            self._adamw(piece, step, 1.0, device)
+            self._adamw(piece, step, 1.0, device, speculative=True, then=summed)
             return
-        self._update_released(step, held, device)
+        summed()
 
     def _update_released(self, step: int, held: list[int], device: Device) -> None:
         """The updates of the pieces ``held`` for each other (none until the last is here), each
@@ -431,7 +436,7 @@ class PieceUpdates:
             self._publish(piece, step)
 
     def _adamw(self, piece: int, step: int, coefficient: float | None, device: Device,
-               speculative: bool = False, staging: tuple[torch.Tensor, ...] = ()) -> None:
+               speculative: bool = False, staging: tuple[torch.Tensor, ...] = (), then=None) -> None:
         """AdamW of ``piece`` with step ``step``'s gradients times ``coefficient`` (the clip over
         fp16's loss scale; None: a step fp16's vote skips, the weights as they are).
         ``speculative``: before the step's vote and norm are known, the gradients unscaled and their
@@ -439,7 +444,8 @@ class PieceUpdates:
         held back; a piece updated so comes back here with the step's decision: kept, taken back
         (None: a step the vote skips), or taken back and redone with its gradients clipped.
         ``staging``: its parts' 16-bit gradients, which the update sums into fp32 in its pass (else
-        they are the master's already)."""
+        they are the master's already).  ``then``: called once the update is done (its last slice
+        done, on that slice's thread), or found not to be made."""
         host = self.store.stages[piece]
         t0 = time.perf_counter()
         compute = host.compute_buffers[self.store.buffer_updated_by(step)]
@@ -451,6 +457,8 @@ class PieceUpdates:
             if speculative:  # unscaled, and not updated at all where a gradient is not finite
                 if not self.decisions.update_first(piece, host.optimizer,
                                                    self.scale_of(step) if self.scaler.enabled else None):
+                    if then is not None:
+                        then()
                     return
             elif self.decisions.updated_first(piece):
                 if self.decisions.stands(piece, host.optimizer, coefficient == 1.0, device):
@@ -473,17 +481,17 @@ class PieceUpdates:
                         left[0] -= 1
                         if left[0]:
                             return  # the last slice to finish goes on
-                    self._updated(piece, step, host, speculative, refreshed, t0)
+                    self._updated(piece, step, host, speculative, refreshed, t0, then)
 
                 for params in slices[1:]:
                     self._submit(update, params)
                 update(slices[0])
                 return
-        self._updated(piece, step, host, speculative, refreshed, t0)
+        self._updated(piece, step, host, speculative, refreshed, t0, then)
 
-    def _updated(self, piece: int, step: int, host, speculative: bool, refreshed: bool, t0: float) -> None:
+    def _updated(self, piece: int, step: int, host, speculative: bool, refreshed: bool, t0: float, then) -> None:
         """After ``piece``'s update of step ``step`` (every slice of it): its gradients let go,
-        and its compute copy written and published (see :meth:`_adamw`)."""
+        and its compute copy written and published (see :meth:`_adamw`); then ``then``."""
         if host.optimizer is not None and not speculative:
             host.optimizer.zero_grad(set_to_none=True)
         self.trace.span(f"AdamW piece {piece}", "optimizer", t0, time.perf_counter(), step=step,
@@ -495,6 +503,8 @@ class PieceUpdates:
             self.stepped.put(piece, step)  # the broadcasts' thread takes it from here
         else:
             self._publish(piece, step, refresh=not refreshed)
+        if then is not None:
+            then()
 
     def _publish(self, piece: int, step: int, refresh: bool = True) -> None:
         """Piece ``piece``'s master after step ``step``'s update into the compute copy the step
