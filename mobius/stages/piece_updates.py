@@ -86,6 +86,13 @@ def _tied_table(store: HostStageStore) -> list[tuple[int, torch.nn.Parameter]]:
     return [(first, embedding), (last, dict(store.stages[last].trained())[alias])] if embedding is not None else []
 
 
+def _with_shares(slices: list[list[torch.nn.Parameter]]) -> list[tuple[list[torch.nn.Parameter], float]]:
+    """Each slice of an update with its share of the update's elements (what an emulated host
+    times it by)."""
+    total = sum(p.numel() for run in slices for p in run)
+    return [(run, sum(p.numel() for p in run) / total) for run in slices]
+
+
 class InOrder:
     """(piece, step) pairs handed over in any order, taken in one order: step by step from the
     first, within a step ``order``'s pieces in turn.  Waits on the board, so an error anywhere
@@ -178,7 +185,8 @@ class PieceUpdates:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mobius-optimizer")
         # The head's update (its parts' sum and AdamW) split over as many of the pool's threads as
         # the devices its parts came from, as the plan splits it over their host lanes.
-        self._slices = {p: update_slices(store.stages[p].optimizer, parts[p]) for p in self.trained
+        # piece -> [(a slice's parameters, its share of the piece's elements)]
+        self._slices = {p: _with_shares(update_slices(store.stages[p].optimizer, parts[p])) for p in self.trained
                         if parts.get(p, 1) > 1 and store.stages[p].optimizer is not None}
         self._jobs: list = []
         # step -> its decision as the step's metrics report it, and when its last update was in
@@ -465,12 +473,11 @@ class PieceUpdates:
                     self._publish(piece, step, refresh=False)
                     return
             if coefficient is not None:
-                slices = self._slices.get(piece) or [None]
-                left, total = [len(slices)], sum(p.numel() for run in slices if run for p in run)
+                slices = self._slices.get(piece) or [(None, 1.0)]
+                left = [len(slices)]
 
-                def update(params: list | None) -> None:  # a slice (None: all of it), on a pool thread
+                def update(params: list | None, share: float) -> None:  # a slice (None: all of it)
                     begun = time.perf_counter()
-                    share = 1.0 if params is None else sum(p.numel() for p in params) / total
                     with device.host_update_span(self._update_work(piece, host) * share):
                         host_update(host.optimizer, host.master, compute if refreshed else None, staging,
                                     clip=coefficient, params=params)
@@ -483,9 +490,9 @@ class PieceUpdates:
                             return  # the last slice to finish goes on
                     self._updated(piece, step, host, speculative, refreshed, t0, then)
 
-                for params in slices[1:]:
-                    self._submit(update, params)
-                update(slices[0])
+                for params, share in slices[1:]:
+                    self._submit(update, params, share)
+                update(*slices[0])
                 return
         self._updated(piece, step, host, speculative, refreshed, t0, then)
 
