@@ -19,6 +19,31 @@ def unit_profile(n_layers=4) -> Profile:
     return Profile("unit", 1, 1, "fp32", "synthetic", layers)
 
 
+@pytest.mark.parametrize("recompute,kept,resident", [(True, (), ()), (True, (1,), (2,)), (False, (), (1,))],
+                         ids=["recompute", "one-kept-one-resident", "kept-all"])
+def test_the_bound_simulation_times_the_operations_the_executor_runs(recompute, kept, resident):
+    """Each GPU's compute in the simulated step is its worker's operations (mobius.stages.ops,
+    what the executor performs), pass for pass and in their order: the forwards, the redone ones
+    where a stage recomputes, the backwards, and a resident stage's update on its GPU."""
+    from mobius.stages.ops import COMPUTE, RECOMPUTE, UPDATE, WAIT, worker_ops
+
+    stages, m = 6, 3
+    out = simulate_mobius(unit_profile(stages), [(i, i + 1) for i in range(stages)], two_gpu_topology(), [1, 0],
+                          micro_batches=m, recompute=recompute, kept=kept, resident=resident, adam_params_per_s=1e30)
+    for slot, gpu in enumerate([1, 0]):
+        ops = worker_ops(stages, list(range(slot, stages, 2)), m, recompute, resident=frozenset(resident),
+                         kept=frozenset(kept))
+        want = [f"{'B' if op.backward else 'F'} switch S{op.stage}" if op.kind == WAIT else
+                f"AdamW S{op.stage} on GPU {gpu}" if op.kind == UPDATE else
+                f"{'R' if op.kind == RECOMPUTE else 'B' if op.backward else 'F'}{op.stage}.{op.mb}"
+                for op in ops if op.kind in (WAIT, COMPUTE, RECOMPUTE, UPDATE)]
+        ran = [t.name for t in sorted(out.result.tasks, key=lambda t: (t.start, t.id))
+               if t.gpu == gpu and t.kind == "compute"]
+        assert ran == want
+        recomputed = {int(n[1:].split(".")[0]) for n in ran if n.startswith("R")}
+        assert recomputed == ({j for j in range(slot, stages - 1, 2) if j not in kept} if recompute else set())
+
+
 def test_hand_computed_mobius_schedule_2_gpus_4_stages_2_micro_batches():
     prof = unit_profile()
     out = simulate_mobius(prof, [(i, i + 1) for i in range(4)], two_gpu_topology(), [0, 1], micro_batches=2,

@@ -2,9 +2,10 @@
 
 All use the same profile and topology:
 
-* :func:`simulate_mobius`: the pipeline of ``mobius.stages.executor``.  Stage loads are split
+* :func:`simulate_mobius`: the pipeline of ``mobius.stages.executor``, replaying each worker's
+  operations (:func:`mobius.stages.ops.worker_ops`, the executor's own list).  Stage loads are split
   into the part that fits beside the running stage (prefetched once that stage is loaded) and the
-  rest (copied when it is released).  Activations go device -> host -> device through both root
+  rest (copied once it is done).  Activations go device -> host -> device through both root
   complexes.  Stage inputs are re-uploaded for recomputation, gradients are offloaded after a
   stage's backward, and AdamW runs on the CPU.
 * :func:`simulate_gpipe`: every stage resident (N stages, time-balanced), GPU optimizer; out of
@@ -22,13 +23,16 @@ All use the same profile and topology:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from mobius.models.precision import element_bytes
 from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import exchanged_bytes, held_activations, holding_stages, resident_by_slot, stage_costs
 from mobius.partition.profile import ANALYTIC_ADAM_PARAMS_PER_S, Profile
 from mobius.sim.engine import COMPUTE, CPU, D2H, DELAY, DISK_READ, DISK_WRITE, H2D, NET, SimResult, Simulator, link_for
+from mobius.stages import ops
+from mobius.stages.ops import Op, worker_ops
 
 # GPU HBM bandwidth for GPipe's on-device optimizer step (bytes/s); 3090 Ti: ~1 TB/s.
 GPU_HBM_BPS = 0.9e12
@@ -83,8 +87,9 @@ def simulate_mobius(profile: Profile, bounds: list[tuple[int, int]], topo, order
             return SimOutcome("mobius", math.inf, oom=True, reason=f"stage {j} needs {need / 1e9:.1f} GB")
     step = _BoundStep(profile, st, topo, len(order), gpu, mem, micro_batches,
                       adam_params_per_s or profile.host.adam_params_per_s, prefetch, clip, device_adam_params_per_s)
-    step.forward()
-    step.backward()
+    step.replay([worker_ops(len(st), [j for j in range(len(st)) if j % len(order) == slot], micro_batches, recompute,
+                            prefetch, resident=frozenset(resident), kept=frozenset(kept))
+                 for slot in range(len(order))])
     r = step.sim.run()
     return SimOutcome("mobius", lagged_step_s(r, profile.host) if optimizer_lag else r.step_s, result=r)
 
@@ -117,8 +122,10 @@ def _covered(spans: list[tuple[float, float]]) -> float:
 
 
 class _BoundStep:
-    """The task graph of one bound step (:func:`simulate_mobius`): stage ``j`` on GPU ``gpu[j]``
-    for the whole step, ``n`` GPUs; ``F`` and ``B`` hold each stage's and micro-batch's compute."""
+    """The task graph of one bound step (:func:`simulate_mobius`): each worker's operations as the
+    runtime performs them (:func:`mobius.stages.ops.worker_ops`, the executor's own list), stage
+    ``j`` on GPU ``gpu[j]`` for the whole step, ``n`` GPUs; ``F`` and ``B`` hold each stage's and
+    micro-batch's compute."""
 
     def __init__(self, profile: Profile, st: list, topo, n: int, gpu: list[int], mem: list[int],
                  micro_batches: int, adam_params_per_s: float, prefetch: bool, clip: bool = False,
@@ -131,20 +138,109 @@ class _BoundStep:
         self.sim = Simulator(self.link)
         self.F = [[None] * micro_batches for _ in st]
         self.B = [[None] * micro_batches for _ in st]
-        self.load_f: dict[int, list[int]] = {}
-        self.act_in: dict[tuple[int, int], int] = {}
-        self.grad_in: dict[tuple[int, int], int] = {}
+        self.loads: dict[tuple[int, bool], list[int]] = {}  # (stage, backward) -> its load's parts
+        self.arrived: dict[tuple[int, int, bool], int] = {}  # RECV's key -> the hand-off that brings it
         self.optimizer: dict[int, int] = {}  # with replicas: each optimizer thread's last exchange
         self.computed: dict[int, int] = {}  # GPU -> its last compute so far (tasks are added in each GPU's order)
+        self.offloads: dict[int, int] = {}  # stage -> its gradients' copy home
 
-    def load(self, j: int, prefetch_bytes: float, early_dep, late_dep, prio: int, tag: str) -> list[int]:
-        """Stage ``j``'s weights: what fits beside the running stage once ``early_dep`` is done, the
-        rest once ``late_dep`` (that stage) is."""
+    def replay(self, ops_of_slot: list[list[Op]]) -> None:
+        """Every slot's operations as tasks, each slot's in its order; a slot waits at a ``RECV``
+        until the operation that sends it has been added (the pipeline's own order of hand-offs);
+        with ``clip``, every update after the step's last gradients (the global norm)."""
+        state = [_SlotState() for _ in ops_of_slot]
+        left = [deque(ops) for ops in ops_of_slot]
+        while any(left):
+            stuck = True
+            for slot, queue in enumerate(left):
+                while queue and (queue[0].kind != ops.RECV or (queue[0].stage, queue[0].mb, queue[0].backward)
+                                 in self.arrived):
+                    self._perform(queue.popleft(), state[slot])
+                    stuck = False
+            if stuck:
+                raise ValueError("the workers' operations wait for each other")
+        if self.clip:  # the global norm needs every gradient; then each thread's stages in backward order
+            norm = self.sim.add("global norm", DELAY, 0, 0.0, tuple(self.offloads.values()))
+            for j in range(self.S - 1, -1, -1):
+                self.update(j, norm, self._priority(j, True))
+
+    def _priority(self, j: int, backward: bool) -> int:
+        """Stage ``j``'s transfers: forward in stage order, then backward in reverse stage order."""
+        return self.S + (self.S - 1 - j) if backward else j
+
+    def _perform(self, op: Op, at: "_SlotState") -> None:
+        j, m, back, sim, c = op.stage, op.mb, op.backward, self.sim, self.st[op.stage]
+        g, head = self.gpu[j], j == self.S - 1
+        if op.kind == ops.LOAD:
+            self._load(op, at)
+        elif op.kind == ops.WAIT:  # the runtime's work between two passes, after the GPU's previous one
+            at.weights = self.loads.get((j, back), [])
+            # the stage's weights are in: its load this pass, or (kept from its forward) that forward's
+            # end; the head's forwards run in this pass, so the next stage's prefetch waits for its last
+            at.weights_in = at.weights[-1] if at.weights else _AT_END if head else self.computed.get(g)
+            at.begin = self.computed[g] = sim.add(f"{'B' if back else 'F'} switch S{j}", COMPUTE, g,
+                                                  self.host.stage_switch_s, (self.computed.get(g),))
+            if head:  # loaded for its forward, which runs with its backward
+                at.weights = self.loads.get((j, False), [])
+        elif op.kind == ops.COMPUTE and not back:  # the head's: after the micro-batch before's backward
+            deps = [*at.weights, at.begin, self.arrived.pop((j, m, False), None), self.B[j][m - 1] if head and m else None]
+            self.F[j][m] = self.compute(f"F{j}.{m}", j, c.in_bytes, c.fwd_s, deps)
+        elif op.kind == ops.RECOMPUTE:
+            at.recomputed = self.compute(f"R{j}.{m}", j, c.in_bytes, c.fwd_s, [*at.weights, at.begin])
+        elif op.kind == ops.COMPUTE:
+            deps = [at.recomputed] if c.recomputed else [*at.weights, at.begin]
+            self.B[j][m] = self.compute(f"B{j}.{m}", j, c.out_bytes, c.bwd_s - (c.fwd_s if c.recomputed else 0.0),
+                                        [*deps, self.F[j][m] if head else self.arrived.pop((j, m, True))])
+        elif op.kind == ops.SEND:  # to the next stage's worker through the host (an input gradient: the previous)
+            to, size, done = (j - 1, c.in_bytes, self.B[j][m]) if back else (j + 1, c.out_bytes, self.F[j][m])
+            what = f"{'grad' if back else 'act'} S{j}.{m}"
+            out = sim.add(f"{what} to host", D2H, g, size, (done,), self._priority(j, back) + 1, "activations")
+            self.arrived[(to, m, back)] = sim.add(f"{what} to S{to}", DELAY, self.gpu[to], self.host.handoff_s, (out,))
+        elif op.kind == ops.END:
+            at.ended = (self.B if back else self.F)[j][self.M - 1]
+            if at.weights_in is _AT_END:
+                at.weights_in = self.F[j][self.M - 1]
+            pending, at.pending = at.pending, None
+            if isinstance(pending, Op):  # issued during the head's pass: now, all of it
+                self._load(pending, at)
+                pending, at.pending = at.pending, None
+            if pending is not None:  # the rest of the next stage's weights, once this one is done
+                self._load_rest(*pending, at.ended)
+        elif op.kind in (ops.OFFLOAD, ops.UPDATE):
+            prio = self._priority(j, True)
+            self.offloads[j] = sim.add(f"grads S{j} to host", D2H, g, c.offloaded_bytes, (self.B[j][self.M - 1],),
+                                       prio, "gradients")
+            if not self.clip:
+                self.update(j, self.offloads[j], prio)
+
+    def _load(self, op: Op, at: "_SlotState") -> None:
+        """Stage ``op.stage``'s weights: a slot's first stage whole; a later one, what fits beside
+        the running stage once that stage's weights are in, the rest once that stage is done (at its
+        ``END``; at once where the load is issued after it, without ``prefetch``)."""
+        j, back = op.stage, op.backward
+        if at.weights_in is _AT_END:  # issued during the head's pass: once its last forward is done
+            at.pending = op
+            return
+        self.loads[(j, back)] = []
         size = self.st[j].loaded_bytes
-        first = max(0.0, min(size, prefetch_bytes)) if self.prefetch else 0.0
-        a = self.sim.add(f"{tag} load S{j} (prefetch)", H2D, self.gpu[j], first, (early_dep,), prio, "params")
-        b = self.sim.add(f"{tag} load S{j}", H2D, self.gpu[j], size - first, (a, late_dep), prio, "params")
-        return [a, b]
+        if at.weights_in is None:
+            self._load_part(j, back, size, ())
+            return
+        room = self.mem[self.gpu[j]] - self.st[j + self.n if back else j - self.n].pass_bytes(back)
+        first = self._load_part(j, back, max(0.0, min(size, room)) if self.prefetch else 0.0, (at.weights_in,),
+                                " (prefetch)")
+        if self.prefetch:
+            at.pending = (j, back, first)
+        else:
+            self._load_rest(j, back, first, at.ended)
+
+    def _load_rest(self, j: int, back: bool, first: int, running_done: int) -> None:
+        self._load_part(j, back, self.st[j].loaded_bytes - self.sim.tasks[first].work, (first, running_done))
+
+    def _load_part(self, j: int, back: bool, size: float, deps: tuple, what: str = "") -> int:
+        self.loads[(j, back)].append(self.sim.add(f"{'B' if back else 'F'} load S{j}{what}", H2D, self.gpu[j], size,
+                                                  deps, self._priority(j, back), "params"))
+        return self.loads[(j, back)][-1]
 
     def compute(self, name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
         """The stage inputs' upload, then the compute and the runtime's fixed per-micro-batch work of
@@ -158,80 +254,6 @@ class _BoundStep:
                                  "activations")]
         self.computed[g] = self.sim.add(name, COMPUTE, g, work + self.host.micro_batch_s, deps)
         return self.computed[g]
-
-    def switch(self, name: str, j: int, after) -> int:
-        """The runtime's work between two passes of one device, after the previous one (if any)."""
-        g = self.gpu[j]
-        self.computed[g] = self.sim.add(name, COMPUTE, g, self.host.stage_switch_s, (after,) if after is not None else ())
-        return self.computed[g]
-
-    def backward_of(self, j: int, m: int, deps: list, grad: int | None = None) -> None:
-        """Micro-batch ``m``'s backward of stage ``j`` once its output gradient ``grad`` is in (the
-        head's: None), and its input gradient to stage ``j - 1``.  A recomputed forward runs first,
-        before the gradient is awaited (as the runtime's operations do: it overlaps the arrival)."""
-        st, S = self.st, self.S
-        c = st[j]
-        if c.recomputed:
-            deps = [self.compute(f"R{j}.{m}", j, c.in_bytes, c.fwd_s, deps)]
-        self.B[j][m] = self.compute(f"B{j}.{m}", j, c.out_bytes, c.bwd_s - (c.fwd_s if c.recomputed else 0.0),
-                                    [*deps, grad])
-        if j > 0:
-            prio = S + (S - 1 - j)
-            out = self.sim.add(f"grad S{j}.{m} to host", D2H, self.gpu[j], st[j].in_bytes, (self.B[j][m],), prio + 1,
-                               "activations")
-            self.grad_in[(j - 1, m)] = self.sim.add(f"grad S{j}.{m} to S{j - 1}", DELAY, self.gpu[j - 1],
-                                                    self.host.handoff_s, (out,))
-
-    def forward(self) -> None:
-        """Every stage's forward; the head runs each micro-batch's backward right after its forward."""
-        st, S, n, M, F, sim = self.st, self.S, self.n, self.M, self.F, self.sim
-        for j in range(S):
-            if j < n:
-                self.load_f[j] = [sim.add(f"F load S{j}", H2D, self.gpu[j], st[j].loaded_bytes, (), j, "params")]
-            else:
-                room = self.mem[self.gpu[j]] - st[j - n].pass_bytes(False)
-                self.load_f[j] = self.load(j, room, self.load_f[j - n][-1], F[j - n][M - 1], j, "F")
-            begin = self.switch(f"F switch S{j}", j, F[j - n][M - 1] if j >= n else None)
-            for m in range(M):
-                deps = [*self.load_f[j], begin]
-                if j:
-                    deps.append(self.act_in[(j, m)])
-                if j == S - 1 and m:  # the head: each micro-batch's backward before the next forward
-                    deps.append(self.B[j][m - 1])
-                F[j][m] = self.compute(f"F{j}.{m}", j, st[j].in_bytes, st[j].fwd_s, deps)
-                if j == S - 1:
-                    self.backward_of(j, m, [F[j][m]])
-                if j + 1 < S:
-                    out = sim.add(f"act S{j}.{m} to host", D2H, self.gpu[j], st[j].out_bytes, (F[j][m],), j + 1,
-                                  "activations")
-                    self.act_in[(j + 1, m)] = sim.add(f"act S{j}.{m} to S{j + 1}", DELAY, self.gpu[j + 1],
-                                                      self.host.handoff_s, (out,))
-
-    def backward(self) -> None:
-        """Every stage's backward, last to first, and its update on the host."""
-        st, S, n, M, B, sim = self.st, self.S, self.n, self.M, self.B, self.sim
-        load_b: dict[int, list[int]] = {}
-        offloads: dict[int, int] = {}
-        for j in range(S - 1, -1, -1):
-            prio = S + (S - 1 - j)
-            if j + n >= S:
-                load_b[j] = []  # still resident from forward
-            else:
-                room = self.mem[self.gpu[j]] - st[j + n].pass_bytes(True)
-                early = load_b[j + n][-1] if load_b[j + n] else self.F[j + n][M - 1]
-                load_b[j] = self.load(j, room, early, B[j + n][M - 1], prio, "B")
-            if j < S - 1:  # the head's ran with its forward
-                begin = self.switch(f"B switch S{j}", j, B[j + n][M - 1] if j + n < S else self.F[j][M - 1])
-                for m in range(M):
-                    self.backward_of(j, m, [*load_b[j], begin], self.grad_in[(j, m)])
-            offloads[j] = sim.add(f"grads S{j} to host", D2H, self.gpu[j], st[j].offloaded_bytes, (B[j][M - 1],),
-                                  prio, "gradients")
-            if not self.clip:
-                self.update(j, offloads[j], prio)
-        if self.clip:  # the global norm needs every gradient; then each thread's stages in backward order
-            norm = sim.add("global norm", DELAY, 0, 0.0, tuple(offloads.values()))
-            for j in range(S - 1, -1, -1):
-                self.update(j, norm, S + (S - 1 - j))
 
     def update(self, j: int, offloaded: int, prio: int) -> None:
         """Stage ``j``'s AdamW on the host once its gradients are there; with replicas, the
@@ -251,6 +273,23 @@ class _BoundStep:
         summed = sim.add(f"sum S{j}", NET, g, exchanged, (offloaded, self.optimizer.get(g)), prio, "network")
         updated = sim.add(f"AdamW S{j}", CPU, g, adam, (summed,))
         self.optimizer[g] = sim.add(f"broadcast S{j}", NET, g, exchanged, (updated,), prio, "network")
+
+
+_AT_END = object()  # a stage's weights count as in once its pass's last forward is done (the head's)
+
+
+@dataclass
+class _SlotState:
+    """What one slot's operations hand each other while they are replayed."""
+
+    weights: list = field(default_factory=list)  # the running stage's load (its parts)
+    weights_in: int | object | None = None  # the running stage's weights are in (None: no stage yet)
+    begin: int | None = None  # the running pass's switch
+    ended: int | None = None  # the last pass's last compute
+    recomputed: int | None = None  # the micro-batch's recomputed forward
+    # the next stage's load that waits for the running stage: (stage, backward, its prefetch) for
+    # its rest, or the whole LOAD operation (the head's pass)
+    pending: tuple | Op | None = None
 
 
 def simulate_gpipe(profile: Profile, topo, micro_batches: int, recompute: bool = True) -> SimOutcome:

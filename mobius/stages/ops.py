@@ -2,7 +2,9 @@
 
 :func:`worker_ops` is a pure function from the plan's shape to the ordered operations one worker
 performs in an optimizer step, in the spirit of torchgpipe's ``clock_cycles``;
-:class:`mobius.stages.executor.StageRunner` executes them with the device layer and a transport.
+:class:`mobius.stages.executor.StageRunner` executes them with the device layer and a transport,
+and the simulator replays them as its tasks (:func:`mobius.sim.schedules.simulate_mobius`), so the
+step a bound plan predicts is the order that runs.
 The rules it encodes:
 
 * forward, stage by stage in order: wait until the stage is resident, start loading the worker's
