@@ -38,7 +38,7 @@ from mobius.config import RunConfig  # noqa: E402
 from mobius.planning.pipeline import run_plan, update_path  # noqa: E402
 from mobius.planning.prepare import get_profile, reserve_cuda_memory, resolve_topology  # noqa: E402
 from mobius.runtime.inputs import model_config_for  # noqa: E402
-from mobius.sim.dispatched import plan_dispatched  # noqa: E402
+from mobius.planning.dispatched import plan_dispatched  # noqa: E402
 from mobius.sim.schedules import simulate_mobius  # noqa: E402
 
 BOX = Path(__file__).resolve().parents[1] / "topology" / "presets" / "8x4090-4+4.json"

@@ -1,6 +1,7 @@
-"""The dispatched schedule's prediction (mobius.sim.dispatched): the step it simulates is the chain
-of tasks it describes, in order, on the GPUs it names; and it does what it is for: where one stage
-(the head) outweighs the rest, no GPU waits on the one that holds it."""
+"""The dispatched schedule's prediction (mobius.sim.dispatched) and its search (mobius.planning.dispatched):
+the step it simulates is the chain of tasks it describes, in order, on the GPUs it names; and it
+does what it is for: where one stage (the head) outweighs the rest, no GPU waits on the one that
+holds it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from mobius.partition.baselines import balanced_bounds
 from mobius.partition.cost import stage_costs
 from mobius.partition.dispatched_mip import solve_dispatched
 from mobius.partition.profile import analytic_profile
-from mobius.sim.dispatched import (OVERLAPPED_STEPS, dispatched_fits, plan_dispatched, simulate_dispatched,
-                                   valid_partitions)
+from mobius.planning.dispatched import plan_dispatched
+from mobius.sim.dispatched import OVERLAPPED_STEPS, dispatched_fits, simulate_dispatched, valid_partitions
 from mobius.sim.engine import COMPUTE
 from mobius.sim.schedules import simulate_mobius
 from mobius.stages.tasks import step_tasks
@@ -363,7 +364,7 @@ def test_past_the_samples_the_deepened_heads_are_judged_by_their_whole_steps(lag
     one whose busiest GPU computes no less than the fastest step found."""
     import dataclasses
 
-    from mobius.sim import dispatched
+    from mobius.planning import dispatched
 
     config = dataclasses.replace(get_config("small"), vocab_size=32_000, n_layer=8, norm="rmsnorm", mlp="swiglu",
                                  positions="rope")
@@ -618,7 +619,7 @@ def test_past_the_sampled_counts_the_search_extrapolates_and_the_plan_it_keeps_i
     simulated whole, and the extrapolation ranked it within 5% of that simulation (GPT-2 with the
     lag: 4.3%; Llama-3.1-8B on 8x4090-4+4: 0.3%).  A deepened head's plan, which the samples
     misjudge, is simulated whole before it is kept."""
-    from mobius.sim.dispatched import SAMPLED, _extrapolated_s
+    from mobius.planning.dispatched import SAMPLED, _extrapolated_s
 
     profile, topo, order, many = _profile("gpt2"), load_topology("topo2+2"), [0, 2, 1, 3], 4 * SAMPLED[-1]
     steps = 3
@@ -645,8 +646,8 @@ def test_past_ranked_at_whole_steps_are_compared_there_and_only_the_finalists_si
     WHOLE_FINALISTS fastest there, simulated at the run's count; the plan kept is one of them and
     its step is its whole simulation's (GPT-2 on topo2+2 with the lag, RANKED_AT lowered to 80 for
     a run of 128: the same plan as the search that simulates every candidate at 128)."""
-    import mobius.sim.dispatched as dispatched
-    from mobius.sim.dispatched import SAMPLED, WHOLE_FINALISTS
+    import mobius.planning.dispatched as dispatched
+    from mobius.planning.dispatched import SAMPLED, WHOLE_FINALISTS
 
     profile, topo, order, many = _profile("gpt2"), load_topology("topo2+2"), [0, 2, 1, 3], 4 * SAMPLED[-1]
     everywhere = plan_dispatched(profile, topo, order, many, optimizer_lag=1, mip_shapes=0)

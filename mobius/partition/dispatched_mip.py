@@ -27,7 +27,7 @@ Where the simulator models more, the MIP assumes: each GPU's link at its fair sh
 complex when every GPU under it streams at once (a dispatched step keeps them all streaming); every
 cut in the partitioned layers passing the largest of their outputs and every pass's working memory
 the largest of theirs (exact for a GPT: its blocks and its embedding emit one hidden state); the
-kept tail's activations, held on their GPUs, left to the simulation.  :func:`mobius.sim.dispatched.plan_dispatched`
+kept tail's activations, held on their GPUs, left to the simulation.  :func:`mobius.planning.dispatched.plan_dispatched`
 simulates what the MIP returns beside the time-balanced partitions and keeps the faster.
 """
 

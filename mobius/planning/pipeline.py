@@ -39,7 +39,7 @@ from mobius.runtime.emulation import EmulationSpec
 from mobius.runtime.optim import ROLLBACK_PASSES, HostUpdatePath, host_update_path, updates_speculate
 from mobius.metrics import seconds_text
 from mobius.runtime.spec import DispatchedShape, PipelineSetup, Plan, RunSpec
-from mobius.sim.dispatched import DispatchedPlan, plan_dispatched, waiting_step
+from mobius.planning.dispatched import DispatchedPlan, plan_dispatched, waiting_step
 from mobius.stages.dispatch import check_dispatched, dispatched_refusal
 from topology import Topology, cpu_topology
 
@@ -155,7 +155,7 @@ class ScheduleChoice:
 
 def dispatched_beside(decided: Decided, model_config: GPTConfig, plan: Plan, profile_how: str = "auto"
                       ) -> tuple[DispatchedPlan | None, DispatchedShape | None, float, str]:
-    """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.sim.dispatched`), from the
+    """The dispatched schedule of the run ``plan`` is for (:mod:`mobius.planning.dispatched`), from the
     same profile and host rate, on the same GPUs in the same order (each of ``plan``'s replicas on
     its share of the micro-batches), and the shape a run executes of it (None, None where none
     fits); and the bound plan's step to compare it with, and how it was found.
