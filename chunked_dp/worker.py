@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from chunked_dp.engine import ChunkedEngine
-from mobius.data.preference import compute_references, reference_files, use_kept_references
+from mobius.data.preference import prepare_references, reference_files
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.precision import DTYPES
 from mobius.runtime import checkpoint as ck
@@ -47,9 +47,8 @@ class ChunkedWorker:
         self.batches, self.held_out = ctx.data
         self.scaler = DynamicLossScaler(enabled=False)  # no fp16 loss scaling here
         self.evaluates = self.held_out is not None
-        # A preference run's reference pass, before a checkpoint is restored: the initial weights.
-        use_kept_references(self.batches, self.held_out, ck.resumed_checkpoint(cfg))
-        compute_references(self.batches, self.held_out, self.engine.forward_only, dist.all_reduce)
+        prepare_references(self.batches, self.held_out, ck.resumed_checkpoint(cfg), self.engine.forward_only,
+                           dist.all_reduce)
 
     def step(self, step: int) -> StepMetrics:
         return self.engine.step(step, self.batches)

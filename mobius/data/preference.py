@@ -295,6 +295,15 @@ def compute_references(train, held_out, forward: Callable[[list[Batch]], object]
     return bool(sources)
 
 
+def prepare_references(train, held_out, checkpoint, forward: Callable[[list[Batch]], object],
+                       all_reduce: Callable[[torch.Tensor], object] | None = None) -> bool:
+    """A preference run's reference tables in a backend's workers, before ``checkpoint`` (a resumed
+    one, or None) is restored: those it kept (:func:`use_kept_references`), the others computed by
+    ``forward`` with the initial weights (:func:`compute_references`); whether the run has pairs."""
+    use_kept_references(train, held_out, checkpoint)
+    return compute_references(train, held_out, forward, all_reduce)
+
+
 def held_out_sums(held_out) -> list[float]:
     """What a backend's evaluation reduces beside its loss: the held-out pairs' metric sums found
     here (none for held-out examples)."""

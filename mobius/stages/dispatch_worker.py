@@ -13,14 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mobius.boundary.errors import InputError
-from mobius.data.preference import (
-    PreferenceBatches,
-    compute_references,
-    evaluation_of,
-    held_out_sums,
-    reference_files,
-    use_kept_references,
-)
+from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums, prepare_references, reference_files
 from mobius.metrics import Evaluation, StepMetrics
 from mobius.models.preference import metric_sums, step_metrics
 from mobius.runtime import checkpoint as ck
@@ -79,9 +72,8 @@ class DispatchedWorker:
         self.peak_bytes_max = 0
         self._began: dict[int, float] = {}  # step -> when it was handed out (time.perf_counter)
         self._finished = 0.0  # when the last step settled had its last update in (time.perf_counter)
-        # A preference run's reference pass, before a checkpoint is restored: the initial weights.
-        use_kept_references(batches, self.held_out, ck.resumed_checkpoint(ctx.cfg))
-        compute_references(batches, self.held_out, lambda micro: self.runner.evaluate(micro, 0),
+        prepare_references(batches, self.held_out, ck.resumed_checkpoint(ctx.cfg),
+                           lambda micro: self.runner.evaluate(micro, 0),
                            dist.all_reduce if self.layout.count > 1 else None)
 
     def step(self, step: int) -> StepMetrics:

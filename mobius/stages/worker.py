@@ -22,14 +22,7 @@ from mobius.boundary.errors import InputError
 from mobius.config import RunConfig
 from mobius.data import BatchSource, ExampleBatches
 from mobius.data.packing import EvalBatches
-from mobius.data.preference import (
-    PreferenceBatches,
-    compute_references,
-    evaluation_of,
-    held_out_sums,
-    reference_files,
-    use_kept_references,
-)
+from mobius.data.preference import PreferenceBatches, evaluation_of, held_out_sums, prepare_references, reference_files
 from mobius.metrics import Evaluation, StepMetrics, Trace
 from mobius.models import tied_parameter_names
 from mobius.models.adapters import layer_states, write_export_shard
@@ -85,10 +78,9 @@ class PipelineWorker:
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
-        runner = self.parts.runner  # a preference run's reference pass, before a checkpoint is restored
-        use_kept_references(runner.batches, self.parts.held_out, ck.resumed_checkpoint(ctx.cfg))
-        if compute_references(runner.batches, self.parts.held_out, lambda micro: runner.evaluate(micro, 0),
-                              dist.all_reduce):
+        runner = self.parts.runner  # a preference run's reference pass loads resident stages: again after it
+        if prepare_references(runner.batches, self.parts.held_out, ck.resumed_checkpoint(ctx.cfg),
+                              lambda micro: runner.evaluate(micro, 0), dist.all_reduce):
             runner.reload_resident()
 
     def step(self, step: int) -> StepMetrics:
