@@ -134,10 +134,10 @@ class Simulator:
 
     def add(self, name: str, kind: str, gpu: int, work: float, deps=(), priority: int = 0, stream: str = "",
             urgent: bool = False) -> int:
-        deps = tuple(d for d in deps if d is not None)
-        t = Task(len(self.tasks), name, kind, gpu, float(work), deps, priority, stream, urgent)
-        self.tasks.append(t)
-        return t.id
+        tid = len(self.tasks)
+        self.tasks.append(Task(tid, name, kind, gpu, float(work), tuple([d for d in deps if d is not None]), priority,
+                               stream, urgent))
+        return tid
 
     # ---- bandwidth -------------------------------------------------------------------------
     def _assign_rates(self, active: list[Task]) -> None:
