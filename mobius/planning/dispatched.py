@@ -2,7 +2,7 @@
 of the fastest step found, each candidate simulated, as :mod:`mobius.planning.planner` searches the
 bound schedule's.  A search of simulations over time-balanced partitions (evened over the GPUs'
 turn), then the MIP's partitions (:mod:`mobius.partition.dispatched_mip`) of the fastest shapes,
-then the head's stage deepened; where no lag, replicas or fp16 forbid it, the kept stages that pay
+then the head's stage deepened; where neither the lag, replicas nor fp16 forbids it, the kept stages that pay
 for it resident on their GPUs.
 """
 

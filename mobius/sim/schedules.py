@@ -149,7 +149,7 @@ class _BoundStep:
         until the operation that sends it has been added (the pipeline's own order of hand-offs);
         with ``clip``, every update after the step's last gradients (the global norm)."""
         state = [_SlotState() for _ in ops_of_slot]
-        left = [deque(ops) for ops in ops_of_slot]
+        left = [deque(listed) for listed in ops_of_slot]
         while any(left):
             stuck = True
             for slot, queue in enumerate(left):
