@@ -145,9 +145,13 @@ class _BoundStep:
         self.offloads: dict[int, int] = {}  # stage -> its gradients' copy home
 
     def replay(self, ops_of_slot: list[list[Op]]) -> None:
-        """Every slot's operations as tasks, each slot's in its order; a slot waits at a ``RECV``
-        until the operation that sends it has been added (the pipeline's own order of hand-offs);
-        with ``clip``, every update after the step's last gradients (the global norm)."""
+        """Every slot's operations as tasks, each slot's in its order, as the executor performs them
+        (an ``_op_*`` method each); a slot waits at a ``RECV`` until the operation that sends it has
+        been added (the pipeline's own order of hand-offs); with ``clip``, every update after the
+        step's last gradients (the global norm)."""
+        perform = {ops.LOAD: self._load, ops.WAIT: self._op_wait, ops.RECV: _nothing, ops.COMPUTE: self._op_compute,
+                   ops.RECOMPUTE: self._op_recompute, ops.SEND: self._op_send, ops.END: self._op_end,
+                   ops.OFFLOAD: self._op_offload, ops.UPDATE: self._op_offload, ops.RELEASE: _nothing}
         state = [_SlotState() for _ in ops_of_slot]
         left = [deque(listed) for listed in ops_of_slot]
         while any(left):
@@ -155,7 +159,8 @@ class _BoundStep:
             for slot, queue in enumerate(left):
                 while queue and (queue[0].kind != ops.RECV or (queue[0].stage, queue[0].mb, queue[0].backward)
                                  in self.arrived):
-                    self._perform(queue.popleft(), state[slot])
+                    op = queue.popleft()
+                    perform[op.kind](op, state[slot])
                     stuck = False
             if stuck:
                 raise ValueError("the workers' operations wait for each other")
@@ -168,50 +173,61 @@ class _BoundStep:
         """Stage ``j``'s transfers: forward in stage order, then backward in reverse stage order."""
         return self.S + (self.S - 1 - j) if backward else j
 
-    def _perform(self, op: Op, at: "_SlotState") -> None:
-        j, m, back, sim, c = op.stage, op.mb, op.backward, self.sim, self.st[op.stage]
-        g, head = self.gpu[j], j == self.S - 1
-        if op.kind == ops.LOAD:
-            self._load(op, at)
-        elif op.kind == ops.WAIT:  # the runtime's work between two passes, after the GPU's previous one
-            at.weights = self.loads.get((j, back), [])
-            # the stage's weights are in: its load this pass, or (kept from its forward) that forward's
-            # end; the head's forwards run in this pass, so the next stage's prefetch waits for its last
-            at.weights_in = at.weights[-1] if at.weights else _AT_END if head else self.computed.get(g)
-            at.begin = self.computed[g] = sim.add(f"{'B' if back else 'F'} switch S{j}", COMPUTE, g,
-                                                  self.host.stage_switch_s, (self.computed.get(g),))
-            if head:  # loaded for its forward, which runs with its backward
-                at.weights = self.loads.get((j, False), [])
-        elif op.kind == ops.COMPUTE and not back:  # the head's: after the micro-batch before's backward
-            deps = [*at.weights, at.begin, self.arrived.pop((j, m, False), None), self.B[j][m - 1] if head and m else None]
+    def _op_wait(self, op: Op, at: "_SlotState") -> None:
+        """The runtime's work between two passes, after the GPU's previous one."""
+        j, back, g = op.stage, op.backward, self.gpu[op.stage]
+        at.weights = self.loads.get((j, back), [])
+        # The stage's weights are in: its load this pass, or (kept from its forward) that forward's
+        # end; the head's forwards run in this pass, so the next stage's prefetch waits for its last.
+        at.weights_in = at.weights[-1] if at.weights else _AT_END if j == self.S - 1 else self.computed.get(g)
+        at.begin = self.computed[g] = self.sim.add(f"{'B' if back else 'F'} switch S{j}", COMPUTE, g,
+                                                   self.host.stage_switch_s, (self.computed.get(g),))
+        if j == self.S - 1:  # the head: loaded for its forward, which runs with its backward
+            at.weights = self.loads.get((j, False), [])
+
+    def _op_compute(self, op: Op, at: "_SlotState") -> None:
+        j, m, c, head = op.stage, op.mb, self.st[op.stage], op.stage == self.S - 1
+        if not op.backward:  # the head's after the backward of the micro-batch before
+            before = self.B[j][m - 1] if head and m else None
+            deps = [*at.weights, at.begin, self.arrived.pop((j, m, False), None), before]
             self.F[j][m] = self.compute(f"F{j}.{m}", j, c.in_bytes, c.fwd_s, deps)
-        elif op.kind == ops.RECOMPUTE:
-            at.recomputed = self.compute(f"R{j}.{m}", j, c.in_bytes, c.fwd_s, [*at.weights, at.begin])
-        elif op.kind == ops.COMPUTE:
-            deps = [at.recomputed] if c.recomputed else [*at.weights, at.begin]
-            self.B[j][m] = self.compute(f"B{j}.{m}", j, c.out_bytes, c.bwd_s - (c.fwd_s if c.recomputed else 0.0),
-                                        [*deps, self.F[j][m] if head else self.arrived.pop((j, m, True))])
-        elif op.kind == ops.SEND:  # to the next stage's worker through the host (an input gradient: the previous)
-            to, size, done = (j - 1, c.in_bytes, self.B[j][m]) if back else (j + 1, c.out_bytes, self.F[j][m])
-            what = f"{'grad' if back else 'act'} S{j}.{m}"
-            out = sim.add(f"{what} to host", D2H, g, size, (done,), self._priority(j, back) + 1, "activations")
-            self.arrived[(to, m, back)] = sim.add(f"{what} to S{to}", DELAY, self.gpu[to], self.host.handoff_s, (out,))
-        elif op.kind == ops.END:
-            at.ended = (self.B if back else self.F)[j][self.M - 1]
-            if at.weights_in is _AT_END:
-                at.weights_in = self.F[j][self.M - 1]
+            return
+        deps = [at.recomputed] if c.recomputed else [*at.weights, at.begin]
+        self.B[j][m] = self.compute(f"B{j}.{m}", j, c.out_bytes, c.bwd_s - (c.fwd_s if c.recomputed else 0.0),
+                                    [*deps, self.F[j][m] if head else self.arrived.pop((j, m, True))])
+
+    def _op_recompute(self, op: Op, at: "_SlotState") -> None:
+        c = self.st[op.stage]
+        at.recomputed = self.compute(f"R{op.stage}.{op.mb}", op.stage, c.in_bytes, c.fwd_s, [*at.weights, at.begin])
+
+    def _op_send(self, op: Op, at: "_SlotState") -> None:
+        """To the next stage's worker through the host (an input gradient: to the previous one's)."""
+        j, m, back, c = op.stage, op.mb, op.backward, self.st[op.stage]
+        to, size, done = (j - 1, c.in_bytes, self.B[j][m]) if back else (j + 1, c.out_bytes, self.F[j][m])
+        what = f"{'grad' if back else 'act'} S{j}.{m}"
+        out = self.sim.add(f"{what} to host", D2H, self.gpu[j], size, (done,), self._priority(j, back) + 1,
+                           "activations")
+        self.arrived[(to, m, back)] = self.sim.add(f"{what} to S{to}", DELAY, self.gpu[to], self.host.handoff_s, (out,))
+
+    def _op_end(self, op: Op, at: "_SlotState") -> None:
+        j = op.stage
+        at.ended = (self.B if op.backward else self.F)[j][self.M - 1]
+        if at.weights_in is _AT_END:
+            at.weights_in = self.F[j][self.M - 1]
+        pending, at.pending = at.pending, None
+        if isinstance(pending, Op):  # issued during the head's pass: now, all of it
+            self._load(pending, at)
             pending, at.pending = at.pending, None
-            if isinstance(pending, Op):  # issued during the head's pass: now, all of it
-                self._load(pending, at)
-                pending, at.pending = at.pending, None
-            if pending is not None:  # the rest of the next stage's weights, once this one is done
-                self._load_rest(*pending, at.ended)
-        elif op.kind in (ops.OFFLOAD, ops.UPDATE):
-            prio = self._priority(j, True)
-            self.offloads[j] = sim.add(f"grads S{j} to host", D2H, g, c.offloaded_bytes, (self.B[j][self.M - 1],),
-                                       prio, "gradients")
-            if not self.clip:
-                self.update(j, self.offloads[j], prio)
+        if pending is not None:  # the rest of the next stage's weights, once this one is done
+            self._load_rest(*pending, at.ended)
+
+    def _op_offload(self, op: Op, at: "_SlotState") -> None:
+        """Its gradients home and its update (a resident stage's ``UPDATE``: on its GPU)."""
+        j, prio = op.stage, self._priority(op.stage, True)
+        self.offloads[j] = self.sim.add(f"grads S{j} to host", D2H, self.gpu[j], self.st[j].offloaded_bytes,
+                                        (self.B[j][self.M - 1],), prio, "gradients")
+        if not self.clip:
+            self.update(j, self.offloads[j], prio)
 
     def _load(self, op: Op, at: "_SlotState") -> None:
         """Stage ``op.stage``'s weights: a slot's first stage whole; a later one, what fits beside
@@ -276,6 +292,10 @@ class _BoundStep:
 
 
 _AT_END = object()  # a stage's weights count as in once its pass's last forward is done (the head's)
+
+
+def _nothing(op: Op, at: "_SlotState") -> None:
+    """An operation with no task of its own (a receive is its sender's hand-off; a release frees memory)."""
 
 
 @dataclass
