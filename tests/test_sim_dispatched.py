@@ -358,7 +358,7 @@ def test_the_search_deepens_the_heads_stage_where_its_blocks_then_skip_recomputa
 
 @pytest.mark.parametrize("lag", [0, 1])
 def test_past_the_samples_the_deepened_heads_are_judged_by_their_whole_steps(lag, monkeypatch):
-    """At 128 micro-batches the search samples its plans at 16 and 32, and a deepened head's
+    """At 96 micro-batches the search samples its plans at 16 and 32, and a deepened head's
     samples can misjudge it (Llama-3.1-8B on 8x4090-4+4: by chance).  Here they rank its candidates
     backwards, and the plan is still as fast as the fastest of them simulated whole: each is, but
     one whose busiest GPU computes no less than the fastest step found."""
@@ -380,8 +380,8 @@ def test_past_the_samples_the_deepened_heads_are_judged_by_their_whole_steps(lag
 
     monkeypatch.setattr(dispatched, "simulate_dispatched", recorded)
     monkeypatch.setattr(dispatched, "_extrapolated_s", lambda samples, m: 1e3 / extrapolated(samples, m))
-    plan = plan_dispatched(profile, topo, order, 128, memory, optimizer_lag=lag)
-    whole = [simulate(profile, list(f), list(b), topo, order, 128, memory, optimizer_lag=lag, head_gpus=heads,
+    plan = plan_dispatched(profile, topo, order, 96, memory, optimizer_lag=lag)
+    whole = [simulate(profile, list(f), list(b), topo, order, 96, memory, optimizer_lag=lag, head_gpus=heads,
                       steps=dispatched.OVERLAPPED_STEPS) for f, b, heads in tried]
     assert len(tried) > 3 and plan.head_layers > 1
     assert plan.step_s <= min(r.step_s for r in whole if r) * (1 + 1e-12)
