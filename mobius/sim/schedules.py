@@ -230,32 +230,34 @@ class _BoundStep:
             self.update(j, self.offloads[j], prio)
 
     def _load(self, op: Op, at: "_SlotState") -> None:
-        """Stage ``op.stage``'s weights: a slot's first stage whole; a later one, what fits beside
-        the running stage once that stage's weights are in, the rest once that stage is done (at its
-        ``END``; at once where the load is issued after it, without ``prefetch``)."""
-        j, back = op.stage, op.backward
+        """Stage ``op.stage``'s weights, in the runtime's order of loads (``op.priority``): a slot's
+        first stage whole; a later one, what fits beside the running stage once that stage's
+        weights are in, the rest once that stage is done (at its ``END``; at once where the load is
+        issued after it, without ``prefetch``)."""
         if at.weights_in is _AT_END:  # issued during the head's pass: once its last forward is done
             at.pending = op
             return
+        j, back = op.stage, op.backward
         self.loads[(j, back)] = []
         size = self.st[j].loaded_bytes
         if at.weights_in is None:
-            self._load_part(j, back, size, ())
+            self._load_part(op, size, ())
             return
         room = self.mem[self.gpu[j]] - self.st[j + self.n if back else j - self.n].pass_bytes(back)
-        first = self._load_part(j, back, max(0.0, min(size, room)) if self.prefetch else 0.0, (at.weights_in,),
+        first = self._load_part(op, max(0.0, min(size, room)) if self.prefetch else 0.0, (at.weights_in,),
                                 " (prefetch)")
         if self.prefetch:
-            at.pending = (j, back, first)
+            at.pending = (op, first)
         else:
-            self._load_rest(j, back, first, at.ended)
+            self._load_rest(op, first, at.ended)
 
-    def _load_rest(self, j: int, back: bool, first: int, running_done: int) -> None:
-        self._load_part(j, back, self.st[j].loaded_bytes - self.sim.tasks[first].work, (first, running_done))
+    def _load_rest(self, op: Op, first: int, running_done: int) -> None:
+        self._load_part(op, self.st[op.stage].loaded_bytes - self.sim.tasks[first].work, (first, running_done))
 
-    def _load_part(self, j: int, back: bool, size: float, deps: tuple, what: str = "") -> int:
+    def _load_part(self, op: Op, size: float, deps: tuple, what: str = "") -> int:
+        j, back = op.stage, op.backward
         self.loads[(j, back)].append(self.sim.add(f"{'B' if back else 'F'} load S{j}{what}", H2D, self.gpu[j], size,
-                                                  deps, self._priority(j, back), "params"))
+                                                  deps, op.priority, "params"))
         return self.loads[(j, back)][-1]
 
     def compute(self, name: str, j: int, upload_bytes: float, work: float, deps: list) -> int:
@@ -307,8 +309,8 @@ class _SlotState:
     begin: int | None = None  # the running pass's switch
     ended: int | None = None  # the last pass's last compute
     recomputed: int | None = None  # the micro-batch's recomputed forward
-    # the next stage's load that waits for the running stage: (stage, backward, its prefetch) for
-    # its rest, or the whole LOAD operation (the head's pass)
+    # the next stage's load that waits for the running stage: (its LOAD, its prefetch) for its rest,
+    # or the whole LOAD (issued in the head's pass)
     pending: tuple | Op | None = None
 
 
