@@ -78,7 +78,7 @@ class PipelineWorker:
         self.store, self.scaler = self.parts.store, self.parts.scaler
         self.evaluates = self.parts.held_out is not None
         self.peak_bytes_max = 0  # the most device memory any worker held in a step
-        runner = self.parts.runner  # a preference run's reference pass loads resident stages: again after it
+        runner = self.parts.runner  # resident stages a preference run's reference pass loaded load again after it
         if prepare_references(runner.batches, self.parts.held_out, ck.resumed_checkpoint(ctx.cfg),
                               lambda micro: runner.evaluate(micro, 0), dist.all_reduce):
             runner.reload_resident()
