@@ -47,6 +47,7 @@ from mobius.runtime.device import Device, Event
 from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares, update_slices
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
+from mobius.stages.tied import sum_copies
 from mobius.swap.store import HostStageStore
 
 
@@ -389,8 +390,7 @@ class PieceUpdates:
         """The token table's two copies (the embedding's, the head's) get the sum of their
         gradients, embedding + head, as the bound schedule's workers sum them."""
         (_, embedding), (_, head) = self._tied_copies
-        total = embedding.grad + head.grad
-        embedding.grad, head.grad = total, total.clone()
+        sum_copies(embedding, head)
 
     def _overflowed(self, pieces: list[int]) -> bool:
         """Whether a gradient this host updates in ``pieces`` (with replicas: of those it owns,

@@ -17,6 +17,13 @@ from mobius.swap.memory import Traffic
 from mobius.swap.store import HostStageStore
 
 
+def sum_copies(embedding: nn.Parameter, head: nn.Parameter) -> None:
+    """Both copies of a tied table held in one process get the sum of their gradients, embedding +
+    head (that order on every holder: both copies then take bit-identical updates)."""
+    total = embedding.grad + head.grad
+    embedding.grad, head.grad = total, total.clone()
+
+
 class TiedEmbedding:
     def __init__(self, store: HostStageStore, plan: Plan, transport: Transport, traffic: Traffic):
         self.store, self.plan, self.transport, self.traffic = store, plan, transport, traffic
@@ -50,8 +57,7 @@ class TiedEmbedding:
             return
         mine = self._copies()
         if len(mine) == 2:  # this worker holds both copies
-            total = mine["embedding"].grad + mine["head"].grad
-            mine["embedding"].grad, mine["head"].grad = total, total.clone()
+            sum_copies(mine["embedding"], mine["head"])
             return
         if not mine:
             return
