@@ -356,5 +356,10 @@ class DynamicLossScaler:
                 self.scale *= 2.0
 
 
+def not_finite(grads: Iterable[torch.Tensor | None]) -> bool:
+    """Whether an element of ``grads`` is not finite (fp16's overflow, the vote's one question)."""
+    return any(g is not None and not torch.isfinite(g).all() for g in grads)
+
+
 def grads_overflow(params: Iterable[torch.nn.Parameter]) -> bool:
-    return any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
+    return not_finite(p.grad for p in params)

@@ -38,7 +38,7 @@ from torch import nn
 
 from mobius.metrics import Trace
 from mobius.runtime.device import Device, Event, Stream
-from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares
+from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, not_finite, set_lr, squares
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
 from mobius.stages.tied import TiedEmbedding
@@ -297,17 +297,11 @@ class HostOptimizer:
 
     def _overflowed(self, waited: list[int]) -> bool:
         """Whether a gradient of this process's is not finite: one an update made before the vote
-        found (:meth:`_update`), or one of the ``waited`` stages'."""
-        return None in self.decisions.speculated.values() or any(
-            not torch.isfinite(g).all() for s in waited for g in self._gradients(s))
-
-    def _gradients(self, s: int) -> list[torch.Tensor]:
-        """Stage ``s``'s gradients of this step, by parameter: as they came home where its update
-        converts them (the same values as in fp32), else the master's."""
-        host = self.store.stages[s]
-        if s not in self._in_pass:
-            return host.gradients()
-        return [host.staged(p) for group in host.optimizer.param_groups for p in group["params"]]
+        found (:meth:`_update`), or one of the ``waited`` stages' (every trained one, before a
+        replica's sum: each replica votes on its own)."""
+        return None in self.decisions.speculated.values() or not_finite(
+            g for s in waited for g in (self.store.stages[s].updated_gradients(True) if s in self._in_pass
+                                        else self.store.stages[s].gradients()))
 
     def _squares(self, stages: list[int]) -> float:
         """This process's share of the sum of squares of the step's gradients: those of the
@@ -316,10 +310,8 @@ class HostOptimizer:
         duplicate = self.tied.head_copy()
         hosts = [self.store.stages[s] for s in stages]
         on_disk = [g for host in hosts if host.master_on_disk for g in host.gradients()]  # not bound: as staged
-        return squares(on_disk) + squares(
-            host.staged(p) if s in self._in_pass else p.grad for s, host in zip(stages, hosts)
-            if host.optimizer is not None and not host.master_on_disk
-            for group in host.optimizer.param_groups for p in group["params"] if p is not duplicate)
+        return squares(on_disk) + squares(g for s, host in zip(stages, hosts) if not host.master_on_disk
+                                          for g in host.updated_gradients(s in self._in_pass, duplicate))
 
     def drain(self) -> None:
         """Wait for every update issued so far (before a checkpoint or the final weights are read)."""

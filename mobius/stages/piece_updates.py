@@ -44,7 +44,8 @@ import torch
 from mobius.metrics import Trace
 from mobius.models import tied_parameter_names
 from mobius.runtime.device import Device, Event
-from mobius.runtime.optim import DynamicLossScaler, host_update, host_update_path, set_lr, squares, update_slices
+from mobius.runtime.optim import (
+    DynamicLossScaler, host_update, host_update_path, not_finite, set_lr, squares, update_slices)
 from mobius.stages.replicas import ReplicaGroup
 from mobius.stages.step_decision import StepDecisions
 from mobius.stages.tied import sum_copies
@@ -395,17 +396,12 @@ class PieceUpdates:
     def _overflowed(self, pieces: list[int]) -> bool:
         """Whether a gradient this host updates in ``pieces`` (with replicas: of those it owns,
         which its sum holds whole) is not finite."""
-        return not all(torch.isfinite(g).all() for q in sorted(pieces) for g in self._gradients(q) if g is not None)
+        return not_finite(g for q in sorted(pieces) for g in self._gradients(q))
 
     def _gradients(self, piece: int, leave_out: torch.nn.Parameter | None = None) -> list[torch.Tensor | None]:
-        """The gradients of the parameters this host updates in ``piece`` but ``leave_out``, in
-        its AdamW's order: as they came home where its update's pass converts them (the same
-        values as in fp32), else the master's."""
-        host = self.store.stages[piece]
-        if host.optimizer is None:
-            return []
-        params = [p for group in host.optimizer.param_groups for p in group["params"] if p is not leave_out]
-        return [host.staged(p) for p in params] if piece in self._staged else [p.grad for p in params]
+        """The gradients this host updates in ``piece`` but ``leave_out``: as they came home where
+        its update's pass converts them, else the master's."""
+        return self.store.stages[piece].updated_gradients(piece in self._staged, leave_out)
 
     def _squares(self, pieces: list[int]) -> float:
         """The sum of squares of the gradients of the parameters this host updates in ``pieces``

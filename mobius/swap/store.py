@@ -96,6 +96,15 @@ class HostStage:
             return [p.grad for p in self.master_params if p.grad is not None]
         return [view(self.grad_staging, slot) for slot in self.grad_slots() if slot is not None]
 
+    def updated_gradients(self, as_staged: bool, leave_out: nn.Parameter | None = None) -> list[torch.Tensor | None]:
+        """This step's gradients of the parameters this host's AdamW updates (with replicas, those
+        it owns), in its order, but ``leave_out``: as they came home where ``as_staged`` (an update
+        that converts them in its pass: the same values as in fp32), else the master's."""
+        if self.optimizer is None:
+            return []
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p is not leave_out]
+        return [self.staged(p) for p in params] if as_staged else [p.grad for p in params]
+
     @property
     def master_params(self) -> list[nn.Parameter]:
         return [p for _, p in self.trained()]
