@@ -337,7 +337,7 @@ class PieceUpdates:
         updated before the step's decision has its gradients unscaled already); None where the
         step's vote (``any_of``: over the replicas) found an overflow and it is skipped."""
         if self.tied and self.tied <= set(pieces):
-            self._sum_tied()
+            sum_copies(*(param for _, param in self._tied_copies))  # (embedding, head)
         scale = self.scale_of(step)
         first = {q for q in pieces if self.decisions.updated_first(q)}
         overflow = self.scaler.enabled and any_of(self._overflowed(pieces))
@@ -386,12 +386,6 @@ class PieceUpdates:
         self.board.wait_until(lambda: step in self.clips, f"the gradient norm of step {step}")
         with self.board.cond:
             return self.clips[step]
-
-    def _sum_tied(self) -> None:
-        """The token table's two copies (the embedding's, the head's) get the sum of their
-        gradients, embedding + head, as the bound schedule's workers sum them."""
-        (_, embedding), (_, head) = self._tied_copies
-        sum_copies(embedding, head)
 
     def _overflowed(self, pieces: list[int]) -> bool:
         """Whether a gradient this host updates in ``pieces`` (with replicas: of those it owns,
