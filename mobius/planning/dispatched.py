@@ -131,15 +131,21 @@ def plan_dispatched(profile: Profile, topo, order: list[int], micro_batches: int
     bwd_costs = [l.fwd_s + l.bwd_s for l in profile.layers]  # recomputed
 
     memory = memory_bytes or [int(g.memory_gb * 1e9) for g in topo.gpus]
+    # The search meets a plan again (a count its stage counts clip to, a shape refined again, a
+    # sample taken as a whole step): each is simulated once.  The simulator is deterministic.
+    simulations: dict[tuple, SimResult | None] = {}
 
     def simulated(tail: int, heads: int, forward, backward, steps: int = 1, by: str = BALANCED,
                   exact: bool = False, at: int | None = None) -> DispatchedPlan | None:
         """The plan's step: simulated whole (``exact``, or few micro-batches), at ``at`` micro-batches
         (whole) where given, else from samples."""
         def run(m: int) -> SimResult | None:
-            r = simulate_dispatched(profile, forward, backward, topo, order, m, memory_bytes, adam_params_per_s,
-                                    optimizer_lag, tail, heads, steps, whole_step=whole_step)
-            return r if r is not None and math.isfinite(r.step_s) else None
+            key = (tail, heads, tuple(forward), tuple(backward), steps, m)
+            if key not in simulations:
+                r = simulate_dispatched(profile, forward, backward, topo, order, m, memory_bytes, adam_params_per_s,
+                                        optimizer_lag, tail, heads, steps, whole_step=whole_step)
+                simulations[key] = r if r is not None and math.isfinite(r.step_s) else None
+            return simulations[key]
 
         if at or exact or micro_batches <= 2 * SAMPLED[-1]:
             m = at or micro_batches
