@@ -191,14 +191,12 @@ class HostOptimizer:
         host = self.store.stages[s]
         if not host.trains:
             return self.host.record()
-        if speculative:
-            if not self._timed(self.decisions.update_first, s, host.optimizer, unscale):  # the vote will skip it
-                return self.host.record()
+        first = speculative or self.decisions.updated_first(s)
+        if not self._timed(self.decisions.goes_ahead, s, host.optimizer, speculative, unscale, apply and clip == 1.0,
+                           self.device):
+            return self.host.record()
+        if first:  # its gradients are unscaled: by the update made first (or for the one taken back)
             unscale = None
-        elif self.decisions.updated_first(s):
-            if self.decisions.stands(s, host.optimizer, apply and clip == 1.0, self.device):
-                return self.host.record()
-            unscale = None  # (its gradients were unscaled for the update taken back)
         if apply and self.replicas is not None and not reduced:
             self.replicas.reduce_gradients(host)
         t0, cpu0, numel = time.perf_counter(), time.thread_time(), 0

@@ -452,16 +452,13 @@ class PieceUpdates:
                      and compute.data_ptr() != host.master.data_ptr())
         if host.optimizer is not None:
             set_lr(host.optimizer, self._lr[step])
-            if speculative:  # unscaled, and not updated at all where a gradient is not finite
-                if not self.decisions.update_first(piece, host.optimizer,
-                                                   self.scale_of(step) if self.scaler.enabled else None):
-                    if then is not None:
-                        then()
-                    return
-            elif self.decisions.updated_first(piece):
-                if self.decisions.stands(piece, host.optimizer, coefficient == 1.0, device):
+            unscale = self.scale_of(step) if speculative and self.scaler.enabled else None
+            if not self.decisions.goes_ahead(piece, host.optimizer, speculative, unscale, coefficient == 1.0, device):
+                if not speculative:  # the update made first stands
                     self._publish(piece, step, refresh=False)
-                    return
+                elif then is not None:  # a gradient is not finite: no update
+                    then()
+                return
             if coefficient is not None:
                 slices = self._slices.get(piece) or [(None, 1.0)]
                 left = [len(slices)]

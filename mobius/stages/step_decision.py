@@ -64,6 +64,16 @@ class StepDecisions:
             undo_adamw_step(optimizer)
         return False
 
+    def goes_ahead(self, key: int, optimizer: torch.optim.Optimizer, speculative: bool, unscale: float | None,
+                   keep: bool, device: Device) -> bool:
+        """Whether ``key``'s update is made now: ``speculative``, before the step's decision, unless
+        a gradient is not finite (:meth:`update_first`, with ``unscale``); with the decision
+        (``keep``: it neither clipped nor overflowed), unless the update made before it stands
+        (:meth:`stands`).  The one branch of both schedules' update passes."""
+        if speculative:
+            return self.update_first(key, optimizer, unscale)
+        return not self.updated_first(key) or not self.stands(key, optimizer, keep, device)
+
     def decide(self, step: int, overflow: bool, waited_squares: Callable[[], float],
                sum_all: Callable[[float], float] = float) -> tuple[float, float | None]:
         """Step ``step``'s decision, once its vote found ``overflow`` (any non-finite gradient, on
