@@ -1,4 +1,3 @@
-from mobius.backends import resolve
 import sys
 from pathlib import Path
 
@@ -113,6 +112,7 @@ def run_in_threads(cfg, plan_change=None, workers_out: list | None = None):
     import dataclasses
     import threading
 
+    from mobius.backends import resolve
     from mobius.metrics import Trace
     from mobius.planning.pipeline import prepare_pipeline
     from mobius.runtime.device import CpuDevice

@@ -11,6 +11,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("mobius", "chunked_dp", "topology", "scripts") for p in (ROOT / d).rglob("*.py")]
 
+def test_each_test_process_computes_on_its_share_of_the_cores():
+    """``tests/conftest.py`` sets ``OMP_NUM_THREADS`` before anything imports torch, so that test
+    processes side by side each compute on their share of the cores (with torch imported first,
+    each ran a thread per core, and the suite's CPU time grew with their contention)."""
+    import os
+
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        pytest.skip("one test process: torch's own default")
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+
+
 def test_every_flag_is_generated_from_its_field_with_its_default_and_help():
     """One name, one default, one help text per setting: each flag of ``mobius.train`` (and the
     subset ``mobius.plan`` takes) is its field's; a default that depends on other settings
