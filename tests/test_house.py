@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("mobius", "chunked_dp", "topology", "scripts") for p in (ROOT / d).rglob("*.py")]
 
+
 def test_each_test_process_computes_on_its_share_of_the_cores():
     """``tests/conftest.py`` sets ``OMP_NUM_THREADS`` before anything imports torch, so that test
     processes side by side each compute on their share of the cores (with torch imported first,
